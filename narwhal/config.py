@@ -1,0 +1,748 @@
+"""The fleet document: frozen attrs classes, one cattrs converter, errors that name a JSON path.
+
+Every section but ``engines`` is optional and every field defaults as its class shows.
+:func:`load_fleet` and :func:`parse_fleet` return a :class:`FleetConfig` or raise
+:class:`~narwhal.errors.ConfigError` for the first bad value, e.g. ``expected a number > 0
+@ $.engine.first_token_timeout_s``. Validators raise ``ConfigError`` with a path relative to
+their own object and the structuring walk re-bases it, so a class built by hand fails alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from importlib import resources
+from typing import Any, Literal, TypeVar, get_args, get_origin
+from urllib.parse import urlsplit
+
+import attrs
+import cattrs
+from cattrs.errors import AttributeValidationNote as AttrNote
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import IterableValidationNote as ItemNote
+from cattrs.gen import make_dict_structure_fn
+
+from narwhal.errors import ConfigError
+
+__all__ = [
+    "FAULT_KINDS", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
+    "EngineContract", "EngineTimeouts", "FaultSpec", "FleetConfig", "HandoffConfig",
+    "JournalConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
+    "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "converter",
+    "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "unstructure_fleet",
+]  # fmt: skip
+
+T = TypeVar("T")
+Role = Literal["prefill", "decode"]
+FaultKind = Literal[
+    "refuse_connection", "delay_headers", "http_error", "close_before_done",
+    "done_before_token", "silence_after", "error_in_stream", "malformed_descriptor",
+    "slow_transfer", "restart",
+]  # fmt: skip
+DescriptorVariant = Literal[
+    "missing_engine_id", "bad_block_ids", "wrong_endpoint", "missing_request_id"
+]
+#: Every fault a simulated engine can be scripted with.
+FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
+#: The roles an engine may have.
+ROLES: tuple[str, ...] = get_args(Role)
+_ON = ("prefill", "decode", "any")
+_VARIANTS: tuple[str, ...] = get_args(DescriptorVariant)
+_ADMISSION = ("wait", "refuse")
+_LITERAL: Any = Literal  # typed Any so that mypy accepts the identity test below
+
+# ------------------------------------------------------------------ validators
+
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _rule(ok: Callable[[Any], bool], message: str) -> Validator:
+    def validate(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not ok(value):
+            raise ConfigError(message, path=f"$.{attribute.name}")
+
+    return validate
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _host_port(url: str) -> tuple[str, int] | None:
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not host or not port or "@" in parts.netloc:
+        return None
+    return (host, port) if parts.path in ("", "/") and not parts.query + parts.fragment else None
+
+
+def _one_of(choices: Iterable[str]) -> str:
+    return "expected one of " + ", ".join(repr(c) for c in choices)
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_positive = _rule(lambda v: _num(v) and v > 0, "expected a number > 0")
+_non_negative = _rule(lambda v: _num(v) and v >= 0, "expected a number >= 0")
+_fraction = _rule(lambda v: _num(v) and 0 <= v <= 1, "expected a number between 0 and 1")
+_positive_int = _rule(lambda v: _int(v) and v > 0, "expected an integer > 0")
+_non_negative_int = _rule(lambda v: _int(v) and v >= 0, "expected an integer >= 0")
+_port = _rule(lambda v: _int(v) and 1 <= v <= 65535, "expected a port number 1-65535")
+_bind_port = _rule(lambda v: _int(v) and 0 <= v <= 65535, "expected a port number 0-65535")
+_http_status = _rule(lambda v: _int(v) and 400 <= v <= 599, "expected an HTTP status 400-599")
+_text = _rule(lambda v: isinstance(v, str) and v != "", "expected a non-empty string")
+_url = _rule(lambda v: isinstance(v, str) and _host_port(v) is not None,
+             "expected an http(s)://host:port URL")  # fmt: skip
+_name = _rule(lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None,
+              "expected a name of letters, digits, '.', '_' and '-'")  # fmt: skip
+_opt = attrs.validators.optional
+
+
+def _member(choices: tuple[str, ...]) -> Validator:
+    return _rule(lambda v: v in choices, _one_of(choices))
+
+
+def _items(ok: Callable[[Any, tuple[Any, ...]], str | None], empty: str | None = None) -> Validator:
+    """Check each item of a list field; ``ok`` returns an error message or None."""
+
+    def validate(_inst: Any, attribute: attrs.Attribute[Any], value: tuple[Any, ...]) -> None:
+        if not value and empty:
+            raise ConfigError(empty, path=f"$.{attribute.name}")
+        for i, item in enumerate(value):
+            if (message := ok(item, value[:i])) is not None:
+                raise ConfigError(message, path=f"$.{attribute.name}[{i}]")
+
+    return validate
+
+
+def _check_role(role: Any, before: tuple[Any, ...]) -> str | None:
+    if role not in ROLES:
+        return _one_of(ROLES)
+    return f"duplicate role {role!r}" if role in before else None
+
+
+_texts = _items(lambda v, _: None if isinstance(v, str) and v else "expected a non-empty string")
+_roles = _items(_check_role, empty="expected at least one role")
+_engines = _items(lambda v, _: None, empty="expected at least one engine")
+
+
+# Converters let code build the classes from any iterable; concrete types keep mypy precise.
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _role_tuple(value: Iterable[Role]) -> tuple[Role, ...]:
+    return tuple(value)
+
+
+def _fault_tuple(value: Iterable[FaultSpec]) -> tuple[FaultSpec, ...]:
+    return tuple(value)
+
+
+def _engine_tuple(value: Iterable[EngineConfig]) -> tuple[EngineConfig, ...]:
+    return tuple(value)
+
+
+def _strip_slash(url: str) -> str:
+    return url.rstrip("/") if isinstance(url, str) else url
+
+
+# ------------------------------------------------------------------ server and engines
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """The router's HTTP listener (the ``server`` section).
+
+    Attributes:
+        host: Address the router binds.
+        port: TCP port the router binds; 0 picks an ephemeral port.
+        max_body_bytes: Largest request body accepted (413 above it).
+        max_header_bytes: Largest request head accepted (431 above it).
+        header_timeout_s: Seconds a client may take to send the request head (408 after).
+        body_timeout_s: Seconds a client may take to send the request body (408 after).
+        keepalive_timeout_s: Seconds an idle keep-alive connection stays open.
+        max_concurrent_requests: Requests in flight at once; more are refused with 503.
+        shutdown_grace_s: Seconds in-flight requests get to finish on shutdown.
+        api_keys: Bearer keys clients must present; empty means no authentication.
+        admin_host: Address the admin endpoints bind.
+    """
+
+    host: str = attrs.field(default="127.0.0.1", validator=_text)
+    port: int = attrs.field(default=8000, validator=_bind_port)
+    max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_positive_int)
+    max_header_bytes: int = attrs.field(default=16384, validator=_positive_int)
+    header_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    keepalive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
+    max_concurrent_requests: int = attrs.field(default=4096, validator=_positive_int)
+    shutdown_grace_s: float = attrs.field(default=30.0, validator=_non_negative)
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts)
+    admin_host: str = attrs.field(default="127.0.0.1", validator=_text)
+
+
+@attrs.frozen(kw_only=True)
+class ConnectorConfig:
+    """An engine's KV connector: where its KV blocks are served from.
+
+    Attributes:
+        type: vLLM KV connector class name, e.g. ``NixlConnector``.
+        kv_host: Host of the engine's KV side channel (the descriptor's ``remote_host``).
+        kv_port: Port of the engine's KV side channel (the descriptor's ``remote_port``).
+    """
+
+    type: str = attrs.field(default="NixlConnector", validator=_text)
+    kv_host: str = attrs.field(validator=_text)
+    kv_port: int = attrs.field(validator=_port)
+
+
+@attrs.frozen(kw_only=True)
+class SimPrefillModel:
+    """Prefill latency of a simulated engine: ``a + b*L + c*L**2`` seconds for L tokens.
+
+    Attributes:
+        a: Fixed cost per prefill, seconds.
+        b: Cost per prompt token, seconds.
+        c: Cost per squared prompt token, seconds.
+    """
+
+    a: float = attrs.field(default=0.005, validator=_non_negative)
+    b: float = attrs.field(default=2e-05, validator=_non_negative)
+    c: float = attrs.field(default=0.0, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class SimDecodeModel:
+    """Decode step latency of a simulated engine: ``c0 + c1*active + c2*resident_kv``.
+
+    Attributes:
+        c0: Fixed cost per decode step, seconds.
+        c1: Cost per active sequence in the batch, seconds.
+        c2: Cost per resident KV token, seconds.
+    """
+
+    c0: float = attrs.field(default=0.004, validator=_non_negative)
+    c1: float = attrs.field(default=0.0002, validator=_non_negative)
+    c2: float = attrs.field(default=2e-08, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class FaultSpec:
+    """One scripted fault of a simulated engine.
+
+    Attributes:
+        kind: What goes wrong; one of ``FAULT_KINDS``.
+        on: Which requests it hits: ``prefill``, ``decode`` or ``any``.
+        probability: Chance that an eligible request is hit, 0 to 1.
+        times: How many requests it hits before it is spent; null means unlimited.
+        after_tokens: Tokens streamed before the fault strikes (stream faults).
+        delay_s: Seconds of delay (``delay_headers``, ``slow_transfer``, ``silence_after``).
+        status: HTTP status of ``http_error`` and of the ``error_in_stream`` object.
+        message: Error message the engine sends.
+        variant: How ``malformed_descriptor`` breaks the descriptor; null picks one.
+    """
+
+    kind: FaultKind = attrs.field(validator=_member(FAULT_KINDS))
+    on: Literal["prefill", "decode", "any"] = attrs.field(default="any", validator=_member(_ON))
+    probability: float = attrs.field(default=1.0, validator=_fraction)
+    times: int | None = attrs.field(default=None, validator=_opt(_positive_int))
+    after_tokens: int = attrs.field(default=0, validator=_non_negative_int)
+    delay_s: float = attrs.field(default=0.0, validator=_non_negative)
+    status: int = attrs.field(default=500, validator=_http_status)
+    message: str = "injected fault"
+    variant: DescriptorVariant | None = attrs.field(
+        default=None, validator=_opt(_member(_VARIANTS))
+    )
+
+
+@attrs.frozen(kw_only=True)
+class SimConfig:
+    """A simulated engine (the ``sim`` block of an engine); it listens on the engine's url.
+
+    Attributes:
+        seed: Seed of the engine's random choices (noise, fault probabilities).
+        model: Model name the engine serves.
+        version: Version the engine reports on ``/version``.
+        max_model_len: Context limit the engine reports and enforces.
+        prefill: Prefill latency model.
+        decode: Decode step latency model.
+        kv_capacity_tokens: KV cache capacity in tokens; requests wait beyond it.
+        block_size: KV block size in tokens.
+        max_num_seqs: Most sequences in one decode batch.
+        transfer_s_per_token: Seconds to pull one KV token from a producer.
+        handoff_ttl_s: Seconds a producer holds KV blocks for an unclaimed handoff.
+        prefix_caching: Whether the engine reuses KV of a previously seen prompt prefix.
+        noise: Relative gaussian jitter (standard deviation) on every prefill and step.
+        faults: Faults scripted from the start.
+    """
+
+    seed: int = 0
+    model: str = attrs.field(default="sim-llama", validator=_text)
+    version: str = attrs.field(default="0.32.0", validator=_text)
+    max_model_len: int = attrs.field(default=4096, validator=_positive_int)
+    prefill: SimPrefillModel = attrs.field(factory=SimPrefillModel)
+    decode: SimDecodeModel = attrs.field(factory=SimDecodeModel)
+    kv_capacity_tokens: int = attrs.field(default=262144, validator=_positive_int)
+    block_size: int = attrs.field(default=16, validator=_positive_int)
+    max_num_seqs: int = attrs.field(default=256, validator=_positive_int)
+    transfer_s_per_token: float = attrs.field(default=2e-07, validator=_non_negative)
+    handoff_ttl_s: float = attrs.field(default=480.0, validator=_positive)
+    prefix_caching: bool = False
+    noise: float = attrs.field(default=0.0, validator=_non_negative)
+    faults: tuple[FaultSpec, ...] = attrs.field(default=(), converter=_fault_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """One engine of the fleet (an item of ``engines``).
+
+    Attributes:
+        name: Unique name used in journals, metrics and profiles.
+        url: Base URL of the engine's OpenAI HTTP surface, ``http(s)://host:port``.
+        roles: What the engine may do: ``prefill``, ``decode`` or both.
+        model: Model name to request; null uses the engine's only model.
+        api_key: Bearer key sent to the engine; null sends none.
+        connector: KV connector of the engine; needed for remote handoff.
+        sim: Run a simulated engine on ``url`` with these settings.
+    """
+
+    name: str = attrs.field(validator=_name)
+    url: str = attrs.field(converter=_strip_slash, validator=_url)
+    roles: tuple[Role, ...] = attrs.field(converter=_role_tuple, validator=_roles)
+    model: str | None = attrs.field(default=None, validator=_opt(_text))
+    api_key: str | None = None
+    connector: ConnectorConfig | None = None
+    sim: SimConfig | None = None
+
+    @property
+    def can_prefill(self) -> bool:
+        """Whether the engine has the ``prefill`` role."""
+        return "prefill" in self.roles
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether the engine has the ``decode`` role."""
+        return "decode" in self.roles
+
+    @property
+    def host(self) -> str:
+        """Host part of ``url`` (IPv6 without brackets)."""
+        hp = _host_port(self.url)
+        assert hp is not None  # the validator guarantees it
+        return hp[0]
+
+    @property
+    def port(self) -> int:
+        """Port part of ``url``."""
+        hp = _host_port(self.url)
+        assert hp is not None
+        return hp[1]
+
+
+# ------------------------------------------------------------------ policy sections
+
+
+@attrs.frozen(kw_only=True)
+class EngineTimeouts:
+    """Deadlines of engine legs (the ``engine`` section).
+
+    Attributes:
+        first_token_timeout_s: From opening a decode stream to its first token.
+        decode_read_timeout_s: Max silence after the first token; 0 leaves only request_timeout_s.
+        request_timeout_s: Whole-request deadline from arrival.
+        connect_timeout_s: TCP connect to an engine.
+    """
+
+    first_token_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    decode_read_timeout_s: float = attrs.field(default=30.0, validator=_non_negative)
+    request_timeout_s: float = attrs.field(default=600.0, validator=_positive)
+    connect_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class HandoffConfig:
+    """The KV handoff between producer and consumer (the ``handoff`` section).
+
+    Attributes:
+        max_age_s: Seconds from the start of the prefill leg until the handoff expires.
+    """
+
+    max_age_s: float = attrs.field(default=30.0, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class RetryBudgetConfig:
+    """How many retries the router may add to the load (``recovery.retry_budget``).
+
+    Attributes:
+        ratio: Retries allowed per first attempt over the window.
+        min_retries_per_s: Retries always allowed per second, whatever the ratio.
+        window_s: Sliding window the ratio is measured over, seconds.
+    """
+
+    ratio: float = attrs.field(default=0.2, validator=_non_negative)
+    min_retries_per_s: float = attrs.field(default=1.0, validator=_non_negative)
+    window_s: float = attrs.field(default=10.0, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class RecoveryConfig:
+    """Failure handling (the ``recovery`` section).
+
+    Attributes:
+        eject_after: Consecutive stream failures that eject an engine from placement.
+        failure_quarantine_s: Seconds a failed engine is skipped by placement; 0 disables.
+        max_attempts: Prefill/decode attempts per request, the first included.
+        retry_budget: Limit on retries across all requests.
+        probe_interval_s: Seconds between readmission probes of an ejected engine.
+    """
+
+    eject_after: int = attrs.field(default=3, validator=_positive_int)
+    failure_quarantine_s: float = attrs.field(default=0.0, validator=_non_negative)
+    max_attempts: int = attrs.field(default=1, validator=_positive_int)
+    retry_budget: RetryBudgetConfig = attrs.field(factory=RetryBudgetConfig)
+    probe_interval_s: float = attrs.field(default=5.0, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class EngineContract:
+    """What every engine must report; checked by preflight and breaker readmission.
+
+    Attributes:
+        version: Engine version (``/version``); null accepts any.
+        model: Served model name; null accepts any.
+        connector: KV connector class; null accepts any.
+        max_model_len: Context limit (``/tokenize``); null accepts any.
+    """
+
+    version: str | None = attrs.field(default=None, validator=_opt(_text))
+    model: str | None = attrs.field(default=None, validator=_opt(_text))
+    connector: str | None = attrs.field(default=None, validator=_opt(_text))
+    max_model_len: int | None = attrs.field(default=None, validator=_opt(_positive_int))
+
+
+@attrs.frozen(kw_only=True)
+class ProfilesConfig:
+    """Latency profiles and their acceptance limits (the ``profiles`` section).
+
+    Attributes:
+        path: profiles.json to price placement with; its samples sidecar lies beside it.
+        max_decode_fit_mape: Largest accepted decode fit error (mean absolute percentage).
+        max_decode_cv_mape: Largest accepted leave-one-cell-out decode error.
+    """
+
+    path: str | None = attrs.field(default=None, validator=_opt(_text))
+    max_decode_fit_mape: float = attrs.field(default=0.05, validator=_positive)
+    max_decode_cv_mape: float = attrs.field(default=0.13, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class SLOConfig:
+    """Latency targets (``controller.slo``).
+
+    Attributes:
+        ttft_s: Time-to-first-token target, seconds; null means none.
+        tpot_s: Time-per-output-token target, seconds; null means none.
+    """
+
+    ttft_s: float | None = attrs.field(default=None, validator=_opt(_positive))
+    tpot_s: float | None = attrs.field(default=None, validator=_opt(_positive))
+
+
+@attrs.frozen(kw_only=True)
+class ReactiveConfig:
+    """Reactive role movement (``controller.reactive``).
+
+    Attributes:
+        enabled: Whether the controller moves engines between roles.
+        movement_margin: Predicted relative gain a move must exceed.
+        interval_s: Seconds between controller decisions.
+    """
+
+    enabled: bool = False
+    movement_margin: float = attrs.field(default=0.10, validator=_positive)
+    interval_s: float = attrs.field(default=10.0, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class ControllerConfig:
+    """Placement control under the SLO (the ``controller`` section).
+
+    Attributes:
+        slo: Latency targets.
+        admission: When no placement meets the SLO: ``wait`` for capacity or ``refuse`` (503).
+        reactive: Reactive role movement.
+    """
+
+    slo: SLOConfig = attrs.field(factory=SLOConfig)
+    admission: Literal["wait", "refuse"] = attrs.field(
+        default="wait", validator=_member(_ADMISSION)
+    )
+    reactive: ReactiveConfig = attrs.field(factory=ReactiveConfig)
+
+
+@attrs.frozen(kw_only=True)
+class JournalConfig:
+    """The router journal (the ``journal`` section).
+
+    Attributes:
+        path: JSON-lines file the router appends one record per request to.
+        queue_size: Records buffered for the writer before new ones are dropped.
+        fsync: Whether each write batch is fsynced.
+    """
+
+    path: str = attrs.field(default="runs/journal.jsonl", validator=_text)
+    queue_size: int = attrs.field(default=10000, validator=_positive_int)
+    fsync: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class FleetConfig:
+    """The whole fleet document.
+
+    Attributes:
+        server: The router's HTTP listener.
+        engines: The engines; names and urls unique, at least one prefill and one decode.
+        engine: Deadlines of engine legs.
+        handoff: The KV handoff.
+        recovery: Failure handling.
+        engine_contract: What every engine must report; null skips contract checks.
+        profiles: Latency profiles and their limits.
+        controller: Placement control under the SLO.
+        journal: The router journal.
+    """
+
+    server: ServerConfig = attrs.field(factory=ServerConfig)
+    engines: tuple[EngineConfig, ...] = attrs.field(converter=_engine_tuple, validator=_engines)
+    engine: EngineTimeouts = attrs.field(factory=EngineTimeouts)
+    handoff: HandoffConfig = attrs.field(factory=HandoffConfig)
+    recovery: RecoveryConfig = attrs.field(factory=RecoveryConfig)
+    engine_contract: EngineContract | None = None
+    profiles: ProfilesConfig = attrs.field(factory=ProfilesConfig)
+    controller: ControllerConfig = attrs.field(factory=ControllerConfig)
+    journal: JournalConfig = attrs.field(factory=JournalConfig)
+
+    def __attrs_post_init__(self) -> None:
+        seen: dict[tuple[Any, ...], str] = {}  # name / url / KV endpoint -> engine name
+        for i, e in enumerate(self.engines):
+            checks = [
+                (("name", e.name), f"duplicate engine name {e.name!r}", "name"),
+                (("url", urlsplit(e.url).scheme, e.host.lower(), e.port), "url", "url"),
+            ]
+            if e.connector is not None:
+                kv = ("kv", e.connector.kv_host.lower(), e.connector.kv_port)
+                checks.append((kv, "KV endpoint", "connector.kv_port"))
+            for key, what, field in checks:
+                if key in seen:
+                    owner = f" already used by engine {seen[key]!r}" if field != "name" else ""
+                    raise ConfigError(what + owner, path=f"$.engines[{i}].{field}")
+                seen[key] = e.name
+        for role in ROLES:
+            if not any(role in e.roles for e in self.engines):
+                raise ConfigError(f"no engine has the {role} role", path="$.engines")
+        for i, e in enumerate(self.engines):
+            if (
+                e.can_prefill
+                and e.connector is None
+                and any(o.can_decode for o in self.engines if o is not e)
+            ):
+                message = "a prefill engine needs a connector when another engine can decode"
+                raise ConfigError(message, path=f"$.engines[{i}].connector")
+        margin = self.controller.reactive.movement_margin
+        if self.profiles.max_decode_fit_mape > margin:
+            message = f"expected a number <= controller.reactive.movement_margin ({margin:g})"
+            raise ConfigError(message, path="$.profiles.max_decode_fit_mape")
+
+    def engine_named(self, name: str) -> EngineConfig:
+        """The engine called ``name`` (``engine`` is the timeouts section).
+
+        Raises:
+            KeyError: No engine has that name; the message lists the names.
+        """
+        for e in self.engines:
+            if e.name == name:
+                return e
+        known = ", ".join(e.name for e in self.engines)
+        raise KeyError(f"no engine named {name!r} in the fleet (engines: {known})")
+
+    @property
+    def prefill_engines(self) -> tuple[EngineConfig, ...]:
+        """Engines with the prefill role, in document order."""
+        return tuple(e for e in self.engines if e.can_prefill)
+
+    @property
+    def decode_engines(self) -> tuple[EngineConfig, ...]:
+        """Engines with the decode role, in document order."""
+        return tuple(e for e in self.engines if e.can_decode)
+
+
+# ------------------------------------------------------------------ the converter
+
+converter = cattrs.Converter(forbid_extra_keys=True, unstruct_collection_overrides={tuple: list})
+
+
+def _scalar(ok: Callable[[Any], bool], message: str) -> Callable[[Any, Any], Any]:
+    def structure(obj: Any, cl: Any) -> Any:
+        if not ok(obj):
+            raise ConfigError(message)
+        return cl(obj)
+
+    return structure
+
+
+def _structure_float(obj: Any, _: Any) -> float:
+    if not _num(obj):
+        raise ConfigError("expected a number")
+    try:
+        value = float(obj)
+    except OverflowError:  # an integer beyond float range
+        value = math.inf
+    if not math.isfinite(value):
+        raise ConfigError("expected a finite number")
+    return value
+
+
+def _structure_literal(obj: Any, cl: Any) -> Any:
+    if not isinstance(obj, str) or obj not in get_args(cl):
+        raise ConfigError(_one_of(get_args(cl)))
+    return obj
+
+
+def _is_list_type(cl: Any) -> bool:
+    args = get_args(cl)
+    return get_origin(cl) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _structure_list(obj: Any, cl: Any) -> tuple[Any, ...]:
+    # cattrs would iterate a string or a mapping; a JSON list is the only list here.
+    if not isinstance(obj, list | tuple):
+        raise ConfigError("expected a list")
+    item_type = get_args(cl)[0]
+    hook = converter.get_structure_hook(item_type)
+    items, errors = [], []
+    for i, item in enumerate(obj):
+        try:
+            items.append(hook(item, item_type))
+        except Exception as exc:  # collected, re-raised as one group below
+            exc.add_note(ItemNote(f"Structuring {cl} @ index {i}", i, item_type))
+            errors.append(exc)
+    if errors:
+        raise IterableValidationError(f"While structuring {cl}", errors, cl)
+    return tuple(items)
+
+
+def _attrs_hook(cl: type[Any]) -> Callable[[Any, Any], Any]:
+    inner = make_dict_structure_fn(cl, converter)
+
+    def structure(obj: Any, _: Any) -> Any:
+        if not isinstance(obj, Mapping):
+            raise ConfigError("expected an object")
+        return inner(obj, cl)
+
+    return structure
+
+
+converter.register_structure_hook(float, _structure_float)
+converter.register_structure_hook(int, _scalar(_int, "expected an integer"))
+converter.register_structure_hook(str, _scalar(lambda v: isinstance(v, str), "expected a string"))
+converter.register_structure_hook(
+    bool, _scalar(lambda v: isinstance(v, bool), "expected a boolean")
+)
+converter.register_structure_hook_func(lambda t: get_origin(t) is _LITERAL, _structure_literal)
+converter.register_structure_hook_func(_is_list_type, _structure_list)
+converter.register_structure_hook_factory(attrs.has, _attrs_hook)
+
+
+def _errors(exc: BaseException, path: str) -> list[tuple[str, str]]:
+    """Flatten a structuring failure into ``(message, path)`` pairs, in document order."""
+    if isinstance(exc, ClassValidationError | IterableValidationError):
+        out: list[tuple[str, str]] = []
+        for sub in exc.exceptions:
+            notes = getattr(sub, "__notes__", [])
+            attr = next((n for n in notes if isinstance(n, AttrNote)), None)
+            item = next((n for n in notes if isinstance(n, ItemNote)), None)
+            if attr is not None and isinstance(sub, KeyError):
+                out.append((f"missing required key {attr.name!r}", path))
+            elif attr is not None:
+                out.extend(_errors(sub, f"{path}.{attr.name}"))
+            elif item is not None:
+                out.extend(_errors(sub, f"{path}[{item.index!r}]"))
+            else:
+                out.extend(_errors(sub, path))
+        return out
+    if isinstance(exc, ForbiddenExtraKeysError):
+        keys = sorted(exc.extra_fields)
+        noun = "unknown key" if len(keys) == 1 else "unknown keys"
+        return [(f"{noun} " + ", ".join(repr(k) for k in keys), path)]
+    if isinstance(exc, ConfigError):
+        return [(exc.reason, path + exc.path[1:])]
+    return [(f"invalid value ({exc})", path)]
+
+
+def parse_as(cl: type[T], obj: Any, *, source: str | None = None) -> T:
+    """Structure parsed JSON as the config class ``cl`` (a fleet, a fault, ...).
+
+    Raises:
+        ConfigError: For the first invalid value, with its JSON path.
+    """
+    try:
+        return converter.structure(obj, cl)
+    except (ClassValidationError, IterableValidationError, ConfigError) as exc:
+        message, path = (_errors(exc, "$") or [("invalid document", "$")])[0]
+        raise ConfigError(message, path=path, source=source) from None
+
+
+def parse_fleet(obj: Any, source: str | None = None) -> FleetConfig:
+    """Validate a fleet document as ``json.load`` returns it; ``source`` prefixes errors.
+
+    Raises:
+        ConfigError: For the first invalid value, with its JSON path.
+    """
+    return parse_as(FleetConfig, obj, source=source)
+
+
+def load_fleet(path: str | os.PathLike[str]) -> FleetConfig:
+    """Read and validate the JSON fleet document at ``path``.
+
+    Raises:
+        ConfigError: The file is unreadable, not JSON, or not a valid fleet.
+    """
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read fleet document: {exc.strerror}", source=source) from None
+    except UnicodeDecodeError:
+        raise ConfigError("fleet document is not UTF-8 text", source=source) from None
+    return _load_text(text, source)
+
+
+def load_default_fleet() -> FleetConfig:
+    """The embedded default fleet (``narwhal/data/fleet.sim.json``): simulated engines."""
+    text = resources.files("narwhal").joinpath("data/fleet.sim.json").read_text("utf-8")
+    return _load_text(text, "narwhal/data/fleet.sim.json")
+
+
+def _load_text(text: str, source: str) -> FleetConfig:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise ConfigError(f"invalid JSON: {exc.msg} at {where}", source=source) from None
+    return parse_fleet(obj, source=source)
+
+
+def unstructure_fleet(cfg: FleetConfig) -> dict[str, Any]:
+    """The fleet as a JSON-able dict; ``parse_fleet(unstructure_fleet(cfg)) == cfg``."""
+    out: dict[str, Any] = converter.unstructure(cfg)
+    return out

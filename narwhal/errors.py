@@ -1,0 +1,288 @@
+"""Narwhal's exception hierarchy and its HTTP mapping.
+
+Every error a client can see is a :class:`NarwhalError`; its ``status`` is the HTTP
+status the router answers with, its ``error_type`` the OpenAI ``error.type`` and its
+``terminal_class`` the journal's closed set of terminal outcomes. Library errors
+(httpx, h11, json) are translated at the boundary (``raise EngineTimeout(...) from
+exc``), most specific first::
+
+    NarwhalError (500 internal_error)
+    ├── ConfigError                         fleet document / profile file problems (not HTTP)
+    ├── ClientError (400 invalid_request_error, refused)
+    │   ├── BadRequest (400)
+    │   │   └── ContextLengthExceeded (400)  prompt + max_tokens > max_model_len
+    │   ├── Unauthorized (401)
+    │   ├── NotFound (404)                   unknown route or model
+    │   ├── MethodNotAllowed (405)
+    │   ├── PayloadTooLarge (413)
+    │   └── Unsupported (400)                a valid but unsupported option (n > 1, ...)
+    ├── Refused (503, refused)               no capacity / no engine; carries Retry-After
+    ├── DeadlineExceeded (504, deadline_exceeded)
+    └── EngineError (502, ...)               anything an engine did wrong
+        ├── EngineUnavailable (502, engine_unavailable)   connect refused / reset
+        ├── EngineHTTPError (502, engine_http_error)      non-2xx answer; keeps upstream status
+        ├── EngineProtocolError (502, engine_protocol_error)
+        │   ├── StreamClosed (502, stream_closed)         closed before ``data: [DONE]``
+        │   └── EmptyStream (502, empty_stream)           ``[DONE]`` before any token
+        ├── EngineStreamError (own status, engine_stream_error)  error object in a 200 stream
+        ├── InvalidDescriptor (502, invalid_descriptor)   handoff descriptor rejected
+        └── EngineTimeout (504, engine_timeout)           every timeout-shaped engine fault
+            ├── FirstTokenTimeout (504, first_token_timeout)
+            ├── SilenceTimeout (504, silence_timeout)     "engine went silent between tokens"
+            └── HandoffExpired (504, handoff_expired)     handoff.max_age_s passed
+
+``leg`` on an :class:`EngineError` says which leg failed (``"prefill"``, ``"decode"``,
+``"probe"``), ``engine`` which engine. The router maps a prefill-leg failure to the
+``prefill_failed`` terminal class and a decode-leg failure to ``decode_failed`` unless
+the error names a more specific class (timeouts, handoff expiry, descriptor).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "BadRequest",
+    "ClientError",
+    "ConfigError",
+    "ContextLengthExceeded",
+    "DeadlineExceeded",
+    "EmptyStream",
+    "EngineError",
+    "EngineHTTPError",
+    "EngineProtocolError",
+    "EngineStreamError",
+    "EngineTimeout",
+    "EngineUnavailable",
+    "FirstTokenTimeout",
+    "HandoffExpired",
+    "InvalidDescriptor",
+    "MethodNotAllowed",
+    "NarwhalError",
+    "NotFound",
+    "PayloadTooLarge",
+    "Refused",
+    "SilenceTimeout",
+    "StreamClosed",
+    "Unauthorized",
+    "Unsupported",
+]
+
+
+class NarwhalError(Exception):
+    """Base class; ``str(err)`` is the message a client may see (no internals)."""
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "internal_error"
+    terminal_class: ClassVar[str] = "internal_error"
+    #: Whether a fresh attempt may help (only consulted before visible output).
+    transient: bool = False
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+    @property
+    def http_status(self) -> int:
+        return self.status
+
+    def to_body(self) -> dict[str, Any]:
+        """The OpenAI error shape ``{"error": {"message", "type", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "code": self.code if self.code is not None else self.http_status,
+            }
+        }
+
+
+class ConfigError(NarwhalError):
+    """A fleet document, profile pair or workload file is invalid.
+
+    ``path`` is the JSON path of the offending value (``$.engine.first_token_timeout_s``).
+    """
+
+    terminal_class = "config_error"
+
+    def __init__(self, message: str, *, path: str = "$", source: str | None = None) -> None:
+        where = f" @ {path}"
+        prefix = f"{source}: " if source else ""
+        super().__init__(f"{prefix}{message}{where}")
+        self.path = path
+        self.reason = message
+        self.source = source
+
+
+# --------------------------------------------------------------------- client side
+
+
+class ClientError(NarwhalError):
+    status = 400
+    error_type = "invalid_request_error"
+    terminal_class = "refused"
+
+
+class BadRequest(ClientError):
+    status = 400
+
+
+class ContextLengthExceeded(BadRequest):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="context_length_exceeded")
+
+
+class Unauthorized(ClientError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(ClientError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class MethodNotAllowed(ClientError):
+    status = 405
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+
+
+class Unsupported(BadRequest):
+    pass
+
+
+class Refused(NarwhalError):
+    """No engine can take the request now (503 with ``Retry-After``)."""
+
+    status = 503
+    error_type = "service_unavailable"
+    terminal_class = "refused"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(NarwhalError):
+    """The request's own deadline (``engine.request_timeout_s``) passed."""
+
+    status = 504
+    error_type = "timeout_error"
+    terminal_class = "deadline_exceeded"
+
+
+# --------------------------------------------------------------------- engine side
+
+
+class EngineError(NarwhalError):
+    """An engine failed. ``engine`` names it, ``leg`` says which leg."""
+
+    status = 502
+    error_type = "engine_error"
+    terminal_class = "engine_error"
+    transient = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        engine: str | None = None,
+        leg: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
+        self.engine = engine
+        self.leg = leg
+
+
+class EngineUnavailable(EngineError):
+    terminal_class = "engine_unavailable"
+
+
+class EngineHTTPError(EngineError):
+    """The engine answered with a non-2xx status; ``upstream_status`` keeps it."""
+
+    terminal_class = "engine_http_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        upstream_status: int,
+        engine: str | None = None,
+        leg: str | None = None,
+    ) -> None:
+        super().__init__(message, engine=engine, leg=leg)
+        self.upstream_status = upstream_status
+        # A 4xx from an engine is about the request, not the engine: retrying won't help.
+        self.transient = upstream_status >= 500 or upstream_status in (408, 429)
+
+
+class EngineProtocolError(EngineError):
+    terminal_class = "engine_protocol_error"
+
+
+class StreamClosed(EngineProtocolError):
+    terminal_class = "stream_closed"
+
+
+class EmptyStream(EngineProtocolError):
+    terminal_class = "empty_stream"
+
+    def __init__(self, *, engine: str | None = None, leg: str | None = "decode") -> None:
+        super().__init__("stream ended with [DONE] before any token arrived", engine=engine, leg=leg)
+
+
+class EngineStreamError(EngineError):
+    """An error object inside an upstream HTTP 200 stream; keeps the object's status."""
+
+    terminal_class = "engine_stream_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        upstream_status: int,
+        error: dict[str, Any] | None = None,
+        engine: str | None = None,
+        leg: str | None = None,
+    ) -> None:
+        super().__init__(message, engine=engine, leg=leg)
+        self.upstream_status = upstream_status
+        self.error = error or {}
+
+    @property
+    def http_status(self) -> int:
+        return self.upstream_status
+
+
+class InvalidDescriptor(EngineError):
+    """The producer's handoff descriptor failed validation (``reason`` says why)."""
+
+    terminal_class = "invalid_descriptor"
+
+    def __init__(self, reason: str, *, engine: str | None = None, leg: str | None = "prefill") -> None:
+        super().__init__(f"invalid KV handoff descriptor: {reason}", engine=engine, leg=leg)
+        self.reason = reason
+
+
+class EngineTimeout(EngineError):
+    status = 504
+    error_type = "timeout_error"
+    terminal_class = "engine_timeout"
+
+
+class FirstTokenTimeout(EngineTimeout):
+    terminal_class = "first_token_timeout"
+
+
+class SilenceTimeout(EngineTimeout):
+    terminal_class = "silence_timeout"
+
+
+class HandoffExpired(EngineTimeout):
+    terminal_class = "handoff_expired"
