@@ -1,0 +1,991 @@
+"""EngineClient: one engine's HTTP surface (prefill, decode stream, tokenize, metrics).
+
+The client speaks the vLLM OpenAI-compatible surface over a pooled keep-alive
+``httpx.AsyncClient`` running on trio. It translates every library error at this
+boundary into :mod:`narwhal.errors` (``engine`` and ``leg`` set), and takes no timeout
+arguments: callers own deadlines with trio cancel scopes. The only timeout configured
+on the transport is the connect timeout.
+
+Streams are closed deliberately: httpx iterates a response through a chain of async
+generators, and trio warns about (and later finalizes) any such generator left
+suspended. :func:`_abandon` finishes the chain by resuming it once inside an already
+cancelled scope, which closes the upstream connection as a side effect: the engine
+sees the client go away and aborts the request.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import Any, Final, Self
+
+import attrs
+import httpx
+import trio
+
+from narwhal.engines.connector import (
+    CONNECTOR_MISMATCH,
+    MISSING_DESCRIPTOR,
+    SUPPORTED_CONNECTORS,
+    UNEXPECTED_FINISH_REASON,
+    ConnectorLike,
+    PrefillResult,
+    RequestKind,
+    connector_type,
+    prefill_request_params,
+    strip_transfer_params,
+    validate_descriptor,
+)
+from narwhal.engines.metrics import EngineMetrics, engine_metrics, parse_prometheus
+from narwhal.engines.sse import (
+    Chunk,
+    MalformedEvent,
+    SSEDecoder,
+    SSEError,
+    SSEEvent,
+    json_dumps,
+    json_loads,
+    parse_chunk,
+)
+from narwhal.errors import (
+    EmptyStream,
+    EngineError,
+    EngineHTTPError,
+    EngineProtocolError,
+    EngineStreamError,
+    EngineTimeout,
+    EngineUnavailable,
+    InvalidDescriptor,
+    StreamClosed,
+)
+
+__all__ = ["DecodeStream", "EngineClient", "EngineIdentity", "Tokenized"]
+
+_PATHS: Final[Mapping[str, str]] = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+}
+#: Bound on shielded cleanup (closing a response).
+_CLOSE_TIMEOUT_S: Final = 5.0
+#: After ``[DONE]`` the end of the HTTP body is normally already in flight; waiting this
+#: long for it lets the connection go back to the pool instead of being closed.
+_DRAIN_AFTER_DONE_S: Final = 0.1
+_DRAIN_LIMIT_BYTES: Final = 64 * 1024
+#: How much of an error body is read, and how much of its message is kept.
+_ERROR_BODY_LIMIT: Final = 64 * 1024
+_ERROR_MESSAGE_LIMIT: Final = 500
+_ABANDON_STEPS: Final = 64
+#: Idle keep-alive connections are dropped before the engine's server would close them
+#: (uvicorn, which vLLM runs, closes idle connections after 5 s): reusing a connection
+#: the server is closing fails the request.
+_KEEPALIVE_EXPIRY_S: Final = 4.0
+_MAX_KEEPALIVE: Final = 256
+
+
+@attrs.frozen
+class Tokenized:
+    """The answer of ``POST /tokenize``."""
+
+    count: int
+    max_model_len: int | None
+    ids: tuple[int, ...]
+
+
+@attrs.frozen
+class EngineIdentity:
+    """One engine generation: a restarted engine compares unequal to its predecessor."""
+
+    url: str
+    model: str | None
+    version: str | None
+    max_model_len: int | None
+    process_start_time: float | None
+
+
+def _truncate(text: str, limit: int = _ERROR_MESSAGE_LIMIT) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _error_message(body: bytes, fallback: str) -> str:
+    """The human message of an engine's error body (OpenAI, vLLM or FastAPI shape)."""
+    message: str | None = None
+    try:
+        obj = json_loads(body)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            message = err["message"]
+        elif isinstance(err, str):
+            message = err
+        elif isinstance(obj.get("message"), str):
+            message = obj["message"]
+        elif obj.get("detail") is not None:
+            message = str(obj["detail"])
+    if message is None:
+        message = body.decode("utf-8", "replace")
+    message = _truncate(message)
+    return message or fallback
+
+
+def _error_object(obj: Any) -> dict[str, Any] | None:
+    """The error object of a 200 answer that carries one (``{"error": ...}`` or vLLM's old shape)."""
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if isinstance(err, dict):
+        return err
+    if isinstance(err, str):
+        return {"message": err}
+    if obj.get("object") == "error":
+        return {k: v for k, v in obj.items() if k != "object"}
+    return None
+
+
+def _stream_error(
+    error: Mapping[str, Any], status: int, *, engine: str, leg: str | None
+) -> EngineStreamError:
+    message = error.get("message")
+    text = (
+        _truncate(message) if isinstance(message, str) and message else "error object in the stream"
+    )
+    return EngineStreamError(
+        f"engine {engine} reported an error: {text}",
+        upstream_status=status,
+        error=dict(error),
+        engine=engine,
+        leg=leg,
+    )
+
+
+def _status_of(error: Mapping[str, Any]) -> int:
+    code = error.get("code")
+    return code if type(code) is int and 400 <= code <= 599 else 500
+
+
+def _new_request_id() -> str:
+    return f"narwhal-{uuid.uuid4().hex}"
+
+
+def _check_kind(kind: str) -> RequestKind:
+    if kind == "completions":
+        return "completions"
+    if kind == "chat":
+        return "chat"
+    raise ValueError(f"kind must be 'completions' or 'chat', not {kind!r}")
+
+
+async def _abandon(iterator: AsyncIterator[bytes] | None) -> None:
+    """Finish a partly consumed httpx byte iterator so no generator is left suspended.
+
+    Resuming the chain inside a cancelled scope makes its first checkpoint raise
+    ``Cancelled``, which unwinds (and so finishes) every generator layer; httpcore
+    closes the connection on the way out.
+    """
+    if iterator is None:
+        return
+    for _ in range(_ABANDON_STEPS):
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            try:
+                await iterator.__anext__()
+            except StopAsyncIteration:
+                return
+            # The chain ended with an error: it is finished, which is all we want.
+            # (Cancelled is a BaseException and is not caught here.)
+            except Exception:
+                return
+        if scope.cancelled_caught:
+            return
+
+
+class DecodeStream:
+    """An open decode stream: an async iterator of token and metadata :class:`Chunk` s.
+
+    Iteration ends normally at ``data: [DONE]``. It raises :class:`StreamClosed` when
+    the body ends or the connection breaks before ``[DONE]``, :class:`EmptyStream` on
+    ``[DONE]`` before any token, :class:`EngineStreamError` on an error object in the
+    stream and :class:`EngineProtocolError` on an event that is not JSON.
+
+    Attributes:
+        engine: the engine's name.
+        leg: the leg errors are attributed to (``"decode"`` unless told otherwise).
+        request_id: the backend request id sent as ``x-request-id``.
+        kind: ``"completions"`` or ``"chat"``.
+        prefill: the handoff decoded from, or ``None`` for a same-worker decode.
+        status: the HTTP status (200).
+        headers: the response headers.
+        opened_at: ``trio.current_time()`` before the request was sent.
+        headers_at: when the response headers arrived.
+        tokens: output tokens so far (counted by token id).
+        first_token_at / last_token_at: when the first / latest token event arrived.
+        last_activity_at: when bytes last arrived (token, metadata or keep-alive).
+        finish_reason: the finish reason the engine reported, once it did.
+        usage: the usage object the engine reported, once it did.
+        done: whether ``[DONE]`` arrived.
+        closed: whether the stream was closed.
+    """
+
+    def __init__(
+        self,
+        response: httpx.Response,
+        *,
+        client: EngineClient,
+        leg: str | None,
+        request_id: str,
+        kind: RequestKind,
+        prefill: PrefillResult | None,
+        opened_at: float,
+    ) -> None:
+        self._client = client
+        self._response = response
+        self._bytes: AsyncIterator[bytes] = response.aiter_bytes()
+        self._decoder = SSEDecoder()
+        self._events: deque[SSEEvent] = deque()
+        self._eof = False
+        self._finished = False
+        self._interrupted = False
+        self.engine = client.name
+        self.leg = leg
+        self.request_id = request_id
+        self.kind: RequestKind = kind
+        self.prefill = prefill
+        self.status = response.status_code
+        self.headers = response.headers
+        self.opened_at = opened_at
+        self.headers_at = trio.current_time()
+        self.tokens = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.last_activity_at = self.headers_at
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+        self.closed = False
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._finished:
+            raise StopAsyncIteration
+        if self._interrupted:
+            self._finished = True
+            raise StreamClosed(
+                f"the read from engine {self.engine} was cancelled; the stream cannot resume",
+                engine=self.engine,
+                leg=self.leg,
+            )
+        events = self._events
+        while True:
+            while events:
+                event = events.popleft()
+                try:
+                    chunk = parse_chunk(event)
+                except MalformedEvent as exc:
+                    self._finished = True
+                    if self._eof:
+                        # The body ended in the middle of an event.
+                        raise self._closed_error() from None
+                    raise EngineProtocolError(
+                        f"engine {self.engine} sent a malformed stream event: {exc}",
+                        engine=self.engine,
+                        leg=self.leg,
+                    ) from None
+                kind = chunk.kind
+                if kind == "token":
+                    now = trio.current_time()
+                    self.tokens += chunk.count
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                    self.last_token_at = now
+                    if chunk.finish_reason is not None:
+                        self.finish_reason = chunk.finish_reason
+                    if chunk.usage is not None:
+                        self.usage = chunk.usage
+                    return chunk
+                if kind == "meta":
+                    if chunk.finish_reason is not None:
+                        self.finish_reason = chunk.finish_reason
+                    if chunk.usage is not None:
+                        self.usage = chunk.usage
+                    return chunk
+                self._finished = True
+                if kind == "done":
+                    self.done = True
+                    if self.tokens == 0:
+                        raise EmptyStream(engine=self.engine, leg=self.leg)
+                    raise StopAsyncIteration
+                raise _stream_error(
+                    chunk.error or {}, chunk.status or 500, engine=self.engine, leg=self.leg
+                )
+            if self._eof:
+                self._finished = True
+                raise self._closed_error()
+            await self._read()
+
+    async def _read(self) -> None:
+        # A read the caller cancels unwinds httpx's body iterator, which cannot resume;
+        # remember that so the next call reports it instead of a clean end.
+        self._interrupted = True
+        try:
+            data = await self._bytes.__anext__()
+        except StopAsyncIteration:
+            self._interrupted = False
+            self._eof = True
+            self._events.extend(self._decoder.flush())
+            return
+        except httpx.HTTPError as exc:
+            self._interrupted = False
+            self._finished = True
+            raise self._client._map_error(exc, self.leg) from exc
+        self._interrupted = False
+        self.last_activity_at = trio.current_time()
+        try:
+            self._events.extend(self._decoder.feed(data))
+        except SSEError as exc:
+            self._finished = True
+            raise EngineProtocolError(
+                f"engine {self.engine} sent an unusable event stream: {exc}",
+                engine=self.engine,
+                leg=self.leg,
+            ) from None
+
+    def _closed_error(self) -> StreamClosed:
+        return StreamClosed(
+            f"engine {self.engine} closed the stream before data: [DONE] "
+            f"(after {self.tokens} tokens)",
+            engine=self.engine,
+            leg=self.leg,
+        )
+
+    async def aclose(self, *, drain: bool = False) -> None:
+        """Close the upstream response (the engine sees its connection closed).
+
+        Args:
+            drain: after ``[DONE]``, briefly read the end of the body first so the
+                connection can return to the pool.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self._finished = True
+        if drain and self.done and not self._eof:
+            await self._drain()
+        await _abandon(self._bytes)
+        with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+            await self._response.aclose()
+
+    async def _drain(self) -> None:
+        received = 0
+        with trio.move_on_after(_DRAIN_AFTER_DONE_S):
+            while received <= _DRAIN_LIMIT_BYTES:
+                try:
+                    received += len(await self._bytes.__anext__())
+                except StopAsyncIteration:
+                    self._eof = True
+                    return
+                except httpx.HTTPError:
+                    return
+
+
+class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
+    """``async with client.decode(...) as stream``: opens on enter, closes on exit."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        prefill: PrefillResult | None,
+        body: Mapping[str, Any],
+        kind: RequestKind,
+        request_id: str,
+        leg: str | None,
+    ) -> None:
+        self._client = client
+        self._prefill = prefill
+        self._body = body
+        self._kind: RequestKind = kind
+        self._request_id = request_id
+        self._leg = leg
+        self._stream: DecodeStream | None = None
+        self._entered = False
+
+    async def __aenter__(self) -> DecodeStream:
+        if self._entered:
+            raise RuntimeError("a decode context can be entered only once")
+        self._entered = True
+        self._stream = await self._client._open_decode(
+            self._prefill, self._body, self._kind, self._request_id, self._leg
+        )
+        return self._stream
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.aclose(drain=exc_type is None)
+
+
+class EngineClient:
+    """A client for one engine's OpenAI-compatible HTTP surface.
+
+    Args:
+        url: the engine's base URL (``http://host:port``).
+        name: the engine's name in errors and results (default: ``url``).
+        model: the served model; sent when a body names none.
+        connector: the engine's KV connector configuration (``type``, ``kv_host``,
+            ``kv_port``); ``None`` means NixlConnector with no endpoint to check.
+        api_key: sent as ``Authorization: Bearer``.
+        transport: an httpx transport for the client this object builds (in-memory
+            networks, ``httpx.MockTransport`` in tests).
+        http_client: an existing ``httpx.AsyncClient`` to share; it is not closed by
+            :meth:`aclose`.
+        connect_timeout_s: the connect timeout; nothing else times out here.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str | None = None,
+        model: str | None = None,
+        connector: ConnectorLike | None = None,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        if transport is not None and http_client is not None:
+            raise ValueError("pass either transport or http_client, not both")
+        self.url = url.rstrip("/")
+        self.name = name if name is not None else self.url
+        self.model = model
+        self.connector = connector
+        self.connect_timeout_s = connect_timeout_s
+        self._api_key = api_key
+        self._owns_client = http_client is None
+        if http_client is None:
+            if transport is None:
+                transport = httpx.AsyncHTTPTransport(
+                    limits=httpx.Limits(
+                        max_connections=None,
+                        max_keepalive_connections=_MAX_KEEPALIVE,
+                        keepalive_expiry=_KEEPALIVE_EXPIRY_S,
+                    ),
+                    socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                )
+            http_client = httpx.AsyncClient(
+                transport=transport,
+                timeout=httpx.Timeout(None, connect=connect_timeout_s),
+                follow_redirects=False,
+            )
+        self._http = http_client
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r}, name={self.name!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the pooled connections (only when this object built the client)."""
+        if self._owns_client:
+            with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+                await self._http.aclose()
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _headers(self, request_id: str | None, *, stream: bool = False) -> dict[str, str]:
+        headers = {"accept": "text/event-stream" if stream else "application/json"}
+        if stream:
+            # Compression would hold tokens back in the encoder's buffer.
+            headers["accept-encoding"] = "identity"
+        if self._api_key:
+            headers["authorization"] = f"Bearer {self._api_key}"
+        if request_id is not None:
+            headers["x-request-id"] = request_id
+        return headers
+
+    def _map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError:
+        """Translate an httpx error into the narwhal error it means (most specific first)."""
+        name = self.name
+        detail = _truncate(str(exc), 200) or type(exc).__name__
+        if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
+            return EngineUnavailable(f"engine {name} unreachable: {detail}", engine=name, leg=leg)
+        if isinstance(exc, httpx.PoolTimeout):
+            return EngineUnavailable(
+                f"no connection to engine {name} available: {detail}", engine=name, leg=leg
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return EngineTimeout(f"engine {name} timed out: {detail}", engine=name, leg=leg)
+        if isinstance(
+            exc, httpx.ReadError | httpx.WriteError | httpx.CloseError | httpx.RemoteProtocolError
+        ):
+            return StreamClosed(
+                f"engine {name} closed the connection before the response completed: {detail}",
+                engine=name,
+                leg=leg,
+            )
+        if isinstance(exc, httpx.ProtocolError | httpx.DecodingError):
+            return EngineProtocolError(
+                f"engine {name} protocol error: {detail}", engine=name, leg=leg
+            )
+        if isinstance(exc, httpx.TransportError):
+            return EngineUnavailable(f"engine {name} unreachable: {detail}", engine=name, leg=leg)
+        return EngineError(f"engine {name} request failed: {detail}", engine=name, leg=leg)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        payload: Mapping[str, Any] | None,
+        *,
+        leg: str | None,
+        request_id: str | None = None,
+        stream: bool = False,
+    ) -> httpx.Response:
+        headers = self._headers(request_id, stream=stream)
+        content: bytes | None = None
+        if payload is not None:
+            content = json_dumps(payload)
+            headers["content-type"] = "application/json"
+        request = self._http.build_request(
+            method, self.url + path, content=content, headers=headers
+        )
+        try:
+            return await self._http.send(request, stream=stream)
+        except httpx.HTTPError as exc:
+            raise self._map_error(exc, leg) from exc
+
+    def _http_error(
+        self, status: int, body: bytes, reason: str, leg: str | None
+    ) -> EngineHTTPError:
+        message = _error_message(body, reason or f"HTTP {status}")
+        return EngineHTTPError(
+            f"engine {self.name} answered HTTP {status}: {message}",
+            upstream_status=status,
+            engine=self.name,
+            leg=leg,
+        )
+
+    def _json_body(self, response: httpx.Response, leg: str | None) -> dict[str, Any]:
+        """The JSON object of a complete 200 answer; an error object in it raises."""
+        try:
+            obj = json_loads(response.content)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            raise EngineProtocolError(
+                f"engine {self.name} answered {response.request.url.path} with something other than a JSON object",
+                engine=self.name,
+                leg=leg,
+            )
+        error = _error_object(obj)
+        if error is not None:
+            raise _stream_error(error, _status_of(error), engine=self.name, leg=leg)
+        return obj
+
+    async def _request_json(
+        self,
+        method: str,
+        path: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        leg: str | None,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
+        response = await self._send(method, path, payload, leg=leg, request_id=request_id)
+        if response.status_code != 200:
+            raise self._http_error(
+                response.status_code, response.content, response.reason_phrase, leg
+            )
+        return self._json_body(response, leg)
+
+    async def _request_text(self, path: str, *, leg: str | None) -> str:
+        response = await self._send("GET", path, None, leg=leg)
+        if response.status_code != 200:
+            raise self._http_error(
+                response.status_code, response.content, response.reason_phrase, leg
+            )
+        return response.text
+
+    async def _read_limited(self, response: httpx.Response, limit: int) -> bytes:
+        """Read at most ``limit`` bytes of a streamed body, then close it."""
+        parts: list[bytes] = []
+        size = 0
+        iterator = response.aiter_bytes()
+        try:
+            while size < limit:
+                try:
+                    part = await iterator.__anext__()
+                except StopAsyncIteration:
+                    break
+                parts.append(part)
+                size += len(part)
+        except httpx.HTTPError:
+            pass  # a truncated error body still says what it can
+        finally:
+            await _abandon(iterator)
+            with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+                await response.aclose()
+        return b"".join(parts)[:limit]
+
+    # ----------------------------------------------------------------- inference
+
+    def _with_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.model is not None and body.get("model") is None:
+            body["model"] = self.model
+        return body
+
+    async def prefill(
+        self,
+        body: Mapping[str, Any],
+        *,
+        kind: RequestKind = "completions",
+        request_id: str | None = None,
+        leg: str | None = "prefill",
+        transfer: bool = True,
+    ) -> PrefillResult:
+        """Run the producer leg: a one-token, non-streaming request that yields a handoff.
+
+        The body sent is the client's with ``max_tokens: 1`` (and
+        ``max_completion_tokens: 1`` on chat), ``stream: false``, no
+        ``stream_options`` or ``min_tokens``, ``return_token_ids: true`` and the
+        connector's ``kv_transfer_params`` request block in place of any the client
+        sent. The generated token is discarded.
+
+        Args:
+            body: the client's request body.
+            kind: ``"completions"`` or ``"chat"``.
+            request_id: the backend request id (``x-request-id``); fresh by default.
+            leg: the leg errors are attributed to.
+            transfer: ``False`` runs the same one-token request with every transfer
+                parameter stripped and expects no handoff (the prefill leg of a
+                same-worker decode); the result then has no descriptor.
+
+        Raises:
+            EngineUnavailable, EngineHTTPError, EngineStreamError, EngineProtocolError,
+            StreamClosed: the request failed.
+            InvalidDescriptor: the producer finished other than by its length cap, sent
+                no descriptor, or sent one that fails validation.
+        """
+        kind = _check_kind(kind)
+        ctype = connector_type(self.connector)
+        if transfer and ctype not in SUPPORTED_CONNECTORS:
+            raise InvalidDescriptor(
+                f"{CONNECTOR_MISMATCH}: engine {self.name} is configured with connector "
+                f"{ctype!r}, which narwhal does not drive",
+                engine=self.name,
+                leg=leg,
+            )
+        rid = request_id if request_id is not None else _new_request_id()
+        payload = strip_transfer_params(body)
+        payload.pop("stream_options", None)
+        payload.pop("min_tokens", None)
+        payload["max_tokens"] = 1
+        if kind == "chat":
+            payload["max_completion_tokens"] = 1
+        payload["stream"] = False
+        payload["return_token_ids"] = True
+        if transfer:
+            payload["kv_transfer_params"] = prefill_request_params(self.connector)
+        self._with_model(payload)
+
+        started_at = trio.current_time()
+        obj = await self._request_json("POST", _PATHS[kind], payload, leg=leg, request_id=rid)
+        completed_at = trio.current_time()
+
+        choices = obj.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices else None
+        if not isinstance(first, dict):
+            raise EngineProtocolError(
+                f"engine {self.name} answered the prefill without choices",
+                engine=self.name,
+                leg=leg,
+            )
+        if not transfer:
+            return PrefillResult(
+                descriptor={},
+                producer=self.name,
+                producer_url=self.url,
+                endpoint=None,
+                backend_request_id=rid,
+                connector=ctype,
+                kind=kind,
+                request=body,
+                started_at=started_at,
+                completed_at=completed_at,
+                prompt_tokens=_prompt_tokens(obj, first),
+                transfer=False,
+            )
+        finish = first.get("finish_reason")
+        if finish != "length":
+            raise InvalidDescriptor(
+                f"{UNEXPECTED_FINISH_REASON}: the producer finished with {finish!r}, not 'length', "
+                "so it holds no KV blocks for a remote decode",
+                engine=self.name,
+                leg=leg,
+            )
+        raw_descriptor = obj.get("kv_transfer_params")
+        if raw_descriptor is None:
+            raise InvalidDescriptor(
+                f"{MISSING_DESCRIPTOR}: the producer returned no kv_transfer_params "
+                "(is its KV connector configured as a producer?)",
+                engine=self.name,
+                leg=leg,
+            )
+        descriptor = validate_descriptor(
+            raw_descriptor, connector=self.connector, engine=self.name, leg=leg
+        )
+        return PrefillResult(
+            descriptor=descriptor,
+            producer=self.name,
+            producer_url=self.url,
+            endpoint=(descriptor["remote_host"], descriptor["remote_port"]),
+            backend_request_id=rid,
+            connector=ctype,
+            kind=kind,
+            request=body,
+            started_at=started_at,
+            completed_at=completed_at,
+            prompt_tokens=_prompt_tokens(obj, first),
+        )
+
+    def decode(
+        self,
+        prefill: PrefillResult | None = None,
+        body: Mapping[str, Any] | None = None,
+        *,
+        kind: RequestKind | None = None,
+        request_id: str | None = None,
+        leg: str | None = "decode",
+    ) -> AbstractAsyncContextManager[DecodeStream]:
+        """Open a streaming decode; use as ``async with client.decode(result) as stream``.
+
+        With ``prefill`` (remote decode) the body carries the handoff descriptor as
+        ``kv_transfer_params``; without it (same-worker decode) every transfer
+        parameter is stripped, the client's included. Both always ask for
+        ``stream: true``, ``return_token_ids: true`` and
+        ``stream_options.include_usage: true``. Leaving the context closes the
+        response, which the engine sees as the client going away.
+
+        Args:
+            prefill: the producer's handoff, or ``None`` for a same-worker decode.
+            body: the client body; defaults to the one ``prefill`` was made from.
+            kind: ``"completions"`` or ``"chat"``; defaults to ``prefill.kind``.
+            request_id: the backend request id (``x-request-id``); fresh by default.
+            leg: the leg errors are attributed to.
+
+        Raises (on entering):
+            EngineUnavailable, EngineHTTPError, EngineStreamError, StreamClosed: the
+            request failed before the stream started.
+            InvalidDescriptor: the handoff does not fit this engine's connector.
+        """
+        if prefill is not None and (not prefill.transfer or prefill.endpoint is None):
+            raise ValueError(
+                "this prefill ran without a KV transfer; decode it as same-worker (prefill=None)"
+            )
+        if body is None:
+            if prefill is None:
+                raise ValueError("decode needs a PrefillResult or a request body")
+            body = prefill.request
+        if kind is None:
+            kind = prefill.kind if prefill is not None else "completions"
+        rid = request_id if request_id is not None else _new_request_id()
+        return _DecodeOpener(self, prefill, body, _check_kind(kind), rid, leg)
+
+    def _decode_body(
+        self, prefill: PrefillResult | None, body: Mapping[str, Any], leg: str | None
+    ) -> dict[str, Any]:
+        payload = strip_transfer_params(body)
+        if prefill is not None:
+            if self.connector is not None and connector_type(self.connector) != prefill.connector:
+                raise InvalidDescriptor(
+                    f"{CONNECTOR_MISMATCH}: the handoff is a {prefill.connector} descriptor, engine "
+                    f"{self.name} uses {connector_type(self.connector)}",
+                    engine=self.name,
+                    leg=leg,
+                )
+            payload["kv_transfer_params"] = validate_descriptor(
+                prefill.descriptor,
+                connector=prefill.connector,
+                expected_endpoint=prefill.endpoint,
+                engine=prefill.producer,
+                leg=leg,
+            )
+        options = body.get("stream_options")
+        stream_options = dict(options) if isinstance(options, Mapping) else {}
+        stream_options["include_usage"] = True
+        payload["stream"] = True
+        payload["stream_options"] = stream_options
+        payload["return_token_ids"] = True
+        return self._with_model(payload)
+
+    async def _open_decode(
+        self,
+        prefill: PrefillResult | None,
+        body: Mapping[str, Any],
+        kind: RequestKind,
+        request_id: str,
+        leg: str | None,
+    ) -> DecodeStream:
+        payload = self._decode_body(prefill, body, leg)
+        opened_at = trio.current_time()
+        response = await self._send(
+            "POST", _PATHS[kind], payload, leg=leg, request_id=request_id, stream=True
+        )
+        if response.status_code != 200:
+            data = await self._read_limited(response, _ERROR_BODY_LIMIT)
+            raise self._http_error(response.status_code, data, response.reason_phrase, leg)
+        content_type = response.headers.get("content-type", "")
+        if content_type.startswith("application/json"):
+            # Not a stream: an engine that answers a stream request with a JSON error.
+            data = await self._read_limited(response, _ERROR_BODY_LIMIT)
+            try:
+                obj = json_loads(data)
+            except ValueError:
+                obj = None
+            error = _error_object(obj)
+            if error is not None:
+                raise _stream_error(error, _status_of(error), engine=self.name, leg=leg)
+            raise EngineProtocolError(
+                f"engine {self.name} answered a stream request with a JSON body",
+                engine=self.name,
+                leg=leg,
+            )
+        return DecodeStream(
+            response,
+            client=self,
+            leg=leg,
+            request_id=request_id,
+            kind=kind,
+            prefill=prefill,
+            opened_at=opened_at,
+        )
+
+    # ----------------------------------------------------------------- introspection
+
+    async def tokenize(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        model: str | None = None,
+    ) -> Tokenized:
+        """Tokenize a prompt, or chat messages with the engine's chat template.
+
+        ``model`` names the model to tokenize for (default: the configured one).
+        """
+        if (prompt is None) == (messages is None):
+            raise ValueError("tokenize needs exactly one of prompt or messages")
+        payload: dict[str, Any] = (
+            {"prompt": prompt if isinstance(prompt, str) else list(prompt)}
+            if prompt is not None
+            else {"messages": [dict(m) for m in messages or ()]}
+        )
+        if model is not None:
+            payload["model"] = model
+        obj = await self._request_json(
+            "POST", "/tokenize", self._with_model(payload), leg="tokenize"
+        )
+        count, tokens, max_len = obj.get("count"), obj.get("tokens"), obj.get("max_model_len")
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            tokens = []
+        if type(count) is not int:
+            if not tokens:
+                raise EngineProtocolError(
+                    f"engine {self.name} answered /tokenize without a count",
+                    engine=self.name,
+                    leg="tokenize",
+                )
+            count = len(tokens)
+        return Tokenized(
+            count=count, max_model_len=max_len if type(max_len) is int else None, ids=tuple(tokens)
+        )
+
+    async def metrics(self) -> EngineMetrics:
+        """The engine's load from ``/metrics``."""
+        text = await self._request_text("/metrics", leg="metrics")
+        try:
+            return engine_metrics(parse_prometheus(text))
+        except ValueError as exc:
+            raise EngineProtocolError(
+                f"engine {self.name} metrics unusable: {exc}", engine=self.name, leg="metrics"
+            ) from None
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The ``data`` list of ``GET /v1/models``."""
+        obj = await self._request_json("GET", "/v1/models", leg="models")
+        data = obj.get("data")
+        if not isinstance(data, list):
+            raise EngineProtocolError(
+                f"engine {self.name} answered /v1/models without a data list",
+                engine=self.name,
+                leg="models",
+            )
+        return [entry for entry in data if isinstance(entry, dict)]
+
+    async def identity(self) -> EngineIdentity:
+        """The engine's generation: URL, model, version, max_model_len, process start time.
+
+        The model is the configured one when the engine lists it, else the first
+        listed (so a mismatch with the configuration shows).
+        """
+        version_obj = await self._request_json("GET", "/version", leg="identity")
+        models = await self.models()
+        text = await self._request_text("/metrics", leg="identity")
+        entry: dict[str, Any] | None = None
+        for candidate in models:
+            if self.model is not None and candidate.get("id") == self.model:
+                entry = candidate
+                break
+        if entry is None and models:
+            entry = models[0]
+        version = version_obj.get("version")
+        model = entry.get("id") if entry is not None else None
+        max_len = entry.get("max_model_len") if entry is not None else None
+        start = parse_prometheus(text).get("process_start_time_seconds", ())
+        return EngineIdentity(
+            url=self.url,
+            model=model if isinstance(model, str) else None,
+            version=version if isinstance(version, str) else None,
+            max_model_len=max_len if type(max_len) is int else None,
+            process_start_time=start[0].value if start else None,
+        )
+
+    async def health(self) -> bool:
+        """Whether ``GET /health`` answers 200 (connection failures count as unhealthy)."""
+        try:
+            response = await self._send("GET", "/health", None, leg="health")
+        except EngineError:
+            return False
+        return response.status_code == 200
+
+
+def _prompt_tokens(obj: Mapping[str, Any], choice: Mapping[str, Any]) -> int | None:
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int:
+        return int(usage["prompt_tokens"])
+    for holder in (choice, obj):
+        ids = holder.get("prompt_token_ids")
+        if isinstance(ids, list):
+            return len(ids)
+    return None

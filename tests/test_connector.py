@@ -1,0 +1,268 @@
+"""KV handoff descriptors (narwhal.engines.connector)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import attrs
+import pytest
+
+from narwhal.engines.connector import (
+    CONNECTOR_MISMATCH,
+    ENDPOINT_MISMATCH,
+    MALFORMED_BLOCK_IDS,
+    MALFORMED_DESCRIPTOR,
+    MISSING_DESCRIPTOR,
+    MISSING_ENGINE_IDENTITY,
+    REJECTION_REASONS,
+    TRANSFER_KEYS,
+    PrefillResult,
+    hosts_equal,
+    prefill_request_params,
+    strip_transfer_params,
+    validate_descriptor,
+)
+from narwhal.errors import InvalidDescriptor
+
+
+@attrs.frozen
+class Connector:
+    """Stands in for the fleet document's ConnectorConfig (same fields)."""
+
+    type: str = "NixlConnector"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 15600
+
+
+NIXL = Connector()
+
+# The descriptor a vLLM 0.32 NixlConnector producer returned (VLLM-SURFACE.md), with the
+# engine id completed and a field no build has yet.
+OBSERVED: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2, 3, 4, 5]],
+    "remote_engine_id": "170b2847-5d0e-4d7c-9b51-3f0f6a1c2e11",
+    "remote_request_id": "cmpl-8fa70bf330c08a6d-0-bb540027",
+    "remote_host": "localhost",
+    "remote_port": 15600,
+    "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 513,
+    "remote_blocks_expiry_time": None,
+    "transfer_mode": "pull",
+    "remote_prefill_cached_tokens": 0,
+    "future_field": {"nested": [1, 2]},
+}
+
+
+def make_result(descriptor: dict[str, Any] | None = None, **overrides: Any) -> PrefillResult:
+    desc = validate_descriptor(descriptor or OBSERVED, connector=NIXL)
+    fields: dict[str, Any] = {
+        "descriptor": desc,
+        "producer": "p0",
+        "producer_url": "http://127.0.0.1:8101",
+        "endpoint": (desc["remote_host"], desc["remote_port"]),
+        "backend_request_id": "narwhal-1",
+        "connector": "NixlConnector",
+        "kind": "completions",
+        "request": {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8},
+        "started_at": 1.0,
+        "completed_at": 1.5,
+        "prompt_tokens": 513,
+    }
+    fields.update(overrides)
+    return PrefillResult(**fields)
+
+
+# --------------------------------------------------------------------------- accepted
+
+
+def test_observed_descriptor_is_accepted_with_unknown_fields() -> None:
+    accepted = validate_descriptor(OBSERVED, connector=NIXL)
+    assert accepted == OBSERVED
+    assert accepted is not OBSERVED
+    assert accepted["future_field"] is not OBSERVED["future_field"]
+
+
+def test_unknown_fields_survive_parameters() -> None:
+    result = make_result()
+    params = result.parameters()
+    assert params == OBSERVED
+    for key in (
+        "dcp_size",
+        "pp_size",
+        "transfer_mode",
+        "remote_prefill_cached_tokens",
+        "future_field",
+    ):
+        assert params[key] == OBSERVED[key]
+
+
+def test_parameters_are_detached() -> None:
+    original = copy.deepcopy(OBSERVED)
+    result = make_result(original)
+    # Mutating the dict the result was built from changes nothing.
+    original["remote_block_ids"][0].append(99)
+    original["remote_port"] = 1
+    params = result.parameters()
+    params["remote_block_ids"][0].append(42)
+    params["future_field"]["nested"].clear()
+    del params["remote_engine_id"]
+    again = result.parameters()
+    assert again == OBSERVED
+    assert dict(result.descriptor) == OBSERVED
+    with pytest.raises(TypeError):
+        result.descriptor["remote_port"] = 1  # type: ignore[index]
+
+
+def test_prefill_result_is_frozen_and_keeps_a_copy_of_the_request() -> None:
+    request = {"model": "tiny-llama", "prompt": "hello"}
+    result = make_result(request=request)
+    request["prompt"] = "changed"
+    assert result.request["prompt"] == "hello"
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        result.producer = "p1"  # type: ignore[misc]
+    assert result.remote_engine_id == OBSERVED["remote_engine_id"]
+    assert result.remote_request_id == OBSERVED["remote_request_id"]
+
+
+def test_flat_block_ids_and_connector_by_name() -> None:
+    desc = {**OBSERVED, "remote_block_ids": [0, 7, 9]}
+    assert validate_descriptor(desc, connector="NixlConnector")["remote_block_ids"] == [0, 7, 9]
+    # No configured endpoint (connector None / a bare name): only the shape is checked.
+    assert validate_descriptor({**OBSERVED, "remote_host": "10.1.2.3"}, connector=None)
+    assert validate_descriptor(
+        {**OBSERVED, "remote_host": "10.1.2.3"},
+        connector=None,
+        expected_endpoint=("10.1.2.3", 15600),
+    )
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1", "[::1]", "LOCALHOST"])
+def test_loopback_aliases_match(host: str) -> None:
+    assert validate_descriptor({**OBSERVED, "remote_host": host}, connector=NIXL)
+    assert hosts_equal(host, "127.0.0.1")
+
+
+def test_hosts_equal() -> None:
+    assert hosts_equal("Engine-1.local", "engine-1.LOCAL")
+    assert not hosts_equal("10.0.0.1", "127.0.0.1")
+
+
+# --------------------------------------------------------------------------- rejected
+
+
+def without(key: str) -> dict[str, Any]:
+    return {k: v for k, v in OBSERVED.items() if k != key}
+
+
+REJECTIONS: list[tuple[str, object, Any, str]] = [
+    ("none", None, NIXL, MISSING_DESCRIPTOR),
+    ("list", [OBSERVED], NIXL, MALFORMED_DESCRIPTOR),
+    ("no engine id", without("remote_engine_id"), NIXL, MISSING_ENGINE_IDENTITY),
+    ("empty engine id", {**OBSERVED, "remote_engine_id": ""}, NIXL, MISSING_ENGINE_IDENTITY),
+    ("numeric engine id", {**OBSERVED, "remote_engine_id": 7}, NIXL, MISSING_ENGINE_IDENTITY),
+    ("no request id", without("remote_request_id"), NIXL, MISSING_ENGINE_IDENTITY),
+    ("no block ids", without("remote_block_ids"), NIXL, MALFORMED_BLOCK_IDS),
+    ("empty block ids", {**OBSERVED, "remote_block_ids": []}, NIXL, MALFORMED_BLOCK_IDS),
+    ("empty groups", {**OBSERVED, "remote_block_ids": [[], []]}, NIXL, MALFORMED_BLOCK_IDS),
+    ("string block ids", {**OBSERVED, "remote_block_ids": "1,2"}, NIXL, MALFORMED_BLOCK_IDS),
+    ("mixed block ids", {**OBSERVED, "remote_block_ids": [[1], 2]}, NIXL, MALFORMED_BLOCK_IDS),
+    ("float block id", {**OBSERVED, "remote_block_ids": [[1, 2.0]]}, NIXL, MALFORMED_BLOCK_IDS),
+    ("bool block id", {**OBSERVED, "remote_block_ids": [True]}, NIXL, MALFORMED_BLOCK_IDS),
+    ("negative block id", {**OBSERVED, "remote_block_ids": [-1]}, NIXL, MALFORMED_BLOCK_IDS),
+    (
+        "other connector configured",
+        OBSERVED,
+        Connector(type="MooncakeConnector"),
+        CONNECTOR_MISMATCH,
+    ),
+    ("bootstrap handoff", {**OBSERVED, "bootstrap_room": 12}, NIXL, CONNECTOR_MISMATCH),
+    ("p2p role block", {**OBSERVED, "prefill": {"remote_host": "x"}}, NIXL, CONNECTOR_MISMATCH),
+    (
+        "named other connector",
+        {**OBSERVED, "kv_connector": "P2pNcclConnector"},
+        NIXL,
+        CONNECTOR_MISMATCH,
+    ),
+    ("not a remote prefill", {**OBSERVED, "do_remote_prefill": False}, NIXL, CONNECTOR_MISMATCH),
+    ("request block echoed", prefill_request_params(), NIXL, CONNECTOR_MISMATCH),
+    ("other port", {**OBSERVED, "remote_port": 15601}, NIXL, ENDPOINT_MISMATCH),
+    ("other host", {**OBSERVED, "remote_host": "10.0.0.7"}, NIXL, ENDPOINT_MISMATCH),
+    ("no host", without("remote_host"), NIXL, ENDPOINT_MISMATCH),
+    ("no port", without("remote_port"), NIXL, ENDPOINT_MISMATCH),
+    ("string port", {**OBSERVED, "remote_port": "15600"}, NIXL, ENDPOINT_MISMATCH),
+    ("port out of range", {**OBSERVED, "remote_port": 70000}, NIXL, ENDPOINT_MISMATCH),
+]
+
+
+@pytest.mark.parametrize(
+    ("desc", "connector", "reason"),
+    [pytest.param(d, c, r, id=i) for i, d, c, r in REJECTIONS],
+)
+def test_rejections_name_their_reason(desc: object, connector: Any, reason: str) -> None:
+    with pytest.raises(InvalidDescriptor) as info:
+        validate_descriptor(desc, connector=connector, engine="p0")
+    err = info.value
+    assert err.reason.startswith(reason + ": ")
+    assert reason in str(err)
+    assert err.engine == "p0"
+    assert err.leg == "prefill"
+    # No other reason name appears: each rejection is distinct.
+    others = [r for r in REJECTION_REASONS if r != reason]
+    assert not any(err.reason.startswith(o) for o in others)
+
+
+def test_explicit_expected_endpoint_overrides_the_connector() -> None:
+    with pytest.raises(InvalidDescriptor, match=ENDPOINT_MISMATCH):
+        validate_descriptor(OBSERVED, connector=NIXL, expected_endpoint=("10.0.0.2", 15600))
+
+
+def test_rejection_reasons_are_distinct() -> None:
+    assert len(set(REJECTION_REASONS)) == len(REJECTION_REASONS)
+    for a in REJECTION_REASONS:
+        for b in REJECTION_REASONS:
+            assert a == b or not a.startswith(b)
+
+
+# --------------------------------------------------------------------------- request side
+
+
+def test_prefill_request_params() -> None:
+    params = prefill_request_params(NIXL)
+    assert params == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    params["remote_host"] = "x"
+    assert prefill_request_params(NIXL)["remote_host"] is None
+    assert prefill_request_params() == prefill_request_params("NixlConnector")
+    with pytest.raises(ValueError, match="MooncakeConnector"):
+        prefill_request_params(Connector(type="MooncakeConnector"))
+
+
+def test_strip_transfer_params() -> None:
+    body: dict[str, Any] = {
+        "model": "m",
+        "prompt": "p",
+        "max_tokens": 5,
+        "kv_transfer_params": {"remote_host": "evil", "remote_port": 1},
+        "disaggregated_params": {"x": 1},
+        "remote_host": "evil",
+        "do_remote_prefill": True,
+        "bootstrap_host": "evil",
+        "vllm_xargs": {"kv_transfer_params": "x", "keep": 1},
+    }
+    before = copy.deepcopy(body)
+    stripped = strip_transfer_params(body)
+    assert body == before  # the input is untouched
+    assert not TRANSFER_KEYS & stripped.keys()
+    assert stripped == {"model": "m", "prompt": "p", "max_tokens": 5, "vllm_xargs": {"keep": 1}}
+    assert "kv_transfer_params" in TRANSFER_KEYS
