@@ -1,0 +1,503 @@
+"""Continuous batching of one simulated engine generation, on Trio time.
+
+A FIFO waiting queue is admitted while the request's KV blocks (``prompt +
+max_tokens`` tokens rounded up to whole blocks, reserved at admission so that no
+preemption is ever needed) and ``max_num_seqs`` allow; otherwise requests wait. The
+loop alternates one prefill (``a + b*L + c*L**2`` seconds for L computed tokens; it
+produces the first token) with one decode step (``c0 + c1*active + c2*resident_kv``
+seconds, resident KV being prompt + generated tokens of the batch; one token to every
+sequence), as vLLM does without chunked prefill. ``noise`` multiplies every duration by
+a seeded lognormal factor. Blocks of finished producer requests stay *held* for a
+consumer (:class:`~narwhal.testing.kvfabric.Handoff`) until read or expired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal
+
+import attrs
+import trio
+
+from narwhal.config import SimConfig
+from narwhal.testing.kvfabric import Handoff, TransferError
+from narwhal.testing.metrics import EngineMetrics
+from narwhal.testing.tokenizer import generated_token, prompt_key
+
+__all__ = ["EngineRestarted", "GenerateParams", "Generation", "Scheduler", "SimStats", "TokenEvent"]
+
+
+class EngineRestarted(Exception):
+    """The engine generation a request ran on has gone (restart or shutdown)."""
+
+
+@attrs.frozen(kw_only=True)
+class GenerateParams:
+    """One tokenised generation request.
+
+    Attributes:
+        prompt_ids: Prompt token ids.
+        max_tokens: Tokens to generate (the engine always stops by length).
+        request_id: The engine's internal request id (a descriptor's ``remote_request_id``).
+        kv_transfer_params: The request's ``kv_transfer_params``, if any.
+        extra_transfer_delay_s: Added to a consumer's KV transfer (``slow_transfer``).
+    """
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    request_id: str
+    kv_transfer_params: Mapping[str, Any] | None = None
+    extra_transfer_delay_s: float = 0.0
+
+
+@attrs.frozen
+class TokenEvent:
+    """One generated token; ``finish_reason`` is set on the last one."""
+
+    token_id: int
+    index: int
+    finish_reason: str | None
+    at: float
+
+
+@attrs.define
+class SimStats:
+    """Lifetime counters of one engine (kept across restarts) for tests to assert on."""
+
+    requests: int = 0
+    completed: int = 0
+    aborted: int = 0
+    broken: int = 0
+    prompt_tokens: dict[str, int] = attrs.field(
+        factory=lambda: {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+    )
+    generated_tokens: int = 0
+    transfers: int = 0
+    failed_transfers: int = 0
+    invalid_descriptors: int = 0
+    held_handoffs: int = 0
+    expired_handoffs: int = 0
+    active: int = 0
+    waiting: int = 0
+    max_concurrent: int = 0
+    restarts: int = 0
+    faults: dict[str, int] = attrs.field(factory=dict)
+
+
+class _Broken:
+    pass
+
+
+_BROKEN: Final = _Broken()
+State = Literal["waiting", "prefill", "fetching", "ready", "running", "finished", "aborted",
+                "failed", "broken"]  # fmt: skip
+_TERMINAL = frozenset({"finished", "aborted", "failed", "broken"})
+
+
+@attrs.define(eq=False)
+class Seq:
+    """One request inside the scheduler."""
+
+    params: GenerateParams
+    arrival: float
+    remote: bool
+    want_descriptor: bool
+    send: trio.MemorySendChannel[TokenEvent | _Broken]
+    key: int = 0
+    state: State = "waiting"
+    blocks: list[int] = attrs.field(factory=list)
+    generated: int = 0
+    admitted: trio.Event = attrs.field(factory=trio.Event)
+    first_at: float | None = None
+    last_at: float | None = None
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.params.prompt_ids)
+
+    @property
+    def broken(self) -> bool:
+        return self.state == "broken"
+
+
+class Generation:
+    """The output of one request: an async iterator of :class:`TokenEvent`.
+
+    Iteration raises :class:`EngineRestarted` when the engine generation goes away.
+    """
+
+    def __init__(self, seq: Seq, recv: trio.MemoryReceiveChannel[TokenEvent | _Broken]) -> None:
+        self._seq = seq
+        self._recv = recv
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.params.request_id
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self._seq.params.prompt_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._seq.finish_reason
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """The producer's descriptor once finished (None unless one was made)."""
+        return self._seq.kv_transfer_params
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        try:
+            item = await self._recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+        if isinstance(item, _Broken):
+            raise EngineRestarted("engine restarted")
+        return item
+
+
+def open_seq_channel() -> tuple[
+    trio.MemorySendChannel[TokenEvent | _Broken], trio.MemoryReceiveChannel[TokenEvent | _Broken]
+]:
+    """The unbounded token channel of one request (the engine never blocks on a reader)."""
+    return trio.open_memory_channel[TokenEvent | _Broken](math.inf)
+
+
+class Scheduler:
+    """Queues, KV blocks, held handoffs and the batching loop of one engine generation."""
+
+    def __init__(
+        self,
+        sim: SimConfig,
+        *,
+        clock: Callable[[], float],
+        noise_rng: random.Random,
+        stats: SimStats,
+        engine_id: str,
+        describe: Callable[[Handoff], dict[str, Any]],
+    ) -> None:
+        self.sim = sim
+        self.engine_id = engine_id
+        self.clock = clock
+        self.noise_rng = noise_rng
+        self.stats = stats
+        self.describe = describe
+        self.metrics = EngineMetrics()
+        self.num_blocks = sim.kv_capacity_tokens // sim.block_size
+        self.held: dict[str, Handoff] = {}
+        self._free = list(range(1, self.num_blocks + 1))
+        self._live: set[Seq] = set()
+        self._waiting: deque[Seq] = deque()
+        self._prefill_q: deque[Seq] = deque()
+        self._prefilling: Seq | None = None
+        self._fetching: set[Seq] = set()
+        self._ready: list[Seq] = []
+        self._running: list[Seq] = []
+        self._prefix_cache: dict[int, None] = {}
+        self._wake = trio.Event()
+
+    # ------------------------------------------------------------ gauges
+
+    @property
+    def running(self) -> int:
+        """Requests in the batch (vLLM's ``num_requests_running``)."""
+        return len(self._running) + len(self._ready) + (self._prefilling is not None)
+
+    @property
+    def waiting(self) -> int:
+        """Requests not yet running, KV fetches included (``num_requests_waiting``)."""
+        return len(self._waiting) + len(self._prefill_q) + len(self._fetching)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (held handoffs included)."""
+        return (self.num_blocks - len(self._free)) / self.num_blocks if self.num_blocks else 0.0
+
+    def refresh(self) -> None:
+        s = self.stats
+        s.active, s.waiting, s.held_handoffs = self.running, self.waiting, len(self.held)
+        s.max_concurrent = max(s.max_concurrent, s.active)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.sim.block_size)
+
+    # ------------------------------------------------------------ latency model
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Noise-free prefill time of ``tokens`` computed prompt tokens."""
+        p = self.sim.prefill
+        return p.a + p.b * tokens + p.c * tokens * tokens
+
+    def step_seconds(self, active: int, resident_kv: int) -> float:
+        """Noise-free decode step time."""
+        d = self.sim.decode
+        return d.c0 + d.c1 * active + d.c2 * resident_kv
+
+    def _noisy(self, seconds: float) -> float:
+        if self.sim.noise <= 0:
+            return seconds
+        return seconds * math.exp(self.noise_rng.gauss(0.0, self.sim.noise))
+
+    # ------------------------------------------------------------ request lifecycle
+
+    def submit(self, seq: Seq) -> None:
+        """Queue ``seq`` for admission."""
+        seq.key = prompt_key(seq.params.prompt_ids)
+        self._live.add(seq)
+        self._waiting.append(seq)
+        self.refresh()
+        self._wake.set()
+
+    def join(self, seq: Seq) -> None:
+        """A fetched (remote-prefilled) ``seq`` joins the batch at the next step."""
+        self._fetching.discard(seq)
+        seq.state = "ready"
+        self._ready.append(seq)
+        self.refresh()
+        self._wake.set()
+
+    def release(self, seq: Seq, state: State) -> None:
+        """Take a live ``seq`` out of every queue, free its blocks, close its channel."""
+        for q in (self._waiting, self._prefill_q):
+            if seq in q:
+                q.remove(seq)
+        self._fetching.discard(seq)
+        for lst in (self._ready, self._running):
+            if seq in lst:
+                lst.remove(seq)
+        self._free_blocks(seq.blocks)
+        seq.blocks = []
+        seq.state = state
+        self._live.discard(seq)
+        seq.send.close()
+        self.refresh()
+        self._wake.set()
+
+    def abort(self, seq: Seq) -> None:
+        """The client went away: drop ``seq`` (no-op once it ended)."""
+        if seq.state in _TERMINAL:
+            return
+        self.release(seq, "aborted")
+        self.metrics.request_success["abort"] += 1
+        self.stats.aborted += 1
+
+    def break_all(self) -> None:
+        """The generation ends: every live request sees :class:`EngineRestarted`."""
+        for seq in list(self._live):
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                seq.send.send_nowait(_BROKEN)
+            self.release(seq, "broken")
+            self.stats.broken += 1
+            seq.admitted.set()
+        self.held.clear()
+        self.refresh()
+
+    def _free_blocks(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            heapq.heappush(self._free, b)
+
+    # ------------------------------------------------------------ held handoffs
+
+    def claim(self, request_id: str, block_ids: object) -> Handoff:
+        """Reserve the held handoff of ``request_id`` for a reader."""
+        self.expire(self.clock())
+        h = self.held.get(request_id)
+        if h is None:
+            raise TransferError(f"request {request_id} holds no KV here (consumed or expired)")
+        if h.claimed:
+            raise TransferError(f"request {request_id} is already being read")
+        if _flatten(block_ids) != list(h.block_ids):
+            raise TransferError(f"block ids do not match those of request {request_id}")
+        h.claimed = True
+        return h
+
+    def unclaim(self, handoff: Handoff) -> None:
+        handoff.claimed = False
+        self._wake.set()  # its expiry counts again
+
+    def finish_read(self, handoff: Handoff) -> None:
+        if self.held.get(handoff.request_id) is not handoff:
+            raise TransferError("the producer restarted during the transfer")
+        del self.held[handoff.request_id]
+        self._free_blocks(handoff.block_ids)
+        self.refresh()
+        self._wake.set()
+
+    def expire(self, now: float) -> None:
+        """Free held handoffs whose time is up."""
+        for rid, h in list(self.held.items()):
+            if not h.claimed and h.expires_at <= now:
+                del self.held[rid]
+                self._free_blocks(h.block_ids)
+                self.metrics.nixl_expired += 1
+                self.stats.expired_handoffs += 1
+        self.refresh()
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Schedule forever (cancel to stop)."""
+        prefill_turn = True
+        while True:
+            now = self.clock()
+            self.expire(now)
+            self._admit(now)
+            for seq in self._ready:
+                seq.state = "running"
+            self._running.extend(self._ready)
+            self._ready.clear()
+            if self._prefill_q and (prefill_turn or not self._running):
+                await self._run_prefill(self._prefill_q.popleft())
+                prefill_turn = False
+            elif self._running:
+                await self._run_step()
+                prefill_turn = True
+            else:
+                await self._idle()
+
+    async def _idle(self) -> None:
+        self._wake = trio.Event()
+        expiries = [h.expires_at for h in self.held.values() if not h.claimed]
+        timeout = min(expiries) - self.clock() if expiries else math.inf
+        with trio.move_on_after(max(timeout, 0.0)):
+            await self._wake.wait()
+
+    def _admit(self, now: float) -> None:
+        while self._waiting:
+            seq = self._waiting[0]
+            in_batch = len(self._live) - len(self._waiting)
+            need = self.blocks_for(seq.prompt_len + seq.params.max_tokens)
+            if in_batch >= self.sim.max_num_seqs or need > len(self._free):
+                break
+            self._waiting.popleft()
+            seq.blocks = [heapq.heappop(self._free) for _ in range(need)]
+            self.metrics.queue_time.observe(now - seq.arrival)
+            if seq.remote:
+                seq.state = "fetching"
+                self._fetching.add(seq)
+            else:
+                seq.state = "prefill"
+                self._prefill_q.append(seq)
+            seq.admitted.set()
+        self.refresh()
+
+    def _cached_prefix(self, seq: Seq) -> int:
+        """Prompt tokens served by the prefix cache (whole blocks, never the last token)."""
+        if not self.sim.prefix_caching:
+            return 0
+        bs, ids = self.sim.block_size, seq.params.prompt_ids
+        cached = 0
+        for end in range(bs, seq.prompt_len, bs):
+            if prompt_key(ids[:end]) not in self._prefix_cache:
+                break
+            cached = end
+        return cached
+
+    def _remember_prefix(self, seq: Seq) -> None:
+        if not self.sim.prefix_caching:
+            return
+        bs, ids = self.sim.block_size, seq.params.prompt_ids
+        for end in range(bs, seq.prompt_len + 1, bs):
+            key = prompt_key(ids[:end])
+            self._prefix_cache.pop(key, None)
+            self._prefix_cache[key] = None
+        while len(self._prefix_cache) > self.num_blocks:
+            del self._prefix_cache[next(iter(self._prefix_cache))]
+
+    async def _run_prefill(self, seq: Seq) -> None:
+        self._prefilling = seq
+        self.refresh()
+        cached = self._cached_prefix(seq)
+        computed = seq.prompt_len - cached
+        try:
+            await trio.sleep(self._noisy(self.prefill_seconds(computed)))
+        finally:
+            self._prefilling = None
+        if seq.state != "prefill":  # aborted meanwhile
+            self.refresh()
+            return
+        m, s = self.metrics, self.stats
+        m.prefix_cache_queries += seq.prompt_len if self.sim.prefix_caching else 0
+        m.prefix_cache_hits += cached
+        for source, n in (("local_compute", computed), ("local_cache_hit", cached)):
+            m.prompt_tokens_by_source[source] += n
+            s.prompt_tokens[source] += n
+        self._remember_prefix(seq)
+        if self._emit(seq, self.clock()):
+            seq.state = "running"
+            self._running.append(seq)
+        self.refresh()
+
+    async def _run_step(self) -> None:
+        batch = list(self._running)
+        resident = sum(s.prompt_len + s.generated for s in batch)
+        await trio.sleep(self._noisy(self.step_seconds(len(batch), resident)))
+        now = self.clock()
+        for seq in batch:
+            if seq.state == "running":
+                self._emit(seq, now)
+        self._running = [s for s in self._running if s.state == "running"]
+        self.refresh()
+
+    def _emit(self, seq: Seq, now: float) -> bool:
+        """Send the next token of ``seq``; returns whether it continues."""
+        index = seq.generated
+        seq.generated += 1
+        finish = "length" if seq.generated >= seq.params.max_tokens else None
+        if seq.first_at is None:
+            seq.first_at = now
+            self.metrics.ttft.observe(now - seq.arrival)
+        elif seq.last_at is not None:
+            self.metrics.itl.observe(now - seq.last_at)
+        seq.last_at = now
+        self.metrics.generation_tokens += 1
+        self.stats.generated_tokens += 1
+        token = generated_token(self.sim.seed, seq.key, index)
+        try:
+            seq.send.send_nowait(TokenEvent(token, index, finish, now))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.abort(seq)
+            return False
+        if finish is None:
+            return True
+        self._finish(seq, finish, now)
+        return False
+
+    def _finish(self, seq: Seq, reason: str, now: float) -> None:
+        seq.finish_reason = reason
+        if seq.want_descriptor and reason == "length":
+            keep = self.blocks_for(seq.prompt_len)
+            h = Handoff(
+                request_id=seq.params.request_id,
+                engine_id=self.engine_id,
+                block_ids=tuple(seq.blocks[:keep]),
+                num_tokens=seq.prompt_len,
+                expires_at=now + self.sim.handoff_ttl_s,
+            )
+            self.held[h.request_id] = h
+            seq.blocks = seq.blocks[keep:]
+            seq.kv_transfer_params = self.describe(h)
+        m = self.metrics
+        m.request_success[reason] += 1
+        m.e2e.observe(now - seq.arrival)
+        if seq.generated > 1 and seq.first_at is not None:
+            m.tpot.observe((now - seq.first_at) / (seq.generated - 1))
+        self.stats.completed += 1
+        self.release(seq, "finished")
+
+
+def _flatten(block_ids: object) -> list[object]:
+    if isinstance(block_ids, list) and block_ids and all(isinstance(g, list) for g in block_ids):
+        return [b for group in block_ids for b in group]
+    return list(block_ids) if isinstance(block_ids, list) else [block_ids]

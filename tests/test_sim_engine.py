@@ -1,0 +1,259 @@
+"""The simulated engine's scheduler and latency model, through HTTP over a memory network."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from narwhal.config import EngineConfig, parse_as
+from narwhal.testing import SimEngine, SimFleet, open_memory_network, open_sim_fleet
+from narwhal.testing.metrics import format_value
+
+PREFILL = {"a": 0.010, "b": 1e-4, "c": 2e-7}
+DECODE = {"c0": 0.005, "c1": 0.001, "c2": 1e-6}
+
+
+def engine_config(name: str = "e0", port: int = 8101, **sim: Any) -> EngineConfig:
+    block = {"seed": 7, "prefill": PREFILL, "decode": DECODE, **sim}
+    return parse_as(EngineConfig, {
+        "name": name, "url": f"http://{name}.sim:{port}", "roles": ["prefill", "decode"],
+        "connector": {"type": "NixlConnector", "kv_host": f"{name}.kv", "kv_port": 15000 + port % 1000},
+        "sim": block,
+    })  # fmt: skip
+
+
+def prompt(n: int, tag: str = "w") -> str:
+    """A prompt of exactly ``n`` tokens."""
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+@asynccontextmanager
+async def one_engine(**sim: Any) -> AsyncIterator[tuple[SimFleet, SimEngine, httpx.AsyncClient]]:
+    async with open_sim_fleet([engine_config(**sim)]) as fleet:
+        async with fleet.client("e0", timeout=None) as client:
+            yield fleet, fleet.engines["e0"], client
+
+
+async def stream_times(client: httpx.AsyncClient, body: dict[str, Any]) -> list[tuple[float, dict[str, Any]]]:
+    """(arrival time, event) of every token event of a streamed completion."""
+    out: list[tuple[float, dict[str, Any]]] = []
+    body = {**body, "stream": True, "return_token_ids": True}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if event["choices"]:
+                    out.append((trio.current_time(), event))
+    return out
+
+
+async def test_prefill_latency_follows_the_model(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine() as (_, engine, client):
+        for n in (10, 100, 1000, 3000):
+            t0 = trio.current_time()
+            r = await client.post("/v1/completions", json={"prompt": prompt(n, f"p{n}-"), "max_tokens": 1})
+            elapsed = trio.current_time() - t0
+            assert r.status_code == 200
+            assert r.json()["usage"]["prompt_tokens"] == n
+            expected = PREFILL["a"] + PREFILL["b"] * n + PREFILL["c"] * n * n
+            assert elapsed == pytest.approx(expected, rel=0.01)
+        assert engine.stats.prompt_tokens["local_compute"] == 4110
+
+
+async def test_decode_step_grows_with_batch_and_resident_kv(autojump_clock: trio.abc.Clock) -> None:
+    L = 500
+    means = {}
+    for n in (1, 4):
+        async with one_engine() as (_, _engine, client):
+            events: dict[int, list[tuple[float, dict[str, Any]]]] = {}
+
+            async def run(i: int, c: httpx.AsyncClient = client, ev: dict[int, Any] = events) -> None:
+                ev[i] = await stream_times(c, {"prompt": prompt(L, f"s{i}-"), "max_tokens": 12})
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(run, i)
+            # Global timeline: time -> {stream: token index emitted then}.
+            steps: dict[float, dict[int, int]] = {}
+            for i, evs in events.items():
+                for k, (t, _) in enumerate(evs):
+                    steps.setdefault(t, {})[i] = k
+            times = sorted(steps)
+            intervals = []
+            for prev, cur in itertools.pairwise(times):
+                # a full decode step after a full decode step: every stream emitted at both
+                if len(steps[prev]) == n and len(steps[cur]) == n and min(steps[prev].values()) >= 1:
+                    resident = sum(L + k for k in steps[cur].values())
+                    expected = DECODE["c0"] + DECODE["c1"] * n + DECODE["c2"] * resident
+                    assert cur - prev == pytest.approx(expected, rel=0.01)
+                    intervals.append(cur - prev)
+            assert len(intervals) >= 5
+            means[n] = sum(intervals) / len(intervals)
+    assert means[4] > means[1]
+
+
+async def test_requests_wait_past_kv_capacity(autojump_clock: trio.abc.Clock) -> None:
+    # 256 tokens of KV = 16 blocks; each request reserves ceil((100 + 50) / 16) = 10.
+    async with one_engine(kv_capacity_tokens=256, block_size=16, max_model_len=256) as (_, engine, client):
+        results: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+        seen: list[tuple[int, int]] = []
+        pages: list[str] = []
+
+        async def run(name: str, delay: float) -> None:
+            await trio.sleep(delay)
+            results[name] = await stream_times(client, {"prompt": prompt(100, name), "max_tokens": 50})
+
+        async def watch() -> None:
+            await trio.sleep(0.1)
+            seen.append((engine.running, engine.waiting))
+            pages.append((await client.get("/metrics")).text)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", 0.0)
+            nursery.start_soon(run, "b", 0.001)
+            nursery.start_soon(watch)
+        a_last = results["a"][-1][0]
+        b_first = results["b"][0][0]
+        assert b_first >= a_last  # b was admitted only when a freed its blocks
+        prefill_b = PREFILL["a"] + PREFILL["b"] * 100 + PREFILL["c"] * 100 * 100
+        assert b_first - a_last == pytest.approx(prefill_b, rel=0.01)
+        assert seen == [(1, 1)]
+        assert 'vllm:num_requests_waiting{engine="0",model_name="sim-llama"} 1.0' in pages[0]
+        assert engine.stats.max_concurrent == 1
+        assert engine.kv_usage == 0.0
+
+
+async def test_max_num_seqs_bounds_the_batch(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine(max_num_seqs=2) as (_, engine, client):
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(stream_times, client, {"prompt": prompt(20, f"m{i}-"), "max_tokens": 5})
+        assert engine.stats.max_concurrent == 2
+        assert engine.stats.completed == 5
+
+
+async def test_noise_is_seeded(autojump_clock: trio.abc.Clock) -> None:
+    async def durations() -> list[float]:
+        out = []
+        async with one_engine(noise=0.2) as (_, _engine, client):
+            for n in (50, 60, 70):
+                t0 = trio.current_time()
+                await client.post("/v1/completions", json={"prompt": prompt(n), "max_tokens": 1})
+                out.append(trio.current_time() - t0)
+        return out
+
+    first, second = await durations(), await durations()
+    assert first == pytest.approx(second, rel=1e-9)
+    plain = [PREFILL["a"] + PREFILL["b"] * n + PREFILL["c"] * n * n for n in (50, 60, 70)]
+    assert first != pytest.approx(plain, rel=1e-6)
+
+
+async def test_outputs_are_deterministic_and_count_by_id(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine() as (_, _engine, client):
+        body = {"prompt": prompt(30), "max_tokens": 64}
+        one = [e["choices"][0]["token_ids"][0] for _, e in await stream_times(client, body)]
+        two = [e["choices"][0]["token_ids"][0] for _, e in await stream_times(client, body)]
+        assert one == two and len(one) == 64
+        texts = [e["choices"][0]["text"] for _, e in await stream_times(client, body)]
+        assert "" in texts  # some ids have no text of their own; they still count
+
+
+async def test_client_disconnect_aborts_and_frees_kv(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine() as (_, engine, client):
+        body = {"prompt": prompt(64), "max_tokens": 1000, "stream": True}
+        seen = 0
+        with trio.CancelScope() as scope:  # leaving by cancellation unwinds httpx's generators
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == 3:
+                        assert engine.running == 1 and engine.kv_usage > 0
+                        scope.cancel()
+        assert seen == 3
+        await trio.sleep(1.0)
+        assert engine.running == 0 and engine.kv_usage == 0.0
+        assert engine.stats.aborted == 1
+        metrics = (await client.get("/metrics")).text
+        assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="sim-llama"} 1.0' in metrics
+
+
+async def test_restart_makes_a_new_generation(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine() as (_, engine, client):
+        before = (engine.engine_id, engine.process_start_time, engine.generation)
+        await trio.sleep(3.0)
+        body = {"prompt": prompt(64), "max_tokens": 1000, "stream": True}
+        with pytest.raises(httpx.HTTPError):
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        await engine.restart()
+        after = (engine.engine_id, engine.process_start_time, engine.generation)
+        assert after[0] != before[0] and after[1] > before[1] and after[2] == before[2] + 1
+        assert engine.stats.broken == 1 and engine.running == 0 and engine.kv_usage == 0.0
+        metrics = (await client.get("/metrics")).text
+        assert f"\nprocess_start_time_seconds {format_value(after[1])}\n" in metrics
+        models = (await client.get("/v1/models")).json()
+        assert models["data"][0]["created"] == int(after[1])
+        # the new generation serves normally
+        r = await client.post("/v1/completions", json={"prompt": prompt(5), "max_tokens": 2})
+        assert r.status_code == 200
+
+
+async def test_restart_downtime_refuses_connections(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine() as (_, engine, client):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: engine.restart(downtime_s=2.0))
+            await trio.sleep(1.0)
+            with pytest.raises(httpx.ConnectError):
+                await client.get("/health")
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_prefix_cache_serves_repeated_prompts(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine(prefix_caching=True, block_size=16) as (_, engine, client):
+        text = prompt(100)
+        durations = []
+        for _ in range(2):
+            t0 = trio.current_time()
+            await client.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+            durations.append(trio.current_time() - t0)
+        cached = 96  # six whole blocks; the last (partial) block is recomputed
+        expected = PREFILL["a"] + PREFILL["b"] * 4 + PREFILL["c"] * 16
+        assert durations[1] == pytest.approx(expected, rel=0.01)
+        assert engine.stats.prompt_tokens == {"local_compute": 104, "local_cache_hit": cached,
+                                              "external_kv_transfer": 0}  # fmt: skip
+        metrics = (await client.get("/metrics")).text
+        assert 'enable_prefix_caching="True"' in metrics
+        assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-llama"} 96.0' in metrics
+
+
+async def test_closing_the_fleet_leaves_nothing_open(autojump_clock: trio.abc.Clock) -> None:
+    streaming = trio.Event()
+
+    async def hold_a_stream(client: httpx.AsyncClient) -> None:
+        body = {"prompt": prompt(10), "max_tokens": 4000, "stream": True}
+        with pytest.raises(httpx.HTTPError):
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                async for _ in resp.aiter_lines():
+                    streaming.set()
+
+    async with open_memory_network() as net:
+        async with trio.open_nursery() as nursery:
+            async with open_sim_fleet([engine_config()], network=net) as fleet:
+                client = fleet.client("e0", timeout=None)
+                nursery.start_soon(hold_a_stream, client)
+                await streaming.wait()
+                assert net.open_connections == 1
+                engine = fleet.engines["e0"]
+        assert net.open_connections == 0
+        assert engine.running == 0 and engine.kv_usage == 0.0
+        await client.aclose()
