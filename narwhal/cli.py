@@ -1,0 +1,128 @@
+"""Command line: ``narwhal serve|sim`` (and the ``narwhal-profile`` / ``narwhal-check`` names).
+
+``narwhal serve`` with no ``--fleet`` serves the embedded default fleet document
+(``config/fleet.sim.json``): its simulated engines start in the same process, so a
+newcomer's first command gives a working router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.resources
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from narwhal import __version__
+from narwhal.config import FleetConfig, load_fleet
+from narwhal.errors import ConfigError
+
+__all__ = ["check_main", "main", "profile_main"]
+
+log = logging.getLogger("narwhal")
+
+
+def default_fleet_path() -> Path:
+    """The embedded default fleet document (simulated engines)."""
+    return Path(str(importlib.resources.files("narwhal").joinpath("data/fleet.sim.json")))
+
+
+def _load(path: str | None) -> FleetConfig:
+    return load_fleet(path if path is not None else default_fleet_path())
+
+
+async def _until_signalled() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("received %s: shutting down", signal.Signals(signum).name)
+            return
+
+
+async def _serve(config: FleetConfig, host: str | None, port: int | None) -> None:
+    from narwhal.router.service import open_router
+
+    sims = [e for e in config.engines if e.sim is not None]
+    async with contextlib.AsyncExitStack() as stack:
+        if sims:
+            from narwhal.testing import open_sim_fleet
+
+            await stack.enter_async_context(open_sim_fleet(sims, sockets=True))
+            log.info("started %d simulated engines: %s", len(sims), ", ".join(f"{e.name}@{e.url}" for e in sims))
+        router = await stack.enter_async_context(open_router(config))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        bound = await nursery.start(router.serve_tcp, host, port)
+        for h, p in bound:
+            log.info("narwhal %s serving on http://%s:%d", __version__, h, p)
+        print(f"narwhal serving on http://{bound[0][0]}:{bound[0][1]}", flush=True)
+        await _until_signalled()
+        await router.shutdown()
+
+
+async def _sim(config: FleetConfig) -> None:
+    from narwhal.testing import open_sim_fleet
+
+    sims = [e for e in config.engines if e.sim is not None]
+    if not sims:
+        raise ConfigError("no engine of this fleet document has a 'sim' block", path="$.engines")
+    async with open_sim_fleet(sims, sockets=True):
+        for e in sims:
+            print(f"simulated engine {e.name} on {e.url}", flush=True)
+        await _until_signalled()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="narwhal", description="A router for disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"narwhal {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the router")
+    serve.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
+    serve.add_argument("--host", help="listen address (default: server.host)")
+    serve.add_argument("--port", type=int, help="listen port (default: server.port)")
+    sim = sub.add_parser("sim", help="run the simulated engines a fleet document declares")
+    sim.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
+    sub.add_parser("profile", help="profile engines (see narwhal-profile)")
+    sub.add_parser("check", help="preflight a fleet (see narwhal-check)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "serve":
+            trio.run(_serve, _load(args.fleet), args.host, args.port)
+        elif args.command == "sim":
+            trio.run(_sim, _load(args.fleet))
+        elif args.command == "profile":
+            return profile_main([])
+        elif args.command == "check":
+            return check_main([])
+    except ConfigError as err:
+        print(f"narwhal: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def profile_main(argv: Sequence[str] | None = None) -> int:
+    print("narwhal-profile: the profiler is not part of this release yet", file=sys.stderr)
+    return 2
+
+
+def check_main(argv: Sequence[str] | None = None) -> int:
+    print("narwhal-check: the preflight check is not part of this release yet", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

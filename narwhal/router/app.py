@@ -1,0 +1,85 @@
+"""The router's HTTP routes.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming and not),
+``GET /v1/models``, ``GET /health`` (200 only when an engine can prefill and one can
+decode). Errors use the OpenAI shape ``{"error": {"message", "type", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any
+
+from narwhal.engines.connector import RequestKind
+from narwhal.errors import MethodNotAllowed, NotFound, Unauthorized
+from narwhal.http.server import Request, ResponseWriter
+from narwhal.router.lifecycle import RequestLifecycle
+from narwhal.router.state import RouterState
+
+__all__ = ["RouterApp"]
+
+_JSON = (("content-type", "application/json"),)
+_INFERENCE: dict[str, RequestKind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class RouterApp:
+    """The request handler given to :class:`narwhal.http.server.HTTPServer`."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self._keys = [k.encode() for k in state.config.server.api_keys]
+        self._created = int(time.time())
+
+    def _authorize(self, request: Request) -> None:
+        if not self._keys:
+            return
+        header = request.header("authorization") or ""
+        scheme, _, token = header.partition(" ")
+        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        ok = False
+        for key in self._keys:  # constant time per key, and every key is compared
+            ok |= hmac.compare_digest(presented, key)
+        if not ok:
+            raise Unauthorized("missing or invalid API key", code="invalid_api_key")
+
+    async def __call__(self, request: Request, response: ResponseWriter) -> None:
+        path = request.path
+        kind = _INFERENCE.get(path)
+        if kind is not None:
+            if request.method != "POST":
+                raise MethodNotAllowed(f"{request.method} is not allowed on {path}")
+            self._authorize(request)
+            await RequestLifecycle(self.state, request, response, kind).run()
+            return
+        if path == "/health":
+            await self._health(response)
+        elif path == "/v1/models":
+            self._authorize(request)
+            await self._models(response)
+        else:
+            raise NotFound(f"no route for {request.method} {path}")
+
+    async def _health(self, response: ResponseWriter) -> None:
+        state = self.state
+        engines = {
+            name: ("ejected" if st.ejected else "quarantined" if not state.breaker.available(name) else "ok")
+            for name, st in state.breaker.states.items()
+        }
+        ready = state.ready()
+        body = {"status": "ready" if ready else "unavailable", "engines": engines}
+        await response.respond(200 if ready else 503, _JSON, _json(body))
+
+    async def _models(self, response: ResponseWriter) -> None:
+        data = []
+        for name, max_len in self.state.models.items():
+            entry: dict[str, Any] = {"id": name, "object": "model", "created": self._created, "owned_by": "narwhal"}
+            if max_len is not None:
+                entry["max_model_len"] = max_len
+            data.append(entry)
+        await response.respond(200, _JSON, _json({"object": "list", "data": data}))

@@ -1,0 +1,216 @@
+"""The router journal: one JSON line per request at its terminal outcome.
+
+The request path never waits on the disk: :meth:`Journal.record` hands the record to a
+bounded memory channel read by one writer task, which batches lines, writes them from
+a worker thread and flushes. When the channel is full the record goes to an overflow
+list that the writer drains next (counted in ``overflowed``), so a burst neither blocks
+a request nor loses a record. :meth:`Journal.aclose` drains everything, flushes and
+fsyncs; graceful shutdown calls it after in-flight requests are done.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import trio
+
+__all__ = ["TERMINAL_CLASSES", "AttemptRecord", "Journal", "RequestRecord"]
+
+#: The closed set of terminal classes a journal record may carry.
+TERMINAL_CLASSES = frozenset(
+    {
+        "ok",
+        "refused",
+        "invalid_request",
+        "client_cancelled",
+        "prefill_failed",
+        "decode_failed",
+        "first_token_timeout",
+        "silence_timeout",
+        "handoff_expired",
+        "invalid_descriptor",
+        "deadline_exceeded",
+        "shutdown",
+        "internal_error",
+    }
+)
+
+
+@attrs.define
+class AttemptRecord:
+    """One prefill/decode attempt of a request.
+
+    Attributes:
+        n: attempt number, from 1.
+        producer: the engine that ran the prefill leg.
+        consumer: the engine that ran the decode leg.
+        same_worker: both legs on one engine (no KV transfer).
+        prefill_request_id: backend request id of the prefill leg.
+        decode_request_id: backend request id of the decode leg.
+        outcome: ``ok`` or the terminal class this attempt would have had.
+        error: the error detail, if any.
+        ttft_s: arrival to producer HTTP completion, when the prefill leg completed.
+    """
+
+    n: int
+    producer: str | None = None
+    consumer: str | None = None
+    same_worker: bool = False
+    prefill_request_id: str | None = None
+    decode_request_id: str | None = None
+    outcome: str = "pending"
+    error: str | None = None
+    ttft_s: float | None = None
+
+
+@attrs.define
+class RequestRecord:
+    """The journal line of one client request (the measurement contract's fields).
+
+    Attributes:
+        request_id: the client's ``x-request-id`` or one the router made.
+        arrival: Unix time the request reached the router.
+        route: ``completions`` or ``chat``.
+        model: the requested model.
+        stream: whether the client asked for a stream.
+        prompt_tokens: prompt length in tokens (None when never counted).
+        requested_output_len: the client's output limit.
+        output_len: identified output tokens delivered.
+        ttft_s: arrival to producer HTTP completion (successful attempt).
+        first_byte_s: arrival to first generated decode output observed.
+        tpot_s: prefill completion to final decode token over output_len - 1 (>= 2 tokens).
+        latency_s: arrival to terminal outcome.
+        status: HTTP status answered (200 once committed, even if the stream then failed).
+        terminal_class: one of :data:`TERMINAL_CLASSES`.
+        producer: producer of the final attempt.
+        consumer: consumer of the final attempt.
+        attempts: every attempt with its outcome.
+        error: error detail for a failed request.
+    """
+
+    request_id: str
+    arrival: float
+    route: str
+    model: str | None = None
+    stream: bool = False
+    prompt_tokens: int | None = None
+    requested_output_len: int | None = None
+    output_len: int = 0
+    ttft_s: float | None = None
+    first_byte_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float | None = None
+    status: int = 0
+    terminal_class: str = "internal_error"
+    producer: str | None = None
+    consumer: str | None = None
+    attempts: list[AttemptRecord] = attrs.Factory(list)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+class Journal:
+    """Appends :class:`RequestRecord` lines to a file (or only to listeners when no path)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, *, queue_size: int = 10000, fsync: bool = True) -> None:
+        self.path = Path(path) if path is not None else None
+        self.fsync = fsync
+        self._send, self._receive = trio.open_memory_channel[dict[str, Any]](queue_size)
+        self._overflow: collections.deque[dict[str, Any]] = collections.deque()
+        self._overflow_ready = trio.Event()
+        self._closed = False
+        self._done = trio.Event()
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.written = 0
+        self.overflowed = 0
+        self.records = 0
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener(record_dict)`` for each record as it is journaled (no I/O allowed)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        self._listeners.remove(listener)
+
+    def record(self, record: RequestRecord) -> None:
+        """Journal ``record``; never blocks and never drops."""
+        if record.terminal_class not in TERMINAL_CLASSES:
+            raise ValueError(f"unknown terminal class {record.terminal_class!r}")
+        if self._closed:
+            raise RuntimeError("journal is closed")
+        line = record.to_json()
+        self.records += 1
+        for listener in self._listeners:
+            listener(line)
+        try:
+            self._send.send_nowait(line)
+        except trio.WouldBlock:
+            self.overflowed += 1
+            self._overflow.append(line)
+            self._overflow_ready.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The writer task: runs until :meth:`aclose` and everything is on disk."""
+        fh: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(self.path, "a", encoding="utf-8")  # noqa: ASYNC230 - opened once
+        task_status.started()
+        try:
+            async with self._receive:
+                while True:
+                    batch = self._take_overflow()
+                    if not batch:
+                        try:
+                            batch.append(await self._receive.receive())
+                        except trio.EndOfChannel:
+                            batch = self._take_overflow()
+                            if not batch:
+                                break
+                    while len(batch) < 512:
+                        try:
+                            batch.append(self._receive.receive_nowait())
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                    batch.extend(self._take_overflow())
+                    if fh is not None:
+                        text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in batch)
+                        await trio.to_thread.run_sync(_write, fh, text)
+                    self.written += len(batch)
+        finally:
+            if fh is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(_close, fh, self.fsync)
+            self._done.set()
+
+    def _take_overflow(self) -> list[dict[str, Any]]:
+        items = list(self._overflow)
+        self._overflow.clear()
+        return items
+
+    async def aclose(self) -> None:
+        """Stop accepting records, let the writer drain, flush and fsync."""
+        if not self._closed:
+            self._closed = True
+            await self._send.aclose()
+        await self._done.wait()
+
+
+def _write(fh: IO[str], text: str) -> None:
+    fh.write(text)
+    fh.flush()
+
+
+def _close(fh: IO[str], fsync: bool) -> None:
+    fh.flush()
+    if fsync:
+        os.fsync(fh.fileno())
+    fh.close()

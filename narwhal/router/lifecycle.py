@@ -1,0 +1,381 @@
+"""One client request from arrival to its terminal outcome.
+
+A :class:`RequestLifecycle` runs inside the HTTP handler's task; the server cancels
+that task when the client disconnects, so everything the request started (the
+prefill leg, the decode stream, reservations) is cancelled with it. Deadlines are
+cancel scopes:
+
+- the request deadline (``engine.request_timeout_s`` from arrival) wraps everything;
+- the handoff deadline (``handoff.max_age_s`` from the start of the producer HTTP leg)
+  bounds the prefill leg and the decode leg until its first token;
+- the first-token deadline (``engine.first_token_timeout_s``) starts before the decode
+  stream is opened, so connect and response headers consume it;
+- after the first token, ``engine.decode_read_timeout_s`` bounds the silence between
+  chunks (metadata chunks reset it; zero leaves only the request deadline).
+
+One scope carries the decode leg's deadlines and is moved as the stream advances, so
+the per-token cost is one deadline assignment. The HTTP 200 of a streaming answer is
+committed at the first generated token: every failure before it is an ordinary HTTP
+error; after it, the stream ends with a terminal ``data: {"error": ...}`` event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+from typing import Any
+
+import trio
+
+from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import PrefillResult, RequestKind, validate_descriptor
+from narwhal.errors import (
+    ContextLengthExceeded,
+    DeadlineExceeded,
+    EngineError,
+    EngineTimeout,
+    FirstTokenTimeout,
+    HandoffExpired,
+    InvalidDescriptor,
+    NarwhalError,
+    NotFound,
+    Refused,
+    SilenceTimeout,
+)
+from narwhal.http.server import Request, ResponseWriter
+from narwhal.router.journal import AttemptRecord, RequestRecord
+from narwhal.router.placement import Reservation
+from narwhal.router.requests import ParsedRequest, ResponseAccumulator, error_event, parse_request
+from narwhal.router.state import RouterState
+
+__all__ = ["RequestLifecycle", "terminal_class_for"]
+
+log = logging.getLogger("narwhal.router")
+
+_SSE_HEADERS = (
+    ("content-type", "text/event-stream"),
+    ("cache-control", "no-cache"),
+)
+_DONE = b"data: [DONE]\n\n"
+
+
+def terminal_class_for(err: NarwhalError) -> str:
+    """The journal's terminal class for an error."""
+    if isinstance(err, EngineError):
+        if isinstance(err, InvalidDescriptor):
+            return "invalid_descriptor"
+        if isinstance(err, (FirstTokenTimeout, SilenceTimeout, HandoffExpired)):
+            return err.terminal_class
+        return "prefill_failed" if err.leg == "prefill" else "decode_failed"
+    if isinstance(err, DeadlineExceeded):
+        return "deadline_exceeded"
+    if err.terminal_class == "refused" and err.status != 503:
+        return "invalid_request"
+    return err.terminal_class if err.terminal_class in ("refused",) else "internal_error"
+
+
+def _new_request_id() -> str:
+    return secrets.token_hex(12)
+
+
+class RequestLifecycle:
+    """Runs one ``/v1/completions`` or ``/v1/chat/completions`` request."""
+
+    def __init__(self, state: RouterState, request: Request, response: ResponseWriter, kind: RequestKind) -> None:
+        self.state = state
+        self.request = request
+        self.response = response
+        self.kind = kind
+        self.arrival = state.clock()
+        rid = request.header("x-request-id")
+        self.request_id = rid if rid and len(rid) <= 200 and rid.isprintable() else _new_request_id()
+        self.record = RequestRecord(
+            request_id=self.request_id, arrival=time.time(), route=kind
+        )
+        self.parsed: ParsedRequest | None = None
+        self.committed = False
+        self.visible = False
+        self.tokens = 0
+        self.prompt_tokens = 0
+        self.max_tokens = 0
+
+    # ------------------------------------------------------------------ entry point
+
+    async def run(self) -> None:
+        state = self.state
+        record = self.record
+        state.in_flight += 1
+        try:
+            with trio.CancelScope(deadline=self.arrival + state.config.engine.request_timeout_s) as deadline:
+                await self._serve()
+            if deadline.cancelled_caught:
+                raise DeadlineExceeded("request deadline exceeded (engine.request_timeout_s)")
+            record.terminal_class = "ok"
+            record.status = 200
+        except NarwhalError as err:
+            record.terminal_class = terminal_class_for(err)
+            record.error = err.message
+            await self._fail(err)
+        except trio.Cancelled:
+            record.terminal_class = "client_cancelled" if self.request.disconnected.is_set() else "shutdown"
+            record.status = 200 if self.committed else 499
+            record.error = "client disconnected" if record.terminal_class == "client_cancelled" else "router shutting down"
+            raise
+        except Exception as exc:
+            log.exception("request %s failed with an internal error", self.request_id)
+            record.terminal_class = "internal_error"
+            record.error = f"{type(exc).__name__}"
+            await self._fail(NarwhalError("internal error"))
+        finally:
+            state.in_flight -= 1
+            record.latency_s = state.clock() - self.arrival
+            record.output_len = self.tokens
+            state.journal.record(record)
+            log.info(
+                "request %s %s status=%s class=%s tokens=%d",
+                self.request_id, self.kind, record.status, record.terminal_class, self.tokens,
+            )
+
+    async def _fail(self, err: NarwhalError) -> None:
+        """Tell the client: an HTTP error before commit, a terminal event after."""
+        resp = self.response
+        if not self.committed:
+            self.record.status = err.http_status
+            headers = [("content-type", "application/json"), ("x-request-id", self.request_id)]
+            retry_after = getattr(err, "retry_after_s", None)
+            if retry_after is not None:
+                headers.append(("retry-after", str(max(1, math.ceil(retry_after)))))
+            with trio.move_on_after(5, shield=True):
+                await resp.respond(err.http_status, headers, json.dumps(err.to_body()).encode())
+        else:
+            self.record.status = 200
+            with trio.move_on_after(5, shield=True):
+                await resp.send(error_event(err))
+                await resp.end()
+
+    # ------------------------------------------------------------------ the request
+
+    async def _serve(self) -> None:
+        state = self.state
+        if state.in_flight > state.config.server.max_concurrent_requests:
+            raise Refused("too many concurrent requests (server.max_concurrent_requests)", retry_after_s=1.0)
+        parsed = self.parsed = parse_request(self.request.body, self.kind)
+        record = self.record
+        record.stream = parsed.stream
+        model = parsed.model or state.default_model
+        if parsed.model is not None and state.models and parsed.model not in state.models:
+            raise NotFound(f"model '{parsed.model}' does not exist", code="model_not_found")
+        record.model = model
+        tok = await state.tokenize(parsed.body, self.kind)
+        self.prompt_tokens = tok.count
+        record.prompt_tokens = tok.count
+        max_model_len = tok.max_model_len if tok.max_model_len is not None else state.models.get(model or "")
+        self.max_tokens = parsed.output_limit(tok.count, max_model_len)
+        record.requested_output_len = self.max_tokens
+        if max_model_len is not None and tok.count + self.max_tokens > max_model_len:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {max_model_len} tokens; the request has "
+                f"{tok.count} prompt tokens and asks for {self.max_tokens} output tokens"
+            )
+        state.retry_budget.note_request()
+        max_attempts = state.config.recovery.max_attempts
+        tried: set[str] = set()
+        n = 0
+        while True:
+            n += 1
+            attempt = AttemptRecord(n=n)
+            record.attempts.append(attempt)
+            try:
+                await self._attempt(attempt, frozenset(tried))
+                attempt.outcome = "ok"
+                return
+            except EngineError as err:
+                attempt.outcome = terminal_class_for(err)
+                attempt.error = err.message
+                if err.engine:
+                    tried.add(err.engine)
+                if not self._may_retry(err, n, max_attempts):
+                    raise
+
+    def _may_retry(self, err: EngineError, n: int, max_attempts: int) -> bool:
+        if self.visible or self.committed or not err.transient or n >= max_attempts:
+            return False
+        # The request deadline must still permit a fresh attempt.
+        remaining = self.arrival + self.state.config.engine.request_timeout_s - self.state.clock()
+        if remaining <= 0:
+            return False
+        return self.state.retry_budget.try_acquire()
+
+    async def _attempt(self, attempt: AttemptRecord, avoid: frozenset[str]) -> None:
+        state = self.state
+        with state.placement.choose(self.prompt_tokens, self.max_tokens, avoid=avoid) as reservation:
+            attempt.producer = reservation.producer
+            attempt.consumer = reservation.consumer
+            attempt.same_worker = reservation.same_worker
+            self.record.producer = reservation.producer
+            self.record.consumer = reservation.consumer
+            suffix = secrets.token_hex(4)
+            attempt.prefill_request_id = f"{self.request_id}-{attempt.n}-{suffix}-p"
+            attempt.decode_request_id = f"{self.request_id}-{attempt.n}-{suffix}-d"
+            try:
+                await self._legs(attempt, reservation)
+            except EngineError as err:
+                culprit = err.engine or (reservation.producer if err.leg == "prefill" else reservation.consumer)
+                err.engine = culprit
+                if not isinstance(err, HandoffExpired):
+                    state.breaker.record_failure(culprit, err.message, origin_producer=reservation.producer)
+                raise
+        state.breaker.record_success(reservation.producer)
+        state.breaker.record_success(reservation.consumer)
+
+    async def _legs(self, attempt: AttemptRecord, reservation: Reservation) -> None:
+        state = self.state
+        cfg = state.config
+        parsed = self.parsed
+        assert parsed is not None
+        producer = state.clients[reservation.producer]
+        consumer = state.clients[reservation.consumer]
+        same_worker = reservation.same_worker
+
+        # Prefill leg: the handoff's age starts with the producer HTTP leg.
+        handoff_start = state.clock()
+        handoff_deadline = handoff_start + cfg.handoff.max_age_s
+        with trio.CancelScope(deadline=handoff_deadline) as scope:
+            state.in_flight_by_engine[reservation.producer] += 1
+            try:
+                prefill = await producer.prefill(
+                    parsed.body,
+                    kind=self.kind,
+                    request_id=attempt.prefill_request_id,
+                    transfer=not same_worker,
+                )
+            finally:
+                state.in_flight_by_engine[reservation.producer] -= 1
+        if scope.cancelled_caught:
+            raise EngineTimeout(
+                f"prefill did not complete within handoff.max_age_s ({cfg.handoff.max_age_s:g} s)",
+                engine=reservation.producer,
+                leg="prefill",
+            )
+        prefill_done = state.clock()
+        reservation.release_prefill()
+        attempt.ttft_s = prefill_done - self.arrival
+        self.record.ttft_s = attempt.ttft_s
+        handoff: PrefillResult | None = None
+        if not same_worker:
+            engine_cfg = state.engines[reservation.producer]
+            connector = engine_cfg.connector
+            validate_descriptor(
+                prefill.descriptor,
+                connector=connector.type if connector is not None else None,
+                expected_endpoint=(connector.kv_host, connector.kv_port) if connector is not None else None,
+                engine=reservation.producer,
+            )
+            handoff = prefill
+
+        # Decode leg, under one scope whose deadline follows the stream.
+        await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done)
+
+    async def _decode(
+        self,
+        consumer: EngineClient,
+        handoff: PrefillResult | None,
+        attempt: AttemptRecord,
+        reservation: Reservation,
+        handoff_deadline: float,
+        prefill_done: float,
+    ) -> None:
+        state = self.state
+        cfg = state.config.engine
+        parsed = self.parsed
+        assert parsed is not None
+        clock = state.clock
+        silence = cfg.decode_read_timeout_s if cfg.decode_read_timeout_s > 0 else math.inf
+        first_token_deadline = clock() + cfg.first_token_timeout_s
+        scope = trio.CancelScope(deadline=min(handoff_deadline, first_token_deadline))
+        acc = None if parsed.stream else ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+        forward_meta = parsed.include_usage
+        respond = self.response
+        tokens = 0
+        held: list[bytes] = []
+        last_token_at = prefill_done
+        name = reservation.consumer
+        state.in_flight_by_engine[name] += 1
+        try:
+            with scope:
+                async with consumer.decode(
+                    handoff, parsed.body, kind=self.kind, request_id=attempt.decode_request_id
+                ) as stream:
+                    async for chunk in stream:
+                        now = clock()
+                        if chunk.kind == "token":
+                            n = chunk.count
+                            if tokens == 0 and n:
+                                self.visible = True
+                                self.record.first_byte_s = now - self.arrival
+                                if parsed.stream:
+                                    await respond.start(200, (*_SSE_HEADERS, ("x-request-id", self.request_id)))
+                                    self.committed = True
+                                    for raw in held:
+                                        await respond.send(raw)
+                            tokens += n
+                            self.tokens = tokens
+                            last_token_at = now
+                            if acc is None:
+                                # Client backpressure is not engine silence.
+                                scope.deadline = math.inf
+                                await respond.send(chunk.raw)
+                            else:
+                                acc.add(chunk.data)
+                        elif acc is not None:
+                            acc.add(chunk.data)
+                        elif forward_meta or not _is_usage(chunk.data):
+                            if self.committed:
+                                scope.deadline = math.inf
+                                await respond.send(chunk.raw)
+                            else:
+                                held.append(chunk.raw)  # e.g. chat's role delta: sent at commit
+                        if tokens:
+                            scope.deadline = clock() + silence
+        finally:
+            state.in_flight_by_engine[name] -= 1
+            reservation.release_decode()
+        if scope.cancelled_caught:
+            if tokens:
+                raise SilenceTimeout(
+                    f"engine went silent between tokens (no chunk for {cfg.decode_read_timeout_s:g} s "
+                    f"after {tokens} tokens)",
+                    engine=name,
+                    leg="decode",
+                )
+            if handoff_deadline <= first_token_deadline and handoff is not None:
+                raise HandoffExpired(
+                    f"KV handoff older than handoff.max_age_s ({state.config.handoff.max_age_s:g} s) "
+                    "before the first token",
+                    engine=name,
+                    leg="decode",
+                )
+            raise FirstTokenTimeout(
+                f"no token within engine.first_token_timeout_s ({cfg.first_token_timeout_s:g} s)",
+                engine=name,
+                leg="decode",
+            )
+        # A normal end: the stream saw [DONE] after at least one token (the client enforces it).
+        if tokens >= 2:
+            self.record.tpot_s = (last_token_at - prefill_done) / (tokens - 1)
+        if acc is None:
+            await respond.send(_DONE)
+            await respond.end()
+        else:
+            body = json.dumps(acc.body(self.prompt_tokens)).encode()
+            await respond.respond(
+                200, (("content-type", "application/json"), ("x-request-id", self.request_id)), body
+            )
+            self.committed = True
+
+
+def _is_usage(data: dict[str, Any] | None) -> bool:
+    return bool(data) and data is not None and "usage" in data and not data.get("choices")

@@ -1,0 +1,152 @@
+"""Choosing a (producer, consumer) pair and holding phase reservations.
+
+Placement here is least reserved load: the producer with the fewest prompt tokens
+reserved for prefill, the consumer with the fewest decode reservations (then resident
+KV tokens). Engines the breaker keeps out (ejected, quarantined) are skipped; engines
+that failed an earlier attempt of the same request are avoided while others remain.
+When one engine is best for both roles, the request decodes on the same worker.
+
+A :class:`Reservation` is owned by one request attempt; the prefill part is released
+when the prefill leg completes, the decode part when the stream ends, and
+:meth:`Reservation.release` (idempotent) releases whatever is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from narwhal.errors import Refused
+
+__all__ = ["EngineLoad", "Placement", "Reservation"]
+
+
+@attrs.define
+class EngineLoad:
+    """Reserved load on one engine.
+
+    Attributes:
+        prefill_requests: prefill legs reserved and not yet complete.
+        prefill_tokens: prompt tokens of those legs.
+        decode_requests: decode streams reserved.
+        decode_kv_tokens: KV tokens those streams will hold (prompt + output limit).
+    """
+
+    prefill_requests: int = 0
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    decode_kv_tokens: int = 0
+
+
+class Reservation:
+    """The phase reservations of one attempt."""
+
+    __slots__ = (
+        "_open",
+        "_placement",
+        "consumer",
+        "decode_held",
+        "kv_tokens",
+        "prefill_held",
+        "producer",
+        "prompt_tokens",
+    )
+
+    def __init__(self, placement: Placement, producer: str, consumer: str, prompt_tokens: int, kv_tokens: int) -> None:
+        self._placement = placement
+        self.producer = producer
+        self.consumer = consumer
+        self.prompt_tokens = prompt_tokens
+        self.kv_tokens = kv_tokens
+        self.prefill_held = True
+        self.decode_held = True
+        self._open = True
+        p = placement.loads[producer]
+        p.prefill_requests += 1
+        p.prefill_tokens += prompt_tokens
+        c = placement.loads[consumer]
+        c.decode_requests += 1
+        c.decode_kv_tokens += kv_tokens
+        placement.open_reservations += 1
+
+    @property
+    def same_worker(self) -> bool:
+        return self.producer == self.consumer
+
+    def release_prefill(self) -> None:
+        if self.prefill_held:
+            self.prefill_held = False
+            p = self._placement.loads[self.producer]
+            p.prefill_requests -= 1
+            p.prefill_tokens -= self.prompt_tokens
+
+    def release_decode(self) -> None:
+        if self.decode_held:
+            self.decode_held = False
+            c = self._placement.loads[self.consumer]
+            c.decode_requests -= 1
+            c.decode_kv_tokens -= self.kv_tokens
+
+    def release(self) -> None:
+        self.release_prefill()
+        self.release_decode()
+        if self._open:
+            self._open = False
+            self._placement.open_reservations -= 1
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Placement:
+    """Least-reserved-load placement over the fleet's engines."""
+
+    def __init__(
+        self,
+        prefill_engines: Sequence[str],
+        decode_engines: Sequence[str],
+        *,
+        available: Callable[[str], bool] = lambda name: True,
+    ) -> None:
+        self.prefill_engines = list(prefill_engines)
+        self.decode_engines = list(decode_engines)
+        self.available = available
+        self.loads: dict[str, EngineLoad] = {
+            name: EngineLoad() for name in dict.fromkeys([*prefill_engines, *decode_engines])
+        }
+        self.open_reservations = 0
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def _pick(
+        self, role: str, names: Iterable[str], avoid: frozenset[str], key: Callable[[str], tuple[int, ...]]
+    ) -> str | None:
+        live = [n for n in names if self.available(n)]
+        preferred = [n for n in live if n not in avoid] or live
+        if not preferred:
+            return None
+        # Rotate before the stable sort so that ties spread across engines.
+        k = next(self._rr[role]) % len(preferred)
+        rotated = preferred[k:] + preferred[:k]
+        return min(rotated, key=key)
+
+    def choose(self, prompt_tokens: int, max_tokens: int, *, avoid: frozenset[str] = frozenset()) -> Reservation:
+        """Reserve the best (producer, consumer) pair or raise :class:`Refused`."""
+        loads = self.loads
+        producer = self._pick(
+            "prefill",
+            self.prefill_engines, avoid, lambda n: (loads[n].prefill_tokens, loads[n].prefill_requests)
+        )
+        if producer is None:
+            raise Refused("no engine available for prefill", retry_after_s=1.0)
+        consumer = self._pick(
+            "decode",
+            self.decode_engines, avoid, lambda n: (loads[n].decode_requests, loads[n].decode_kv_tokens)
+        )
+        if consumer is None:
+            raise Refused("no engine available for decode", retry_after_s=1.0)
+        return Reservation(self, producer, consumer, prompt_tokens, prompt_tokens + max_tokens)

@@ -1,0 +1,208 @@
+"""Validating an OpenAI request body and shaping what the client gets back.
+
+The router forwards the client's body to the engines (sampling settings untouched,
+transfer parameters removed); this module only checks what the router itself relies
+on, with a message that names the field, and builds the non-streaming answer from
+the decode stream's chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import attrs
+
+from narwhal.engines.connector import RequestKind
+from narwhal.errors import BadRequest, NarwhalError, Unsupported
+
+__all__ = ["ParsedRequest", "ResponseAccumulator", "error_event", "parse_request"]
+
+_DEFAULT_COMPLETION_TOKENS = 16
+
+
+@attrs.define
+class ParsedRequest:
+    """What the router needs from a client body.
+
+    Attributes:
+        kind: ``completions`` or ``chat``.
+        body: the client's body (the engines see a copy without transfer parameters).
+        model: requested model, or None for the fleet's default.
+        stream: the client wants SSE.
+        include_usage: the client asked for the usage event (stream_options.include_usage).
+        return_token_ids: the client asked for token ids in the answer.
+        max_tokens: the client's output limit, or None when it set none.
+    """
+
+    kind: RequestKind
+    body: dict[str, Any]
+    model: str | None
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    max_tokens: int | None
+
+    def output_limit(self, prompt_tokens: int, max_model_len: int | None) -> int:
+        """The output limit the engines will apply (vLLM's defaults when unset)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        if self.kind == "completions" or max_model_len is None:
+            return _DEFAULT_COMPLETION_TOKENS
+        return max(max_model_len - prompt_tokens, 1)
+
+
+def _int_field(body: dict[str, Any], name: str, *, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer", code="invalid_type")
+    if value < minimum:
+        raise BadRequest(f"'{name}' must be >= {minimum}", code="invalid_value")
+    return value
+
+
+def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
+    """Parse and check a completions or chat body; raises :class:`BadRequest`."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    if kind == "completions":
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise BadRequest("'prompt' is required", code="missing_field")
+        if isinstance(prompt, list):
+            if prompt and all(isinstance(p, str) for p in prompt):
+                raise Unsupported("batched prompts (a list of strings) are not supported")
+            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+                raise BadRequest("'prompt' must be a string or a non-empty list of token ids", code="invalid_type")
+        elif not isinstance(prompt, str):
+            raise BadRequest("'prompt' must be a string or a list of token ids", code="invalid_type")
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list", code="missing_field")
+        if not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("each item of 'messages' must be an object", code="invalid_type")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", code="invalid_type")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", code="invalid_type")
+    n = _int_field(body, "n", minimum=1)
+    if n is not None and n > 1:
+        raise Unsupported("'n' > 1 is not supported")
+    best_of = _int_field(body, "best_of", minimum=1)
+    if best_of is not None and best_of > 1:
+        raise Unsupported("'best_of' > 1 is not supported")
+    max_tokens = _int_field(body, "max_tokens", minimum=1)
+    if kind == "chat":
+        mct = _int_field(body, "max_completion_tokens", minimum=1)
+        if mct is not None:
+            max_tokens = mct
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", code="invalid_type")
+    include_usage = bool(options and options.get("include_usage"))
+    return ParsedRequest(
+        kind=kind,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        return_token_ids=bool(body.get("return_token_ids")),
+        max_tokens=max_tokens,
+    )
+
+
+def error_event(err: NarwhalError) -> bytes:
+    """The terminal SSE event for a failure after HTTP 200 was committed."""
+    body = err.to_body()
+    body["error"]["code"] = err.http_status
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ResponseAccumulator:
+    """Builds a non-streaming answer (vLLM's shape) from the decode stream's events."""
+
+    def __init__(self, parsed: ParsedRequest, request_id: str, model: str) -> None:
+        self.parsed = parsed
+        self.request_id = request_id
+        self.model = model
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, data: dict[str, Any] | None) -> None:
+        if not data:
+            return
+        usage = data.get("usage")
+        if usage:
+            self.usage = usage
+        for choice in data.get("choices") or ():
+            ids = choice.get("token_ids")
+            if ids:
+                self.token_ids.extend(ids)
+            if self.parsed.kind == "chat":
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    self.text.append(delta["content"])
+                rc = delta.get("reasoning_content") or delta.get("reasoning")
+                if rc:
+                    self.reasoning.append(rc)
+            elif choice.get("text"):
+                self.text.append(choice["text"])
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+                self.stop_reason = choice.get("stop_reason")
+
+    def body(self, prompt_tokens: int) -> dict[str, Any]:
+        usage = self.usage or {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(self.token_ids),
+            "total_tokens": prompt_tokens + len(self.token_ids),
+        }
+        created = int(time.time())
+        choice: dict[str, Any]
+        if self.parsed.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+            if self.reasoning:
+                message["reasoning_content"] = "".join(self.reasoning)
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+            }
+            obj = "chat.completion"
+            rid = f"chatcmpl-{self.request_id}"
+        else:
+            choice = {
+                "index": 0,
+                "text": "".join(self.text),
+                "logprobs": None,
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+            }
+            obj = "text_completion"
+            rid = f"cmpl-{self.request_id}"
+        if self.parsed.return_token_ids:
+            choice["token_ids"] = list(self.token_ids)
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+        }

@@ -1,0 +1,91 @@
+"""Running the router: state, background tasks, the HTTP server, graceful shutdown."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import trio
+
+from narwhal.config import FleetConfig
+from narwhal.http.server import HTTPServer, ServerLimits
+from narwhal.router.app import RouterApp
+from narwhal.router.journal import Journal
+from narwhal.router.probe import run_probes
+from narwhal.router.state import RouterState
+
+__all__ = ["Router", "open_router"]
+
+log = logging.getLogger("narwhal.router")
+
+
+class Router:
+    """A running router: ``server`` serves ``app`` over ``state``."""
+
+    def __init__(self, state: RouterState, server: HTTPServer, nursery: trio.Nursery) -> None:
+        self.state = state
+        self.server = server
+        self.app = server
+        self._nursery = nursery
+
+    @property
+    def journal(self) -> Journal:
+        return self.state.journal
+
+    async def serve_tcp(
+        self, host: str | None = None, port: int | None = None, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        cfg = self.state.config.server
+        await self.server.serve_tcp(cfg.host if host is None else host, cfg.port if port is None else port, task_status=task_status)
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop accepting, drain in-flight requests up to the grace period."""
+        grace = self.state.config.server.shutdown_grace_s if grace_s is None else grace_s
+        await self.server.shutdown(grace)
+
+
+def server_limits(config: FleetConfig) -> ServerLimits:
+    s = config.server
+    return ServerLimits(
+        max_header_bytes=s.max_header_bytes,
+        max_body_bytes=s.max_body_bytes,
+        header_timeout_s=s.header_timeout_s,
+        body_timeout_s=s.body_timeout_s,
+        keepalive_timeout_s=s.keepalive_timeout_s,
+    )
+
+
+@asynccontextmanager
+async def open_router(
+    config: FleetConfig,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    journal: Journal | None = None,
+) -> AsyncIterator[Router]:
+    """Start a router's background tasks; on exit drain, flush the journal, close clients.
+
+    Args:
+        config: the fleet document.
+        transport: an httpx transport for reaching the engines (tests pass the in-memory
+            one of :mod:`narwhal.testing`); None for real sockets.
+        journal: a journal to use instead of the one ``config.journal`` names.
+    """
+    state = RouterState(config, transport=transport, journal=journal)
+    server = HTTPServer(RouterApp(state), server_limits(config), server_name="narwhal")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(state.journal.run)
+            await nursery.start(run_probes, state)
+            await state.refresh_models()
+            router = Router(state, server, nursery)
+            try:
+                yield router
+            finally:
+                with trio.CancelScope(shield=True):
+                    await server.shutdown(config.server.shutdown_grace_s)
+                    await state.journal.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        await state.aclose()

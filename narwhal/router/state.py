@@ -1,0 +1,141 @@
+"""The router's shared state: engine clients, placement, breaker, retry budget, journal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import trio
+
+from narwhal.config import EngineConfig, FleetConfig
+from narwhal.engines.client import EngineClient, Tokenized
+from narwhal.engines.connector import RequestKind
+from narwhal.errors import EngineError, Refused
+from narwhal.router.breaker import Breaker
+from narwhal.router.journal import Journal
+from narwhal.router.placement import Placement
+from narwhal.router.retry import RetryBudget
+
+__all__ = ["RouterState"]
+
+
+class RouterState:
+    """Everything the request lifecycles share; built once per router."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        journal: Journal | None = None,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.engines: dict[str, EngineConfig] = {e.name: e for e in config.engines}
+        self.clients: dict[str, EngineClient] = {
+            e.name: EngineClient(
+                e.url,
+                name=e.name,
+                model=e.model,
+                connector=e.connector,
+                api_key=e.api_key,
+                transport=transport,
+                connect_timeout_s=config.engine.connect_timeout_s,
+            )
+            for e in config.engines
+        }
+        rec = config.recovery
+        self.breaker = Breaker(
+            list(self.engines),
+            eject_after=rec.eject_after,
+            quarantine_s=rec.failure_quarantine_s,
+            probe_interval_s=rec.probe_interval_s,
+            clock=clock,
+        )
+        self.placement = Placement(
+            [e.name for e in config.engines if e.can_prefill],
+            [e.name for e in config.engines if e.can_decode],
+            available=self.breaker.available,
+        )
+        budget = rec.retry_budget
+        self.retry_budget = RetryBudget(
+            ratio=budget.ratio,
+            min_retries_per_s=budget.min_retries_per_s,
+            window_s=budget.window_s,
+            clock=clock,
+        )
+        self.journal = journal if journal is not None else Journal(
+            config.journal.path, queue_size=config.journal.queue_size, fsync=config.journal.fsync
+        )
+        #: model name -> max_model_len, learned from the engines (config names first).
+        self.models: dict[str, int | None] = {}
+        for e in config.engines:
+            name = e.model or (e.sim.model if e.sim is not None else None)
+            if name:
+                self.models.setdefault(name, None)
+        self.in_flight = 0
+        self.in_flight_by_engine: dict[str, int] = dict.fromkeys(self.engines, 0)
+
+    @property
+    def default_model(self) -> str | None:
+        return next(iter(self.models), None)
+
+    def ready(self) -> bool:
+        """At least one engine can prefill and one can decode."""
+        avail = self.breaker.available
+        return any(avail(n) for n in self.placement.prefill_engines) and any(
+            avail(n) for n in self.placement.decode_engines
+        )
+
+    async def tokenize(self, parsed_body: dict[str, Any], kind: RequestKind) -> Tokenized:
+        """Count the prompt's tokens with a producer's ``/tokenize``.
+
+        The least-loaded available producer answers; when it fails with a transient
+        engine fault the next one is asked (the failure counts towards its breaker).
+        """
+        loads = self.placement.loads
+        candidates = sorted(
+            (n for n in self.placement.prefill_engines if self.breaker.available(n)),
+            key=lambda n: loads[n].prefill_tokens,
+        )
+        if not candidates:
+            raise Refused("no engine available for prefill", retry_after_s=1.0)
+        model = parsed_body.get("model")
+        for i, name in enumerate(candidates):
+            client = self.clients[name]
+            try:
+                if kind == "chat":
+                    return await client.tokenize(messages=parsed_body["messages"], model=model)
+                return await client.tokenize(parsed_body["prompt"], model=model)
+            except EngineError as err:
+                err.engine = err.engine or name
+                err.leg = "prefill"
+                self.breaker.record_failure(name, f"tokenize: {err.message}")
+                if not err.transient or i == len(candidates) - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def refresh_models(self) -> None:
+        """Ask every engine for its models (best effort; failures leave config names)."""
+
+        async def one(client: EngineClient) -> None:
+            try:
+                with trio.move_on_after(self.config.engine.connect_timeout_s):
+                    for m in await client.models():
+                        mid = m.get("id")
+                        if isinstance(mid, str):
+                            mml = m.get("max_model_len")
+                            self.models[mid] = mml if isinstance(mml, int) else self.models.get(mid)
+            except Exception:
+                return
+
+        async with trio.open_nursery() as nursery:
+            for client in self.clients.values():
+                nursery.start_soon(one, client)
+
+    async def aclose(self) -> None:
+        for client in self.clients.values():
+            with trio.move_on_after(5, shield=True):
+                await client.aclose()

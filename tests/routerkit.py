@@ -1,0 +1,122 @@
+"""A router in front of simulated engines, all in memory (virtual-time safe)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import httpx
+
+from narwhal.config import FleetConfig, parse_fleet
+from narwhal.router.journal import Journal
+from narwhal.router.service import Router, open_router
+from narwhal.testing import MemoryNetwork, SimFleet, open_memory_network, open_sim_fleet
+
+ROUTER_HOST = "router.test"
+ROUTER_PORT = 8000
+
+SIM = {
+    "seed": 1,
+    "model": "sim-llama",
+    "max_model_len": 4096,
+    "prefill": {"a": 0.010, "b": 1e-4, "c": 0.0},
+    "decode": {"c0": 0.005, "c1": 0.0, "c2": 0.0},
+    "transfer_s_per_token": 0.0,
+}
+
+
+def engine(name: str, port: int, roles: list[str], **sim: Any) -> dict[str, Any]:
+    block = copy.deepcopy(SIM)
+    for key, value in sim.items():
+        if isinstance(value, dict) and isinstance(block.get(key), dict):
+            block[key].update(value)
+        else:
+            block[key] = value
+    return {
+        "name": name,
+        "url": f"http://{name}.test:{port}",
+        "roles": roles,
+        "connector": {"type": "NixlConnector", "kv_host": f"{name}.kv.test", "kv_port": 15000 + port},
+        "sim": block,
+    }
+
+
+def fleet_doc(*engines: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "server": {"host": ROUTER_HOST, "port": ROUTER_PORT},
+        "engines": list(engines)
+        or [engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"])],
+        "engine": {"first_token_timeout_s": 5.0, "decode_read_timeout_s": 2.0, "request_timeout_s": 60.0},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(doc.get(key), dict):
+            doc[key] = {**doc[key], **value}
+        else:
+            doc[key] = value
+    return doc
+
+
+@attrs.define
+class Stack:
+    config: FleetConfig
+    net: MemoryNetwork
+    fleet: SimFleet
+    router: Router
+    client: httpx.AsyncClient
+    records: list[dict[str, Any]]
+
+    def engine(self, name: str) -> Any:
+        return self.fleet.engines[name]
+
+    async def complete(self, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> httpx.Response:
+        return await self.client.post("/v1/completions", json=body, headers=headers)
+
+    async def stream(self, body: dict[str, Any], *, path: str = "/v1/completions") -> tuple[int, list[Any]]:
+        """POST with stream=true; returns (status, events) where events are parsed data
+        payloads (``"[DONE]"`` kept as a string)."""
+        events: list[Any] = []
+        async with self.client.stream("POST", path, json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return resp.status_code, [resp.json()]
+            buf = b""
+            async for data in resp.aiter_bytes():
+                buf += data
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    assert event.startswith(b"data: "), event
+                    payload = event[len(b"data: "):].decode()
+                    events.append(payload if payload == "[DONE]" else json.loads(payload))
+        return 200, events
+
+    def assert_clean(self) -> None:
+        state = self.router.state
+        assert state.placement.open_reservations == 0
+        assert all(
+            load.prefill_requests == 0 and load.decode_requests == 0 and load.prefill_tokens == 0
+            for load in state.placement.loads.values()
+        )
+        assert state.in_flight == 0
+        assert all(v == 0 for v in state.in_flight_by_engine.values())
+
+
+@asynccontextmanager
+async def open_stack(doc: dict[str, Any] | None = None) -> AsyncIterator[Stack]:
+    config = parse_fleet(doc if doc is not None else fleet_doc())
+    records: list[dict[str, Any]] = []
+    journal = Journal(None)
+    journal.add_listener(records.append)
+    async with open_memory_network() as net:
+        async with open_sim_fleet(config, network=net) as fleet:
+            async with open_router(config, transport=fleet.transport, journal=journal) as router:
+                net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
+                async with httpx.AsyncClient(
+                    transport=net.transport(), base_url=f"http://{ROUTER_HOST}:{ROUTER_PORT}", timeout=None
+                ) as client:
+                    stack = Stack(config, net, fleet, router, client, records)
+                    yield stack
+                stack.assert_clean()

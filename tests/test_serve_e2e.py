@@ -1,0 +1,90 @@
+"""End to end over loopback: ``narwhal serve`` on its embedded default fleet."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    workdir = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "serve", "--port", str(port)],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "narwhal serving on" in line:
+                break
+        else:
+            pytest.fail("narwhal serve exited early:\n" + "".join(lines))
+        yield f"http://127.0.0.1:{port}", workdir
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest, _ = proc.communicate()
+    assert proc.returncode == 0, "".join(lines) + rest
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_tokens_and_done(served: tuple[str, Path]) -> None:
+    url, _ = served
+    body = json.dumps({"model": "sim-llama", "prompt": "hello narwhal", "max_tokens": 8, "stream": True})
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "--max-time", "30", f"{url}/v1/completions",
+         "-H", "content-type: application/json", "-d", body],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    events = [e[len("data: "):] for e in out.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    ids = [t for e in events[:-1] for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
+    assert len(ids) == 8
+
+
+def test_openai_client_streams(served: tuple[str, Path]) -> None:
+    openai = pytest.importorskip("openai")
+    url, _workdir = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    models = [m.id for m in client.models.list()]
+    assert models == ["sim-llama"]
+    chunks = list(client.completions.create(model="sim-llama", prompt="a b c", max_tokens=5, stream=True))
+    assert sum(len(c.choices) for c in chunks) == 5
+    chat = list(
+        client.chat.completions.create(
+            model="sim-llama", messages=[{"role": "user", "content": "hi there"}], max_tokens=4, stream=True
+        )
+    )
+    assert chat and chat[0].choices[0].delta.role == "assistant"
+    full = client.chat.completions.create(
+        model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert full.choices[0].finish_reason == "length"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="a", max_tokens=1)
