@@ -8,7 +8,7 @@ on the transport is the connect timeout.
 
 Streams are closed deliberately: httpx iterates a response through a chain of async
 generators, and trio warns about (and later finalizes) any such generator left
-suspended. :func:`_abandon` finishes the chain by resuming it once inside an already
+suspended. :func:`narwhal.engines.stream.abandon` finishes the chain by resuming it once inside an already
 cancelled scope, which closes the upstream connection as a side effect: the engine
 sees the client go away and aborts the request.
 """
@@ -16,9 +16,7 @@ sees the client go away and aborts the request.
 from __future__ import annotations
 
 import socket
-import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Final, Self
@@ -42,21 +40,25 @@ from narwhal.engines.connector import (
 )
 from narwhal.engines.metrics import EngineMetrics, engine_metrics, parse_prometheus
 from narwhal.engines.sse import (
-    Chunk,
-    MalformedEvent,
-    SSEDecoder,
-    SSEError,
-    SSEEvent,
     json_dumps,
     json_loads,
-    parse_chunk,
+)
+from narwhal.engines.stream import (
+    CLOSE_TIMEOUT_S,
+    DecodeStream,
+    abandon,
+    check_kind,
+    error_message,
+    error_object,
+    new_request_id,
+    status_of,
+    stream_error,
+    truncate,
 )
 from narwhal.errors import (
-    EmptyStream,
     EngineError,
     EngineHTTPError,
     EngineProtocolError,
-    EngineStreamError,
     EngineTimeout,
     EngineUnavailable,
     InvalidDescriptor,
@@ -69,16 +71,8 @@ _PATHS: Final[Mapping[str, str]] = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
 }
-#: Bound on shielded cleanup (closing a response).
-_CLOSE_TIMEOUT_S: Final = 5.0
-#: After ``[DONE]`` the end of the HTTP body is normally already in flight; waiting this
-#: long for it lets the connection go back to the pool instead of being closed.
-_DRAIN_AFTER_DONE_S: Final = 0.1
-_DRAIN_LIMIT_BYTES: Final = 64 * 1024
-#: How much of an error body is read, and how much of its message is kept.
+#: How much of an error body is read.
 _ERROR_BODY_LIMIT: Final = 64 * 1024
-_ERROR_MESSAGE_LIMIT: Final = 500
-_ABANDON_STEPS: Final = 64
 #: Idle keep-alive connections are dropped before the engine's server would close them
 #: (uvicorn, which vLLM runs, closes idle connections after 5 s): reusing a connection
 #: the server is closing fails the request.
@@ -104,295 +98,6 @@ class EngineIdentity:
     version: str | None
     max_model_len: int | None
     process_start_time: float | None
-
-
-def _truncate(text: str, limit: int = _ERROR_MESSAGE_LIMIT) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _error_message(body: bytes, fallback: str) -> str:
-    """The human message of an engine's error body (OpenAI, vLLM or FastAPI shape)."""
-    message: str | None = None
-    try:
-        obj = json_loads(body)
-    except ValueError:
-        obj = None
-    if isinstance(obj, dict):
-        err = obj.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            message = err["message"]
-        elif isinstance(err, str):
-            message = err
-        elif isinstance(obj.get("message"), str):
-            message = obj["message"]
-        elif obj.get("detail") is not None:
-            message = str(obj["detail"])
-    if message is None:
-        message = body.decode("utf-8", "replace")
-    message = _truncate(message)
-    return message or fallback
-
-
-def _error_object(obj: Any) -> dict[str, Any] | None:
-    """The error object of a 200 answer that carries one (``{"error": ...}`` or vLLM's old shape)."""
-    if not isinstance(obj, dict):
-        return None
-    err = obj.get("error")
-    if isinstance(err, dict):
-        return err
-    if isinstance(err, str):
-        return {"message": err}
-    if obj.get("object") == "error":
-        return {k: v for k, v in obj.items() if k != "object"}
-    return None
-
-
-def _stream_error(
-    error: Mapping[str, Any], status: int, *, engine: str, leg: str | None
-) -> EngineStreamError:
-    message = error.get("message")
-    text = (
-        _truncate(message) if isinstance(message, str) and message else "error object in the stream"
-    )
-    return EngineStreamError(
-        f"engine {engine} reported an error: {text}",
-        upstream_status=status,
-        error=dict(error),
-        engine=engine,
-        leg=leg,
-    )
-
-
-def _status_of(error: Mapping[str, Any]) -> int:
-    code = error.get("code")
-    return code if type(code) is int and 400 <= code <= 599 else 500
-
-
-def _new_request_id() -> str:
-    return f"narwhal-{uuid.uuid4().hex}"
-
-
-def _check_kind(kind: str) -> RequestKind:
-    if kind == "completions":
-        return "completions"
-    if kind == "chat":
-        return "chat"
-    raise ValueError(f"kind must be 'completions' or 'chat', not {kind!r}")
-
-
-async def _abandon(iterator: AsyncIterator[bytes] | None) -> None:
-    """Finish a partly consumed httpx byte iterator so no generator is left suspended.
-
-    Resuming the chain inside a cancelled scope makes its first checkpoint raise
-    ``Cancelled``, which unwinds (and so finishes) every generator layer; httpcore
-    closes the connection on the way out.
-    """
-    if iterator is None:
-        return
-    for _ in range(_ABANDON_STEPS):
-        with trio.CancelScope() as scope:
-            scope.cancel()
-            try:
-                await iterator.__anext__()
-            except StopAsyncIteration:
-                return
-            # The chain ended with an error: it is finished, which is all we want.
-            # (Cancelled is a BaseException and is not caught here.)
-            except Exception:
-                return
-        if scope.cancelled_caught:
-            return
-
-
-class DecodeStream:
-    """An open decode stream: an async iterator of token and metadata :class:`Chunk` s.
-
-    Iteration ends normally at ``data: [DONE]``. It raises :class:`StreamClosed` when
-    the body ends or the connection breaks before ``[DONE]``, :class:`EmptyStream` on
-    ``[DONE]`` before any token, :class:`EngineStreamError` on an error object in the
-    stream and :class:`EngineProtocolError` on an event that is not JSON.
-
-    Attributes:
-        engine: the engine's name.
-        leg: the leg errors are attributed to (``"decode"`` unless told otherwise).
-        request_id: the backend request id sent as ``x-request-id``.
-        kind: ``"completions"`` or ``"chat"``.
-        prefill: the handoff decoded from, or ``None`` for a same-worker decode.
-        status: the HTTP status (200).
-        headers: the response headers.
-        opened_at: ``trio.current_time()`` before the request was sent.
-        headers_at: when the response headers arrived.
-        tokens: output tokens so far (counted by token id).
-        first_token_at / last_token_at: when the first / latest token event arrived.
-        last_activity_at: when bytes last arrived (token, metadata or keep-alive).
-        finish_reason: the finish reason the engine reported, once it did.
-        usage: the usage object the engine reported, once it did.
-        done: whether ``[DONE]`` arrived.
-        closed: whether the stream was closed.
-    """
-
-    def __init__(
-        self,
-        response: httpx.Response,
-        *,
-        client: EngineClient,
-        leg: str | None,
-        request_id: str,
-        kind: RequestKind,
-        prefill: PrefillResult | None,
-        opened_at: float,
-    ) -> None:
-        self._client = client
-        self._response = response
-        self._bytes: AsyncIterator[bytes] = response.aiter_bytes()
-        self._decoder = SSEDecoder()
-        self._events: deque[SSEEvent] = deque()
-        self._eof = False
-        self._finished = False
-        self._interrupted = False
-        self.engine = client.name
-        self.leg = leg
-        self.request_id = request_id
-        self.kind: RequestKind = kind
-        self.prefill = prefill
-        self.status = response.status_code
-        self.headers = response.headers
-        self.opened_at = opened_at
-        self.headers_at = trio.current_time()
-        self.tokens = 0
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.last_activity_at = self.headers_at
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.done = False
-        self.closed = False
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self._finished:
-            raise StopAsyncIteration
-        if self._interrupted:
-            self._finished = True
-            raise StreamClosed(
-                f"the read from engine {self.engine} was cancelled; the stream cannot resume",
-                engine=self.engine,
-                leg=self.leg,
-            )
-        events = self._events
-        while True:
-            while events:
-                event = events.popleft()
-                try:
-                    chunk = parse_chunk(event)
-                except MalformedEvent as exc:
-                    self._finished = True
-                    if self._eof:
-                        # The body ended in the middle of an event.
-                        raise self._closed_error() from None
-                    raise EngineProtocolError(
-                        f"engine {self.engine} sent a malformed stream event: {exc}",
-                        engine=self.engine,
-                        leg=self.leg,
-                    ) from None
-                kind = chunk.kind
-                if kind == "token":
-                    now = trio.current_time()
-                    self.tokens += chunk.count
-                    if self.first_token_at is None:
-                        self.first_token_at = now
-                    self.last_token_at = now
-                    if chunk.finish_reason is not None:
-                        self.finish_reason = chunk.finish_reason
-                    if chunk.usage is not None:
-                        self.usage = chunk.usage
-                    return chunk
-                if kind == "meta":
-                    if chunk.finish_reason is not None:
-                        self.finish_reason = chunk.finish_reason
-                    if chunk.usage is not None:
-                        self.usage = chunk.usage
-                    return chunk
-                self._finished = True
-                if kind == "done":
-                    self.done = True
-                    if self.tokens == 0:
-                        raise EmptyStream(engine=self.engine, leg=self.leg)
-                    raise StopAsyncIteration
-                raise _stream_error(
-                    chunk.error or {}, chunk.status or 500, engine=self.engine, leg=self.leg
-                )
-            if self._eof:
-                self._finished = True
-                raise self._closed_error()
-            await self._read()
-
-    async def _read(self) -> None:
-        # A read the caller cancels unwinds httpx's body iterator, which cannot resume;
-        # remember that so the next call reports it instead of a clean end.
-        self._interrupted = True
-        try:
-            data = await self._bytes.__anext__()
-        except StopAsyncIteration:
-            self._interrupted = False
-            self._eof = True
-            self._events.extend(self._decoder.flush())
-            return
-        except httpx.HTTPError as exc:
-            self._interrupted = False
-            self._finished = True
-            raise self._client._map_error(exc, self.leg) from exc
-        self._interrupted = False
-        self.last_activity_at = trio.current_time()
-        try:
-            self._events.extend(self._decoder.feed(data))
-        except SSEError as exc:
-            self._finished = True
-            raise EngineProtocolError(
-                f"engine {self.engine} sent an unusable event stream: {exc}",
-                engine=self.engine,
-                leg=self.leg,
-            ) from None
-
-    def _closed_error(self) -> StreamClosed:
-        return StreamClosed(
-            f"engine {self.engine} closed the stream before data: [DONE] "
-            f"(after {self.tokens} tokens)",
-            engine=self.engine,
-            leg=self.leg,
-        )
-
-    async def aclose(self, *, drain: bool = False) -> None:
-        """Close the upstream response (the engine sees its connection closed).
-
-        Args:
-            drain: after ``[DONE]``, briefly read the end of the body first so the
-                connection can return to the pool.
-        """
-        if self.closed:
-            return
-        self.closed = True
-        self._finished = True
-        if drain and self.done and not self._eof:
-            await self._drain()
-        await _abandon(self._bytes)
-        with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-            await self._response.aclose()
-
-    async def _drain(self) -> None:
-        received = 0
-        with trio.move_on_after(_DRAIN_AFTER_DONE_S):
-            while received <= _DRAIN_LIMIT_BYTES:
-                try:
-                    received += len(await self._bytes.__anext__())
-                except StopAsyncIteration:
-                    self._eof = True
-                    return
-                except httpx.HTTPError:
-                    return
 
 
 class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
@@ -508,7 +213,7 @@ class EngineClient:
     async def aclose(self) -> None:
         """Close the pooled connections (only when this object built the client)."""
         if self._owns_client:
-            with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+            with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await self._http.aclose()
 
     # ----------------------------------------------------------------- plumbing
@@ -524,10 +229,10 @@ class EngineClient:
             headers["x-request-id"] = request_id
         return headers
 
-    def _map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError:
+    def map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError:
         """Translate an httpx error into the narwhal error it means (most specific first)."""
         name = self.name
-        detail = _truncate(str(exc), 200) or type(exc).__name__
+        detail = truncate(str(exc), 200) or type(exc).__name__
         if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
             return EngineUnavailable(f"engine {name} unreachable: {detail}", engine=name, leg=leg)
         if isinstance(exc, httpx.PoolTimeout):
@@ -573,12 +278,12 @@ class EngineClient:
         try:
             return await self._http.send(request, stream=stream)
         except httpx.HTTPError as exc:
-            raise self._map_error(exc, leg) from exc
+            raise self.map_error(exc, leg) from exc
 
     def _http_error(
         self, status: int, body: bytes, reason: str, leg: str | None
     ) -> EngineHTTPError:
-        message = _error_message(body, reason or f"HTTP {status}")
+        message = error_message(body, reason or f"HTTP {status}")
         return EngineHTTPError(
             f"engine {self.name} answered HTTP {status}: {message}",
             upstream_status=status,
@@ -598,9 +303,9 @@ class EngineClient:
                 engine=self.name,
                 leg=leg,
             )
-        error = _error_object(obj)
+        error = error_object(obj)
         if error is not None:
-            raise _stream_error(error, _status_of(error), engine=self.name, leg=leg)
+            raise stream_error(error, status_of(error), engine=self.name, leg=leg)
         return obj
 
     async def _request_json(
@@ -643,8 +348,8 @@ class EngineClient:
         except httpx.HTTPError:
             pass  # a truncated error body still says what it can
         finally:
-            await _abandon(iterator)
-            with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+            await abandon(iterator)
+            with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await response.aclose()
         return b"".join(parts)[:limit]
 
@@ -687,7 +392,7 @@ class EngineClient:
             InvalidDescriptor: the producer finished other than by its length cap, sent
                 no descriptor, or sent one that fails validation.
         """
-        kind = _check_kind(kind)
+        kind = check_kind(kind)
         ctype = connector_type(self.connector)
         if transfer and ctype not in SUPPORTED_CONNECTORS:
             raise InvalidDescriptor(
@@ -696,7 +401,7 @@ class EngineClient:
                 engine=self.name,
                 leg=leg,
             )
-        rid = request_id if request_id is not None else _new_request_id()
+        rid = request_id if request_id is not None else new_request_id()
         payload = strip_transfer_params(body)
         payload.pop("stream_options", None)
         payload.pop("min_tokens", None)
@@ -809,8 +514,8 @@ class EngineClient:
             body = prefill.request
         if kind is None:
             kind = prefill.kind if prefill is not None else "completions"
-        rid = request_id if request_id is not None else _new_request_id()
-        return _DecodeOpener(self, prefill, body, _check_kind(kind), rid, leg)
+        rid = request_id if request_id is not None else new_request_id()
+        return _DecodeOpener(self, prefill, body, check_kind(kind), rid, leg)
 
     def _decode_body(
         self, prefill: PrefillResult | None, body: Mapping[str, Any], leg: str | None
@@ -863,9 +568,9 @@ class EngineClient:
                 obj = json_loads(data)
             except ValueError:
                 obj = None
-            error = _error_object(obj)
+            error = error_object(obj)
             if error is not None:
-                raise _stream_error(error, _status_of(error), engine=self.name, leg=leg)
+                raise stream_error(error, status_of(error), engine=self.name, leg=leg)
             raise EngineProtocolError(
                 f"engine {self.name} answered a stream request with a JSON body",
                 engine=self.name,
@@ -873,7 +578,7 @@ class EngineClient:
             )
         return DecodeStream(
             response,
-            client=self,
+            owner=self,
             leg=leg,
             request_id=request_id,
             kind=kind,
