@@ -120,3 +120,5 @@ async def open_stack(doc: dict[str, Any] | None = None) -> AsyncIterator[Stack]:
                     stack = Stack(config, net, fleet, router, client, records)
                     yield stack
                 stack.assert_clean()
+        # Every connection (client to router, router to engines) is closed.
+        assert net.open_connections == 0

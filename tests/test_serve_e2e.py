@@ -51,6 +51,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
             proc.kill()
             rest, _ = proc.communicate()
     assert proc.returncode == 0, "".join(lines) + rest
+    # Graceful shutdown flushed one journal line per request this module sent.
+    journal = [json.loads(line) for line in (workdir / "runs" / "journal.jsonl").read_text().splitlines()]
+    assert journal, "the journal is empty"
+    assert all(r["terminal_class"] in ("ok", "invalid_request") for r in journal)
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
@@ -88,3 +92,43 @@ def test_openai_client_streams(served: tuple[str, Path]) -> None:
     assert full.choices[0].finish_reason == "length"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="missing", prompt="a", max_tokens=1)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_narwhal_sim_serves_engines_curl_can_stream(tmp_path: Path) -> None:
+    port = _free_port()
+    kv_port = _free_port()
+    fleet = {
+        "engines": [
+            {"name": "both", "url": f"http://127.0.0.1:{port}", "roles": ["prefill", "decode"],
+             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": kv_port},
+             "sim": {"model": "sim-llama"}}
+        ]
+    }
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "sim", "--fleet", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if "simulated engine both" in line:
+                break
+        body = json.dumps({"model": "sim-llama", "prompt": "a b c", "max_tokens": 4, "stream": True,
+                           "return_token_ids": True})
+        out = subprocess.run(
+            ["curl", "-sS", "-N", "--max-time", "30", f"http://127.0.0.1:{port}/v1/completions",
+             "-H", "content-type: application/json", "-d", body],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    events = [e[len("data: "):] for e in out.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    ids = [t for e in events[:-1] for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
+    assert len(ids) == 4
+    assert proc.returncode == 0
