@@ -1,0 +1,486 @@
+"""The per-connection state machine of :class:`~narwhal.http.server.HTTPServer`.
+
+Each connection is a keep-alive loop that reads a request head (``header_timeout_s``,
+or ``keepalive_timeout_s`` while idle between requests), reads the whole body
+(``body_timeout_s``, ``max_body_bytes``), then calls the handler inside a cancel
+scope while a reader task watches the connection: if the client goes away the
+request's ``disconnected`` event is set and the handler is cancelled. Bytes the
+reader sees meanwhile are pipelined requests and are kept for the next cycle.
+
+Protocol errors are answered with h11's ``error_status_hint`` (400/431/501) and
+``Connection: close``; a slow client gets 408. A handler that raises before it
+starts its response produces a 500 with a generic body (a
+:class:`~narwhal.errors.NarwhalError` produces its own status and body); once the
+response has started, an exception aborts the connection so the client sees an
+incomplete body rather than a truncated one that looks complete.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import h11
+import trio
+
+from narwhal.errors import NarwhalError, Refused
+from narwhal.http.messages import BODYLESS_STATUSES, Request, ResponseWriter
+
+if TYPE_CHECKING:
+    from narwhal.http.server import HTTPServer
+
+__all__ = ["Connection"]
+
+logger = logging.getLogger("narwhal.http")
+
+_RECV_SIZE = 65536
+#: Bound on a graceful close (including lingering after an error response).
+_CLOSE_TIMEOUT_S = 5.0
+#: After an error response with request bytes unread, keep reading (and dropping) them
+#: briefly so that closing does not reset the connection before the client reads the
+#: response.
+_LINGER_S = 1.0
+_LINGER_BYTES = 1 << 20
+_ERROR_SEND_TIMEOUT_S = 5.0
+_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
+
+
+def _error_body(message: str, error_type: str, code: int) -> bytes:
+    doc = {"error": {"message": message, "type": error_type, "code": code}}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+_INTERNAL_ERROR_BODY = _error_body("internal error", "internal_error", 500)
+_PROTOCOL_ERROR_BODIES = {
+    400: _error_body("malformed HTTP request", "invalid_request_error", 400),
+    408: _error_body("request timed out", "invalid_request_error", 408),
+    413: _error_body("request body too large", "invalid_request_error", 413),
+    431: _error_body("request header fields too large", "invalid_request_error", 431),
+    501: _error_body("not implemented", "not_implemented_error", 501),
+}
+_REASONS = {status.value: status.phrase.encode("ascii") for status in http.HTTPStatus}
+
+
+class _DateCache:
+    """The ``Date`` header value, formatted at most once per second."""
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def get(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._value = email.utils.formatdate(now, usegmt=True).encode("ascii")
+            self._second = now
+        return self._value
+
+
+_DATE = _DateCache()
+
+
+class _Reject(Exception):
+    """Internal: answer the current request with ``status`` and close."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+def _sole_exception(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _peer_address(stream: trio.abc.Stream) -> tuple[str, int] | None:
+    if isinstance(stream, trio.SocketStream):
+        try:
+            name = stream.socket.getpeername()
+        except OSError:
+            return None
+        if isinstance(name, tuple):
+            return (str(name[0]), int(name[1]))
+    return None
+
+
+class Connection:
+    """State of one client connection (see the module docstring)."""
+
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.stream = stream
+        self.h11 = h11.Connection(
+            h11.SERVER, max_incomplete_event_size=server.limits.max_header_bytes
+        )
+        self.client = _peer_address(stream)
+        self.scope = trio.CancelScope()
+        #: Set while waiting for the first byte of a request: shutdown cancels it.
+        self.idle_scope: trio.CancelScope | None = None
+        self.handler_scope: trio.CancelScope | None = None
+        self.request: Request | None = None
+        self.head_only = False
+        self.eof = False  # the peer closed (or reset) its side
+        self.gone = False  # the client went away while a request was being handled
+        self.abort = False  # close without ceremony (response incomplete or stream broken)
+        self.linger = False  # request bytes may be unread: drain before closing
+        self.carry = False  # bytes of the next request were read ahead
+
+    # ------------------------------------------------------------------ I/O
+
+    async def receive(self) -> bytes:
+        """One read; b"" (and ``eof``) when the peer closed or reset the connection."""
+        try:
+            data = await self.stream.receive_some(_RECV_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        if not data:
+            self.eof = True
+        # h11 accepts any bytes-like object; avoid copying bytearrays from memory streams.
+        return cast(bytes, data)
+
+    async def write(self, data: bytes) -> None:
+        """One ``send_all``; a failed write means the client is gone (cancels the handler)."""
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.client_gone()
+            await trio.lowlevel.checkpoint()  # raises Cancelled inside the handler's scope
+            raise
+
+    def client_gone(self) -> None:
+        self.gone = True
+        if self.request is not None:
+            self.request.disconnected.set()
+        if self.handler_scope is not None:
+            self.handler_scope.cancel("client disconnected")
+
+    def next_event(self) -> Any:
+        try:
+            return self.h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise _Reject(exc.error_status_hint) from exc
+
+    def make_response(
+        self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None
+    ) -> h11.Response:
+        out: list[tuple[bytes, bytes]] = []
+        have_date = have_server = False
+        for name, value in headers:
+            lname = name.lower()
+            if lname in _FRAMING_HEADERS:
+                continue  # framing is ours: Content-Length below, or chunked by h11
+            have_date = have_date or lname == "date"
+            have_server = have_server or lname == "server"
+            out.append((name.encode("latin-1"), value.encode("latin-1")))
+        prefix: list[tuple[bytes, bytes]] = []
+        if not have_date:
+            prefix.append((b"date", _DATE.get()))
+        if not have_server:
+            prefix.append((b"server", self.server.server_header))
+        if prefix:
+            out[:0] = prefix
+        if content_length is not None and status not in BODYLESS_STATUSES:
+            out.append((b"content-length", b"%d" % content_length))
+        if self.server.closing:
+            out.append((b"connection", b"close"))
+        return h11.Response(status_code=status, headers=out, reason=_REASONS.get(status, b""))
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        first = True
+        while True:
+            try:
+                head = await self.read_head(first)
+            except _Reject as reject:
+                await self.reject(reject.status)
+                return
+            if head is None:
+                return
+            first = False
+            self.server._in_flight += 1
+            try:
+                keep_alive = await self.serve(head)
+            finally:
+                self.server._in_flight -= 1
+            if not keep_alive or self.server.closing:
+                return
+            if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
+                return
+            self.h11.start_next_cycle()
+
+    async def read_head(self, first: bool) -> h11.Request | None:
+        """The next request head, or None to close quietly (EOF, idle timeout, shutdown)."""
+        limits = self.limits
+        self.head_only = False
+        waiting = not self.carry  # no byte of this request seen yet (idle)
+        self.carry = False
+        quiet = waiting and not first  # a keep-alive wait ends silently
+        timeout = limits.keepalive_timeout_s if quiet else limits.header_timeout_s
+        deadline = trio.current_time() + timeout
+        while True:
+            event = self.next_event()
+            if isinstance(event, h11.Request):
+                if _head_size(event) > limits.max_header_bytes:
+                    raise _Reject(431)
+                return event
+            if event is not h11.NEED_DATA:
+                return None  # ConnectionClosed
+            with trio.CancelScope(deadline=deadline) as scope:
+                if waiting:
+                    self.idle_scope = scope
+                    if self.server.closing:
+                        scope.cancel("server shutdown")
+                data = await self.receive()
+            self.idle_scope = None
+            if scope.cancelled_caught:
+                if waiting and (quiet or self.server.closing):
+                    return None
+                raise _Reject(408)
+            if waiting and data:
+                waiting = False
+                if quiet:
+                    deadline = trio.current_time() + limits.header_timeout_s
+            self.h11.receive_data(data)
+
+    async def read_body(self, head: h11.Request) -> bytes | None:
+        """The whole body, or None if the client went away."""
+        limit = self.limits.max_body_bytes
+        for name, value in head.headers:
+            if name == b"content-length":
+                if int(value) > limit:
+                    raise _Reject(413)
+                break
+        parts: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self.limits.body_timeout_s):
+            while True:
+                event = self.next_event()
+                if isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > limit:
+                        raise _Reject(413)
+                    parts.append(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    return b"".join(parts)
+                elif event is h11.NEED_DATA:
+                    if self.h11.they_are_waiting_for_100_continue:
+                        continue_ = h11.InformationalResponse(
+                            status_code=100, headers=[], reason=b"Continue"
+                        )
+                        await self.send_quietly(self.h11.send(continue_))
+                    self.h11.receive_data(await self.receive())
+                else:
+                    return None
+        raise _Reject(408)
+
+    async def serve(self, head: h11.Request) -> bool:
+        """Read the body, run the handler, finish the response; True to keep alive."""
+        try:
+            body = await self.read_body(head)
+        except _Reject as reject:
+            await self.reject(reject.status)
+            return False
+        if body is None:
+            return False
+        target = head.target.decode("latin-1")
+        path, _, query = target.partition("?")
+        request = Request(
+            method=head.method.decode("ascii"),
+            target=target,
+            path=path,
+            query=query,
+            headers=[(n.decode("latin-1"), v.decode("latin-1")) for n, v in head.headers],
+            body=body,
+            client=self.client,
+        )
+        self.head_only = head.method == b"HEAD"
+        writer = ResponseWriter(self, head_only=self.head_only)
+        self.request = request
+        self.handler_scope = trio.CancelScope()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.watch)
+                failure = await self.call_handler(request, writer, self.handler_scope)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.request = None
+            self.handler_scope = None
+        return await self.finish(request, writer, failure)
+
+    async def call_handler(
+        self, request: Request, writer: ResponseWriter, scope: trio.CancelScope
+    ) -> Exception | None:
+        with scope:
+            try:
+                await self.server.handler(request, writer)
+            except Exception as exc:  # Cancelled is a BaseException and passes through
+                return exc
+        return None
+
+    async def watch(self) -> None:
+        """Notice the client going away while the handler runs; keep pipelined bytes."""
+        read_ahead = 0
+        while read_ahead < max(self.limits.max_header_bytes, _RECV_SIZE):
+            data = await self.receive()
+            if not data:
+                self.client_gone()
+                return
+            self.h11.receive_data(data)
+            self.carry = True
+            read_ahead += len(data)
+        await trio.sleep_forever()  # enough read ahead: let TCP push back
+
+    async def finish(
+        self, request: Request, writer: ResponseWriter, failure: Exception | None
+    ) -> bool:
+        if self.gone:
+            self.abort = True
+            return False
+        if failure is not None:
+            if writer.finished:
+                logger.error(
+                    "handler for %s %s raised after its response was complete",
+                    request.method,
+                    request.path,
+                    exc_info=failure,
+                )
+                return True
+            if writer.started:
+                logger.error(
+                    "handler for %s %s raised mid-response; aborting the connection",
+                    request.method,
+                    request.path,
+                    exc_info=failure,
+                )
+                self.abort = True
+                return False
+            return await self.send_failure(request, failure)
+        if not writer.started:
+            logger.error(
+                "handler for %s %s returned without responding", request.method, request.path
+            )
+            return await self.send_error(500, _INTERNAL_ERROR_BODY, close=False)
+        if not writer.finished:
+            try:
+                await writer.end()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.abort = True
+                return False
+        return True
+
+    async def send_failure(self, request: Request, failure: Exception) -> bool:
+        exc = _sole_exception(failure)
+        if isinstance(exc, NarwhalError):
+            status = exc.http_status if 400 <= exc.http_status <= 599 else 500
+            body = json.dumps(exc.to_body(), separators=(",", ":"), default=str).encode()
+            extra: list[tuple[bytes, bytes]] = []
+            if isinstance(exc, Refused):
+                extra.append((b"retry-after", b"%d" % max(1, math.ceil(exc.retry_after_s))))
+            logger.debug("handler for %s %s: %s %s", request.method, request.path, status, exc)
+            return await self.send_error(status, body, extra=extra, close=False)
+        logger.error(
+            "unhandled exception in handler for %s %s",
+            request.method,
+            request.path,
+            exc_info=failure,
+        )
+        return await self.send_error(500, _INTERNAL_ERROR_BODY, close=False)
+
+    async def reject(self, status: int) -> None:
+        self.linger = True
+        body = _PROTOCOL_ERROR_BODIES.get(status)
+        if body is None:
+            status = status if 400 <= status <= 599 else 400
+            phrase = _REASONS.get(status, b"error").decode()
+            body = _error_body(phrase.lower(), "invalid_request_error", status)
+        await self.send_error(status, body)
+
+    async def send_error(
+        self,
+        status: int,
+        body: bytes,
+        *,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+        close: bool = True,
+    ) -> bool:
+        """A JSON error response outside the handler; True if it was sent (and keep-alive)."""
+        if self.eof or self.gone or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return False
+        headers = [
+            (b"date", _DATE.get()),
+            (b"server", self.server.server_header),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            *extra,
+        ]
+        if close or self.server.closing:
+            headers.append((b"connection", b"close"))
+        h = self.h11
+        try:
+            head = h.send(
+                h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b""))
+            )
+            payload = b"" if self.head_only else h.send(h11.Data(data=body))
+            data = b"".join((head, payload, h.send(h11.EndOfMessage())))
+        except h11.LocalProtocolError:
+            self.abort = True
+            return False
+        return await self.send_quietly(data) and not close
+
+    async def send_quietly(self, data: bytes) -> bool:
+        """Write outside any handler (bounded); False if the client is gone or too slow."""
+        with trio.move_on_after(_ERROR_SEND_TIMEOUT_S):
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.eof = True
+            else:
+                return True
+        self.abort = True
+        return False
+
+    async def close(self, *, forceful: bool) -> None:
+        """Close the stream: bounded and shielded, forcefully on error paths."""
+        if forceful or self.abort:
+            await trio.aclose_forcefully(self.stream)
+            return
+        with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True) as scope:
+            if self.linger and not self.eof:
+                await self._linger()
+            await self.stream.aclose()
+        if scope.cancelled_caught:
+            await trio.aclose_forcefully(self.stream)
+
+    async def _linger(self) -> None:
+        stream = self.stream
+        if not isinstance(stream, trio.abc.HalfCloseableStream):
+            return
+        with trio.move_on_after(_LINGER_S):
+            try:
+                await stream.send_eof()
+                drained = 0
+                while drained < _LINGER_BYTES:
+                    data = await stream.receive_some(_RECV_SIZE)
+                    if not data:
+                        return
+                    drained += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+
+def _head_size(head: h11.Request) -> int:
+    # h11 bounds an incomplete head; this also bounds a head that arrived in one read.
+    return (
+        len(head.method) + len(head.target) + 12 + sum(len(n) + len(v) + 4 for n, v in head.headers)
+    )

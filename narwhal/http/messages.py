@@ -1,0 +1,160 @@
+"""The request and response objects of :mod:`narwhal.http`: :class:`ServerLimits`,
+:class:`Request`, :class:`ResponseWriter` and the :data:`Handler` signature.
+
+A :class:`ResponseWriter` writes through the connection that read its request
+(:class:`narwhal.http.connection.Connection`), which owns the h11 state and the stream.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import h11
+import trio
+
+from narwhal.errors import BadRequest
+
+if TYPE_CHECKING:
+    from narwhal.http.connection import Connection
+
+__all__ = ["Handler", "Request", "ResponseWriter", "ServerLimits"]
+
+#: Statuses whose responses never have a body (nor a ``Content-Length``).
+BODYLESS_STATUSES = frozenset({204, 304})
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen
+class ServerLimits:
+    """Per-connection limits and timeouts (seconds) of an :class:`~narwhal.http.server.HTTPServer`."""
+
+    max_header_bytes: int = attrs.field(default=16384, validator=_positive)
+    max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_positive)
+    header_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    keepalive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
+
+
+@attrs.define(eq=False)
+class Request:
+    """One request, with its whole body read.
+
+    ``path`` and ``query`` are the raw (not percent-decoded) parts of ``target``;
+    header names are lower-cased. ``disconnected`` is set when the client goes away
+    while the handler runs (the handler is cancelled at the same moment).
+    """
+
+    method: str
+    target: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+    client: tuple[str, int] | None = None
+    disconnected: trio.Event = attrs.field(factory=trio.Event, repr=False)
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (case-insensitive), or None."""
+        name = name.lower()
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def json(self) -> Any:
+        """The body parsed as JSON.
+
+        Raises:
+            BadRequest: the body is empty or not a JSON document.
+        """
+        if not self.body:
+            raise BadRequest("request body is empty; expected a JSON document")
+        try:
+            return json.loads(self.body)
+        except json.JSONDecodeError as exc:
+            raise BadRequest(
+                f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
+            ) from exc
+        except UnicodeDecodeError as exc:
+            raise BadRequest("request body is not valid UTF-8") from exc
+        except RecursionError as exc:
+            raise BadRequest("request body is nested too deeply") from exc
+
+
+class ResponseWriter:
+    """Writes the response to one request: either :meth:`respond` once, or
+    :meth:`start`, any number of :meth:`send`, then :meth:`end` (chunked for HTTP/1.1
+    clients, close-delimited for HTTP/1.0 ones).
+
+    If the client disconnects while a write is pending, the handler is cancelled.
+    """
+
+    __slots__ = ("_conn", "_head_only", "finished", "started", "status")
+
+    def __init__(self, conn: Connection, *, head_only: bool) -> None:
+        self._conn = conn
+        self._head_only = head_only
+        self.started = False
+        self.finished = False
+        self.status: int | None = None
+
+    async def respond(
+        self, status: int, headers: Sequence[tuple[str, str]] = (), body: bytes = b""
+    ) -> None:
+        """Send a complete response with a ``Content-Length`` body."""
+        self._check_unstarted(status)
+        if body and status in BODYLESS_STATUSES:
+            raise ValueError(f"a {status} response cannot have a body")
+        conn = self._conn
+        response = conn.make_response(status, headers, len(body))
+        h = conn.h11
+        head = h.send(response)
+        payload = h.send(h11.Data(data=body)) if body and not self._head_only else b""
+        data = b"".join((head, payload, h.send(h11.EndOfMessage())))
+        self.started = self.finished = True
+        self.status = status
+        await conn.write(data)
+
+    async def start(self, status: int, headers: Sequence[tuple[str, str]] = ()) -> None:
+        """Send the status and headers of a streamed response."""
+        self._check_unstarted(status)
+        conn = self._conn
+        data = conn.h11.send(conn.make_response(status, headers, None))
+        self.started = True
+        self.status = status
+        await conn.write(data)
+
+    async def send(self, data: bytes) -> None:
+        """Send one chunk of a streamed response (one write; empty data is skipped)."""
+        if not self.started or self.finished:
+            raise RuntimeError("send() needs a started, unfinished streamed response")
+        if data and not self._head_only:
+            conn = self._conn
+            await conn.write(conn.h11.send(h11.Data(data=data)))
+
+    async def end(self) -> None:
+        """Finish a streamed response (sends the terminating chunk)."""
+        if not self.started:
+            raise RuntimeError("end() before start()")
+        if self.finished:
+            return
+        self.finished = True
+        conn = self._conn
+        await conn.write(conn.h11.send(h11.EndOfMessage()))
+
+    def _check_unstarted(self, status: int) -> None:
+        if self.started:
+            raise RuntimeError("response already started")
+        if not 200 <= status <= 999:
+            raise ValueError(f"invalid response status {status!r}")
+
+
+Handler = Callable[[Request, ResponseWriter], Awaitable[None]]
+"""An async function answering one request through its :class:`ResponseWriter`."""
