@@ -43,7 +43,7 @@ async def _until_signalled() -> None:
             return
 
 
-async def _serve(config: FleetConfig, host: str | None, port: int | None) -> None:
+async def _serve(config: FleetConfig, host: str | None, port: int | None, admin_port: int | None) -> None:
     from narwhal.router.service import open_router
 
     sims = [e for e in config.engines if e.sim is not None]
@@ -58,6 +58,8 @@ async def _serve(config: FleetConfig, host: str | None, port: int | None) -> Non
         bound = await nursery.start(router.serve_tcp, host, port)
         for h, p in bound:
             log.info("narwhal %s serving on http://%s:%d", __version__, h, p)
+        admin = await nursery.start(router.serve_admin_tcp, None, admin_port)
+        log.info("admin endpoints (/metrics, /events) on http://%s:%d", admin[0][0], admin[0][1])
         print(f"narwhal serving on http://{bound[0][0]}:{bound[0][1]}", flush=True)
         await _until_signalled()
         await router.shutdown()
@@ -84,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
     serve.add_argument("--host", help="listen address (default: server.host)")
     serve.add_argument("--port", type=int, help="listen port (default: server.port)")
+    serve.add_argument("--admin-port", type=int, help="admin (metrics, events) port (default: server.admin_port)")
     sim = sub.add_parser("sim", help="run the simulated engines a fleet document declares")
     sim.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
     sub.add_parser("profile", help="profile engines (see narwhal-profile)")
@@ -99,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "serve":
-            trio.run(_serve, _load(args.fleet), args.host, args.port)
+            trio.run(_serve, _load(args.fleet), args.host, args.port, args.admin_port)
         elif args.command == "sim":
             trio.run(_sim, _load(args.fleet))
         elif args.command == "profile":

@@ -174,7 +174,8 @@ class ServerConfig:
         max_concurrent_requests: Requests in flight at once; more are refused with 503.
         shutdown_grace_s: Seconds in-flight requests get to finish on shutdown.
         api_keys: Bearer keys clients must present; empty means no authentication.
-        admin_host: Address the admin endpoints bind.
+        admin_host: Address the admin endpoints (metrics, events) bind; loopback by default.
+        admin_port: TCP port of the admin endpoints; 0 picks an ephemeral port.
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_text)
@@ -188,6 +189,7 @@ class ServerConfig:
     shutdown_grace_s: float = attrs.field(default=30.0, validator=_non_negative)
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts)
     admin_host: str = attrs.field(default="127.0.0.1", validator=_text)
+    admin_port: int = attrs.field(default=8001, validator=_bind_port)
 
 
 @attrs.frozen(kw_only=True)

@@ -412,7 +412,7 @@ def test_defaults_match_the_plan() -> None:
         "host": "127.0.0.1", "port": 8000, "max_body_bytes": 8388608,
         "max_header_bytes": 16384, "header_timeout_s": 10.0, "body_timeout_s": 30.0,
         "keepalive_timeout_s": 75.0, "max_concurrent_requests": 4096,
-        "shutdown_grace_s": 30.0, "api_keys": [], "admin_host": "127.0.0.1",
+        "shutdown_grace_s": 30.0, "api_keys": [], "admin_host": "127.0.0.1", "admin_port": 8001,
     }  # fmt: skip
     data = unstructure_fleet(cfg)
     assert data["engine"] == {"first_token_timeout_s": 30.0, "decode_read_timeout_s": 30.0,

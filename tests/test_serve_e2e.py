@@ -26,7 +26,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     workdir = tmp_path_factory.mktemp("serve")
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "narwhal", "serve", "--port", str(port)],
+        [sys.executable, "-m", "narwhal", "serve", "--port", str(port), "--admin-port", str(_free_port())],
         cwd=workdir,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -134,6 +134,9 @@ class Connection:
         self.abort = False  # close without ceremony (response incomplete or stream broken)
         self.linger = False  # request bytes may be unread: drain before closing
         self.carry = False  # bytes of the next request were read ahead
+        self.watch_scope: trio.CancelScope | None = None
+        self.watch_done: trio.Event | None = None
+        self.detached = False  # the handler took the raw stream (protocol upgrade)
 
     # ------------------------------------------------------------------ I/O
 
@@ -308,9 +311,11 @@ class Connection:
         writer = ResponseWriter(self, head_only=self.head_only)
         self.request = request
         self.handler_scope = trio.CancelScope()
+        self.watch_scope = trio.CancelScope()
+        self.watch_done = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.watch)
+                nursery.start_soon(self.watch, self.watch_scope, self.watch_done)
                 failure = await self.call_handler(request, writer, self.handler_scope)
                 nursery.cancel_scope.cancel()
         finally:
@@ -328,22 +333,52 @@ class Connection:
                 return exc
         return None
 
-    async def watch(self) -> None:
+    async def watch(self, scope: trio.CancelScope, done: trio.Event) -> None:
         """Notice the client going away while the handler runs; keep pipelined bytes."""
-        read_ahead = 0
-        while read_ahead < max(self.limits.max_header_bytes, _RECV_SIZE):
-            data = await self.receive()
-            if not data:
-                self.client_gone()
-                return
-            self.h11.receive_data(data)
-            self.carry = True
-            read_ahead += len(data)
-        await trio.sleep_forever()  # enough read ahead: let TCP push back
+        try:
+            with scope:
+                read_ahead = 0
+                while read_ahead < max(self.limits.max_header_bytes, _RECV_SIZE):
+                    data = await self.receive()
+                    if not data:
+                        self.client_gone()
+                        return
+                    self.h11.receive_data(data)
+                    self.carry = True
+                    read_ahead += len(data)
+                await trio.sleep_forever()  # enough read ahead: let TCP push back
+        finally:
+            done.set()
+
+    async def detach(self) -> trio.abc.Stream:
+        """Hand the raw stream to the handler for a protocol upgrade (WebSocket).
+
+        The watcher stops reading; the request head and any bytes read after it are
+        replayed to the new owner, so a library that performs its own handshake (such
+        as trio-websocket) sees the connection from its first byte. The connection is
+        closed when the handler returns.
+        """
+        request = self.request
+        if request is None or self.watch_scope is None or self.watch_done is None:
+            raise RuntimeError("detach() outside a request")
+        self.watch_scope.cancel()
+        await self.watch_done.wait()
+        head = [f"{request.method} {request.target} HTTP/1.1\r\n".encode("latin-1")]
+        head.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in request.headers)
+        head.append(b"\r\n")
+        self.detached = True
+        return ReplayStream(b"".join(head) + request.body + self.h11.trailing_data[0], self.stream)
 
     async def finish(
         self, request: Request, writer: ResponseWriter, failure: Exception | None
     ) -> bool:
+        if self.detached:
+            if failure is not None:
+                logger.error(
+                    "handler for upgraded %s %s raised", request.method, request.path, exc_info=failure
+                )
+            self.abort = failure is not None
+            return False
         if self.gone:
             self.abort = True
             return False
@@ -477,6 +512,31 @@ class Connection:
                     drained += len(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+
+
+class ReplayStream(trio.abc.Stream):
+    """A stream whose first bytes received are ``prefix``, then those of ``stream``."""
+
+    def __init__(self, prefix: bytes, stream: trio.abc.Stream) -> None:
+        self._prefix = prefix
+        self._stream = stream
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if self._prefix:
+            await trio.lowlevel.checkpoint()
+            n = len(self._prefix) if max_bytes is None else max_bytes
+            data, self._prefix = self._prefix[:n], self._prefix[n:]
+            return data
+        return await self._stream.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 def _head_size(head: h11.Request) -> int:

@@ -149,6 +149,19 @@ class ResponseWriter:
         conn = self._conn
         await conn.write(conn.h11.send(h11.EndOfMessage()))
 
+    async def upgrade(self) -> trio.abc.Stream:
+        """Take the raw connection for a protocol upgrade (e.g. a WebSocket handshake).
+
+        The returned stream replays the request head first, so the new protocol's
+        library performs its own handshake; the server sends nothing more and closes
+        the connection when the handler returns.
+        """
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = self.finished = True
+        self.status = 101
+        return await self._conn.detach()
+
     def _check_unstarted(self, status: int) -> None:
         if self.started:
             raise RuntimeError("response already started")

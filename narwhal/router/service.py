@@ -11,8 +11,11 @@ import trio
 
 from narwhal.config import FleetConfig
 from narwhal.http.server import HTTPServer, ServerLimits
+from narwhal.router.admin import AdminApp
 from narwhal.router.app import RouterApp
+from narwhal.router.events import EventHub
 from narwhal.router.journal import Journal
+from narwhal.router.metrics import RouterMetrics
 from narwhal.router.probe import run_probes
 from narwhal.router.state import RouterState
 
@@ -22,13 +25,16 @@ log = logging.getLogger("narwhal.router")
 
 
 class Router:
-    """A running router: ``server`` serves ``app`` over ``state``."""
+    """A running router: ``server`` serves the OpenAI routes, ``admin`` metrics and events."""
 
-    def __init__(self, state: RouterState, server: HTTPServer, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, state: RouterState, server: HTTPServer, admin: HTTPServer, metrics: RouterMetrics, events: EventHub
+    ) -> None:
         self.state = state
         self.server = server
-        self.app = server
-        self._nursery = nursery
+        self.admin = admin
+        self.metrics = metrics
+        self.events = events
 
     @property
     def journal(self) -> Journal:
@@ -40,10 +46,19 @@ class Router:
         cfg = self.state.config.server
         await self.server.serve_tcp(cfg.host if host is None else host, cfg.port if port is None else port, task_status=task_status)
 
+    async def serve_admin_tcp(
+        self, host: str | None = None, port: int | None = None, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        cfg = self.state.config.server
+        await self.admin.serve_tcp(
+            cfg.admin_host if host is None else host, cfg.admin_port if port is None else port, task_status=task_status
+        )
+
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Stop accepting, drain in-flight requests up to the grace period."""
         grace = self.state.config.server.shutdown_grace_s if grace_s is None else grace_s
         await self.server.shutdown(grace)
+        await self.admin.shutdown(0)
 
 
 def server_limits(config: FleetConfig) -> ServerLimits:
@@ -73,18 +88,25 @@ async def open_router(
         journal: a journal to use instead of the one ``config.journal`` names.
     """
     state = RouterState(config, transport=transport, journal=journal)
-    server = HTTPServer(RouterApp(state), server_limits(config), server_name="narwhal")
+    limits = server_limits(config)
+    server = HTTPServer(RouterApp(state), limits, server_name="narwhal")
+    metrics = RouterMetrics(state)
+    events = EventHub()
+    state.journal.add_listener(events.on_record)
+    state.breaker.add_listener(events.on_transition)
+    admin = HTTPServer(AdminApp(state, metrics, events), limits, server_name="narwhal-admin")
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(state.journal.run)
             await nursery.start(run_probes, state)
             await state.refresh_models()
-            router = Router(state, server, nursery)
+            router = Router(state, server, admin, metrics, events)
             try:
                 yield router
             finally:
                 with trio.CancelScope(shield=True):
                     await server.shutdown(config.server.shutdown_grace_s)
+                    await admin.shutdown(0)
                     await state.journal.aclose()
                 nursery.cancel_scope.cancel()
     finally:

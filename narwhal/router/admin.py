@@ -1,0 +1,72 @@
+"""The admin surface: ``GET /metrics`` (Prometheus), ``GET /events`` (WebSocket), ``GET /health``.
+
+It is served by its own listener, bound to ``server.admin_host`` (loopback by
+default) so that metrics and live events are not exposed where clients connect.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import trio
+import trio_websocket
+
+from narwhal.errors import BadRequest, MethodNotAllowed, NotFound
+from narwhal.http.server import Request, ResponseWriter
+from narwhal.router.events import EventHub
+from narwhal.router.metrics import CONTENT_TYPE, RouterMetrics
+from narwhal.router.state import RouterState
+
+__all__ = ["AdminApp"]
+
+log = logging.getLogger("narwhal.router.admin")
+
+
+class AdminApp:
+    def __init__(self, state: RouterState, metrics: RouterMetrics, events: EventHub) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.events = events
+
+    async def __call__(self, request: Request, response: ResponseWriter) -> None:
+        if request.method != "GET":
+            raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
+        if request.path == "/metrics":
+            await response.respond(200, (("content-type", CONTENT_TYPE),), self.metrics.exposition())
+        elif request.path == "/events":
+            await self._events(request, response)
+        elif request.path == "/health":
+            ready = self.state.ready()
+            body = json.dumps({"status": "ready" if ready else "unavailable"}).encode()
+            await response.respond(200 if ready else 503, (("content-type", "application/json"),), body)
+        else:
+            raise NotFound(f"no route for GET {request.path}")
+
+    async def _events(self, request: Request, response: ResponseWriter) -> None:
+        if (request.header("upgrade") or "").lower() != "websocket":
+            raise BadRequest("/events is a WebSocket endpoint (send Upgrade: websocket)")
+        stream = await response.upgrade()
+        with self.events.subscribe() as sub:
+            async with trio.open_nursery() as nursery:
+                ws_request = await trio_websocket.wrap_server_stream(nursery, stream)
+                ws = await ws_request.accept()
+                nursery.start_soon(_until_closed, ws, nursery.cancel_scope)
+                try:
+                    async for event in sub.receive:
+                        await ws.send_message(json.dumps(event, separators=(",", ":")))
+                except trio_websocket.ConnectionClosed:
+                    pass
+                finally:
+                    nursery.cancel_scope.cancel()
+                    with trio.move_on_after(1, shield=True):
+                        await ws.aclose()
+
+
+async def _until_closed(ws: trio_websocket.WebSocketConnection, scope: trio.CancelScope) -> None:
+    """Read (and ignore) client messages; the client closing ends the subscription."""
+    try:
+        while True:
+            await ws.get_message()
+    except trio_websocket.ConnectionClosed:
+        scope.cancel()

@@ -1,0 +1,153 @@
+"""Prometheus metrics of the router.
+
+Counters and histograms are fed from the journal's record stream and the breaker's
+transitions (listeners), so the request path does no extra work for them; gauges of
+live state (in-flight per engine, reservations, breaker state) are read at scrape
+time by a custom collector. Each router has its own registry, so several routers in
+one process (tests, ``--workers``) never share series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from narwhal.router.breaker import Transition
+from narwhal.router.state import RouterState
+
+__all__ = ["CONTENT_TYPE", "RouterMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,
+)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+_BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2}
+
+
+class _LiveState(Collector):
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.state
+        in_flight = GaugeMetricFamily("narwhal_in_flight_requests", "Client requests being served.")
+        in_flight.add_metric([], state.in_flight)
+        yield in_flight
+        per_engine = GaugeMetricFamily(
+            "narwhal_engine_in_flight", "Engine legs in flight, by engine.", labels=["engine"]
+        )
+        for name, n in state.in_flight_by_engine.items():
+            per_engine.add_metric([name], n)
+        yield per_engine
+        open_res = GaugeMetricFamily("narwhal_reservations_open", "Open phase reservations.")
+        open_res.add_metric([], state.placement.open_reservations)
+        yield open_res
+        reserved = GaugeMetricFamily(
+            "narwhal_engine_reserved", "Reserved load by engine and kind.", labels=["engine", "kind"]
+        )
+        for name, load in state.placement.loads.items():
+            reserved.add_metric([name, "prefill_requests"], load.prefill_requests)
+            reserved.add_metric([name, "prefill_tokens"], load.prefill_tokens)
+            reserved.add_metric([name, "decode_requests"], load.decode_requests)
+            reserved.add_metric([name, "decode_kv_tokens"], load.decode_kv_tokens)
+        yield reserved
+        breaker = GaugeMetricFamily(
+            "narwhal_breaker_state",
+            "Breaker state by engine: 0 in placement, 1 quarantined, 2 ejected.",
+            labels=["engine"],
+        )
+        for name, st in state.breaker.states.items():
+            status = "ejected" if st.ejected else ("ok" if state.breaker.available(name) else "quarantined")
+            breaker.add_metric([name], _BREAKER_CODES[status])
+        yield breaker
+        ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
+        ready.add_metric([], 1 if state.ready() else 0)
+        yield ready
+
+
+class RouterMetrics:
+    """The router's metric families, fed by journal records and breaker transitions."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "narwhal_requests", "Client requests by route and terminal class.", ["route", "terminal_class"], registry=r
+        )
+        self.ttft = Histogram(
+            "narwhal_router_ttft_seconds", "Router TTFT: arrival to producer HTTP completion.",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.first_byte = Histogram(
+            "narwhal_router_first_byte_seconds", "Arrival to the first generated decode output.",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tpot = Histogram(
+            "narwhal_router_tpot_seconds", "Prefill completion to final token over output_len - 1.",
+            ["route"], buckets=_TPOT_BUCKETS, registry=r,
+        )
+        self.duration = Histogram(
+            "narwhal_request_duration_seconds", "Arrival to terminal outcome.",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.output_tokens = Counter(
+            "narwhal_output_tokens", "Identified output tokens delivered.", ["route"], registry=r
+        )
+        self.retries = Counter("narwhal_retries", "Fresh attempts after a transient fault.", registry=r)
+        self.placements = Counter(
+            "narwhal_placement_decisions", "Attempts placed, by producer and consumer.",
+            ["producer", "consumer"], registry=r,
+        )
+        self.refusals = Counter(
+            "narwhal_placement_refusals", "Requests refused for lack of capacity.", registry=r
+        )
+        self.attempt_outcomes = Counter(
+            "narwhal_attempts", "Attempts by engine role and outcome.", ["engine", "role", "outcome"], registry=r
+        )
+        self.breaker_transitions = Counter(
+            "narwhal_breaker_transitions", "Breaker transitions by engine and event.", ["engine", "event"],
+            registry=r,
+        )
+        r.register(_LiveState(state))
+        state.journal.add_listener(self.on_record)
+        state.breaker.add_listener(self.on_transition)
+
+    def on_record(self, record: dict[str, Any]) -> None:
+        route = record["route"]
+        klass = record["terminal_class"]
+        self.requests.labels(route, klass).inc()
+        if klass == "refused":
+            self.refusals.inc()
+        if record.get("latency_s") is not None:
+            self.duration.labels(route).observe(record["latency_s"])
+        if klass == "ok":
+            if record.get("ttft_s") is not None:
+                self.ttft.labels(route).observe(record["ttft_s"])
+            if record.get("first_byte_s") is not None:
+                self.first_byte.labels(route).observe(record["first_byte_s"])
+            if record.get("tpot_s") is not None:
+                self.tpot.labels(route).observe(record["tpot_s"])
+        if record.get("output_len"):
+            self.output_tokens.labels(route).inc(record["output_len"])
+        attempts = record.get("attempts") or []
+        if len(attempts) > 1:
+            self.retries.inc(len(attempts) - 1)
+        for attempt in attempts:
+            producer, consumer = attempt.get("producer"), attempt.get("consumer")
+            if producer and consumer:
+                self.placements.labels(producer, consumer).inc()
+                self.attempt_outcomes.labels(producer, "prefill", attempt["outcome"]).inc()
+                self.attempt_outcomes.labels(consumer, "decode", attempt["outcome"]).inc()
+
+    def on_transition(self, transition: Transition) -> None:
+        self.breaker_transitions.labels(transition.engine, transition.event).inc()
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition of every family."""
+        return generate_latest(self.registry)
