@@ -498,7 +498,7 @@ class JournalConfig:
 
     Attributes:
         path: JSON-lines file the router appends one record per request to.
-        queue_size: Records buffered for the writer before new ones are dropped.
+        queue_size: Records the writer's channel holds; past it they wait in an overflow list (never dropped).
         fsync: Whether each write batch is fsynced.
     """
 
