@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.resources
 import logging
 import signal
@@ -89,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-port", type=int, help="admin (metrics, events) port (default: server.admin_port)")
     sim = sub.add_parser("sim", help="run the simulated engines a fleet document declares")
     sim.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
+    top = sub.add_parser("top", help="a terminal view of a running router (its admin surface)")
+    top.add_argument("--admin", default="http://127.0.0.1:8001", help="the router's admin URL")
+    top.add_argument("--once", type=float, metavar="SECONDS", help="follow for SECONDS, print once, exit")
     sub.add_parser("profile", help="profile engines (see narwhal-profile)")
     sub.add_parser("check", help="preflight a fleet (see narwhal-check)")
     return parser
@@ -105,6 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             trio.run(_serve, _load(args.fleet), args.host, args.port, args.admin_port)
         elif args.command == "sim":
             trio.run(_sim, _load(args.fleet))
+        elif args.command == "top":
+            from narwhal.top import run_top
+
+            trio.run(functools.partial(run_top, args.admin, once_after_s=args.once))
         elif args.command == "profile":
             return profile_main([])
         elif args.command == "check":

@@ -22,11 +22,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
     workdir = tmp_path_factory.mktemp("serve")
     port = _free_port()
+    admin_port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "narwhal", "serve", "--port", str(port), "--admin-port", str(_free_port())],
+        [sys.executable, "-m", "narwhal", "serve", "--port", str(port), "--admin-port", str(admin_port)],
         cwd=workdir,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -42,7 +43,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
                 break
         else:
             pytest.fail("narwhal serve exited early:\n" + "".join(lines))
-        yield f"http://127.0.0.1:{port}", workdir
+        yield f"http://127.0.0.1:{port}", workdir, f"http://127.0.0.1:{admin_port}"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -58,8 +59,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-def test_curl_streams_tokens_and_done(served: tuple[str, Path]) -> None:
-    url, _ = served
+def test_curl_streams_tokens_and_done(served: tuple[str, Path, str]) -> None:
+    url, _, _ = served
     body = json.dumps({"model": "sim-llama", "prompt": "hello narwhal", "max_tokens": 8, "stream": True})
     out = subprocess.run(
         ["curl", "-sS", "-N", "--max-time", "30", f"{url}/v1/completions",
@@ -72,9 +73,9 @@ def test_curl_streams_tokens_and_done(served: tuple[str, Path]) -> None:
     assert len(ids) == 8
 
 
-def test_openai_client_streams(served: tuple[str, Path]) -> None:
+def test_openai_client_streams(served: tuple[str, Path, str]) -> None:
     openai = pytest.importorskip("openai")
-    url, _workdir = served
+    url, _, _ = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
     models = [m.id for m in client.models.list()]
     assert models == ["sim-llama"]
@@ -132,3 +133,39 @@ def test_narwhal_sim_serves_engines_curl_can_stream(tmp_path: Path) -> None:
     ids = [t for e in events[:-1] for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
     assert len(ids) == 4
     assert proc.returncode == 0
+
+
+def test_narwhal_top_follows_the_router(served: tuple[str, Path, str]) -> None:
+    url, _, admin = served
+    top = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "top", "--admin", admin, "--once", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    import time
+    import urllib.request
+
+    for _ in range(200):  # until top has subscribed to the live events
+        with urllib.request.urlopen(f"{admin}/metrics", timeout=10) as resp:
+            if "narwhal_event_subscribers 1.0" in resp.read().decode():
+                break
+        time.sleep(0.02)
+    else:
+        top.kill()
+        pytest.fail("narwhal top never subscribed")
+    body = json.dumps({"model": "sim-llama", "prompt": "a b c d", "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+    out, err = top.communicate(timeout=30)
+    assert top.returncode == 0, err
+    assert "prefill-0" in out and "decode-1" in out
+    assert "classes: ok 1" in out
+
+
+def test_admin_metrics_on_loopback(served: tuple[str, Path, str]) -> None:
+    _, _, admin = served
+    import urllib.request
+
+    with urllib.request.urlopen(f"{admin}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert "narwhal_requests_total" in text

@@ -1,4 +1,4 @@
-"""The admin surface: ``GET /metrics`` (Prometheus), ``GET /events`` (WebSocket), ``GET /health``.
+"""The admin surface: ``/metrics`` (Prometheus), ``/events`` (WebSocket), ``/fleet``, ``/health``.
 
 It is served by its own listener, bound to ``server.admin_host`` (loopback by
 default) so that metrics and live events are not exposed where clients connect.
@@ -36,12 +36,36 @@ class AdminApp:
             await response.respond(200, (("content-type", CONTENT_TYPE),), self.metrics.exposition())
         elif request.path == "/events":
             await self._events(request, response)
+        elif request.path == "/fleet":
+            await response.respond(200, (("content-type", "application/json"),), json.dumps(self.fleet()).encode())
         elif request.path == "/health":
             ready = self.state.ready()
             body = json.dumps({"status": "ready" if ready else "unavailable"}).encode()
             await response.respond(200 if ready else 503, (("content-type", "application/json"),), body)
         else:
             raise NotFound(f"no route for GET {request.path}")
+
+    def fleet(self) -> dict[str, object]:
+        """The fleet as the router sees it now (for ``narwhal top`` and operators)."""
+        state = self.state
+        engines = []
+        for e in state.config.engines:
+            st = state.breaker.states[e.name]
+            load = state.placement.loads[e.name]
+            engines.append(
+                {
+                    "name": e.name,
+                    "url": e.url,
+                    "roles": list(e.roles),
+                    "breaker": "ejected" if st.ejected else ("ok" if state.breaker.available(e.name) else "quarantined"),
+                    "streak": st.streak,
+                    "in_flight": state.in_flight_by_engine[e.name],
+                    "reserved_prefill_tokens": load.prefill_tokens,
+                    "reserved_decode_requests": load.decode_requests,
+                }
+            )
+        slo = state.config.controller.slo
+        return {"engines": engines, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "in_flight": state.in_flight}
 
     async def _events(self, request: Request, response: ResponseWriter) -> None:
         if (request.header("upgrade") or "").lower() != "websocket":

@@ -17,6 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from narwhal.router.breaker import Transition
+from narwhal.router.events import EventHub
 from narwhal.router.state import RouterState
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
@@ -31,11 +32,16 @@ _BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2}
 
 
 class _LiveState(Collector):
-    def __init__(self, state: RouterState) -> None:
+    def __init__(self, state: RouterState, events: EventHub | None) -> None:
         self.state = state
+        self.events = events
 
     def collect(self) -> Iterator[Metric]:
         state = self.state
+        if self.events is not None:
+            subs = GaugeMetricFamily("narwhal_event_subscribers", "Live event subscribers.")
+            subs.add_metric([], self.events.subscribers)
+            yield subs
         in_flight = GaugeMetricFamily("narwhal_in_flight_requests", "Client requests being served.")
         in_flight.add_metric([], state.in_flight)
         yield in_flight
@@ -74,7 +80,7 @@ class _LiveState(Collector):
 class RouterMetrics:
     """The router's metric families, fed by journal records and breaker transitions."""
 
-    def __init__(self, state: RouterState) -> None:
+    def __init__(self, state: RouterState, events: EventHub | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -114,7 +120,7 @@ class RouterMetrics:
             "narwhal_breaker_transitions", "Breaker transitions by engine and event.", ["engine", "event"],
             registry=r,
         )
-        r.register(_LiveState(state))
+        r.register(_LiveState(state, events))
         state.journal.add_listener(self.on_record)
         state.breaker.add_listener(self.on_transition)
 

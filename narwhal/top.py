@@ -1,0 +1,111 @@
+"""``narwhal top``: a terminal view of a running router, built on its admin surface.
+
+Per engine: roles, load (legs in flight), breaker state, and rolling TTFT / TPOT of
+the requests it served over the last window, against the fleet's SLO. The view reads
+``GET /fleet`` once and then follows ``/events`` (journal records and breaker
+transitions) over WebSocket.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import httpx
+import trio
+import trio_websocket
+
+__all__ = ["TopView", "run_top"]
+
+
+def _p(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+class TopView:
+    """The state behind the view; :meth:`render` turns it into text."""
+
+    def __init__(self, fleet: dict[str, Any], *, window: int = 200) -> None:
+        self.engines: dict[str, dict[str, Any]] = {e["name"]: dict(e) for e in fleet["engines"]}
+        self.slo: dict[str, float | None] = fleet.get("slo") or {}
+        self.ttft: dict[str, collections.deque[float]] = collections.defaultdict(lambda: collections.deque(maxlen=window))
+        self.tpot: dict[str, collections.deque[float]] = collections.defaultdict(lambda: collections.deque(maxlen=window))
+        self.classes: collections.Counter[str] = collections.Counter()
+        self.requests = 0
+
+    def apply(self, event: dict[str, Any]) -> None:
+        if event.get("type") == "request":
+            record = event["record"]
+            self.requests += 1
+            self.classes[record["terminal_class"]] += 1
+            if record.get("ttft_s") is not None and record.get("producer") in self.engines:
+                self.ttft[record["producer"]].append(record["ttft_s"])
+            if record.get("tpot_s") is not None and record.get("consumer") in self.engines:
+                self.tpot[record["consumer"]].append(record["tpot_s"])
+        elif event.get("type") == "breaker" and event.get("engine") in self.engines:
+            kind = event["event"]
+            engine = self.engines[event["engine"]]
+            if kind == "ejected":
+                engine["breaker"] = "ejected"
+            elif kind == "readmitted":
+                engine["breaker"] = "ok"
+            elif kind == "quarantined" and engine.get("breaker") == "ok":
+                engine["breaker"] = "quarantined"
+
+    def render(self) -> str:
+        slo_ttft, slo_tpot = self.slo.get("ttft_s"), self.slo.get("tpot_s")
+        head = (
+            f"narwhal top — {self.requests} requests   SLO ttft {_ms(slo_ttft)} ms, tpot {_ms(slo_tpot)} ms\n"
+            + "classes: " + (", ".join(f"{k} {v}" for k, v in sorted(self.classes.items())) or "-") + "\n\n"
+        )
+        cols = f"{'engine':<16}{'roles':<16}{'breaker':<13}{'load':>6}{'ttft p50':>10}{'ttft p90':>10}{'tpot p50':>10}{'tpot p90':>10}  slo"
+        rows = [cols, "-" * len(cols)]
+        for name, e in self.engines.items():
+            ttft, tpot = list(self.ttft[name]), list(self.tpot[name])
+            t90, p90 = _p(ttft, 0.9), _p(tpot, 0.9)
+            misses = []
+            if slo_ttft is not None and t90 is not None and t90 > slo_ttft:
+                misses.append("ttft")
+            if slo_tpot is not None and p90 is not None and p90 > slo_tpot:
+                misses.append("tpot")
+            verdict = "miss " + "+".join(misses) if misses else ("ok" if (ttft or tpot) and (slo_ttft or slo_tpot) else "-")
+            rows.append(
+                f"{name:<16}{'+'.join(e.get('roles', [])):<16}{e.get('breaker', '?'):<13}{e.get('in_flight', 0):>6}"
+                f"{_ms(_p(ttft, 0.5)):>10}{_ms(t90):>10}{_ms(_p(tpot, 0.5)):>10}{_ms(p90):>10}  {verdict}"
+            )
+        return head + "\n".join(rows) + "\n"
+
+
+async def run_top(admin_url: str, *, once_after_s: float | None = None, out: TextIO = sys.stdout) -> None:
+    """Follow a router's admin surface and redraw the view (or print it once)."""
+    base = admin_url.rstrip("/")
+    async with httpx.AsyncClient(timeout=10) as client:
+        fleet = (await client.get(f"{base}/fleet")).raise_for_status().json()
+    view = TopView(fleet)
+    ws_url = "ws" + base[len("http"):] + "/events"
+    tty = out.isatty()
+    async with trio_websocket.open_websocket_url(ws_url) as ws:
+        with trio.move_on_after(math.inf if once_after_s is None else once_after_s):
+            last = 0.0
+            while True:
+                with trio.move_on_after(1.0):
+                    view.apply(json.loads(await ws.get_message()))
+                now = trio.current_time()
+                if once_after_s is None and now - last >= 1.0:
+                    last = now
+                    out.write(("\x1b[H\x1b[2J" if tty else "") + view.render())
+                    out.flush()
+    if once_after_s is not None:
+        out.write(view.render())
+        out.flush()

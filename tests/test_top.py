@@ -1,0 +1,44 @@
+"""The terminal view's state and rendering."""
+
+from __future__ import annotations
+
+from narwhal.top import TopView
+
+FLEET = {
+    "engines": [
+        {"name": "p0", "roles": ["prefill"], "breaker": "ok", "in_flight": 2},
+        {"name": "d0", "roles": ["decode"], "breaker": "ok", "in_flight": 1},
+    ],
+    "slo": {"ttft_s": 0.1, "tpot_s": 0.02},
+}
+
+
+def _record(ttft: float, tpot: float, klass: str = "ok") -> dict:
+    return {"type": "request", "record": {"terminal_class": klass, "ttft_s": ttft, "tpot_s": tpot,
+                                          "producer": "p0", "consumer": "d0"}}
+
+
+def test_view_rolls_latency_against_the_slo() -> None:
+    view = TopView(FLEET)
+    for _ in range(9):
+        view.apply(_record(0.05, 0.01))
+    view.apply(_record(0.5, 0.01, "ok"))
+    text = view.render()
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith(("p0", "d0"))}
+    assert "50.0" in lines["p0"] and lines["p0"].rstrip().endswith("ok")
+    assert "10.0" in lines["d0"]
+    for _ in range(5):
+        view.apply(_record(0.5, 0.05))
+    text = view.render()
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith(("p0", "d0"))}
+    assert lines["p0"].rstrip().endswith("miss ttft")
+    assert lines["d0"].rstrip().endswith("miss tpot")
+    assert "classes: ok 15" in text
+
+
+def test_view_follows_breaker_events() -> None:
+    view = TopView(FLEET)
+    view.apply({"type": "breaker", "engine": "d0", "event": "ejected"})
+    assert "ejected" in next(line for line in view.render().splitlines() if line.startswith("d0"))
+    view.apply({"type": "breaker", "engine": "d0", "event": "readmitted"})
+    assert "ejected" not in next(line for line in view.render().splitlines() if line.startswith("d0"))
