@@ -22,6 +22,7 @@ import trio
 from narwhal import __version__
 from narwhal.config import FleetConfig, load_fleet
 from narwhal.errors import ConfigError
+from narwhal.logs import configure_logging
 
 __all__ = ["check_main", "main", "profile_main"]
 
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="narwhal", description="A router for disaggregated LLM serving.")
     parser.add_argument("--version", action="version", version=f"narwhal {__version__}")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of plain text")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the router")
     serve.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
@@ -100,10 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(str(args.log_level), json_lines=args.log_json)
     try:
         if args.command == "serve":
             trio.run(_serve, _load(args.fleet), args.host, args.port, args.admin_port)

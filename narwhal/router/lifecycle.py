@@ -137,6 +137,16 @@ class RequestLifecycle:
             log.info(
                 "request %s %s status=%s class=%s tokens=%d",
                 self.request_id, self.kind, record.status, record.terminal_class, self.tokens,
+                extra={
+                    "request_id": self.request_id,
+                    "route": self.kind,
+                    "status": record.status,
+                    "terminal_class": record.terminal_class,
+                    "output_len": self.tokens,
+                    "producer": record.producer,
+                    "consumer": record.consumer,
+                    "latency_s": record.latency_s,
+                },
             )
 
     async def _fail(self, err: NarwhalError) -> None:

@@ -1,0 +1,43 @@
+"""Logging setup: plain lines, or JSON lines with ``--log-json``.
+
+The router logs one INFO line per request with its terminal class (never the prompt);
+with JSON lines every record carries its structured fields (``extra=``) as keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+__all__ = ["JSONFormatter", "configure_logging"]
+
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str = "INFO", *, json_lines: bool = False) -> None:
+    handler = logging.StreamHandler()
+    if json_lines:
+        handler.setFormatter(JSONFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
