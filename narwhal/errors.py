@@ -21,6 +21,7 @@ exc``), most specific first::
     └── EngineError (502, ...)               anything an engine did wrong
         ├── EngineUnavailable (502, engine_unavailable)   connect refused / reset
         ├── EngineHTTPError (502, engine_http_error)      non-2xx answer; keeps upstream status
+        │                                                 (a 400/422 is the client's fault: that status)
         ├── EngineProtocolError (502, engine_protocol_error)
         │   ├── StreamClosed (502, stream_closed)         closed before ``data: [DONE]``
         │   └── EmptyStream (502, empty_stream)           ``[DONE]`` before any token
@@ -70,7 +71,8 @@ __all__ = [
 
 
 class NarwhalError(Exception):
-    """Base class; ``str(err)`` is the message a client may see (no internals)."""
+    """Base class; ``public_message`` (``str(err)`` unless an engine error carries
+    internals in its detail) is the message a client may see."""
 
     status: ClassVar[int] = 500
     error_type: ClassVar[str] = "internal_error"
@@ -87,11 +89,16 @@ class NarwhalError(Exception):
     def http_status(self) -> int:
         return self.status
 
+    @property
+    def public_message(self) -> str:
+        """The message of the client's error body (``message`` unless it holds internals)."""
+        return self.message
+
     def to_body(self) -> dict[str, Any]:
         """The OpenAI error shape ``{"error": {"message", "type", "code"}}``."""
         return {
             "error": {
-                "message": self.message,
+                "message": self.public_message,
                 "type": self.error_type,
                 "code": self.code if self.code is not None else self.http_status,
             }
@@ -179,12 +186,20 @@ class DeadlineExceeded(NarwhalError):
 
 
 class EngineError(NarwhalError):
-    """An engine failed. ``engine`` names it, ``leg`` says which leg."""
+    """An engine failed. ``engine`` names it, ``leg`` says which leg.
+
+    ``message`` is the full detail for the journal and logs; ``public`` (when given) is
+    what the client's error body says instead, without library exception text or the
+    engine's own error text (addresses, tracebacks).
+    """
 
     status = 502
     error_type = "engine_error"
     terminal_class = "engine_error"
     transient = True
+    #: The engine rejected the request's content (see :class:`EngineHTTPError`): the
+    #: client's fault, not the engine's, so the breaker does not count it.
+    client_fault: bool = False
 
     def __init__(
         self,
@@ -193,10 +208,16 @@ class EngineError(NarwhalError):
         engine: str | None = None,
         leg: str | None = None,
         code: str | None = None,
+        public: str | None = None,
     ) -> None:
         super().__init__(message, code=code)
         self.engine = engine
         self.leg = leg
+        self._public = public
+
+    @property
+    def public_message(self) -> str:
+        return self._public if self._public is not None else self.message
 
 
 class EngineUnavailable(EngineError):
@@ -204,7 +225,14 @@ class EngineUnavailable(EngineError):
 
 
 class EngineHTTPError(EngineError):
-    """The engine answered with a non-2xx status; ``upstream_status`` keeps it."""
+    """The engine answered with a non-2xx status; ``upstream_status`` keeps it.
+
+    A 400 or 422 means the engine rejected the request's content (an out-of-vocabulary
+    token id, an empty prompt, a sampling setting out of range): ``client_fault`` is
+    true, the client gets that status with the engine's ``detail`` as an
+    ``invalid_request_error``, and the engine's breaker does not count it, so that no
+    client can eject engines by sending bad requests.
+    """
 
     terminal_class = "engine_http_error"
 
@@ -215,11 +243,31 @@ class EngineHTTPError(EngineError):
         upstream_status: int,
         engine: str | None = None,
         leg: str | None = None,
+        detail: str | None = None,
+        public: str | None = None,
     ) -> None:
-        super().__init__(message, engine=engine, leg=leg)
+        super().__init__(message, engine=engine, leg=leg, public=public)
         self.upstream_status = upstream_status
+        self.detail = detail
         # A 4xx from an engine is about the request, not the engine: retrying won't help.
         self.transient = upstream_status >= 500 or upstream_status in (408, 429)
+        self.client_fault = upstream_status in (400, 422)
+
+    @property
+    def http_status(self) -> int:
+        return self.upstream_status if self.client_fault else self.status
+
+    @property
+    def public_message(self) -> str:
+        if self.client_fault and self.detail:
+            return self.detail
+        return super().public_message
+
+    def to_body(self) -> dict[str, Any]:
+        body = super().to_body()
+        if self.client_fault:
+            body["error"]["type"] = ClientError.error_type
+        return body
 
 
 class EngineProtocolError(EngineError):
@@ -250,8 +298,9 @@ class EngineStreamError(EngineError):
         error: dict[str, Any] | None = None,
         engine: str | None = None,
         leg: str | None = None,
+        public: str | None = None,
     ) -> None:
-        super().__init__(message, engine=engine, leg=leg)
+        super().__init__(message, engine=engine, leg=leg, public=public)
         self.upstream_status = upstream_status
         self.error = error or {}
 
@@ -266,7 +315,14 @@ class InvalidDescriptor(EngineError):
     terminal_class = "invalid_descriptor"
 
     def __init__(self, reason: str, *, engine: str | None = None, leg: str | None = "prefill") -> None:
-        super().__init__(f"invalid KV handoff descriptor: {reason}", engine=engine, leg=leg)
+        # The client learns which check failed ("endpoint mismatch"), not the hosts,
+        # ports or ids the descriptor named.
+        super().__init__(
+            f"invalid KV handoff descriptor: {reason}",
+            engine=engine,
+            leg=leg,
+            public=f"invalid KV handoff descriptor: {reason.split(':', 1)[0]}",
+        )
         self.reason = reason
 
 

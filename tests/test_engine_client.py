@@ -924,24 +924,15 @@ async def test_tokenize() -> None:
 # --------------------------------------------------------------------------- construction
 
 
-async def test_builds_a_nodelay_pooled_transport(monkeypatch: pytest.MonkeyPatch) -> None:
-    built: list[dict[str, Any]] = []
-    real = httpx.AsyncHTTPTransport
-
-    class Recording(real):  # type: ignore[misc, valid-type]
-        def __init__(self, **kwargs: Any) -> None:
-            built.append(kwargs)
-            super().__init__(**kwargs)
-
-    monkeypatch.setattr(httpx, "AsyncHTTPTransport", Recording)
-    import socket
+async def test_builds_a_pooled_wire_transport() -> None:
+    from narwhal.engines.wire import WireTransport
 
     async with EngineClient(URL, connect_timeout_s=2.5) as client:
         assert client._http.timeout == httpx.Timeout(None, connect=2.5)
-    (kwargs,) = built
-    assert (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1) in kwargs["socket_options"]
-    assert kwargs["limits"].max_connections is None
-    assert kwargs["limits"].keepalive_expiry is not None
+        transport = client._http._transport
+        assert isinstance(transport, WireTransport)
+        assert transport._connect_timeout == 2.5
+        assert transport._idle_expiry < 5.0  # below uvicorn's keep-alive timeout
 
 
 async def test_shared_http_client_is_not_closed() -> None:

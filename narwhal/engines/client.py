@@ -15,7 +15,6 @@ sees the client go away and aborts the request.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
@@ -55,6 +54,7 @@ from narwhal.engines.stream import (
     stream_error,
     truncate,
 )
+from narwhal.engines.wire import WireTransport
 from narwhal.errors import (
     EngineError,
     EngineHTTPError,
@@ -181,13 +181,10 @@ class EngineClient:
         self._owns_client = http_client is None
         if http_client is None:
             if transport is None:
-                transport = httpx.AsyncHTTPTransport(
-                    limits=httpx.Limits(
-                        max_connections=None,
-                        max_keepalive_connections=_MAX_KEEPALIVE,
-                        keepalive_expiry=_KEEPALIVE_EXPIRY_S,
-                    ),
-                    socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                transport = WireTransport(
+                    max_idle_per_origin=_MAX_KEEPALIVE,
+                    idle_expiry_s=_KEEPALIVE_EXPIRY_S,
+                    connect_timeout_s=connect_timeout_s,
                 )
             http_client = httpx.AsyncClient(
                 transport=transport,
@@ -230,32 +227,34 @@ class EngineClient:
         return headers
 
     def map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError:
-        """Translate an httpx error into the narwhal error it means (most specific first)."""
+        """Translate an httpx error into the narwhal error it means (most specific first).
+
+        The message keeps the library's text for the journal and logs; the client's
+        error body (``public_message``) does not, since it can name addresses.
+        """
         name = self.name
         detail = truncate(str(exc), 200) or type(exc).__name__
+
+        def error(cls: type[EngineError], what: str) -> EngineError:
+            return cls(f"{what}: {detail}", engine=name, leg=leg, public=what)
+
         if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
-            return EngineUnavailable(f"engine {name} unreachable: {detail}", engine=name, leg=leg)
+            return error(EngineUnavailable, f"engine {name} unreachable")
         if isinstance(exc, httpx.PoolTimeout):
-            return EngineUnavailable(
-                f"no connection to engine {name} available: {detail}", engine=name, leg=leg
-            )
+            return error(EngineUnavailable, f"no connection to engine {name} available")
         if isinstance(exc, httpx.TimeoutException):
-            return EngineTimeout(f"engine {name} timed out: {detail}", engine=name, leg=leg)
+            return error(EngineTimeout, f"engine {name} timed out")
         if isinstance(
             exc, httpx.ReadError | httpx.WriteError | httpx.CloseError | httpx.RemoteProtocolError
         ):
-            return StreamClosed(
-                f"engine {name} closed the connection before the response completed: {detail}",
-                engine=name,
-                leg=leg,
+            return error(
+                StreamClosed, f"engine {name} closed the connection before the response completed"
             )
         if isinstance(exc, httpx.ProtocolError | httpx.DecodingError):
-            return EngineProtocolError(
-                f"engine {name} protocol error: {detail}", engine=name, leg=leg
-            )
+            return error(EngineProtocolError, f"engine {name} protocol error")
         if isinstance(exc, httpx.TransportError):
-            return EngineUnavailable(f"engine {name} unreachable: {detail}", engine=name, leg=leg)
-        return EngineError(f"engine {name} request failed: {detail}", engine=name, leg=leg)
+            return error(EngineUnavailable, f"engine {name} unreachable")
+        return error(EngineError, f"engine {name} request failed")
 
     async def _send(
         self,
@@ -289,6 +288,8 @@ class EngineClient:
             upstream_status=status,
             engine=self.name,
             leg=leg,
+            detail=message,
+            public=f"engine {self.name} answered HTTP {status}",
         )
 
     def _json_body(self, response: httpx.Response, leg: str | None) -> dict[str, Any]:
@@ -598,11 +599,17 @@ class EngineClient:
         """Tokenize a prompt, or chat messages with the engine's chat template.
 
         ``model`` names the model to tokenize for (default: the configured one).
+        A prompt that is already a list of token ids is counted here without a
+        request (vLLM's ``/tokenize`` accepts only a string prompt and answers a list
+        with 400); its ``max_model_len`` is then ``None``.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("tokenize needs exactly one of prompt or messages")
+        if prompt is not None and not isinstance(prompt, str):
+            ids = tuple(prompt)
+            return Tokenized(count=len(ids), max_model_len=None, ids=ids)
         payload: dict[str, Any] = (
-            {"prompt": prompt if isinstance(prompt, str) else list(prompt)}
+            {"prompt": prompt}
             if prompt is not None
             else {"messages": [dict(m) for m in messages or ()]}
         )

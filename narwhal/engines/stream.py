@@ -203,7 +203,8 @@ class DecodeStream:
     ) -> None:
         self._owner = owner
         self._response = response
-        self._bytes: AsyncIterator[bytes] = response.aiter_bytes()
+        # The raw body stream: no decoders (we ask for identity), one generator layer.
+        self._bytes: AsyncIterator[bytes] = response.stream.__aiter__()  # type: ignore[union-attr]
         self._decoder = SSEDecoder()
         self._events: deque[SSEEvent] = deque()
         self._eof = False
@@ -255,6 +256,7 @@ class DecodeStream:
                         f"engine {self.engine} sent a malformed stream event: {exc}",
                         engine=self.engine,
                         leg=self.leg,
+                        public=f"engine {self.engine} sent a malformed stream event",
                     ) from None
                 kind = chunk.kind
                 if kind == "token":
@@ -313,6 +315,7 @@ class DecodeStream:
                 f"engine {self.engine} sent an unusable event stream: {exc}",
                 engine=self.engine,
                 leg=self.leg,
+                public=f"engine {self.engine} sent an unusable event stream",
             ) from None
 
     def _closed_error(self) -> StreamClosed:

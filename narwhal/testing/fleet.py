@@ -51,11 +51,12 @@ class SimFleet:
 
     @property
     def transport(self) -> httpx.AsyncBaseTransport:
-        """An httpx transport reaching every engine in memory."""
+        """The router's engine transport (:class:`~narwhal.engines.wire.WireTransport`)
+        reaching every engine in memory."""
         if self.network is None:
             raise RuntimeError("a fleet on sockets has no in-memory transport; use its urls")
         if self._transport is None:
-            self._transport = self.network.transport()
+            self._transport = self.network.wire_transport()
         return self._transport
 
     def __getitem__(self, name: str) -> SimEngine:

@@ -33,6 +33,7 @@ import httpx
 import trio
 import trio.testing
 
+from narwhal.engines.wire import WireTransport
 from narwhal.http.server import HTTPServer
 
 __all__ = ["MemoryNetwork", "MemoryTransport", "open_memory_network"]
@@ -337,6 +338,16 @@ class MemoryNetwork:
     ) -> MemoryTransport:
         """A fresh httpx transport (its own connection pool) reaching this network."""
         return MemoryTransport(self, limits=limits, retries=retries)
+
+    def wire_transport(self, *, connect_timeout_s: float | None = 5.0) -> WireTransport:
+        """The router's own engine transport (:class:`WireTransport`) over this network."""
+        return WireTransport(connect=self._wire_connect, connect_timeout_s=connect_timeout_s)
+
+    async def _wire_connect(self, host: str, port: int) -> trio.abc.Stream:
+        try:
+            return await self._open(host, port)
+        except httpcore.ConnectError as exc:
+            raise ConnectionRefusedError(str(exc)) from None
 
     def abort_all(self, host: str, port: int) -> None:
         """Reset every open connection to the server at ``host:port`` (engine death)."""

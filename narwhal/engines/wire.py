@@ -1,0 +1,392 @@
+"""WireTransport: a lean HTTP/1.1 keep-alive transport for talking to engines.
+
+The router's hot path is three small requests per client request (tokenize,
+prefill, decode) and one streamed body per decode; a general-purpose client stack
+(httpx over httpcore over h11) spends most of the router's CPU on them. This
+transport implements :class:`httpx.AsyncBaseTransport` with just what an engine
+needs: one request written with one ``send_all``, a response head parsed by hand,
+bodies framed by ``Content-Length``, chunked encoding or connection close, idle
+connections pooled per origin with an expiry below the engines' own keep-alive
+timeout, TCP_NODELAY on every socket. A streamed body yields everything that has
+arrived in one piece, so a burst of SSE events costs one iteration.
+
+Errors are httpx's (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
+``WriteError``, ``RemoteProtocolError``), so callers map them in one place. A pooled
+connection that turns out to be closed before any byte of the response arrived is
+retried once on a fresh connection (the engine never saw the request).
+
+``connect`` is pluggable: ``narwhal.testing``'s in-memory network passes its own, so
+tests exercise this transport in virtual time.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import httpx
+import trio
+
+__all__ = ["Connector", "WireTransport", "tcp_connector"]
+
+Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
+
+_MAX_HEAD: Final = 64 * 1024
+_RECV: Final = 65536
+_NO_BODY_STATUSES: Final = frozenset({204, 304})
+
+
+async def tcp_connector(host: str, port: int) -> trio.abc.Stream:
+    """Open a TCP connection with TCP_NODELAY set."""
+    stream = await trio.open_tcp_stream(host, port)
+    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return stream
+
+
+class _Conn:
+    __slots__ = ("buf", "idle_since", "origin", "reused", "stream")
+
+    def __init__(self, stream: trio.abc.Stream, origin: tuple[str, str, int]) -> None:
+        self.stream = stream
+        self.origin = origin
+        self.buf = bytearray()
+        self.idle_since = 0.0
+        self.reused = False
+
+    async def receive(self) -> bool:
+        """Append what arrives; False on EOF.
+
+        Raises:
+            httpx.ReadError: the connection broke (reset, closed under us).
+        """
+        try:
+            data = await self.stream.receive_some(_RECV)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise httpx.ReadError(f"connection to the engine broke: {exc}") from exc
+        if not data:
+            return False
+        self.buf += data
+        return True
+
+    def looks_closed(self) -> bool:
+        """An idle connection with readable data is closed (or broken) by the peer."""
+        sock = getattr(self.stream, "socket", None)
+        is_readable = getattr(sock, "is_readable", None)
+        return bool(is_readable is not None and is_readable())
+
+
+class _Body(httpx.AsyncByteStream):
+    """The body of one response; returns its connection to the pool when complete.
+
+    It is its own async iterator (no generators: an abandoned generator is one trio
+    has to finalize, and a class costs less per piece).
+    """
+
+    def __init__(
+        self, transport: WireTransport, conn: _Conn, *, length: int | None, chunked: bool, keep_alive: bool
+    ) -> None:
+        self._transport = transport
+        self._conn: _Conn | None = conn
+        self._length = length  # remaining bytes for Content-Length framing
+        self._chunked = chunked
+        self._keep_alive = keep_alive and (chunked or length is not None)
+        self._complete = length == 0 and not chunked
+        self._state = "size"  # chunked: a "size" line, chunk "data", the "crlf" after it
+        self._need = 0  # chunked: bytes left of the current chunk's data
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        conn = self._conn
+        if conn is None or self._complete:
+            raise StopAsyncIteration
+        if self._chunked:
+            return await self._next_chunked(conn)
+        if self._length is not None:
+            return await self._next_length(conn)
+        return await self._next_until_close(conn)
+
+    async def _next_length(self, conn: _Conn) -> bytes:
+        buf = conn.buf
+        if not buf and not await conn.receive():
+            raise httpx.RemoteProtocolError("engine closed the connection mid-body")
+        remaining = self._length or 0
+        piece = bytes(buf[:remaining])
+        del buf[: len(piece)]
+        self._length = remaining - len(piece)
+        if not self._length:
+            self._complete = True
+        return piece
+
+    async def _next_until_close(self, conn: _Conn) -> bytes:
+        if not conn.buf and not await conn.receive():
+            self._complete = True
+            raise StopAsyncIteration
+        piece = bytes(conn.buf)
+        conn.buf.clear()
+        return piece
+
+    async def _next_chunked(self, conn: _Conn) -> bytes:
+        """Everything that has arrived, de-chunked, in one piece (waits for some)."""
+        buf = conn.buf
+        out = bytearray()
+        while True:
+            done = self._parse_chunks(buf, out)
+            if done or out:
+                if done:
+                    self._complete = True
+                    if not out:
+                        raise StopAsyncIteration
+                return bytes(out)
+            if not await conn.receive():
+                raise httpx.RemoteProtocolError("engine closed the connection mid-body")
+
+    def _parse_chunks(self, buf: bytearray, out: bytearray) -> bool:
+        """Move complete chunk data from ``buf`` to ``out``; True at the last chunk."""
+        while True:
+            if self._state == "data":
+                take = min(self._need, len(buf))
+                out += buf[:take]
+                del buf[:take]
+                self._need -= take
+                if self._need:
+                    return False
+                self._state = "crlf"
+            if self._state == "crlf":
+                if len(buf) < 2:
+                    return False
+                if buf[:2] != b"\r\n":
+                    raise httpx.RemoteProtocolError("malformed chunked body")
+                del buf[:2]
+                self._state = "size"
+            end = buf.find(b"\r\n")
+            if end < 0:
+                if len(buf) > 1024:
+                    raise httpx.RemoteProtocolError("malformed chunk size line")
+                return False
+            try:
+                size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
+            except ValueError:
+                raise httpx.RemoteProtocolError("malformed chunk size line") from None
+            if size < 0:
+                raise httpx.RemoteProtocolError("malformed chunk size line")
+            if size == 0:
+                if buf[end : end + 4] == b"\r\n\r\n":
+                    del buf[: end + 4]
+                    return True
+                trailers_end = buf.find(b"\r\n\r\n", end)
+                if trailers_end < 0:
+                    return False  # trailers (or the final CRLF) still to come
+                del buf[: trailers_end + 4]
+                return True
+            del buf[: end + 2]
+            self._need = size
+            self._state = "data"
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._complete and self._keep_alive and not conn.buf:
+            await self._transport._release(conn)
+        else:
+            await trio.aclose_forcefully(conn.stream)
+
+
+class WireTransport(httpx.AsyncBaseTransport):
+    """A pooled HTTP/1.1 transport for engines (see the module docstring).
+
+    Args:
+        connect: opens a stream to ``(host, port)``; TCP with TCP_NODELAY by default.
+        max_idle_per_origin: idle connections kept per engine.
+        idle_expiry_s: an idle connection older than this is closed, not reused
+            (below uvicorn's 5 s keep-alive timeout, which vLLM runs with).
+        connect_timeout_s: bound on opening a connection (``httpx.ConnectTimeout``).
+    """
+
+    def __init__(
+        self,
+        *,
+        connect: Connector | None = None,
+        max_idle_per_origin: int = 256,
+        idle_expiry_s: float = 4.0,
+        connect_timeout_s: float | None = 5.0,
+    ) -> None:
+        self._connect = connect or tcp_connector
+        self._max_idle = max_idle_per_origin
+        self._idle_expiry = idle_expiry_s
+        self._connect_timeout = connect_timeout_s
+        self._idle: dict[tuple[str, str, int], collections.deque[_Conn]] = {}
+        self._closed = False
+        self.connections_opened = 0
+
+    async def _release(self, conn: _Conn) -> None:
+        pool = self._idle.setdefault(conn.origin, collections.deque())
+        if self._closed or len(pool) >= self._max_idle:
+            await trio.aclose_forcefully(conn.stream)
+            return
+        conn.idle_since = trio.current_time()
+        conn.reused = True
+        pool.append(conn)
+
+    async def _acquire(self, origin: tuple[str, str, int]) -> _Conn:
+        pool = self._idle.get(origin)
+        now = trio.current_time()
+        while pool:
+            conn = pool.pop()  # most recently used first: likeliest to be alive
+            if now - conn.idle_since < self._idle_expiry and not conn.looks_closed():
+                return conn
+            await trio.aclose_forcefully(conn.stream)
+        return await self._open(origin)
+
+    async def _open(self, origin: tuple[str, str, int]) -> _Conn:
+        _, host, port = origin
+        try:
+            if self._connect_timeout is None:
+                stream = await self._connect(host, port)
+            else:
+                with trio.fail_after(self._connect_timeout):
+                    stream = await self._connect(host, port)
+        except trio.TooSlowError:
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+        self.connections_opened += 1
+        return _Conn(stream, origin)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:
+            raise httpx.ConnectError("transport is closed")
+        url = request.url
+        scheme = url.scheme
+        host = url.host
+        port = url.port or (443 if scheme == "https" else 80)
+        if scheme != "http":
+            raise httpx.UnsupportedProtocol(f"WireTransport speaks plain HTTP, not {scheme}")
+        body = await request.aread()
+        head = self._head(request, host, port, len(body))
+        payload = head + body if len(body) < 65536 else None
+        origin = (scheme, host, port)
+        for attempt in (0, 1):
+            conn = await self._acquire(origin)
+            try:
+                try:
+                    if payload is not None:
+                        await conn.stream.send_all(payload)
+                    else:
+                        await conn.stream.send_all(head)
+                        await conn.stream.send_all(body)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    if conn.reused and attempt == 0:
+                        await trio.aclose_forcefully(conn.stream)
+                        continue
+                    raise httpx.WriteError(f"sending to {host}:{port} failed: {exc}") from exc
+                try:
+                    return await self._response(request, conn)
+                except _StaleConnection:
+                    if conn.reused and attempt == 0:
+                        await trio.aclose_forcefully(conn.stream)
+                        continue
+                    raise httpx.RemoteProtocolError("engine closed the connection without a response") from None
+            except BaseException:
+                await trio.aclose_forcefully(conn.stream)
+                raise
+        raise AssertionError("unreachable")
+
+    def _head(self, request: httpx.Request, host: str, port: int, length: int) -> bytes:
+        target = request.url.raw_path.decode("ascii")
+        lines = [f"{request.method} {target} HTTP/1.1\r\nHost: {host}:{port}\r\n".encode("ascii")]
+        for name, value in request.headers.raw:
+            lname = name.lower()
+            if lname in (b"host", b"content-length", b"transfer-encoding", b"connection"):
+                continue
+            lines.append(name + b": " + value + b"\r\n")
+        if length or request.method in ("POST", "PUT", "PATCH"):
+            lines.append(b"Content-Length: %d\r\n" % length)
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+    async def _response(self, request: httpx.Request, conn: _Conn) -> httpx.Response:
+        buf = conn.buf
+        received_any = bool(buf)
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(buf) > _MAX_HEAD:
+                raise httpx.RemoteProtocolError("response head too large")
+            try:
+                got = await conn.receive()
+            except httpx.ReadError:
+                if not received_any:
+                    raise _StaleConnection from None
+                raise
+            if not got:
+                if not received_any:
+                    raise _StaleConnection
+                raise httpx.RemoteProtocolError("engine closed the connection mid-head")
+            received_any = True
+        head = bytes(buf[:end]).decode("latin-1")
+        del buf[: end + 4]
+        status_line, _, rest = head.partition("\r\n")
+        parts = status_line.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise httpx.RemoteProtocolError(f"malformed status line {status_line[:80]!r}")
+        try:
+            status = int(parts[1])
+        except ValueError:
+            raise httpx.RemoteProtocolError(f"malformed status line {status_line[:80]!r}") from None
+        if 100 <= status < 200:
+            # Interim responses (100 Continue): skip and read the final one.
+            return await self._response(request, conn)
+        headers: list[tuple[str, str]] = []
+        length: int | None = None
+        chunked = False
+        keep_alive = parts[0] == "HTTP/1.1"
+        for line in rest.split("\r\n") if rest else ():
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise httpx.RemoteProtocolError("malformed header line")
+            value = value.strip()
+            lname = name.strip().lower()
+            headers.append((lname, value))
+            if lname == "content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    raise httpx.RemoteProtocolError("malformed content-length") from None
+            elif lname == "transfer-encoding":
+                chunked = value.lower().endswith("chunked")
+            elif lname == "connection":
+                tokens = {t.strip() for t in value.lower().split(",")}
+                if "close" in tokens:
+                    keep_alive = False
+                elif "keep-alive" in tokens:
+                    keep_alive = True
+        if request.method == "HEAD" or status in _NO_BODY_STATUSES:
+            length, chunked = 0, False
+        if chunked:
+            length = None
+        stream = _Body(self, conn, length=length, chunked=chunked, keep_alive=keep_alive)
+        reason = parts[2] if len(parts) > 2 else ""
+        return httpx.Response(
+            status,
+            headers=headers,
+            stream=stream,
+            request=request,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": reason.encode("latin-1")},
+        )
+
+    async def aclose(self) -> None:
+        self._closed = True
+        pools, self._idle = self._idle, {}
+        for pool in pools.values():
+            for conn in pool:
+                await trio.aclose_forcefully(conn.stream)
+
+
+class _StaleConnection(Exception):
+    """A pooled connection was closed before any byte of the response arrived."""
