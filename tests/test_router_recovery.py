@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from narwhal.config import FaultSpec
@@ -56,13 +57,17 @@ async def test_no_retry_after_visible_output(autojump_clock: trio.abc.Clock) -> 
     assert len(stack.records[0]["attempts"]) == 1
 
 
-async def test_no_retry_for_non_transient_engine_errors(autojump_clock: trio.abc.Clock) -> None:
+@pytest.mark.parametrize(("upstream", "status"), [(404, 502), (400, 400)])
+async def test_no_retry_for_non_transient_engine_errors(
+    autojump_clock: trio.abc.Clock, upstream: int, status: int
+) -> None:
+    # A 400 says the engine rejected the request's content: the client gets it as is.
     doc = two_by_two(recovery={"max_attempts": 3})
     async with open_stack(doc) as stack:
         for name in ("p0", "p1"):
-            stack.engine(name).inject(FaultSpec(kind="http_error", on="prefill", status=400, times=1))
+            stack.engine(name).inject(FaultSpec(kind="http_error", on="prefill", status=upstream, times=1))
         resp = await stack.complete(BODY)
-    assert resp.status_code == 502
+    assert resp.status_code == status
     assert len(stack.records[0]["attempts"]) == 1
 
 
