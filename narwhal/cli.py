@@ -95,12 +95,19 @@ def _parser() -> argparse.ArgumentParser:
     top = sub.add_parser("top", help="a terminal view of a running router (its admin surface)")
     top.add_argument("--admin", default="http://127.0.0.1:8001", help="the router's admin URL")
     top.add_argument("--once", type=float, metavar="SECONDS", help="follow for SECONDS, print once, exit")
+    sub.add_parser("bench", help="the deployment client: run a workload, report SLO attainment (narwhal bench --help)")
     sub.add_parser("profile", help="profile engines (see narwhal-profile)")
     sub.add_parser("check", help="preflight a fleet (see narwhal-check)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Subcommands with their own parsers (and sub-subcommands) take the rest as is.
+    if argv[:1] == ["bench"]:
+        from narwhal.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     configure_logging(str(args.log_level), json_lines=args.log_json)
     try:

@@ -43,7 +43,7 @@ from narwhal.errors import (
     StreamClosed,
 )
 
-__all__ = ["DecodeStream", "StreamOwner"]
+__all__ = ["DecodeStream", "StreamOwner", "abandon"]
 
 
 class StreamOwner(Protocol):

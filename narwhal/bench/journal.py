@@ -1,0 +1,188 @@
+"""Joining a result set with the router journal, by request id.
+
+The bench sends every request with its own ``x-request-id``, and the router journals
+each request under the id its client gave. The join breaks each client TTFT into the
+router's parts:
+
+- ``router_ttft_s``: router arrival to prefill completion (token counting, placement,
+  prefill queueing and prefill);
+- ``transfer_queue_s`` = ``first_byte_s - ttft_s``: KV transfer and decode queueing
+  up to the first visible token;
+- ``outside_router_s`` = client TTFT ``- first_byte_s``: what the router does not see
+  (the network both ways, the router's own send, the client's receive).
+
+Journal lines of other clients are ignored; a journal line that is not JSON (a
+router killed mid-write) is counted and skipped; an id journaled twice is ambiguous
+and left out of the join.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+
+from narwhal.bench.records import RequestResult
+from narwhal.bench.report import distribution, format_seconds
+
+__all__ = ["JOIN_SCHEMA", "JoinResult", "join_journal", "join_row", "read_journal", "render_join"]
+
+JOIN_SCHEMA: Final = "narwhal.bench.join/1"
+
+
+@attrs.define
+class JoinResult:
+    """The joined rows and what could not be joined.
+
+    Attributes:
+        rows: one object per result whose request id the journal has once.
+        unmatched: request ids of results the journal does not have.
+        ambiguous: request ids the journal has more than once.
+        malformed_lines: journal lines that are not JSON objects.
+    """
+
+    rows: list[dict[str, Any]]
+    unmatched: list[str]
+    ambiguous: list[str]
+    malformed_lines: int
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, disagreements and the distribution of each TTFT part over successes."""
+        both_ok = [r for r in self.rows if r["client_class"] == "ok" and r["router_class"] == "ok"]
+
+        def dist(key: str) -> dict[str, Any]:
+            return distribution([r[key] for r in both_ok if r[key] is not None])
+
+        return {
+            "schema": JOIN_SCHEMA,
+            "matched": len(self.rows),
+            "unmatched": len(self.unmatched),
+            "ambiguous": len(self.ambiguous),
+            "malformed_lines": self.malformed_lines,
+            "class_disagreements": sum(not r["classes_agree"] for r in self.rows),
+            "output_len_disagreements": sum(not r["output_len_agrees"] for r in self.rows),
+            "parts_over_successes": {
+                "client_ttft_s": dist("client_ttft_s"),
+                "router_ttft_s": dist("router_ttft_s"),
+                "transfer_queue_s": dist("transfer_queue_s"),
+                "outside_router_s": dist("outside_router_s"),
+            },
+        }
+
+
+def read_journal(path: str | os.PathLike[str], ids: Iterable[str]) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """The journal lines whose ``request_id`` is in ``ids``, and the malformed line count.
+
+    Raises:
+        OSError: the journal cannot be read.
+    """
+    wanted = set(ids)
+    found: dict[str, list[dict[str, Any]]] = {}
+    malformed = 0
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                malformed += 1
+                continue
+            if not isinstance(obj, dict):
+                malformed += 1
+                continue
+            rid = obj.get("request_id")
+            if isinstance(rid, str) and rid in wanted:
+                found.setdefault(rid, []).append(obj)
+    return found, malformed
+
+
+def _sub(a: Any, b: Any) -> float | None:
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return float(a) - float(b)
+    return None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _classes_agree(client: str, router: str) -> bool:
+    if client == "ok" or router == "ok":
+        return client == router
+    if client == "refused" or router == "refused":
+        return client == router
+    return True  # both failed; the names differ by design (client vs router view)
+
+
+def join_row(rec: RequestResult, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """One joined row: the client's figures beside the router's."""
+    router_ttft = _number(entry.get("ttft_s"))
+    first_byte = _number(entry.get("first_byte_s"))
+    router_class = str(entry.get("terminal_class"))
+    router_out = entry.get("output_len")
+    return {
+        "request_id": rec.request_id,
+        "client_class": rec.terminal_class,
+        "router_class": router_class,
+        "classes_agree": _classes_agree(rec.terminal_class, router_class),
+        "client_status": rec.status,
+        "router_status": entry.get("status"),
+        "client_ttft_s": rec.ttft_s,
+        "router_ttft_s": router_ttft,
+        "router_first_byte_s": first_byte,
+        "transfer_queue_s": _sub(first_byte, router_ttft),
+        "outside_router_s": _sub(rec.ttft_s, first_byte),
+        "client_tpot_s": rec.tpot_s,
+        "router_tpot_s": _number(entry.get("tpot_s")),
+        "client_output_len": rec.output_len,
+        "router_output_len": router_out,
+        "output_len_agrees": router_out == rec.output_len,
+        "attempts": len(entry.get("attempts") or ()),
+        "producer": entry.get("producer"),
+        "consumer": entry.get("consumer"),
+        "router_error": entry.get("error"),
+    }
+
+
+def join_journal(records: Sequence[RequestResult], journal: str | os.PathLike[str]) -> JoinResult:
+    """Join ``records`` with the router journal at ``journal`` by request id."""
+    found, malformed = read_journal(journal, (r.request_id for r in records))
+    rows: list[dict[str, Any]] = []
+    unmatched: list[str] = []
+    ambiguous: list[str] = []
+    for rec in records:
+        entries = found.get(rec.request_id)
+        if not entries:
+            unmatched.append(rec.request_id)
+        elif len(entries) > 1:
+            ambiguous.append(rec.request_id)
+        else:
+            rows.append(join_row(rec, entries[0]))
+    return JoinResult(rows, unmatched, ambiguous, malformed)
+
+
+def render_join(summary: Mapping[str, Any]) -> str:
+    """The join summary as a table."""
+    lines = [
+        f"joined {summary['matched']} requests with the router journal; {summary['unmatched']} not in the "
+        f"journal, {summary['ambiguous']} ambiguous, {summary['malformed_lines']} malformed journal lines",
+        f"  disagreements: {summary['class_disagreements']} terminal outcomes, "
+        f"{summary['output_len_disagreements']} output lengths",
+        "",
+        f"  {'TTFT part (successes)':<28}{'n':>7}" + "".join(f"{h:>12}" for h in ("mean", "p50", "p90", "p99", "max")),
+    ]
+    labels = {
+        "client_ttft_s": "client TTFT",
+        "router_ttft_s": "router ttft_s (prefill)",
+        "transfer_queue_s": "KV transfer + decode queue",
+        "outside_router_s": "outside the router",
+    }
+    for key, label in labels.items():
+        dist = summary["parts_over_successes"][key]
+        cells = [format_seconds(dist.get(k)) for k in ("mean", "p50", "p90", "p99", "max")]
+        lines.append(f"  {label:<28}{dist['n']:>7}" + "".join(f"{c:>12}" for c in cells))
+    return "\n".join(lines)
