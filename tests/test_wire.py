@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 
 import httpx
@@ -66,7 +67,7 @@ class FakeServer:
                 buf = buf[length:]
                 answer = self.answers.pop(0)
                 cuts = [0, *sorted(c for c in self.split if 0 < c < len(answer)), len(answer)]
-                for a, b in zip(cuts, cuts[1:], strict=False):
+                for a, b in itertools.pairwise(cuts):
                     await stream.send_all(answer[a:b])
                     await trio.sleep(0.001)
                 served += 1
@@ -199,7 +200,7 @@ async def test_loopback_sets_nodelay_and_streams() -> None:
 
     transport._connect = spy
     async with trio.open_nursery() as nursery:
-        [(host, port), *_] = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+        [(_host, port), *_] = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
         with trio.fail_after(10):
             status, body = await _get_stream(transport, f"http://127.0.0.1:{port}/s")
         await server.shutdown(1)

@@ -179,6 +179,12 @@ class EngineClient:
         self.connect_timeout_s = connect_timeout_s
         self._api_key = api_key
         self._owns_client = http_client is None
+        #: When this object builds its client, requests go straight to the transport:
+        #: AsyncClient.send's auth, redirect, cookie and event-hook layers cost more
+        #: than the request itself on the router's hot path, and none apply here.
+        self._transport: httpx.AsyncBaseTransport | None = None
+        self._urls: dict[str, httpx.URL] = {}
+        self._extensions = {"timeout": {"connect": connect_timeout_s, "read": None, "write": None, "pool": None}}
         if http_client is None:
             if transport is None:
                 transport = WireTransport(
@@ -186,6 +192,7 @@ class EngineClient:
                     idle_expiry_s=_KEEPALIVE_EXPIRY_S,
                     connect_timeout_s=connect_timeout_s,
                 )
+            self._transport = transport
             http_client = httpx.AsyncClient(
                 transport=transport,
                 timeout=httpx.Timeout(None, connect=connect_timeout_s),
@@ -271,11 +278,24 @@ class EngineClient:
         if payload is not None:
             content = json_dumps(payload)
             headers["content-type"] = "application/json"
-        request = self._http.build_request(
-            method, self.url + path, content=content, headers=headers
-        )
+        transport = self._transport
         try:
-            return await self._http.send(request, stream=stream)
+            if transport is None:
+                request = self._http.build_request(method, self.url + path, content=content, headers=headers)
+                return await self._http.send(request, stream=stream)
+            url = self._urls.get(path)
+            if url is None:
+                url = self._urls[path] = httpx.URL(self.url + path)
+            request = httpx.Request(method, url, headers=headers, content=content, extensions=self._extensions)
+            response = await transport.handle_async_request(request)
+            response.request = request
+            if not stream:
+                try:
+                    await response.aread()
+                except BaseException:
+                    await response.aclose()
+                    raise
+            return response
         except httpx.HTTPError as exc:
             raise self.map_error(exc, leg) from exc
 

@@ -231,6 +231,14 @@ class DecodeStream:
     def __aiter__(self) -> Self:
         return self
 
+    @property
+    def buffered(self) -> bool:
+        """Whether more events have already arrived (the next step will not wait).
+
+        A forwarder uses it to coalesce a burst of events into one write.
+        """
+        return bool(self._events)
+
     async def __anext__(self) -> Chunk:
         if self._finished:
             raise StopAsyncIteration
@@ -339,8 +347,11 @@ class DecodeStream:
         self._finished = True
         if drain and self.done and not self._eof:
             await self._drain()
-        await abandon(self._bytes)
+        # Shielded: this often runs because an enclosing scope was cancelled (a deadline,
+        # a client disconnect); unshielded, that cancellation would skip the close and
+        # leave the engine streaming into a connection nobody reads.
         with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+            await abandon(self._bytes)
             await self._response.aclose()
 
     async def _drain(self) -> None:

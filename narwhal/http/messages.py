@@ -96,11 +96,12 @@ class ResponseWriter:
     If the client disconnects while a write is pending, the handler is cancelled.
     """
 
-    __slots__ = ("_conn", "_head_only", "finished", "started", "status")
+    __slots__ = ("_chunked", "_conn", "_head_only", "finished", "started", "status")
 
     def __init__(self, conn: Connection, *, head_only: bool) -> None:
         self._conn = conn
         self._head_only = head_only
+        self._chunked = False  # a streamed body framed by us (HTTP/1.1 chunked)
         self.started = False
         self.finished = False
         self.status: int | None = None
@@ -122,14 +123,22 @@ class ResponseWriter:
         self.status = status
         await conn.write(data)
 
-    async def start(self, status: int, headers: Sequence[tuple[str, str]] = ()) -> None:
-        """Send the status and headers of a streamed response."""
+    async def start(
+        self, status: int, headers: Sequence[tuple[str, str]] = (), data: bytes = b""
+    ) -> None:
+        """Send the status and headers of a streamed response (and its first ``data``,
+        in the same write)."""
         self._check_unstarted(status)
         conn = self._conn
-        data = conn.h11.send(conn.make_response(status, headers, None))
+        head = conn.h11.send(conn.make_response(status, headers, None))
         self.started = True
         self.status = status
-        await conn.write(data)
+        # h11 frames an HTTP/1.1 streamed body with chunked encoding and keeps no state
+        # per chunk; framing the chunks here saves its per-chunk event machinery.
+        self._chunked = conn.h11.their_http_version == b"1.1"
+        if data and not self._head_only:
+            head += conn.h11.send(h11.Data(data=data))
+        await conn.write(head)
 
     async def send(self, data: bytes) -> None:
         """Send one chunk of a streamed response (one write; empty data is skipped)."""
@@ -137,17 +146,23 @@ class ResponseWriter:
             raise RuntimeError("send() needs a started, unfinished streamed response")
         if data and not self._head_only:
             conn = self._conn
-            await conn.write(conn.h11.send(h11.Data(data=data)))
+            if self._chunked:
+                await conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            else:
+                await conn.write(conn.h11.send(h11.Data(data=data)))
 
-    async def end(self) -> None:
-        """Finish a streamed response (sends the terminating chunk)."""
+    async def end(self, data: bytes = b"") -> None:
+        """Finish a streamed response: ``data`` (if any) and the terminating chunk, in
+        one write."""
         if not self.started:
             raise RuntimeError("end() before start()")
         if self.finished:
             return
         self.finished = True
         conn = self._conn
-        await conn.write(conn.h11.send(h11.EndOfMessage()))
+        h = conn.h11
+        tail = h.send(h11.Data(data=data)) if data and not self._head_only else b""
+        await conn.write(tail + h.send(h11.EndOfMessage()))
 
     async def upgrade(self) -> trio.abc.Stream:
         """Take the raw connection for a protocol upgrade (e.g. a WebSocket handshake).

@@ -120,12 +120,19 @@ class RequestRecord:
 class Journal:
     """Appends :class:`RequestRecord` lines to a file (or only to listeners when no path)."""
 
-    def __init__(self, path: str | os.PathLike[str] | None, *, queue_size: int = 10000, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        queue_size: int = 10000,
+        fsync: bool = True,
+        batch_window_s: float = 0.05,
+    ) -> None:
         self.path = Path(path) if path is not None else None
+        self.batch_window_s = batch_window_s
         self.fsync = fsync
         self._send, self._receive = trio.open_memory_channel[dict[str, Any]](queue_size)
         self._overflow: collections.deque[dict[str, Any]] = collections.deque()
-        self._overflow_ready = trio.Event()
         self._closed = False
         self._done = trio.Event()
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -155,7 +162,6 @@ class Journal:
         except trio.WouldBlock:
             self.overflowed += 1
             self._overflow.append(line)
-            self._overflow_ready.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer task: runs until :meth:`aclose` and everything is on disk."""
@@ -175,10 +181,23 @@ class Journal:
                             batch = self._take_overflow()
                             if not batch:
                                 break
+                    # Gather for a short window: one write (and one thread hop) per
+                    # batch instead of per request; the request path never waits on it.
+                    deadline = trio.current_time() + self.batch_window_s
                     while len(batch) < 512:
                         try:
                             batch.append(self._receive.receive_nowait())
-                        except (trio.WouldBlock, trio.EndOfChannel):
+                            continue
+                        except trio.EndOfChannel:
+                            break
+                        except trio.WouldBlock:
+                            pass
+                        with trio.move_on_at(deadline) as window:
+                            try:
+                                batch.append(await self._receive.receive())
+                            except trio.EndOfChannel:
+                                break
+                        if window.cancelled_caught:
                             break
                     batch.extend(self._take_overflow())
                     if fh is not None:

@@ -65,6 +65,8 @@ _DONE = b"data: [DONE]\n\n"
 def terminal_class_for(err: NarwhalError) -> str:
     """The journal's terminal class for an error."""
     if isinstance(err, EngineError):
+        if err.client_fault:
+            return "invalid_request"
         if isinstance(err, InvalidDescriptor):
             return "invalid_descriptor"
         if isinstance(err, (FirstTokenTimeout, SilenceTimeout, HandoffExpired)):
@@ -91,13 +93,17 @@ class RequestLifecycle:
         self.kind = kind
         self.arrival = state.clock()
         rid = request.header("x-request-id")
-        self.request_id = rid if rid and len(rid) <= 200 and rid.isprintable() else _new_request_id()
+        # Echoed in headers to the client and the engines: printable ASCII only.
+        ok = rid is not None and 0 < len(rid) <= 200 and rid.isascii() and rid.isprintable()
+        self.request_id = rid if rid is not None and ok else _new_request_id()
         self.record = RequestRecord(
             request_id=self.request_id, arrival=time.time(), route=kind
         )
         self.parsed: ParsedRequest | None = None
         self.committed = False
         self.visible = False
+        #: Streamed events received but not yet written (sent before a terminal event).
+        self._unsent: list[bytes] = []
         self.tokens = 0
         self.prompt_tokens = 0
         self.max_tokens = 0
@@ -120,9 +126,19 @@ class RequestLifecycle:
             record.error = err.message
             await self._fail(err)
         except trio.Cancelled:
-            record.terminal_class = "client_cancelled" if self.request.disconnected.is_set() else "shutdown"
-            record.status = 200 if self.committed else 499
-            record.error = "client disconnected" if record.terminal_class == "client_cancelled" else "router shutting down"
+            if self.request.disconnected.is_set():
+                record.terminal_class = "client_cancelled"
+                record.status = 200 if self.committed else 499
+                record.error = "client disconnected"
+            else:
+                # The shutdown grace period is over: the client still gets its answer
+                # (503 before the first token, a terminal event after it).
+                record.terminal_class = "shutdown"
+                record.error = "router shutting down"
+                record.status = 200 if self.committed else 503
+                resp = self.response
+                if not resp.finished and (self.committed or not resp.started):
+                    await self._fail(Refused("router shutting down", retry_after_s=1.0))
             raise
         except Exception as exc:
             log.exception("request %s failed with an internal error", self.request_id)
@@ -162,9 +178,10 @@ class RequestLifecycle:
                 await resp.respond(err.http_status, headers, json.dumps(err.to_body()).encode())
         else:
             self.record.status = 200
+            data = b"".join((*self._unsent, error_event(err)))
+            self._unsent.clear()
             with trio.move_on_after(5, shield=True):
-                await resp.send(error_event(err))
-                await resp.end()
+                await resp.end(data)
 
     # ------------------------------------------------------------------ the request
 
@@ -235,7 +252,7 @@ class RequestLifecycle:
             except EngineError as err:
                 culprit = err.engine or (reservation.producer if err.leg == "prefill" else reservation.consumer)
                 err.engine = culprit
-                if not isinstance(err, HandoffExpired):
+                if not isinstance(err, HandoffExpired) and not err.client_fault:
                     state.breaker.record_failure(culprit, err.message, origin_producer=reservation.producer)
                 raise
         state.breaker.record_success(reservation.producer)
@@ -311,6 +328,7 @@ class RequestLifecycle:
         respond = self.response
         tokens = 0
         held: list[bytes] = []
+        out = self._unsent  # events not yet written to the client (a burst in progress)
         last_token_at = prefill_done
         name = reservation.consumer
         state.in_flight_by_engine[name] += 1
@@ -323,31 +341,35 @@ class RequestLifecycle:
                         now = clock()
                         if chunk.kind == "token":
                             n = chunk.count
-                            if tokens == 0 and n:
-                                self.visible = True
-                                self.record.first_byte_s = now - self.arrival
-                                if parsed.stream:
-                                    await respond.start(200, (*_SSE_HEADERS, ("x-request-id", self.request_id)))
-                                    self.committed = True
-                                    for raw in held:
-                                        await respond.send(raw)
                             tokens += n
                             self.tokens = tokens
                             last_token_at = now
-                            if acc is None:
-                                # Client backpressure is not engine silence.
-                                scope.deadline = math.inf
-                                await respond.send(chunk.raw)
-                            else:
+                            if acc is not None:
                                 acc.add(chunk.data)
+                            else:
+                                out.append(chunk.raw)
+                            if tokens == n and n:
+                                self.visible = True
+                                self.record.first_byte_s = now - self.arrival
+                                if parsed.stream:
+                                    # Client backpressure is not engine silence.
+                                    scope.deadline = math.inf
+                                    data = b"".join((*held, *out))
+                                    out.clear()
+                                    await respond.start(
+                                        200, (*_SSE_HEADERS, ("x-request-id", self.request_id)), data
+                                    )
+                                    self.committed = True
                         elif acc is not None:
                             acc.add(chunk.data)
                         elif forward_meta or not _is_usage(chunk.data):
-                            if self.committed:
-                                scope.deadline = math.inf
-                                await respond.send(chunk.raw)
-                            else:
-                                held.append(chunk.raw)  # e.g. chat's role delta: sent at commit
+                            (out if self.committed else held).append(chunk.raw)  # held: e.g. chat's role delta
+                        if out and self.committed and not stream.buffered:
+                            # One write per burst of events that arrived together.
+                            scope.deadline = math.inf
+                            data = b"".join(out)
+                            out.clear()
+                            await respond.send(data)
                         if tokens:
                             scope.deadline = clock() + silence
         finally:
@@ -377,8 +399,9 @@ class RequestLifecycle:
         if tokens >= 2:
             self.record.tpot_s = (last_token_at - prefill_done) / (tokens - 1)
         if acc is None:
-            await respond.send(_DONE)
-            await respond.end()
+            data = b"".join((*out, _DONE))
+            out.clear()
+            await respond.end(data)
         else:
             body = json.dumps(acc.body(self.prompt_tokens)).encode()
             await respond.respond(

@@ -20,6 +20,9 @@ from narwhal.errors import BadRequest, NarwhalError, Unsupported
 __all__ = ["ParsedRequest", "ResponseAccumulator", "error_event", "parse_request"]
 
 _DEFAULT_COMPLETION_TOKENS = 16
+#: Deepest nesting of a body accepted: the stdlib's JSON codec recurses, so a deeper
+#: body would raise RecursionError on parsing or when forwarded to an engine.
+MAX_BODY_DEPTH = 64
 
 
 @attrs.define
@@ -64,14 +67,32 @@ def _int_field(body: dict[str, Any], name: str, *, minimum: int) -> int | None:
     return value
 
 
+def _deeper_than(body: dict[str, Any], limit: int) -> bool:
+    """Whether ``body`` nests containers more than ``limit`` levels deep (iteratively)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in obj.values() if isinstance(obj, dict) else obj:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
+
+
 def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     """Parse and check a completions or chat body; raises :class:`BadRequest`."""
+    too_deep = BadRequest(f"request body is nested more than {MAX_BODY_DEPTH} levels deep", code="invalid_json")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        raise too_deep from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
+    if _deeper_than(body, MAX_BODY_DEPTH):
+        raise too_deep
     if kind == "completions":
         prompt = body.get("prompt")
         if prompt is None:

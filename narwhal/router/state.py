@@ -112,7 +112,8 @@ class RouterState:
             except EngineError as err:
                 err.engine = err.engine or name
                 err.leg = "prefill"
-                self.breaker.record_failure(name, f"tokenize: {err.message}")
+                if not err.client_fault:  # a prompt the engine rejects is the client's fault
+                    self.breaker.record_failure(name, f"tokenize: {err.message}")
                 if not err.transient or i == len(candidates) - 1:
                     raise
         raise AssertionError("unreachable")

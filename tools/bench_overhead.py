@@ -1,0 +1,257 @@
+"""What a router adds: Narwhal and vllm-router against the engines themselves, in one run.
+
+Starts zero-latency simulated engines (a producer and a consumer, ``narwhal sim``),
+then measures with a load generator in its own process (``tools/loadgen.py``):
+
+(a) the consumer engine directly (the limit: a router that adds nothing),
+(b) ``narwhal serve`` in front of the pair,
+(c) vllm-router in PD mode (``--vllm-pd-disaggregation --policy round_robin``) on the
+    same engines, when a ``vllm-router`` executable is found (``--vllm-router PATH``, or
+    on PATH; install it into its own venv: ``python3 -m venv ~/.venvs/vllm-router &&
+    ~/.venvs/vllm-router/bin/pip install vllm-router``),
+
+at concurrency 1, 16 and 64: requests/s, added p50/p99 latency to the first token
+and to the last token (against (a) at the same concurrency), router CPU seconds per
+request (from /proc), and per-token forwarding cost (router CPU per extra output
+token, from a short-output and a long-output run). It prints ratios against (a) and
+(c) and writes everything as JSON.
+
+    python tools/bench_overhead.py --out runs/bench_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+ZERO_SIM = {
+    "model": "sim-llama",
+    "prefill": {"a": 0.0, "b": 0.0, "c": 0.0},
+    "decode": {"c0": 0.0, "c1": 0.0, "c2": 0.0},
+    "transfer_s_per_token": 0.0,
+    "max_num_seqs": 1024,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def wait_http(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def loadgen(url: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, str(HERE / "loadgen.py"), "--url", url, "--concurrency", str(concurrency),
+         "--requests", str(requests), "--max-tokens", str(max_tokens)],
+        capture_output=True, check=True, text=True,
+    ).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(name: str, url: str, pid: int | None, concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    loadgen(url, concurrency, max(concurrency * 2, 20), max_tokens)  # warm connections and caches
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    res = loadgen(url, concurrency, requests, max_tokens)
+    cpu1 = cpu_seconds(pid) if pid else 0.0
+    n = max(res["requests"], 1)
+    return {
+        "target": name,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "requests": res["requests"],
+        "errors": res["errors"],
+        "rps": res["requests"] / res["elapsed_s"],
+        "ttft_p50_ms": pct(res["ttft_s"], 0.5) * 1e3,
+        "ttft_p99_ms": pct(res["ttft_s"], 0.99) * 1e3,
+        "total_p50_ms": pct(res["total_s"], 0.5) * 1e3,
+        "total_p99_ms": pct(res["total_s"], 0.99) * 1e3,
+        "router_cpu_ms_per_request": (cpu1 - cpu0) / n * 1e3 if pid else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench_overhead.json")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--requests", type=int, default=400, help="requests per measurement")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--long-tokens", type=int, default=256, help="output length of the per-token run")
+    parser.add_argument("--vllm-router", help="path of the vllm-router executable")
+    parser.add_argument("--workers", type=int, default=1, help="narwhal serve --workers")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    vr = args.vllm_router or shutil.which("vllm-router")
+
+    tmp = Path(tempfile.mkdtemp(prefix="narwhal-bench-"))
+    ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "router", "admin", "vr")}
+    engines = [
+        {"name": "producer", "url": f"http://127.0.0.1:{ports['p']}", "roles": ["prefill"],
+         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["pkv"]}},
+        {"name": "consumer", "url": f"http://127.0.0.1:{ports['d']}", "roles": ["decode"],
+         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["dkv"]}},
+    ]
+    sim_doc = {"engines": [{**e, "sim": ZERO_SIM} for e in engines]}
+    router_doc = {
+        "server": {"host": "127.0.0.1", "port": ports["router"], "admin_port": ports["admin"],
+                   "max_concurrent_requests": 100000},
+        "engines": engines,
+        "journal": {"path": str(tmp / "journal.jsonl"), "fsync": False},
+    }
+    (tmp / "sim.json").write_text(json.dumps(sim_doc))
+    (tmp / "router.json").write_text(json.dumps(router_doc))
+    procs: list[subprocess.Popen[bytes]] = []
+    rows: list[dict[str, Any]] = []
+    try:
+        sims = start([sys.executable, "-m", "narwhal", "--log-level", "WARNING", "sim", "--fleet", str(tmp / "sim.json")], tmp / "sim.log")
+        procs.append(sims)
+        wait_http(f"http://127.0.0.1:{ports['p']}/health")
+        wait_http(f"http://127.0.0.1:{ports['d']}/health")
+        serve_cmd = [sys.executable, "-m", "narwhal", "--log-level", "WARNING", "serve", "--fleet", str(tmp / "router.json")]
+        if args.workers > 1:
+            serve_cmd += ["--workers", str(args.workers)]
+        narwhal = start(serve_cmd, tmp / "narwhal.log")
+        procs.append(narwhal)
+        wait_http(f"http://127.0.0.1:{ports['router']}/health")
+        targets: list[tuple[str, str, int | None]] = [
+            ("engines", f"http://127.0.0.1:{ports['d']}", None),
+            ("narwhal", f"http://127.0.0.1:{ports['router']}", narwhal.pid),
+        ]
+        if vr:
+            vrp = start([vr, "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{ports['p']}",
+                         "--decode", f"http://127.0.0.1:{ports['d']}", "--policy", "round_robin",
+                         "--host", "127.0.0.1", "--port", str(ports["vr"])], tmp / "vllm-router.log")
+            procs.append(vrp)
+            wait_http(f"http://127.0.0.1:{ports['vr']}/health")
+            targets.append(("vllm-router", f"http://127.0.0.1:{ports['vr']}", vrp.pid))
+        for c in levels:
+            for name, url, pid in targets:
+                rows.append(measure(name, url, pid, c, args.requests, args.max_tokens))
+                print(f"  measured {name} at concurrency {c}", file=sys.stderr, flush=True)
+        per_token: dict[str, float] = {}
+        for name, url, pid in targets:
+            if pid is None:
+                continue
+            short = measure(name, url, pid, 16, args.requests // 2, args.max_tokens)
+            long = measure(name, url, pid, 16, args.requests // 2, args.long_tokens)
+            per_token[name] = (long["router_cpu_ms_per_request"] - short["router_cpu_ms_per_request"]) * 1e3 / (
+                args.long_tokens - args.max_tokens
+            )
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+    report = summarize(rows, per_token, levels)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "per_token_cpu_us": per_token, "summary": report,
+                                          "machine": {"cpus": os.cpu_count()}}, indent=2))
+    print_table(rows, per_token, report)
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+def summarize(rows: list[dict[str, Any]], per_token: dict[str, float], levels: list[int]) -> dict[str, Any]:
+    by = {(r["target"], r["concurrency"]): r for r in rows}
+    out: dict[str, Any] = {}
+    for c in levels:
+        base = by[("engines", c)]
+        level: dict[str, Any] = {}
+        for name in ("narwhal", "vllm-router"):
+            r = by.get((name, c))
+            if r is None:
+                continue
+            level[name] = {
+                "added_ttft_p50_ms": r["ttft_p50_ms"] - base["ttft_p50_ms"],
+                "added_ttft_p99_ms": r["ttft_p99_ms"] - base["ttft_p99_ms"],
+                "added_total_p50_ms": r["total_p50_ms"] - base["total_p50_ms"],
+                "added_total_p99_ms": r["total_p99_ms"] - base["total_p99_ms"],
+                "rps_vs_engines": r["rps"] / base["rps"],
+                "cpu_ms_per_request": r["router_cpu_ms_per_request"],
+            }
+        if "narwhal" in level and "vllm-router" in level:
+            n, v = level["narwhal"], level["vllm-router"]
+            level["narwhal_vs_vllm_router"] = {
+                "added_ttft_p50_ratio": n["added_ttft_p50_ms"] / v["added_ttft_p50_ms"] if v["added_ttft_p50_ms"] > 0 else None,
+                "cpu_per_request_ratio": n["cpu_ms_per_request"] / v["cpu_ms_per_request"] if v["cpu_ms_per_request"] else None,
+            }
+        out[str(c)] = level
+    out["per_token_cpu_us"] = per_token
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], per_token: dict[str, float], report: dict[str, Any]) -> None:
+    print(f"\n{'target':<13}{'conc':>5}{'rps':>9}{'ttft p50':>10}{'ttft p99':>10}{'last p50':>10}{'last p99':>10}{'cpu ms/req':>12}{'errors':>8}")
+    for r in rows:
+        cpu = r["router_cpu_ms_per_request"]
+        print(f"{r['target']:<13}{r['concurrency']:>5}{r['rps']:>9.0f}{r['ttft_p50_ms']:>10.2f}{r['ttft_p99_ms']:>10.2f}"
+              f"{r['total_p50_ms']:>10.2f}{r['total_p99_ms']:>10.2f}{'-' if cpu is None else f'{cpu:.3f}':>12}{r['errors']:>8}")
+    print("\nadded latency against the engines themselves (ms), and ratios:")
+    for c, level in report.items():
+        if c == "per_token_cpu_us":
+            continue
+        for name, v in level.items():
+            if name == "narwhal_vs_vllm_router":
+                print(f"  c={c:<3} narwhal / vllm-router: added ttft p50 x{v['added_ttft_p50_ratio'] or float('nan'):.2f}, "
+                      f"cpu/request x{v['cpu_per_request_ratio'] or float('nan'):.2f}")
+            else:
+                print(f"  c={c:<3} {name:<12} ttft +{v['added_ttft_p50_ms']:.2f} p50 / +{v['added_ttft_p99_ms']:.2f} p99, "
+                      f"last token +{v['added_total_p50_ms']:.2f} p50 / +{v['added_total_p99_ms']:.2f} p99, "
+                      f"rps x{v['rps_vs_engines']:.2f} of the engines")
+    for name, us in per_token.items():
+        print(f"  per-token forwarding cost, {name}: {us:.1f} us of router CPU per token")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
