@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--admin", default="http://127.0.0.1:8001", help="the router's admin URL")
     top.add_argument("--once", type=float, metavar="SECONDS", help="follow for SECONDS, print once, exit")
     sub.add_parser("bench", help="the deployment client: run a workload, report SLO attainment (narwhal bench --help)")
-    sub.add_parser("profile", help="profile engines (see narwhal-profile)")
+    sub.add_parser("profile", help="profile engines: sweeps, fits, profiles pair (narwhal profile --help)")
     sub.add_parser("check", help="preflight a fleet (see narwhal-check)")
     return parser
 
@@ -108,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from narwhal.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["profile"]:
+        return profile_main(argv[1:])
+    if argv[:1] == ["check"]:
+        return check_main(argv[1:])
     args = _parser().parse_args(argv)
     configure_logging(str(args.log_level), json_lines=args.log_json)
     try:
@@ -132,8 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def profile_main(argv: Sequence[str] | None = None) -> int:
-    print("narwhal-profile: the profiler is not part of this release yet", file=sys.stderr)
-    return 2
+    """``narwhal profile`` / ``narwhal-profile``: sweep engines, fit and write profiles."""
+    from narwhal.profile.cli import main as run
+
+    return run(argv)
 
 
 def check_main(argv: Sequence[str] | None = None) -> int:

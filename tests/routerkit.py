@@ -12,6 +12,7 @@ import attrs
 import httpx
 
 from narwhal.config import FleetConfig, parse_fleet
+from narwhal.profile.store import Profiles
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router, open_router
 from narwhal.testing import MemoryNetwork, SimFleet, open_memory_network, open_sim_fleet
@@ -104,15 +105,50 @@ class Stack:
         assert all(v == 0 for v in state.in_flight_by_engine.values())
 
 
+async def sim_profiles(config: FleetConfig, network: MemoryNetwork, **decode_domain: float) -> Profiles:
+    """Profiles that state each simulated engine's configured latency model exactly,
+    bound to the generation running now (what a perfect profiler would write)."""
+    from narwhal.engines.client import EngineClient
+    from narwhal.profile import store
+
+    engines = {}
+    for e in config.engines:
+        assert e.sim is not None
+        async with EngineClient(e.url, name=e.name, transport=network.wire_transport()) as client:
+            identity = await client.identity()
+        pm, dm = e.sim.prefill, e.sim.decode
+        engines[e.name] = store.EngineProfile(
+            name=e.name,
+            identity=identity,
+            ttft=store.TTFTCurve(a=pm.a, b=pm.b, c=pm.c, min_length=1, max_length=e.sim.max_model_len,
+                                 mean_error=0.0, worst_error=0.0),
+            decode=store.DecodeModel(
+                c0=dm.c0, c1=dm.c1, c2=dm.c2, fit_mape=0.01, cv_mape=0.02, cells=4,
+                domain=store.DecodeDomain(
+                    active=store.DecodeAxis(min=1, max=decode_domain.get("active_max", 256)),
+                    kv_tokens=store.DecodeAxis(min=0, max=decode_domain.get("kv_max", float(e.sim.kv_capacity_tokens))),
+                ),
+            ),
+            kv_capacity=store.KVCapacity(source="physical", tokens=e.sim.kv_capacity_tokens, basis="simulated"),
+        )  # fmt: skip
+    return store.Profiles(
+        schema_version=store.SCHEMA_VERSION, created_at="2026-01-01T00:00:00Z", software={"narwhal": "test"},
+        samples=store.SamplesRef(path="profiles.samples.json", sha256="0" * 64), engines=engines,
+    )  # fmt: skip
+
+
 @asynccontextmanager
-async def open_stack(doc: dict[str, Any] | None = None) -> AsyncIterator[Stack]:
+async def open_stack(doc: dict[str, Any] | None = None, *, priced: bool = False) -> AsyncIterator[Stack]:
+    """A router in front of simulated engines, in memory; ``priced`` gives it profiles
+    that state the simulated latency models exactly."""
     config = parse_fleet(doc if doc is not None else fleet_doc())
     records: list[dict[str, Any]] = []
     journal = Journal(None)
     journal.add_listener(records.append)
     async with open_memory_network() as net:
         async with open_sim_fleet(config, network=net) as fleet:
-            async with open_router(config, transport=fleet.transport, journal=journal) as router:
+            profiles = await sim_profiles(config, net) if priced else None
+            async with open_router(config, transport=fleet.transport, journal=journal, profiles=profiles) as router:
                 net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
                 async with httpx.AsyncClient(
                     transport=net.transport(), base_url=f"http://{ROUTER_HOST}:{ROUTER_PORT}", timeout=None

@@ -56,6 +56,9 @@ class AttemptRecord:
         outcome: ``ok`` or the terminal class this attempt would have had.
         error: the error detail, if any.
         ttft_s: arrival to producer HTTP completion, when the prefill leg completed.
+        placement_wait_s: time spent waiting for a placement that meets the SLO.
+        predicted_ttft_s: the producer's price (profile-priced placement only).
+        predicted_tpot_s: the consumer's price (profile-priced placement only).
     """
 
     n: int
@@ -67,6 +70,9 @@ class AttemptRecord:
     outcome: str = "pending"
     error: str | None = None
     ttft_s: float | None = None
+    placement_wait_s: float = 0.0
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
 
 
 @attrs.define

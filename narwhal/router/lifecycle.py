@@ -238,7 +238,20 @@ class RequestLifecycle:
 
     async def _attempt(self, attempt: AttemptRecord, avoid: frozenset[str]) -> None:
         state = self.state
-        with state.placement.choose(self.prompt_tokens, self.max_tokens, avoid=avoid) as reservation:
+        slo_ttft = state.config.controller.slo.ttft_s
+        deadline = self.arrival + state.config.engine.request_timeout_s
+        if slo_ttft is not None:
+            deadline = min(deadline, self.arrival + slo_ttft)
+        placed_at = state.clock()
+        try:
+            reservation = await state.placement.acquire(
+                self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline, elapsed_s=placed_at - self.arrival
+            )
+        finally:
+            attempt.placement_wait_s = state.clock() - placed_at
+        attempt.predicted_ttft_s = reservation.predicted_ttft_s
+        attempt.predicted_tpot_s = reservation.predicted_tpot_s
+        with reservation:
             attempt.producer = reservation.producer
             attempt.consumer = reservation.consumer
             attempt.same_worker = reservation.same_worker

@@ -14,9 +14,11 @@ when the prefill leg completes, the decode part when the stream ends, and
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
+import trio
 
 from narwhal.errors import Refused
 
@@ -49,6 +51,10 @@ class Reservation:
         "consumer",
         "decode_held",
         "kv_tokens",
+        "on_release_decode",
+        "on_release_prefill",
+        "predicted_tpot_s",
+        "predicted_ttft_s",
         "prefill_held",
         "producer",
         "prompt_tokens",
@@ -63,6 +69,10 @@ class Reservation:
         self.prefill_held = True
         self.decode_held = True
         self._open = True
+        self.on_release_prefill: Callable[[], None] | None = None
+        self.on_release_decode: Callable[[], None] | None = None
+        self.predicted_ttft_s: float | None = None
+        self.predicted_tpot_s: float | None = None
         p = placement.loads[producer]
         p.prefill_requests += 1
         p.prefill_tokens += prompt_tokens
@@ -81,6 +91,8 @@ class Reservation:
             p = self._placement.loads[self.producer]
             p.prefill_requests -= 1
             p.prefill_tokens -= self.prompt_tokens
+            if self.on_release_prefill is not None:
+                self.on_release_prefill()
 
     def release_decode(self) -> None:
         if self.decode_held:
@@ -88,6 +100,8 @@ class Reservation:
             c = self._placement.loads[self.consumer]
             c.decode_requests -= 1
             c.decode_kv_tokens -= self.kv_tokens
+            if self.on_release_decode is not None:
+                self.on_release_decode()
 
     def release(self) -> None:
         self.release_prefill()
@@ -150,3 +164,16 @@ class Placement:
         if consumer is None:
             raise Refused("no engine available for decode", retry_after_s=1.0)
         return Reservation(self, producer, consumer, prompt_tokens, prompt_tokens + max_tokens)
+
+    async def acquire(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        *,
+        avoid: frozenset[str] = frozenset(),
+        deadline: float = math.inf,
+        elapsed_s: float = 0.0,
+    ) -> Reservation:
+        """Reserve a pair (least-loaded placement never waits)."""
+        await trio.lowlevel.checkpoint()
+        return self.choose(prompt_tokens, max_tokens, avoid=avoid)

@@ -135,6 +135,8 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
         state.breaker.probe_failed(name, detail)
         return False
     state.breaker.readmit(name)
+    # A readmitted engine may be a new generation: it is priced only if its profile binds.
+    await state.bind_profiles([name])
     return True
 
 

@@ -11,6 +11,7 @@ import trio
 
 from narwhal.config import FleetConfig
 from narwhal.http.server import HTTPServer, ServerLimits
+from narwhal.profile.store import Profiles
 from narwhal.router.admin import AdminApp
 from narwhal.router.app import RouterApp
 from narwhal.router.events import EventHub
@@ -78,6 +79,7 @@ async def open_router(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     journal: Journal | None = None,
+    profiles: Profiles | None = None,
 ) -> AsyncIterator[Router]:
     """Start a router's background tasks; on exit drain, flush the journal, close clients.
 
@@ -86,8 +88,10 @@ async def open_router(
         transport: an httpx transport for reaching the engines (tests pass the in-memory
             one of :mod:`narwhal.testing`); None for real sockets.
         journal: a journal to use instead of the one ``config.journal`` names.
+        profiles: a profiles pair that passed Gate F: placement is priced by it for
+            every engine whose profile binds to the generation running now.
     """
-    state = RouterState(config, transport=transport, journal=journal)
+    state = RouterState(config, transport=transport, journal=journal, profiles=profiles)
     limits = server_limits(config)
     server = HTTPServer(RouterApp(state), limits, server_name="narwhal")
     events = EventHub()
@@ -100,6 +104,7 @@ async def open_router(
             await nursery.start(state.journal.run)
             await nursery.start(run_probes, state)
             await state.refresh_models()
+            await state.bind_profiles()
             router = Router(state, server, admin, metrics, events)
             try:
                 yield router

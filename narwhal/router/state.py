@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -12,12 +13,16 @@ from narwhal.config import EngineConfig, FleetConfig
 from narwhal.engines.client import EngineClient, Tokenized
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import EngineError, Refused
+from narwhal.profile.store import Profiles
 from narwhal.router.breaker import Breaker
 from narwhal.router.journal import Journal
 from narwhal.router.placement import Placement
+from narwhal.router.pricing import PricedPlacement
 from narwhal.router.retry import RetryBudget
 
 __all__ = ["RouterState"]
+
+log = logging.getLogger("narwhal.router")
 
 
 class RouterState:
@@ -29,6 +34,7 @@ class RouterState:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         journal: Journal | None = None,
+        profiles: Profiles | None = None,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.config = config
@@ -54,11 +60,18 @@ class RouterState:
             probe_interval_s=rec.probe_interval_s,
             clock=clock,
         )
-        self.placement = Placement(
-            [e.name for e in config.engines if e.can_prefill],
-            [e.name for e in config.engines if e.can_decode],
-            available=self.breaker.available,
-        )
+        prefill = [e.name for e in config.engines if e.can_prefill]
+        decode = [e.name for e in config.engines if e.can_decode]
+        self.profiles = profiles
+        self.placement: Placement
+        if profiles is not None:
+            ctl = config.controller
+            self.placement = PricedPlacement(
+                prefill, decode, profiles={}, slo=ctl.slo, admission=ctl.admission,
+                available=self.breaker.available, clock=clock,
+            )  # fmt: skip
+        else:
+            self.placement = Placement(prefill, decode, available=self.breaker.available)
         budget = rec.retry_budget
         self.retry_budget = RetryBudget(
             ratio=budget.ratio,
@@ -135,6 +148,47 @@ class RouterState:
         async with trio.open_nursery() as nursery:
             for client in self.clients.values():
                 nursery.start_soon(one, client)
+
+    async def bind_profiles(self, names: list[str] | None = None) -> dict[str, str]:
+        """Price an engine only while its profile binds to the generation running now.
+
+        Returns the engines left unpriced, with the reason (also logged).
+        """
+        placement = self.placement
+        if self.profiles is None or not isinstance(placement, PricedPlacement):
+            return {}
+        profiles = self.profiles
+
+        async def one(name: str) -> None:
+            profile = profiles.engines.get(name)
+            if profile is None:
+                placement.profiles.pop(name, None)
+                placement.unbound[name] = "no accepted profile"
+                return
+            try:
+                with trio.fail_after(self.config.engine.first_token_timeout_s):
+                    live = await self.clients[name].identity()
+            except (EngineError, trio.TooSlowError) as exc:
+                placement.profiles.pop(name, None)
+                placement.unbound[name] = f"identity unavailable: {exc}"
+                return
+            if live != profile.identity:
+                placement.profiles.pop(name, None)
+                placement.unbound[name] = (
+                    "profile bound to another engine generation (started "
+                    f"{profile.identity.process_start_time}, running {live.process_start_time}): "
+                    "re-profile or refit"
+                )
+                return
+            placement.profiles[name] = profile
+            placement.unbound.pop(name, None)
+
+        async with trio.open_nursery() as nursery:
+            for name in names if names is not None else list(self.engines):
+                nursery.start_soon(one, name)
+        for name, reason in placement.unbound.items():
+            log.warning("engine %s is placed by load only: %s", name, reason)
+        return dict(placement.unbound)
 
     async def aclose(self) -> None:
         for client in self.clients.values():

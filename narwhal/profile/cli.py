@@ -1,0 +1,159 @@
+"""``narwhal profile`` / ``narwhal-profile``: sweep engines, or refit a saved sidecar.
+
+Exit status: 0 when every selected engine got an accepted profile, 1 when a fit was
+rejected or an engine failed (the pair is still written, with every sample taken),
+2 on a usage or configuration error, printed as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import trio
+
+from narwhal.config import FleetConfig, load_default_fleet, load_fleet
+from narwhal.errors import ConfigError
+from narwhal.profile.progress import Progress
+from narwhal.profile.refit import refit_pair
+from narwhal.profile.runner import ProfileRun, ProfileSettings, run_profile
+
+__all__ = ["main"]
+
+PROG = "narwhal-profile"
+_SWEEP_OPTIONS = ("prefill_lens", "decode_input_lens", "decode_concurrency")
+_DEFAULT_OUT = "runs/profiles.json"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated engine names")
+    return names
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Profile engines (prefill TTFT curve, decode TPOT model, KV capacity) and "
+        "write profiles.json with its profiles.samples.json sidecar.",
+    )
+    p.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
+    p.add_argument("--prefill-lens", type=_int_list, metavar="A,B,C",
+                   help="prompt lengths of the prefill sweep (at least three; include the "
+                        "longest production inputs)")  # fmt: skip
+    p.add_argument("--decode-input-lens", type=_int_list, metavar="X,Y",
+                   help="prompt lengths of the decode sweep (at least two)")  # fmt: skip
+    p.add_argument("--decode-concurrency", type=_int_list, metavar="1,4,8",
+                   help="streams per decode cell (at least two values)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=5, help="measured requests per prefill length")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unrecorded warm-up requests per prefill length (default 1)")  # fmt: skip
+    p.add_argument("--decode-tokens", type=int, default=32,
+                   help="decode steps each cell keeps the whole cohort resident (default 32)")  # fmt: skip
+    p.add_argument("--min-window-steps", type=int, default=8,
+                   help="fewest whole-cohort steps for a decode cell to count (default 8)")  # fmt: skip
+    p.add_argument("--engines", type=_names, metavar="E1,E2",
+                   help="engines to profile (default: every engine of the fleet)")  # fmt: skip
+    p.add_argument(
+        "--out", help=f"profiles file; the sidecar goes beside it (default {_DEFAULT_OUT})"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing pair")
+    p.add_argument("--refit-samples", metavar="SAMPLES",
+                   help="refit the TTFT curves of this saved sidecar into a new pair at --out")  # fmt: skip
+    p.add_argument("--seed", type=int, help="seed of the probe prompts (default: random)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def _load(path: str | None) -> FleetConfig:
+    return load_fleet(path) if path is not None else load_default_fleet()
+
+
+def _report(run: ProfileRun) -> int:
+    print(f"wrote {run.profiles_path} and {run.samples_path}")
+    for o in run.outcomes:
+        print(f"  {o.name}: {o.status}" + (f": {o.reason}" if o.reason else ""))
+    return 0 if run.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``narwhal-profile`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    progress = Progress(quiet=args.quiet)
+    try:
+        config = _load(args.fleet)
+        if args.refit_samples is not None:
+            given = [f"--{o.replace('_', '-')}" for o in _SWEEP_OPTIONS if getattr(args, o)]
+            if given:
+                raise _UsageError(f"{', '.join(given)} do not apply to --refit-samples")
+            if args.out is None:
+                raise _UsageError("--refit-samples needs --out for the new pair "
+                                  "(e.g. runs/profiles-refit.json)")  # fmt: skip
+            run = refit_pair(config, args.refit_samples, args.out, overwrite=args.overwrite,
+                             engines=args.engines, progress=progress)  # fmt: skip
+            return _report(run)
+        missing = [f"--{o.replace('_', '-')}" for o in _SWEEP_OPTIONS if not getattr(args, o)]
+        if missing:
+            raise _UsageError(f"{', '.join(missing)} required (or --refit-samples)")
+        try:
+            settings = ProfileSettings(
+                prefill_lens=args.prefill_lens,
+                decode_input_lens=args.decode_input_lens,
+                decode_concurrency=args.decode_concurrency,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                decode_tokens=args.decode_tokens,
+                min_window_steps=args.min_window_steps,
+                engines=args.engines,
+                out=args.out if args.out is not None else _DEFAULT_OUT,
+                overwrite=args.overwrite,
+                seed=args.seed,
+            )
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
+        run = trio.run(functools.partial(run_profile, config, settings, progress=progress,
+                                         config_source=args.fleet))  # fmt: skip
+        return _report(run)
+    except (_UsageError, ConfigError) as exc:
+        progress.close()
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"{PROG}: interrupted; engines completed so far are in the sidecar", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

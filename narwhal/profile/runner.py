@@ -1,0 +1,458 @@
+"""One profiling run: every selected engine in turn, then the profile pair.
+
+Engines are profiled one at a time (each on an otherwise idle fleet) in fleet order.
+Per engine: its generation (``EngineClient.identity``), what it reports (context
+limit, cache configuration), the prefill sweep and TTFT fit (a rejected curve stops
+that engine before any decode profiling), the decode cohort sweep and NNLS fit, the KV
+capacity, and its generation again: an engine that restarted mid-sweep has samples
+from two processes and is failed. An engine that fails or is rejected keeps its
+samples in the sidecar; the others go on.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import httpx
+
+from narwhal import __version__
+from narwhal.config import EngineConfig, FleetConfig, converter
+from narwhal.engines.client import EngineClient
+from narwhal.errors import ConfigError, EngineError
+from narwhal.profile.cohort import StreamLimits
+from narwhal.profile.fit import (
+    DEFAULT_MAX_MEAN_ERROR,
+    DEFAULT_MAX_WORST_ERROR,
+    DecodeFit,
+    DecodePoint,
+    TTFTFit,
+    decode_fit_problem,
+    fit_decode,
+    fit_ttft,
+    tpot_kv_limit,
+    ttft_rejection,
+)
+from narwhal.profile.progress import Progress
+from narwhal.profile.store import (
+    PROFILES_KIND,
+    SAMPLES_KIND,
+    SCHEMA_VERSION,
+    DecodeAxis,
+    DecodeDomain,
+    DecodeModel,
+    EngineProfile,
+    KVCapacity,
+    Profiles,
+    SamplesRef,
+    TTFTCurve,
+    file_sha256,
+    pair_paths,
+    write_json,
+)
+from narwhal.profile.sweep import (
+    CODE_TOKENS,
+    EngineFacts,
+    PromptFactory,
+    SweepRejected,
+    bounded,
+    cell_summary,
+    decode_sweep,
+    prefill_sweep,
+    probe_engine,
+)
+
+__all__ = [
+    "EngineOutcome",
+    "ProfileRun",
+    "ProfileSettings",
+    "check_output",
+    "kv_capacity",
+    "run_profile",
+    "select_engines",
+    "software_identity",
+    "ttft_curve",
+]
+
+Status = Literal["ok", "rejected", "failed"]
+
+
+def _lens(minimum: int, what: str, floor: int = 1) -> Any:
+    def check(_inst: Any, _attr: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+        if len(set(value)) < minimum:
+            raise ValueError(f"{what} needs at least {minimum} distinct values")
+        if any(v < floor for v in value):
+            raise ValueError(f"{what} values must be at least {floor}")
+
+    return check
+
+
+def _at_least(floor: int) -> Any:
+    def check(_inst: Any, attr: attrs.Attribute[Any], value: int) -> None:
+        if value < floor:
+            raise ValueError(f"{attr.name.replace('_', '-')} must be at least {floor}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class ProfileSettings:
+    """What to sweep and where to write (the CLI's options).
+
+    Attributes:
+        prefill_lens: prompt lengths of the prefill sweep (at least three).
+        decode_input_lens: prompt lengths of the decode sweep (at least two).
+        decode_concurrency: streams per decode cell (at least two values).
+        repeats: measured prefill requests per length.
+        warmup: unrecorded prefill requests per length before measuring.
+        decode_tokens: decode steps each cell aims to keep the whole cohort resident.
+        min_window_steps: fewest steps with the whole cohort resident for a cell to count.
+        engines: engine names to profile (None: all, in fleet order).
+        out: the profiles file; its sidecar is written beside it.
+        overwrite: replace an existing pair.
+        max_mean_error / max_worst_error: TTFT fit bounds.
+        seed: seed of the prompts (None: random, recorded in the sidecar).
+    """
+
+    prefill_lens: tuple[int, ...] = attrs.field(
+        converter=tuple, validator=_lens(3, "prefill-lens", CODE_TOKENS)
+    )
+    decode_input_lens: tuple[int, ...] = attrs.field(
+        converter=tuple, validator=_lens(2, "decode-input-lens", CODE_TOKENS)
+    )
+    decode_concurrency: tuple[int, ...] = attrs.field(
+        converter=tuple, validator=_lens(2, "decode-concurrency")
+    )
+    repeats: int = attrs.field(default=5, validator=_at_least(1))
+    warmup: int = attrs.field(default=1, validator=_at_least(0))
+    decode_tokens: int = attrs.field(default=32, validator=_at_least(2))
+    min_window_steps: int = attrs.field(default=8, validator=_at_least(1))
+    engines: tuple[str, ...] | None = None
+    out: str = "runs/profiles.json"
+    overwrite: bool = False
+    max_mean_error: float = DEFAULT_MAX_MEAN_ERROR
+    max_worst_error: float = DEFAULT_MAX_WORST_ERROR
+    seed: int | None = None
+
+
+@attrs.frozen
+class EngineOutcome:
+    """How one engine's profiling ended."""
+
+    name: str
+    status: Status
+    reason: str | None = None
+    profile: EngineProfile | None = None
+
+
+@attrs.frozen
+class ProfileRun:
+    """The pair written and each engine's outcome."""
+
+    profiles_path: Path
+    samples_path: Path
+    outcomes: tuple[EngineOutcome, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status == "ok" for o in self.outcomes)
+
+
+def software_identity() -> dict[str, str]:
+    """Versions of the profiler and the libraries its numbers depend on."""
+    out = {"narwhal": __version__, "python": platform.python_version()}
+    for package in ("numpy", "scipy", "trio", "httpx"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:  # pragma: no cover - installed with narwhal
+            out[package] = "unknown"
+    return out
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def select_engines(config: FleetConfig, names: Sequence[str] | None) -> list[EngineConfig]:
+    """The engines to profile, in fleet order.
+
+    Raises:
+        ConfigError: a name is not in the fleet.
+    """
+    if names is None:
+        return list(config.engines)
+    known = {e.name for e in config.engines}
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"no engine named {name!r} in the fleet (engines: "
+                              f"{', '.join(sorted(known))})", path="$.engines")  # fmt: skip
+    return [e for e in config.engines if e.name in set(names)]
+
+
+def check_output(out: str | os.PathLike[str], *, overwrite: bool) -> tuple[Path, Path]:
+    """The pair's paths; refuses an existing pair unless ``overwrite``.
+
+    Raises:
+        ConfigError: a file of the pair exists and ``overwrite`` is false.
+    """
+    profiles, samples = pair_paths(out)
+    if not overwrite:
+        existing = [str(p) for p in (profiles, samples) if p.exists()]
+        if existing:
+            raise ConfigError(f"{' and '.join(existing)} already exist; pass --overwrite to "
+                              "write a new pair")  # fmt: skip
+    return profiles, samples
+
+
+def ttft_curve(fit: TTFTFit) -> TTFTCurve:
+    """The stored form of an accepted TTFT fit."""
+    return TTFTCurve(a=fit.a, b=fit.b, c=fit.c, min_length=fit.lengths[0],
+                     max_length=fit.lengths[-1], mean_error=fit.mean_error,
+                     worst_error=fit.worst_error)  # fmt: skip
+
+
+def kv_capacity(
+    facts: EngineFacts, fit: DecodeFit, *, measured_kv_max: int, tpot_target_s: float | None
+) -> KVCapacity:
+    """The engine's KV constraint: physical when reported, else derived from TPOT."""
+    if facts.kv_cache_size_tokens is not None:
+        return KVCapacity(source="physical", tokens=facts.kv_cache_size_tokens,
+                          basis="vllm:cache_config_info kv_cache_size_tokens")  # fmt: skip
+    if tpot_target_s is not None:
+        limit = tpot_kv_limit(fit.c0, fit.c1, fit.c2, tpot_s=tpot_target_s, active=fit.active_max)
+        if limit is not None:
+            return KVCapacity(source="tpot", tokens=int(limit), tpot_s=tpot_target_s,
+                              active=fit.active_max,
+                              basis="resident KV at which the decode fit reaches the TPOT "
+                                    "target with the most active requests measured")  # fmt: skip
+    return KVCapacity(source="tpot", tokens=measured_kv_max,
+                      basis="largest resident KV measured with every stream meeting its "
+                            "checks (no TPOT target or KV does not move TPOT)")  # fmt: skip
+
+
+def _decode_model(fit: DecodeFit) -> DecodeModel:
+    domain = DecodeDomain(active=DecodeAxis(min=fit.active_min, max=fit.active_max),
+                          kv_tokens=DecodeAxis(min=fit.kv_min, max=fit.kv_max))  # fmt: skip
+    return DecodeModel(c0=fit.c0, c1=fit.c1, c2=fit.c2, fit_mape=fit.fit_mape,
+                       cv_mape=fit.cv_mape, cells=len(fit.points), domain=domain)  # fmt: skip
+
+
+class _EngineRun:
+    """Profiles one engine, recording into its sidecar entry as it goes."""
+
+    def __init__(self, client: EngineClient, config: FleetConfig, settings: ProfileSettings,
+                 record: dict[str, Any], seed: int, progress: Progress) -> None:  # fmt: skip
+        self.client, self.config, self.settings = client, config, settings
+        self.record, self.seed, self.progress = record, seed, progress
+
+    def warn(self, text: str) -> None:
+        self.record["warnings"].append(text)
+        self.progress.warn(self.client.name, text)
+
+    async def run(self) -> EngineProfile:
+        client, settings, record, name = self.client, self.settings, self.record, self.client.name
+        timeouts = self.config.engine
+        limit = timeouts.request_timeout_s
+        identity = await bounded(client, limit, "its identity", client.identity)
+        record["identity"] = attrs.asdict(identity)
+        facts = await bounded(client, limit, "/tokenize and /metrics", probe_engine, client)
+        record["engine"] = facts.as_dict()
+        if facts.prefix_caching:
+            self.warn("the engine reports prefix caching enabled; every probe prompt is unique, "
+                      "but profile with prefix caching disabled to match the seed's procedure")  # fmt: skip
+        if facts.metrics_error is not None:
+            self.warn(f"/metrics unreadable ({facts.metrics_error}); KV capacity and prefix "
+                      "caching unknown")  # fmt: skip
+        prompt = PromptFactory(
+            client, seed=self.seed, tokens_per_word=facts.tokens_per_word, timeout_s=limit
+        )
+
+        prefill: dict[str, Any] = {}
+        record["prefill"] = prefill
+        medians = await prefill_sweep(
+            client, facts, settings.prefill_lens, prefill, repeats=settings.repeats,
+            warmup=settings.warmup, prompt=prompt, timeout_s=timeouts.request_timeout_s,
+            progress=self.progress,
+        )  # fmt: skip
+        tfit = fit_ttft(medians)
+        prefill["fit"] = tfit.as_dict()
+        rejection = ttft_rejection(tfit, max_mean_error=settings.max_mean_error,
+                                   max_worst_error=settings.max_worst_error)  # fmt: skip
+        if rejection is not None:
+            prefill["rejection"] = rejection
+            raise SweepRejected(f"TTFT fit rejected before decode profiling: {rejection}")
+        self.progress.line(name, f"prefill fit: TTFT = {tfit.a:.4g} + {tfit.b:.4g}*L + "
+                                 f"{tfit.c:.4g}*L^2 s (mean error {tfit.mean_error:.1%}, "
+                                 f"worst {tfit.worst_error:.1%})")  # fmt: skip
+
+        decode: dict[str, Any] = {}
+        record["decode"] = decode
+        limits = StreamLimits(first_token_s=timeouts.first_token_timeout_s,
+                              between_tokens_s=timeouts.decode_read_timeout_s)  # fmt: skip
+        kept = await decode_sweep(
+            client, facts, settings.decode_input_lens, settings.decode_concurrency, decode,
+            decode_tokens=settings.decode_tokens, min_window_steps=settings.min_window_steps,
+            prompt=prompt, limits=limits, progress=self.progress,
+        )  # fmt: skip
+        decode["cell_medians"] = cell_summary(decode["cells"])
+        points = [DecodePoint(c.active or 0.0, c.kv_tokens or 0.0, c.tpot_s or 0.0) for c in kept]
+        problem = decode_fit_problem(points)
+        if problem is not None:
+            decode["rejection"] = problem
+            raise SweepRejected(f"decode fit impossible: {problem}; select shorter "
+                                "--decode-input-lens or fewer streams")  # fmt: skip
+        dfit = fit_decode(points)
+        decode["fit"] = dfit.as_dict()
+        self.progress.line(name, f"decode fit: TPOT = {dfit.c0:.4g} + {dfit.c1:.4g}*active + "
+                                 f"{dfit.c2:.4g}*kv s (fit MAPE {dfit.fit_mape:.1%}, "
+                                 f"leave-one-cell-out {dfit.cv_mape:.1%})")  # fmt: skip
+        limits_cfg = self.config.profiles
+        if dfit.fit_mape > limits_cfg.max_decode_fit_mape:
+            self.warn(f"decode fit MAPE {dfit.fit_mape:.1%} exceeds profiles.max_decode_fit_mape "
+                      f"{limits_cfg.max_decode_fit_mape:.1%}; narwhal check will refuse it")  # fmt: skip
+        if dfit.cv_mape > limits_cfg.max_decode_cv_mape:
+            self.warn(f"leave-one-cell-out MAPE {dfit.cv_mape:.1%} exceeds "
+                      f"profiles.max_decode_cv_mape {limits_cfg.max_decode_cv_mape:.1%}; "
+                      "narwhal check will refuse it")  # fmt: skip
+
+        kv_max = max(c.kv_max or 0 for c in kept)
+        capacity = kv_capacity(facts, dfit, measured_kv_max=kv_max,
+                               tpot_target_s=self.config.controller.slo.tpot_s)  # fmt: skip
+        record["kv_capacity"] = converter.unstructure(capacity)
+        after = await bounded(client, limit, "its identity", client.identity)
+        record["identity_after"] = attrs.asdict(after)
+        if after != identity:
+            raise EngineError(f"engine {name} changed generation during the sweep "
+                              f"({identity} -> {after}); its samples span two processes",
+                              engine=name, leg="profile")  # fmt: skip
+        profile = EngineProfile(name=name, identity=identity, ttft=ttft_curve(tfit),
+                                decode=_decode_model(dfit), kv_capacity=capacity)  # fmt: skip
+        record["profile"] = converter.unstructure(profile)
+        return profile
+
+
+def _clients(
+    stack: AsyncExitStack,
+    config: FleetConfig,
+    engines: Sequence[EngineConfig],
+    transport: httpx.AsyncBaseTransport | None,
+) -> dict[str, EngineClient]:
+    connect = config.engine.connect_timeout_s
+    shared: httpx.AsyncClient | None = None
+    if transport is not None:
+        # The caller owns the transport: one client over it, never closed here.
+        shared = httpx.AsyncClient(
+            transport=transport, timeout=httpx.Timeout(None, connect=connect)
+        )
+    out: dict[str, EngineClient] = {}
+    for e in engines:
+        client = EngineClient(e.url, name=e.name, model=e.model, connector=e.connector,
+                              api_key=e.api_key, http_client=shared,
+                              connect_timeout_s=connect)  # fmt: skip
+        if shared is None:
+            stack.push_async_callback(client.aclose)
+        out[e.name] = client
+    return out
+
+
+def _samples_doc(config_source: str | None, settings: ProfileSettings, seed: int,
+                 engines: dict[str, Any], profiles_name: str) -> dict[str, Any]:  # fmt: skip
+    sweep = attrs.asdict(settings) | {"seed": seed}
+    for key in ("out", "overwrite", "engines"):
+        sweep.pop(key)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": SAMPLES_KIND,
+        "created_at": now_iso(),
+        "software": software_identity(),
+        "fleet": {"source": config_source, "engines": list(engines)},
+        "sweep": sweep | {"clock": "seconds on the profiler's monotonic clock"},
+        "profiles": profiles_name,
+        "engines": engines,
+    }
+
+
+def write_pair(profiles_path: Path, samples_path: Path, samples: dict[str, Any],
+               outcomes: Sequence[EngineOutcome], *, refit_of: str | None = None) -> None:  # fmt: skip
+    """Write the sidecar, then the profiles file naming it with its SHA-256."""
+    write_json(samples_path, samples)
+    doc = Profiles(
+        schema_version=SCHEMA_VERSION,
+        kind=PROFILES_KIND,
+        created_at=samples["created_at"],
+        software=software_identity(),
+        samples=SamplesRef(path=samples_path.name, sha256=file_sha256(samples_path)),
+        engines={o.name: o.profile for o in outcomes if o.profile is not None},
+        excluded={o.name: f"{o.status}: {o.reason}" for o in outcomes if o.profile is None},
+        refit_of=refit_of,
+    )
+    write_json(profiles_path, doc.to_json())
+
+
+async def run_profile(
+    config: FleetConfig,
+    settings: ProfileSettings,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    progress: Progress | None = None,
+    config_source: str | None = None,
+) -> ProfileRun:
+    """Profile the selected engines and write the pair.
+
+    Args:
+        config: the fleet document.
+        settings: what to sweep and where to write.
+        transport: an httpx transport to reach the engines (tests: a simulated fleet's
+            in-memory transport); real sockets when omitted.
+        progress: where progress goes (default: stderr).
+        config_source: the fleet document's name, recorded in the sidecar.
+
+    Raises:
+        ConfigError: an unknown engine, or an existing pair without ``overwrite``.
+    """
+    progress = progress if progress is not None else Progress()
+    selected = select_engines(config, settings.engines)
+    profiles_path, samples_path = check_output(settings.out, overwrite=settings.overwrite)
+    seed = settings.seed if settings.seed is not None else secrets.randbits(32)
+    records: dict[str, Any] = {}
+    outcomes: list[EngineOutcome] = []
+    async with AsyncExitStack() as stack:
+        clients = _clients(stack, config, selected, transport)
+        for i, e in enumerate(selected, 1):
+            record: dict[str, Any] = {"name": e.name, "url": e.url, "roles": list(e.roles),
+                                      "status": "running", "reason": None, "warnings": []}  # fmt: skip
+            records[e.name] = record
+            progress.engine(e.name, i, len(selected), e.url)
+            run = _EngineRun(clients[e.name], config, settings, record, seed + i, progress)
+            status: Status = "failed"
+            reason: str | None = "interrupted"
+            profile: EngineProfile | None = None
+            try:
+                profile = await run.run()
+                status, reason = "ok", None
+            except SweepRejected as exc:
+                status, reason = "rejected", str(exc)
+            except EngineError as exc:
+                status, reason = "failed", str(exc)
+            finally:
+                record["status"], record["reason"] = status, reason
+                # Completed engines' data reaches the disk before the next engine starts.
+                write_json(samples_path, _samples_doc(config_source, settings, seed, records,
+                                                      profiles_path.name))  # fmt: skip
+            outcomes.append(EngineOutcome(e.name, status, reason, profile))
+            if reason is not None:
+                progress.warn(e.name, f"{status}: {reason}")
+            else:
+                progress.line(e.name, "profiled")
+    progress.close()
+    samples = _samples_doc(config_source, settings, seed, records, profiles_path.name)
+    write_pair(profiles_path, samples_path, samples, outcomes)
+    return ProfileRun(profiles_path, samples_path, tuple(outcomes))

@@ -1,0 +1,314 @@
+"""The profile pair on disk: ``profiles.json`` and its ``profiles.samples.json`` sidecar.
+
+``profiles.json`` holds what placement and the preflight need, one
+:class:`EngineProfile` per engine whose fits were accepted, each bound to the engine
+generation (:class:`~narwhal.engines.client.EngineIdentity`) it was measured on, and
+names its sidecar with the sidecar's SHA-256 so that a pair cannot be mixed up. The
+sidecar holds everything measured (see :func:`samples_document`). Both carry
+``schema_version``; :func:`load_profiles` validates a profiles file and names the JSON
+path of the first bad value.
+
+Files are written whole to a temporary name and renamed, so a reader never sees half
+a file; the sidecar is rewritten after every engine so completed engines' data
+survives a later failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import attrs
+
+from narwhal.config import converter, parse_as
+from narwhal.engines.client import EngineIdentity
+from narwhal.errors import ConfigError
+from narwhal.profile.fit import TPOT_MODEL, TTFT_MODEL
+
+__all__ = [
+    "PROFILES_KIND",
+    "SAMPLES_KIND",
+    "SCHEMA_VERSION",
+    "DecodeAxis",
+    "DecodeDomain",
+    "DecodeModel",
+    "EngineProfile",
+    "KVCapacity",
+    "Profiles",
+    "SamplesRef",
+    "TTFTCurve",
+    "file_sha256",
+    "load_profiles",
+    "pair_paths",
+    "read_json",
+    "write_json",
+]
+
+SCHEMA_VERSION: Final = 1
+PROFILES_KIND: Final = "narwhal.profiles"
+SAMPLES_KIND: Final = "narwhal.profile-samples"
+
+
+def _nonneg(_inst: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value >= 0:  # also rejects NaN
+        raise ConfigError("expected a number >= 0", path=f"$.{attribute.name}")
+
+
+def _equals(expected: str) -> Any:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: str) -> None:
+        if value != expected:
+            raise ConfigError(f"expected {expected!r}", path=f"$.{attribute.name}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class TTFTCurve:
+    """TTFT in seconds for a prompt of L tokens: ``a + b*L + c*L**2``.
+
+    Attributes:
+        model: the curve's formula.
+        a, b, c: non-negative coefficients.
+        min_length, max_length: the measured lengths' range (the priced domain).
+        mean_error, worst_error: relative errors of the curve at the per-length medians.
+    """
+
+    model: str = attrs.field(default=TTFT_MODEL, validator=_equals(TTFT_MODEL))
+    a: float = attrs.field(validator=_nonneg)
+    b: float = attrs.field(validator=_nonneg)
+    c: float = attrs.field(validator=_nonneg)
+    min_length: int
+    max_length: int
+    mean_error: float = attrs.field(validator=_nonneg)
+    worst_error: float = attrs.field(validator=_nonneg)
+
+    def predict(self, length: float) -> float:
+        """TTFT in seconds for ``length`` prompt tokens."""
+        return self.a + self.b * length + self.c * length * length
+
+
+@attrs.frozen(kw_only=True)
+class DecodeAxis:
+    """Observed range of one decode axis."""
+
+    min: float
+    max: float
+
+    def contains(self, value: float) -> bool:
+        return self.min <= value <= self.max
+
+
+@attrs.frozen(kw_only=True)
+class DecodeDomain:
+    """The measured decode domain: the fit is trustworthy inside it only."""
+
+    active: DecodeAxis
+    kv_tokens: DecodeAxis
+
+    def contains(self, active: float, kv_tokens: float) -> bool:
+        return self.active.contains(active) and self.kv_tokens.contains(kv_tokens)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeModel:
+    """TPOT in seconds: ``c0 + c1*active + c2*resident_kv_tokens``.
+
+    Attributes:
+        model: the model's formula.
+        c0, c1, c2: non-negative coefficients.
+        fit_mape: mean relative error of the fit over the measured cells.
+        cv_mape: leave-one-cell-out mean relative error.
+        cells: cells fitted.
+        domain: observed minimum and maximum of both axes.
+    """
+
+    model: str = attrs.field(default=TPOT_MODEL, validator=_equals(TPOT_MODEL))
+    c0: float = attrs.field(validator=_nonneg)
+    c1: float = attrs.field(validator=_nonneg)
+    c2: float = attrs.field(validator=_nonneg)
+    fit_mape: float = attrs.field(validator=_nonneg)
+    cv_mape: float = attrs.field(validator=_nonneg)
+    cells: int
+    domain: DecodeDomain
+
+    def predict(self, active: float, kv_tokens: float) -> float:
+        """TPOT in seconds with ``active`` requests holding ``kv_tokens`` KV tokens."""
+        return self.c0 + self.c1 * active + self.c2 * kv_tokens
+
+
+@attrs.frozen(kw_only=True)
+class KVCapacity:
+    """How many KV tokens the engine can hold, and where that figure comes from.
+
+    Attributes:
+        source: ``physical`` (the engine's ``kv_cache_size_tokens``) or ``tpot``
+            (derived from the decode fit).
+        tokens: the limit.
+        basis: how it was obtained, in words.
+        tpot_s: the TPOT target it was derived for (``tpot`` with an SLO).
+        active: the active-request count it was derived at (``tpot`` with an SLO).
+    """
+
+    source: Literal["physical", "tpot"]
+    tokens: int
+    basis: str
+    tpot_s: float | None = None
+    active: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class EngineProfile:
+    """One engine's accepted profile, bound to the generation it was measured on."""
+
+    name: str
+    identity: EngineIdentity
+    ttft: TTFTCurve
+    decode: DecodeModel
+    kv_capacity: KVCapacity
+
+    def predict_ttft(self, length: float) -> float:
+        """Predicted TTFT in seconds for a ``length``-token prompt."""
+        return self.ttft.predict(length)
+
+    def predict_tpot(self, active: float, kv_tokens: float) -> float:
+        """Predicted TPOT in seconds with ``active`` requests and ``kv_tokens`` resident."""
+        return self.decode.predict(active, kv_tokens)
+
+
+@attrs.frozen(kw_only=True)
+class SamplesRef:
+    """The sidecar a profiles file belongs to: file name beside it and SHA-256."""
+
+    path: str
+    sha256: str
+
+
+@attrs.frozen(kw_only=True)
+class Profiles:
+    """A ``profiles.json`` document.
+
+    Attributes:
+        schema_version: :data:`SCHEMA_VERSION`.
+        kind: :data:`PROFILES_KIND`.
+        created_at: when it was written (UTC, ISO 8601).
+        software: the profiler's software identity.
+        samples: the sidecar it belongs to.
+        engines: accepted profiles by engine name.
+        excluded: engines profiled without an accepted profile, with the reason.
+        refit_of: the sidecar a refit was made from, if this is a refit.
+    """
+
+    schema_version: int = attrs.field(validator=lambda _i, _a, v: _version_ok(v))
+    kind: str = attrs.field(default=PROFILES_KIND, validator=_equals(PROFILES_KIND))
+    created_at: str
+    software: dict[str, str]
+    samples: SamplesRef
+    engines: dict[str, EngineProfile]
+    excluded: dict[str, str] = attrs.field(factory=dict)
+    refit_of: str | None = None
+
+    def __getitem__(self, name: str) -> EngineProfile:
+        return self.engines[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.engines
+
+    def to_json(self) -> dict[str, Any]:
+        """The document as JSON-able data."""
+        out: dict[str, Any] = converter.unstructure(self)
+        return out
+
+
+def _version_ok(value: Any) -> None:
+    if value != SCHEMA_VERSION:
+        raise ConfigError(
+            f"schema_version {value!r} is not {SCHEMA_VERSION}; profile again with this narwhal",
+            path="$.schema_version",
+        )
+
+
+def pair_paths(out: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """``(profiles, samples)`` paths of the pair written at ``out`` (``x.json`` → ``x.samples.json``)."""
+    path = Path(out)
+    stem = path.name[: -len(".json")] if path.name.endswith(".json") else path.name
+    return path, path.with_name(f"{stem}.samples.json")
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 hex digest of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
+    """Write ``data`` as indented JSON atomically (temporary file, then rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    text = json.dumps(data, indent=1, allow_nan=False) + "\n"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """Parse a JSON file.
+
+    Raises:
+        ConfigError: unreadable or not JSON (the message names ``what``).
+    """
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what}: {exc.strerror}", source=source) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{what} is not valid JSON: {exc}", source=source) from None
+
+
+def load_profiles(path: str | os.PathLike[str], *, verify_samples: bool = True) -> Profiles:
+    """Read and validate a ``profiles.json``.
+
+    Args:
+        path: the profiles file.
+        verify_samples: also require its sidecar beside it, with the recorded SHA-256.
+
+    Raises:
+        ConfigError: unreadable, an unknown kind or schema, an invalid value (the
+            message names its JSON path), or a missing or mismatched sidecar.
+    """
+    source = os.fspath(path)
+    obj = read_json(source, "profiles file")
+    if not isinstance(obj, dict):
+        raise ConfigError("expected an object", source=source)
+    if obj.get("kind") != PROFILES_KIND:
+        raise ConfigError(f"not a narwhal profiles file (kind {obj.get('kind')!r})",
+                          path="$.kind", source=source)  # fmt: skip
+    profiles = parse_as(Profiles, obj, source=source)
+    for name, profile in profiles.engines.items():
+        if profile.name != name:
+            raise ConfigError(f"profile of engine {profile.name!r} filed under {name!r}",
+                              path=f"$.engines.{name}.name", source=source)  # fmt: skip
+    if verify_samples:
+        sidecar = Path(source).with_name(profiles.samples.path)
+        if not sidecar.is_file():
+            raise ConfigError(f"its samples sidecar {profiles.samples.path} is missing",
+                              path="$.samples.path", source=source)  # fmt: skip
+        if file_sha256(sidecar) != profiles.samples.sha256:
+            raise ConfigError(
+                f"its samples sidecar {profiles.samples.path} is not the one it was written "
+                "with (SHA-256 differs)",
+                path="$.samples.sha256",
+                source=source,
+            )
+    return profiles

@@ -1,0 +1,390 @@
+"""The sweeps of one engine: what it reports, prompts, the prefill sweep, the decode sweep.
+
+Every probe prompt is tokenised by the engine before it is sent: the profiler writes a
+text of ordinary words, asks the engine's ``/tokenize`` for its token ids, and sends
+exactly the first L of those ids as the prompt (vLLM's ``/tokenize`` takes text only,
+and a token-id prompt reaches the model exactly as given, with no BOS added). The
+completion's own ``usage.prompt_tokens`` confirms the length again afterwards. The
+first :data:`CODE_TOKENS` words of every text encode a serial number unique within
+the run, starting at a random offset, so no two prompts share a first KV block and a
+prefix cache cannot serve one.
+
+Every function here records what it measured into a caller-owned ``dict`` as it goes,
+so that when an engine fails midway, the samples taken so far stay in the sidecar.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
+
+import attrs
+import trio
+
+from narwhal.engines.client import EngineClient
+from narwhal.engines.metrics import Sample
+from narwhal.errors import EngineError, EngineTimeout
+from narwhal.profile.cohort import CellResult, StreamLimits, run_cell
+from narwhal.profile.progress import Progress
+
+__all__ = [
+    "CODE_TOKENS",
+    "WORDS",
+    "EngineFacts",
+    "PromptFactory",
+    "SweepRejected",
+    "bounded",
+    "cell_summary",
+    "decode_sweep",
+    "plan_cells",
+    "prefill_sweep",
+    "probe_engine",
+]
+
+T = TypeVar("T")
+
+#: Leading words of every prompt that make it unique.
+CODE_TOKENS: Final = 4
+#: The words probe prompts are written with (distinct, common, one or two tokens each
+#: in the usual tokenizers).
+WORDS: Final = tuple(dict.fromkeys((
+    "the quick brown fox jumps over a lazy dog while seven bright stars watch "
+    "from far above quiet green hills and deep blue rivers that wind through old "
+    "forests where small birds sing morning songs to every passing cloud people "
+    "walk along narrow paths carrying baskets of ripe apples fresh bread warm milk "
+    "honey cheese wild flowers gathered near the stone bridge by mill children "
+    "laugh play run jump climb trees build castles in soft yellow sand under "
+    "golden light until evening brings cool wind gentle rain silver moon"
+).split()))  # fmt: skip
+_TOKENIZE_TRIES: Final = 4
+
+
+class SweepRejected(Exception):
+    """The engine's measurements cannot give an acceptable profile (not an engine fault)."""
+
+
+async def bounded(
+    client: EngineClient,
+    seconds: float,
+    what: str,
+    fn: Callable[..., Awaitable[T]],
+    *args: Any,
+) -> T:
+    """``await fn(*args)`` within ``seconds``; an engine that takes longer has failed.
+
+    Raises:
+        EngineTimeout: the deadline passed.
+    """
+    with trio.move_on_after(seconds):
+        return await fn(*args)
+    raise EngineTimeout(
+        f"engine {client.name} did not answer {what} within {seconds:g} s",
+        engine=client.name,
+        leg="profile",
+    )
+
+
+@attrs.frozen
+class EngineFacts:
+    """What an engine reports about itself before the sweep.
+
+    Attributes:
+        max_model_len: the live context limit, from ``/tokenize``.
+        tokens_per_word: how many tokens the engine's tokenizer makes of a probe word.
+        prefix_caching: ``enable_prefix_caching`` of ``cache_config_info``.
+        kv_cache_size_tokens: ``kv_cache_size_tokens`` of ``cache_config_info``, only
+            when the engine reports that label.
+        metrics_error: why ``/metrics`` could not be read, if it could not.
+    """
+
+    max_model_len: int
+    tokens_per_word: float
+    prefix_caching: bool | None
+    kv_cache_size_tokens: int | None
+    metrics_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "max_model_len_source": "/tokenize",
+            "tokens_per_word": self.tokens_per_word,
+            "prefix_caching": self.prefix_caching,
+            "kv_cache_size_tokens": self.kv_cache_size_tokens,
+            "metrics_error": self.metrics_error,
+        }
+
+
+def _reported_kv_tokens(infos: Sequence[Sample]) -> int | None:
+    """``kv_cache_size_tokens`` summed over the engine's cores; None when any lacks it.
+
+    Deliberately not ``num_gpu_blocks * block_size``, which is wrong for hybrid models.
+    """
+    total = 0
+    for info in infos:
+        raw = info.label("kv_cache_size_tokens")
+        try:
+            value = float(raw) if raw is not None else math.nan
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            return None
+        total += int(value)
+    return total or None
+
+
+async def probe_engine(client: EngineClient) -> EngineFacts:
+    """Read the live context limit, the tokenizer's density and the cache configuration.
+
+    Raises:
+        EngineError: the engine did not answer.
+        SweepRejected: it reports no ``max_model_len`` or no token ids on ``/tokenize``.
+    """
+    text = await client.tokenize(" ".join(WORDS))
+    if text.max_model_len is None:
+        raise SweepRejected(f"engine {client.name} reports no max_model_len on /tokenize")
+    if len(text.ids) != text.count or not text.ids:
+        raise SweepRejected(f"engine {client.name}'s /tokenize returns no token ids")
+    prefix: bool | None = None
+    kv: int | None = None
+    error: str | None = None
+    try:
+        metrics = await client.metrics()
+    except EngineError as exc:
+        error = str(exc)
+    else:
+        prefix = metrics.prefix_caching
+        kv = _reported_kv_tokens(metrics.get("vllm:cache_config_info"))
+    return EngineFacts(text.max_model_len, text.count / len(WORDS), prefix, kv, error)
+
+
+class PromptFactory:
+    """Prompts of an exact token length, tokenised by the engine, unique from their start."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        *,
+        seed: int,
+        tokens_per_word: float = 1.0,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self._client = client
+        self._timeout_s = timeout_s
+        self._space = len(WORDS) ** CODE_TOKENS
+        self._rng = random.Random(seed)
+        self._serial = self._rng.randrange(self._space)
+        self._density = max(tokens_per_word, 0.25)
+        self.made = 0
+
+    def _text(self, words: int) -> str:
+        n, base = self._serial, len(WORDS)
+        code = []
+        for _ in range(CODE_TOKENS):
+            n, digit = divmod(n, base)
+            code.append(WORDS[digit])
+        return " ".join(code + [self._rng.choice(WORDS) for _ in range(words - CODE_TOKENS)])
+
+    async def __call__(self, length: int) -> list[int]:
+        """A new prompt of exactly ``length`` token ids (``length >= CODE_TOKENS``).
+
+        Raises:
+            EngineError: ``/tokenize`` failed.
+            SweepRejected: the engine's tokenizer would not give ``length`` tokens.
+        """
+        if length < CODE_TOKENS:
+            raise ValueError(f"prompts need at least {CODE_TOKENS} tokens")
+        words = max(CODE_TOKENS, math.ceil(length / self._density) + 2)
+        for _ in range(_TOKENIZE_TRIES):
+            text = self._text(words)
+            tokenized = await bounded(
+                self._client, self._timeout_s, "/tokenize", self._client.tokenize, text
+            )
+            if tokenized.count >= length and len(tokenized.ids) == tokenized.count:
+                self._serial = (self._serial + 1) % self._space
+                self.made += 1
+                return list(tokenized.ids[:length])
+            words = max(words + 1, math.ceil(words * length / max(tokenized.count, 1)) + 2)
+        raise SweepRejected(
+            f"engine {self._client.name}'s /tokenize did not give {length} token ids for a probe text"
+        )
+
+
+async def _measure_prefill(
+    client: EngineClient, ids: list[int], timeout_s: float
+) -> dict[str, Any]:
+    with trio.move_on_after(timeout_s) as scope:
+        result = await client.prefill({"prompt": ids, "temperature": 0.0}, transfer=False)
+    if scope.cancelled_caught:
+        raise EngineTimeout(
+            f"engine {client.name} took over {timeout_s:g} s for a {len(ids)}-token prefill",
+            engine=client.name,
+            leg="prefill",
+        )
+    if result.prompt_tokens is not None and result.prompt_tokens != len(ids):
+        raise SweepRejected(
+            f"engine {client.name} processed {result.prompt_tokens} prompt tokens for an "
+            f"exact {len(ids)}-token prompt"
+        )
+    return {
+        "length": len(ids),
+        "ttft_s": result.completed_at - result.started_at,
+        "started_at": result.started_at,
+        "prompt_tokens": result.prompt_tokens,
+    }
+
+
+async def prefill_sweep(
+    client: EngineClient,
+    facts: EngineFacts,
+    lengths: Sequence[int],
+    record: dict[str, Any],
+    *,
+    repeats: int,
+    warmup: int,
+    prompt: PromptFactory,
+    timeout_s: float,
+    progress: Progress,
+) -> dict[int, float]:
+    """Measure TTFT at each usable length; returns the median per exact length.
+
+    ``record`` receives the requested, effective and dropped lengths, the warm-up
+    requests, every repeat and the medians, as they are measured.
+
+    Raises:
+        EngineError: a request failed.
+        SweepRejected: fewer than three lengths fit, or a length did not check out.
+    """
+    name, limit = client.name, facts.max_model_len
+    effective = [n for n in sorted(set(lengths)) if n + 1 <= limit]
+    dropped = [
+        {"length": n, "reason": f"{n} prompt tokens + 1 output token exceed max_model_len {limit}"}
+        for n in sorted(set(lengths)) if n + 1 > limit
+    ]  # fmt: skip
+    record.update(requested_lens=list(lengths), effective_lens=effective, dropped_lens=dropped,
+                  warmup=[], repeats=[], medians=[])  # fmt: skip
+    for d in dropped:
+        progress.line(name, f"prefill: dropped length {d['length']}: {d['reason']}")
+    if len(effective) < 3:
+        raise SweepRejected(
+            f"only {len(effective)} prefill lengths fit max_model_len {limit}; at least 3 are needed"
+        )
+    for n in effective:  # warm every shape first; these are not recorded as samples
+        for _ in range(warmup):
+            progress.status(name, f"prefill: warming up at {n} tokens")
+            record["warmup"].append(await _measure_prefill(client, await prompt(n), timeout_s))
+    medians: dict[int, float] = {}
+    for n in effective:
+        times = []
+        for r in range(repeats):
+            progress.status(name, f"prefill: {n} tokens, repeat {r + 1}/{repeats}")
+            sample = await _measure_prefill(client, await prompt(n), timeout_s)
+            record["repeats"].append(sample | {"repeat": r})
+            times.append(sample["ttft_s"])
+        medians[n] = float(statistics.median(times))
+        record["medians"].append({"length": n, "ttft_s": medians[n], "repeats": len(times)})
+        progress.line(name, f"prefill: {n} tokens: median TTFT {medians[n] * 1e3:.2f} ms "
+                            f"over {len(times)} repeats")  # fmt: skip
+    return medians
+
+
+def plan_cells(
+    input_lens: Sequence[int],
+    concurrency: Sequence[int],
+    *,
+    decode_tokens: int,
+    max_model_len: int,
+    kv_cache_size_tokens: int | None,
+) -> tuple[list[tuple[int, int, int]], list[dict[str, Any]]]:
+    """The cells ``(input_len, concurrency, max_tokens)`` that fit, and those dropped.
+
+    Each stream asks for ``decode_tokens + concurrency`` tokens: the cohort's prefills
+    take turns with decode steps, so the first stream emits about ``concurrency``
+    tokens before the last one starts, and the window still needs ``decode_tokens``.
+    """
+    cells: list[tuple[int, int, int]] = []
+    dropped: list[dict[str, Any]] = []
+    for n in sorted(set(input_lens)):
+        for c in sorted(set(concurrency)):
+            out = decode_tokens + c
+            reason = None
+            if n + out > max_model_len:
+                reason = (f"input {n} + requested output {out} = {n + out} tokens exceed the "
+                          f"live context limit {max_model_len}")  # fmt: skip
+            elif kv_cache_size_tokens is not None and c * (n + out) > kv_cache_size_tokens:
+                reason = (f"{c} streams of {n + out} tokens need {c * (n + out)} KV tokens; "
+                          f"the engine holds {kv_cache_size_tokens}")  # fmt: skip
+            if reason is None:
+                cells.append((n, c, out))
+            else:
+                dropped.append({"input_len": n, "concurrency": c, "max_tokens": out,
+                                "reason": reason})  # fmt: skip
+    return cells, dropped
+
+
+async def decode_sweep(
+    client: EngineClient,
+    facts: EngineFacts,
+    input_lens: Sequence[int],
+    concurrency: Sequence[int],
+    record: dict[str, Any],
+    *,
+    decode_tokens: int,
+    min_window_steps: int,
+    prompt: PromptFactory,
+    limits: StreamLimits,
+    progress: Progress,
+) -> list[CellResult]:
+    """Run every cell that fits; returns the kept ones.
+
+    ``record`` receives the plan, the dropped cells and every cell's result as it ends.
+
+    Raises:
+        EngineError: a stream's request failed.
+    """
+    name = client.name
+    cells, dropped = plan_cells(
+        input_lens,
+        concurrency,
+        decode_tokens=decode_tokens,
+        max_model_len=facts.max_model_len,
+        kv_cache_size_tokens=facts.kv_cache_size_tokens,
+    )
+    record.update(
+        requested_cells=[
+            {"input_len": n, "concurrency": c} for n in input_lens for c in concurrency
+        ],
+        dropped_cells=dropped,
+        cells=[],
+    )
+    for d in dropped:
+        progress.line(name, f"decode: dropped cell input {d['input_len']} x {d['concurrency']} "
+                            f"streams: {d['reason']}")  # fmt: skip
+    kept: list[CellResult] = []
+    for i, (n, c, out) in enumerate(cells, 1):
+        progress.status(name, f"decode: cell {i}/{len(cells)}: input {n} x {c} streams")
+        prompts = [await prompt(n) for _ in range(c)]
+        cell = await run_cell(
+            client, prompts, max_tokens=out, limits=limits, min_window_steps=min_window_steps
+        )
+        record["cells"].append(cell.as_dict())
+        if cell.kept:
+            assert cell.tpot_s is not None and cell.kv_tokens is not None
+            kept.append(cell)
+            progress.line(name, f"decode: cell input {n} x {c} streams: median TPOT "
+                                f"{cell.tpot_s * 1e3:.3f} ms at {cell.kv_tokens:.0f} resident KV "
+                                f"tokens ({len(cell.intervals)} intervals)")  # fmt: skip
+        else:
+            progress.warn(name, f"decode: cell input {n} x {c} streams rejected: {cell.reason}")
+    return kept
+
+
+def cell_summary(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The cell medians, one row per kept cell (the decode fit's input)."""
+    return [
+        {"input_len": c["input_len"], "concurrency": c["concurrency"], "active": c["active"],
+         "kv_tokens": c["kv_tokens"], "tpot_s": c["tpot_s"], "intervals": len(c["intervals"])}
+        for c in cells if c["kept"]
+    ]  # fmt: skip

@@ -1,0 +1,224 @@
+"""Profile-priced placement: put each request where its latency targets hold.
+
+When the fleet names a profiles pair whose fits bind to the engines running now
+(Gate F), each candidate is priced from its profile:
+
+- producer: predicted TTFT = the predicted prefill time of the prompts already
+  reserved on it (they run before this one) + the fitted TTFT curve at this prompt's
+  length, times the engine's correction factor (reactive control keeps it);
+- consumer: predicted TPOT with this request added (active + 1, resident KV + its
+  prompt and output tokens), times its correction factor. Inside the profiled decode
+  domain the fit is used as is; outside it the price is taken at the domain's edge and
+  scaled up by how far the point lies beyond it (conservative), and counted;
+- the KV constraint: a consumer whose resident KV would pass its capacity is not a
+  candidate.
+
+The pair with the most headroom against both SLOs wins (headroom = the smaller of
+``1 - predicted/target`` over TTFT and TPOT). When no pair is predicted to meet them,
+``controller.admission`` decides: ``refuse`` answers 503 with ``Retry-After`` at once;
+``wait`` waits for capacity (a reservation released) until the TTFT target or the
+request deadline has passed, then refuses. The wait is part of the router TTFT.
+
+An engine whose profile does not bind (a new generation, or no profile) is not
+priced: while any priced pair exists only priced engines are used; when none does,
+placement falls back to least reserved load over every available engine, and the
+fallback is counted and reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from narwhal.config import SLOConfig
+from narwhal.errors import Refused
+from narwhal.profile.store import EngineProfile
+from narwhal.router.placement import Placement, Reservation
+
+__all__ = ["PricedPlacement", "Quote"]
+
+log = logging.getLogger("narwhal.router.placement")
+
+
+@attrs.frozen
+class Quote:
+    """A candidate's price for one request."""
+
+    engine: str
+    predicted_s: float
+    headroom: float
+    out_of_domain: bool = False
+
+
+class PricedPlacement(Placement):
+    """Least-loaded placement with profile pricing on top (see the module docstring)."""
+
+    def __init__(
+        self,
+        prefill_engines: Sequence[str],
+        decode_engines: Sequence[str],
+        *,
+        profiles: dict[str, EngineProfile],
+        slo: SLOConfig,
+        admission: str,
+        available: Callable[[str], bool] = lambda name: True,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        super().__init__(prefill_engines, decode_engines, available=available)
+        self.profiles = dict(profiles)
+        self.slo = slo
+        self.admission = admission
+        self.clock = clock
+        #: Multiplicative corrections of the predictions, kept by reactive control.
+        self.ttft_correction: dict[str, float] = dict.fromkeys(self.loads, 1.0)
+        self.tpot_correction: dict[str, float] = dict.fromkeys(self.loads, 1.0)
+        #: Predicted prefill seconds reserved per producer (the queue ahead of a new one).
+        self.prefill_work_s: dict[str, float] = dict.fromkeys(self.loads, 0.0)
+        self.unbound: dict[str, str] = {}
+        self.counters = {"priced": 0, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0}
+        self._capacity = trio.Event()
+
+    # ----------------------------------------------------------------- prices
+
+    def _headroom(self, predicted: float, target: float | None) -> float:
+        if target is None:
+            return -predicted  # no target: prefer the fastest
+        return 1.0 - predicted / target
+
+    def quote_producer(self, name: str, prompt_tokens: int, elapsed_s: float = 0.0) -> Quote:
+        """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
+        profile = self.profiles[name]
+        own = profile.predict_ttft(prompt_tokens)
+        predicted = elapsed_s + (self.prefill_work_s[name] + own) * self.ttft_correction[name]
+        return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s))
+
+    def quote_consumer(self, name: str, prompt_tokens: int, max_tokens: int) -> Quote | None:
+        profile = self.profiles[name]
+        load = self.loads[name]
+        active = load.decode_requests + 1
+        kv = load.decode_kv_tokens + prompt_tokens + max_tokens
+        if kv > profile.kv_capacity.tokens:
+            return None
+        decode = profile.decode
+        domain = decode.domain
+        inside = domain.contains(active, kv)
+        if inside:
+            predicted = decode.predict(active, kv)
+        else:
+            a = min(max(active, domain.active.min), domain.active.max)
+            k = min(max(kv, domain.kv_tokens.min), domain.kv_tokens.max)
+            edge = decode.predict(a, k)
+            # Conservative beyond the measured domain: scale by the relative overshoot
+            # on each axis (never below the linear extrapolation).
+            over = max(active / max(domain.active.max, 1e-9), 1.0) * max(kv / max(domain.kv_tokens.max, 1e-9), 1.0)
+            predicted = max(decode.predict(active, kv), edge * over)
+        predicted *= self.tpot_correction[name]
+        return Quote(name, predicted, self._headroom(predicted, self.slo.tpot_s), out_of_domain=not inside)
+
+    # ----------------------------------------------------------------- choosing
+
+    def _priced_candidates(self, names: Sequence[str], avoid: frozenset[str]) -> list[str]:
+        live = [n for n in names if self.available(n) and n in self.profiles]
+        return [n for n in live if n not in avoid] or live
+
+    def price(
+        self, prompt_tokens: int, max_tokens: int, avoid: frozenset[str], elapsed_s: float = 0.0
+    ) -> tuple[Quote, Quote] | None:
+        """The best (producer, consumer) quotes, or None when no priced pair exists."""
+        producers = self._priced_candidates(self.prefill_engines, avoid)
+        consumers = self._priced_candidates(self.decode_engines, avoid)
+        if not producers or not consumers:
+            return None
+        p = max((self.quote_producer(n, prompt_tokens, elapsed_s) for n in producers), key=lambda q: q.headroom)
+        quotes = [q for n in consumers if (q := self.quote_consumer(n, prompt_tokens, max_tokens)) is not None]
+        if not quotes:
+            return None
+        c = max(quotes, key=lambda q: q.headroom)
+        return p, c
+
+    def choose(
+        self, prompt_tokens: int, max_tokens: int, *, avoid: frozenset[str] = frozenset(), elapsed_s: float = 0.0
+    ) -> Reservation:
+        """Reserve the best pair now; raise ``_NoCapacity`` when none meets the SLO.
+
+        ``elapsed_s`` is the time the request has spent in the router already (token
+        counting, earlier placement waits): it counts against the TTFT target.
+        """
+        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s)
+        if quotes is None:
+            self.counters["fallback"] += 1
+            return self._reserve(super().choose(prompt_tokens, max_tokens, avoid=avoid), prompt_tokens, None, None)
+        p, c = quotes
+        if min(p.headroom, c.headroom) < 0 and (self.slo.ttft_s is not None or self.slo.tpot_s is not None):
+            self.counters["refused"] += 1
+            raise _NoCapacity(p, c)
+        self.counters["priced"] += 1
+        if c.out_of_domain:
+            self.counters["out_of_domain"] += 1
+        reservation = Reservation(self, p.engine, c.engine, prompt_tokens, prompt_tokens + max_tokens)
+        return self._reserve(reservation, prompt_tokens, p, c)
+
+    def _reserve(self, reservation: Reservation, prompt_tokens: int, p: Quote | None, c: Quote | None) -> Reservation:
+        producer = reservation.producer
+        work = self.profiles[producer].predict_ttft(prompt_tokens) if producer in self.profiles else 0.0
+        self.prefill_work_s[producer] += work
+        reservation.on_release_prefill = lambda: self._release_work(producer, work)
+        reservation.on_release_decode = self._capacity_changed
+        reservation.predicted_ttft_s = p.predicted_s if p is not None else None
+        reservation.predicted_tpot_s = c.predicted_s if c is not None else None
+        return reservation
+
+    def _release_work(self, producer: str, work: float) -> None:
+        self.prefill_work_s[producer] = max(0.0, self.prefill_work_s[producer] - work)
+        self._capacity_changed()
+
+    def _capacity_changed(self) -> None:
+        self._capacity.set()
+        self._capacity = trio.Event()
+
+    async def acquire(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        *,
+        avoid: frozenset[str] = frozenset(),
+        deadline: float = math.inf,
+        elapsed_s: float = 0.0,
+    ) -> Reservation:
+        """Reserve a pair predicted to meet the SLO, waiting for capacity (admission ``wait``)."""
+        waited = False
+        start = self.clock()
+        while True:
+            try:
+                return self.choose(prompt_tokens, max_tokens, avoid=avoid, elapsed_s=elapsed_s + self.clock() - start)
+            except _NoCapacity as miss:
+                slo_deadline = deadline
+                if self.admission == "refuse" or self.clock() >= slo_deadline:
+                    raise Refused(
+                        f"no placement meets the SLO: predicted TTFT {miss.producer.predicted_s * 1000:.1f} ms "
+                        f"on {miss.producer.engine}, TPOT {miss.consumer.predicted_s * 1000:.1f} ms on "
+                        f"{miss.consumer.engine}",
+                        retry_after_s=1.0,
+                    ) from None
+                if not waited:
+                    waited = True
+                    self.counters["waited"] += 1
+                with trio.move_on_at(slo_deadline):
+                    await self._capacity.wait()
+
+    def set_roles(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        """Reactive control assigns the active roles of engines that permit both."""
+        self.prefill_engines = list(prefill)
+        self.decode_engines = list(decode)
+        self._capacity_changed()
+
+
+class _NoCapacity(Exception):
+    def __init__(self, producer: Quote, consumer: Quote) -> None:
+        super().__init__("no placement meets the SLO")
+        self.producer = producer
+        self.consumer = consumer
