@@ -5,6 +5,7 @@ memory and prints each fitted coefficient's relative error against the configure
 
     python tools/profile_recovery.py
 """
+import io
 import json
 import tempfile
 from pathlib import Path
