@@ -13,11 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from narwhal.router.breaker import Transition
 from narwhal.router.events import EventHub
+from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
@@ -72,6 +73,31 @@ class _LiveState(Collector):
             status = "ejected" if st.ejected else ("ok" if state.breaker.available(name) else "quarantined")
             breaker.add_metric([name], _BREAKER_CODES[status])
         yield breaker
+        placement = state.placement
+        if isinstance(placement, PricedPlacement):
+            drift = GaugeMetricFamily(
+                "narwhal_model_correction",
+                "Observed over predicted latency per engine (model drift; 1 = the profile holds).",
+                labels=["engine", "metric"],
+            )
+            for name, value in placement.ttft_correction.items():
+                drift.add_metric([name, "ttft"], value)
+            for name, value in placement.tpot_correction.items():
+                drift.add_metric([name, "tpot"], value)
+            yield drift
+            priced = CounterMetricFamily(
+                "narwhal_placement_pricing", "Priced placement outcomes.", labels=["outcome"]
+            )
+            for outcome, count in placement.counters.items():
+                priced.add_metric([outcome], count)
+            yield priced
+            unbound = GaugeMetricFamily(
+                "narwhal_profile_unbound", "1 for an engine placed by load only (its profile does not bind).",
+                labels=["engine"],
+            )
+            for name in state.engines:
+                unbound.add_metric([name], 1 if name in placement.unbound else 0)
+            yield unbound
         ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
         ready.add_metric([], 1 if state.ready() else 0)
         yield ready

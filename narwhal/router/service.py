@@ -14,9 +14,11 @@ from narwhal.http.server import HTTPServer, ServerLimits
 from narwhal.profile.store import Profiles
 from narwhal.router.admin import AdminApp
 from narwhal.router.app import RouterApp
+from narwhal.router.controller import ReactiveController
 from narwhal.router.events import EventHub
 from narwhal.router.journal import Journal
 from narwhal.router.metrics import RouterMetrics
+from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import run_probes
 from narwhal.router.state import RouterState
 
@@ -36,6 +38,7 @@ class Router:
         self.admin = admin
         self.metrics = metrics
         self.events = events
+        self.controller: ReactiveController | None = None
 
     @property
     def journal(self) -> Journal:
@@ -105,7 +108,13 @@ async def open_router(
             await nursery.start(run_probes, state)
             await state.refresh_models()
             await state.bind_profiles()
+            controller = None
+            if config.controller.reactive.enabled and isinstance(state.placement, PricedPlacement):
+                controller = ReactiveController(config, state.placement, publish=events.publish, clock=state.clock)
+                state.journal.add_listener(controller.on_record)
+                await nursery.start(controller.run)
             router = Router(state, server, admin, metrics, events)
+            router.controller = controller
             try:
                 yield router
             finally:
