@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
 import trio
 
 from narwhal import __version__
@@ -45,10 +46,18 @@ async def _until_signalled() -> None:
             return
 
 
-async def _serve(config: FleetConfig, host: str | None, port: int | None, admin_port: int | None) -> None:
+async def _serve(
+    config: FleetConfig,
+    host: str | None,
+    port: int | None,
+    admin_port: int | None,
+    *,
+    reuse_port: bool = False,
+    start_sims: bool = True,
+) -> None:
     from narwhal.router.service import open_router
 
-    sims = [e for e in config.engines if e.sim is not None]
+    sims = [e for e in config.engines if e.sim is not None] if start_sims else []
     async with contextlib.AsyncExitStack() as stack:
         if sims:
             from narwhal.testing import open_sim_fleet
@@ -57,7 +66,7 @@ async def _serve(config: FleetConfig, host: str | None, port: int | None, admin_
             log.info("started %d simulated engines: %s", len(sims), ", ".join(f"{e.name}@{e.url}" for e in sims))
         router = await stack.enter_async_context(open_router(config))
         nursery = await stack.enter_async_context(trio.open_nursery())
-        bound = await nursery.start(router.serve_tcp, host, port)
+        bound = await nursery.start(functools.partial(router.serve_tcp, host, port, reuse_port=reuse_port))
         for h, p in bound:
             log.info("narwhal %s serving on http://%s:%d", __version__, h, p)
         admin = await nursery.start(router.serve_admin_tcp, None, admin_port)
@@ -65,6 +74,45 @@ async def _serve(config: FleetConfig, host: str | None, port: int | None, admin_
         print(f"narwhal serving on http://{bound[0][0]}:{bound[0][1]}", flush=True)
         await _until_signalled()
         await router.shutdown()
+
+
+async def _serve_workers(args: argparse.Namespace, config: FleetConfig) -> None:
+    """``--workers N``: N router processes on one port (SO_REUSEPORT); this process runs
+    the simulated engines (if any), supervises the workers and forwards shutdown."""
+    sims = [e for e in config.engines if e.sim is not None]
+    async with contextlib.AsyncExitStack() as stack:
+        if sims:
+            from narwhal.testing import open_sim_fleet
+
+            await stack.enter_async_context(open_sim_fleet(sims, sockets=True))
+        admin_base = config.server.admin_port if args.admin_port is None else args.admin_port
+        procs = []
+        for i in range(args.workers):
+            cmd = [sys.executable, "-m", "narwhal", "--log-level", args.log_level]
+            if args.log_json:
+                cmd.append("--log-json")
+            cmd += ["serve", "--worker-of", str(args.workers), "--admin-port", str(admin_base + i if admin_base else 0)]
+            if args.fleet:
+                cmd += ["--fleet", args.fleet]
+            if args.host:
+                cmd += ["--host", args.host]
+            if args.port is not None:
+                cmd += ["--port", str(args.port)]
+            procs.append(await trio.lowlevel.open_process(cmd))
+        print(f"narwhal: {args.workers} workers started", flush=True)
+        try:
+            await _until_signalled()
+        finally:
+            with trio.CancelScope(shield=True):
+                for proc in procs:
+                    proc.send_signal(signal.SIGTERM)
+                with trio.move_on_after(config.server.shutdown_grace_s + 10):
+                    for proc in procs:
+                        await proc.wait()
+                for proc in procs:
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
 
 
 async def _sim(config: FleetConfig) -> None:
@@ -90,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen address (default: server.host)")
     serve.add_argument("--port", type=int, help="listen port (default: server.port)")
     serve.add_argument("--admin-port", type=int, help="admin (metrics, events) port (default: server.admin_port)")
+    serve.add_argument("--workers", type=int, default=1, help="router processes sharing the port (SO_REUSEPORT)")
+    serve.add_argument("--worker-of", type=int, default=0, help=argparse.SUPPRESS)
     sim = sub.add_parser("sim", help="run the simulated engines a fleet document declares")
     sim.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
     top = sub.add_parser("top", help="a terminal view of a running router (its admin surface)")
@@ -116,7 +166,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(str(args.log_level), json_lines=args.log_json)
     try:
         if args.command == "serve":
-            trio.run(_serve, _load(args.fleet), args.host, args.port, args.admin_port)
+            config = _load(args.fleet)
+            if args.workers > 1:
+                trio.run(_serve_workers, args, config)
+            elif args.worker_of:
+                # A worker of --workers: shared port, engine load read from the engines.
+                server = attrs.evolve(
+                    config.server, engine_load_poll_s=config.server.engine_load_poll_s or 1.0
+                )
+                config = attrs.evolve(config, server=server)
+                trio.run(
+                    functools.partial(
+                        _serve, config, args.host, args.port, args.admin_port, reuse_port=True, start_sims=False
+                    )
+                )
+            else:
+                trio.run(_serve, config, args.host, args.port, args.admin_port)
         elif args.command == "sim":
             trio.run(_sim, _load(args.fleet))
         elif args.command == "top":

@@ -176,6 +176,9 @@ class ServerConfig:
         api_keys: Bearer keys clients must present; empty means no authentication.
         admin_host: Address the admin endpoints (metrics, events) bind; loopback by default.
         admin_port: TCP port of the admin endpoints; 0 picks an ephemeral port.
+        engine_load_poll_s: Seconds between reads of every engine's /metrics (running and
+            waiting requests) that placement adds to its own reservations, so that several
+            router processes share engine load; 0 turns it off (``--workers`` > 1 turns it on).
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_text)
@@ -190,6 +193,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts)
     admin_host: str = attrs.field(default="127.0.0.1", validator=_text)
     admin_port: int = attrs.field(default=8001, validator=_bind_port)
+    engine_load_poll_s: float = attrs.field(default=0.0, validator=_non_negative)
 
 
 @attrs.frozen(kw_only=True)

@@ -92,13 +92,19 @@ class HTTPServer:
         host: str,
         port: int,
         *,
+        reuse_port: bool = False,
         task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen on ``host:port`` (port 0 picks one) until :meth:`shutdown` completes.
 
         Reports the bound ``[(host, port), ...]`` through ``task_status.started``.
+        With ``reuse_port`` several processes listen on the same port (SO_REUSEPORT)
+        and the kernel spreads connections among them.
         """
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        if reuse_port:
+            listeners = [await _reuse_port_listener(host, port)]
+        else:
+            listeners = await trio.open_tcp_listeners(port, host=host)
         addresses = []
         for listener in listeners:
             name = listener.socket.getsockname()
@@ -154,3 +160,17 @@ class HTTPServer:
     async def _wait_closed(self) -> None:
         while self._connections:
             await self._closed_lot.park()
+
+
+async def _reuse_port_listener(host: str, port: int) -> trio.SocketListener:
+    family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
+    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEPORT, 1)
+        await sock.bind((host, port))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)

@@ -353,6 +353,11 @@ class RequestLifecycle:
                     async for chunk in stream:
                         now = clock()
                         if chunk.kind == "token":
+                            if not tokens and scope.cancel_called:
+                                # Read in the scheduler tick in which its deadline expired:
+                                # too late, and nothing is sent yet, so a timeout as usual
+                                # (committing now would be cut by the pending cancellation).
+                                break
                             n = chunk.count
                             tokens += n
                             self.tokens = tokens
@@ -388,7 +393,7 @@ class RequestLifecycle:
         finally:
             state.in_flight_by_engine[name] -= 1
             reservation.release_decode()
-        if scope.cancelled_caught:
+        if scope.cancelled_caught or (scope.cancel_called and not tokens):
             if tokens:
                 raise SilenceTimeout(
                     f"engine went silent between tokens (no chunk for {cfg.decode_read_timeout_s:g} s "

@@ -34,12 +34,16 @@ class EngineLoad:
         prefill_tokens: prompt tokens of those legs.
         decode_requests: decode streams reserved.
         decode_kv_tokens: KV tokens those streams will hold (prompt + output limit).
+        engine_running: requests the engine itself last reported running (all routers').
+        engine_waiting: requests the engine itself last reported waiting.
     """
 
     prefill_requests: int = 0
     prefill_tokens: int = 0
     decode_requests: int = 0
     decode_kv_tokens: int = 0
+    engine_running: int = 0
+    engine_waiting: int = 0
 
 
 class Reservation:
@@ -153,13 +157,21 @@ class Placement:
         loads = self.loads
         producer = self._pick(
             "prefill",
-            self.prefill_engines, avoid, lambda n: (loads[n].prefill_tokens, loads[n].prefill_requests)
+            self.prefill_engines,
+            avoid,
+            lambda n: (loads[n].prefill_tokens, max(loads[n].prefill_requests, loads[n].engine_waiting)),
         )
         if producer is None:
             raise Refused("no engine available for prefill", retry_after_s=1.0)
         consumer = self._pick(
             "decode",
-            self.decode_engines, avoid, lambda n: (loads[n].decode_requests, loads[n].decode_kv_tokens)
+            self.decode_engines,
+            avoid,
+            # Several routers share an engine: what it reports running counts too.
+            lambda n: (
+                max(loads[n].decode_requests, loads[n].engine_running + loads[n].engine_waiting),
+                loads[n].decode_kv_tokens,
+            ),
         )
         if consumer is None:
             raise Refused("no engine available for decode", retry_after_s=1.0)

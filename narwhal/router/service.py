@@ -17,6 +17,7 @@ from narwhal.router.app import RouterApp
 from narwhal.router.controller import ReactiveController
 from narwhal.router.events import EventHub
 from narwhal.router.journal import Journal
+from narwhal.router.loadpoll import poll_engine_load
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import run_probes
@@ -45,10 +46,20 @@ class Router:
         return self.state.journal
 
     async def serve_tcp(
-        self, host: str | None = None, port: int | None = None, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        reuse_port: bool = False,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         cfg = self.state.config.server
-        await self.server.serve_tcp(cfg.host if host is None else host, cfg.port if port is None else port, task_status=task_status)
+        await self.server.serve_tcp(
+            cfg.host if host is None else host,
+            cfg.port if port is None else port,
+            reuse_port=reuse_port,
+            task_status=task_status,
+        )
 
     async def serve_admin_tcp(
         self, host: str | None = None, port: int | None = None, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
@@ -106,6 +117,8 @@ async def open_router(
         async with trio.open_nursery() as nursery:
             await nursery.start(state.journal.run)
             await nursery.start(run_probes, state)
+            if config.server.engine_load_poll_s > 0:
+                await nursery.start(poll_engine_load, state, config.server.engine_load_poll_s)
             await state.refresh_models()
             await state.bind_profiles()
             controller = None
