@@ -64,7 +64,13 @@ async def _serve(
 
             await stack.enter_async_context(open_sim_fleet(sims, sockets=True))
             log.info("started %d simulated engines: %s", len(sims), ", ".join(f"{e.name}@{e.url}" for e in sims))
-        router = await stack.enter_async_context(open_router(config))
+        profiles = None
+        if config.profiles.path:
+            from narwhal.profile.store import load_profiles
+
+            profiles = load_profiles(config.profiles.path)
+            log.info("placement priced by %s (%d engine profiles)", config.profiles.path, len(profiles.engines))
+        router = await stack.enter_async_context(open_router(config, profiles=profiles))
         nursery = await stack.enter_async_context(trio.open_nursery())
         bound = await nursery.start(functools.partial(router.serve_tcp, host, port, reuse_port=reuse_port))
         for h, p in bound:
@@ -153,15 +159,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Subcommands with their own parsers (and sub-subcommands) take the rest as is.
-    if argv[:1] == ["bench"]:
-        from narwhal.bench.cli import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["profile"]:
-        return profile_main(argv[1:])
-    if argv[:1] == ["check"]:
-        return check_main(argv[1:])
+    # Subcommands with their own parsers (and sub-subcommands) take the rest as is,
+    # after the global logging options.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level", default="INFO")
+    pre.add_argument("--log-json", action="store_true")
+    known, rest = pre.parse_known_args(argv)
+    delegated = {"bench": _bench_main, "profile": profile_main, "check": check_main}
+    if rest[:1] and rest[0] in delegated:
+        configure_logging(known.log_level, json_lines=known.log_json)
+        return delegated[rest[0]](rest[1:])
     args = _parser().parse_args(argv)
     configure_logging(str(args.log_level), json_lines=args.log_json)
     try:
@@ -198,6 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _bench_main(argv: Sequence[str] | None = None) -> int:
+    from narwhal.bench.cli import main as run
+
+    return run(argv)
 
 
 def profile_main(argv: Sequence[str] | None = None) -> int:

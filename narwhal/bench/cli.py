@@ -147,6 +147,7 @@ def run_parser() -> argparse.ArgumentParser:
     s.add_argument("--late-after", type=_seconds, default=0.05,
                    help="a start later than this after schedule is a late start (default 50ms)")
     s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    s.add_argument("--plot", action="store_true", help="also write TTFT/TPOT CDF PNGs (needs the [plot] extra)")
     return p
 
 
@@ -304,6 +305,14 @@ async def _bench(
     (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     print(render_summary(summary), file=out)
     print(f"\nresults: {directory / RESULTS_FILE}\nsummary: {directory / SUMMARY_FILE}", file=out)
+    if args.plot:
+        from narwhal.plots import PlotUnavailable, plot_bench
+
+        try:
+            for path in plot_bench(directory, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot):
+                print(f"plot: {path}", file=out)
+        except PlotUnavailable as exc:
+            print(f"narwhal bench: {exc}", file=out)
     return 130 if run.interrupted else 0
 
 

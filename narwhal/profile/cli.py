@@ -11,6 +11,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import trio
@@ -87,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="refit the TTFT curves of this saved sidecar into a new pair at --out")  # fmt: skip
     p.add_argument("--seed", type=int, help="seed of the probe prompts (default: random)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--plot", action="store_true",
+                   help="also write PNGs of the fits beside the pair (needs the [plot] extra)")  # fmt: skip
     return p
 
 
@@ -94,10 +97,18 @@ def _load(path: str | None) -> FleetConfig:
     return load_fleet(path) if path is not None else load_default_fleet()
 
 
-def _report(run: ProfileRun) -> int:
+def _report(run: ProfileRun, *, plot: bool = False) -> int:
     print(f"wrote {run.profiles_path} and {run.samples_path}")
     for o in run.outcomes:
         print(f"  {o.name}: {o.status}" + (f": {o.reason}" if o.reason else ""))
+    if plot:
+        from narwhal.plots import PlotUnavailable, plot_profile
+
+        try:
+            for path in plot_profile(run.samples_path, Path(run.samples_path).parent / "plots"):
+                print(f"  plot: {path}")
+        except PlotUnavailable as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
     return 0 if run.ok else 1
 
 
@@ -122,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "(e.g. runs/profiles-refit.json)")  # fmt: skip
             run = refit_pair(config, args.refit_samples, args.out, overwrite=args.overwrite,
                              engines=args.engines, progress=progress)  # fmt: skip
-            return _report(run)
+            return _report(run, plot=args.plot)
         missing = [f"--{o.replace('_', '-')}" for o in _SWEEP_OPTIONS if not getattr(args, o)]
         if missing:
             raise _UsageError(f"{', '.join(missing)} required (or --refit-samples)")
@@ -144,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(str(exc)) from None
         run = trio.run(functools.partial(run_profile, config, settings, progress=progress,
                                          config_source=args.fleet))  # fmt: skip
-        return _report(run)
+        return _report(run, plot=args.plot)
     except (_UsageError, ConfigError) as exc:
         progress.close()
         print(f"{PROG}: error: {exc}", file=sys.stderr)
