@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -24,6 +25,9 @@ from narwhal import __version__
 from narwhal.config import FleetConfig, load_fleet
 from narwhal.errors import ConfigError
 from narwhal.logs import configure_logging
+
+if TYPE_CHECKING:
+    from narwhal.profile.store import Profiles
 
 __all__ = ["check_main", "main", "profile_main"]
 
@@ -54,6 +58,7 @@ async def _serve(
     *,
     reuse_port: bool = False,
     start_sims: bool = True,
+    profiles: Profiles | None = None,
 ) -> None:
     from narwhal.router.service import open_router
 
@@ -64,12 +69,6 @@ async def _serve(
 
             await stack.enter_async_context(open_sim_fleet(sims, sockets=True))
             log.info("started %d simulated engines: %s", len(sims), ", ".join(f"{e.name}@{e.url}" for e in sims))
-        profiles = None
-        if config.profiles.path:
-            from narwhal.profile.store import load_profiles
-
-            profiles = load_profiles(config.profiles.path)
-            log.info("placement priced by %s (%d engine profiles)", config.profiles.path, len(profiles.engines))
         router = await stack.enter_async_context(open_router(config, profiles=profiles))
         nursery = await stack.enter_async_context(trio.open_nursery())
         bound = await nursery.start(functools.partial(router.serve_tcp, host, port, reuse_port=reuse_port))
@@ -80,6 +79,45 @@ async def _serve(
         print(f"narwhal serving on http://{bound[0][0]}:{bound[0][1]}", flush=True)
         await _until_signalled()
         await router.shutdown()
+
+
+def _serving_profiles(config: FleetConfig) -> Profiles | None:
+    """The profiles pair placement is priced by (None: least-loaded placement)."""
+    if not config.profiles.path:
+        return None
+    from narwhal.profile.store import load_profiles
+
+    profiles = load_profiles(config.profiles.path)
+    log.info("placement priced by %s (%d engine profiles)", config.profiles.path, len(profiles.engines))
+    return profiles
+
+
+def _preflight(config: FleetConfig) -> Profiles | None:
+    """What must hold before serving starts (errors are ConfigErrors naming the path);
+    returns the profiles placement is priced by."""
+    if config.controller.reactive.enabled:
+        _require_record(config)
+    return _serving_profiles(config)
+
+
+def _require_record(config: FleetConfig) -> None:
+    """Reactive control runs only on a fleet with a passing preflight on record."""
+    from narwhal.check.record import load_record, record_matches
+
+    path = config.controller.reactive.deployment_record
+    where = "$.controller.reactive.deployment_record"
+    if not path:
+        raise ConfigError(
+            "reactive control needs the deployment record of a passing preflight "
+            "(narwhal check --fleet F --record DIR)",
+            path=where,
+        )
+    if not record_matches(load_record(path), config):
+        raise ConfigError(
+            f"the deployment record in {path} was made for another fleet document or profiles pair; "
+            "run narwhal check --record again",
+            path=where,
+        )
 
 
 async def _serve_workers(args: argparse.Namespace, config: FleetConfig) -> None:
@@ -153,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--once", type=float, metavar="SECONDS", help="follow for SECONDS, print once, exit")
     sub.add_parser("bench", help="the deployment client: run a workload, report SLO attainment (narwhal bench --help)")
     sub.add_parser("profile", help="profile engines: sweeps, fits, profiles pair (narwhal profile --help)")
-    sub.add_parser("check", help="preflight a fleet (see narwhal-check)")
+    sub.add_parser("check", help="preflight a fleet: engines, Gate F, fit limits, KV probes (narwhal check --help)")
     return parser
 
 
@@ -174,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             config = _load(args.fleet)
+            profiles = _preflight(config)
             if args.workers > 1:
                 trio.run(_serve_workers, args, config)
             elif args.worker_of:
@@ -184,11 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 config = attrs.evolve(config, server=server)
                 trio.run(
                     functools.partial(
-                        _serve, config, args.host, args.port, args.admin_port, reuse_port=True, start_sims=False
+                        _serve, config, args.host, args.port, args.admin_port,
+                        reuse_port=True, start_sims=False, profiles=profiles,
                     )
                 )
             else:
-                trio.run(_serve, config, args.host, args.port, args.admin_port)
+                trio.run(functools.partial(_serve, config, args.host, args.port, args.admin_port, profiles=profiles))
         elif args.command == "sim":
             trio.run(_sim, _load(args.fleet))
         elif args.command == "top":
@@ -221,8 +261,10 @@ def profile_main(argv: Sequence[str] | None = None) -> int:
 
 
 def check_main(argv: Sequence[str] | None = None) -> int:
-    print("narwhal-check: the preflight check is not part of this release yet", file=sys.stderr)
-    return 2
+    """``narwhal check`` / ``narwhal-check``: the preflight a deployment passes first."""
+    from narwhal.check.cli import main as run
+
+    return run(argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -472,11 +472,14 @@ class ReactiveConfig:
         enabled: Whether the controller moves engines between roles.
         movement_margin: Predicted relative gain a move must exceed.
         interval_s: Seconds between controller decisions.
+        deployment_record: Directory of the passing preflight (``narwhal check --record``)
+            for this fleet; reactive control requires one that matches the fleet document.
     """
 
     enabled: bool = False
     movement_margin: float = attrs.field(default=0.10, validator=_positive)
     interval_s: float = attrs.field(default=10.0, validator=_positive)
+    deployment_record: str | None = attrs.field(default=None, validator=_opt(_text))
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,177 @@
+"""Gate F and the fit limits: profile pairs bound to engine generations, each limit tripped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from narwhal.check import CheckReport, CheckResult, check_margin, run_check
+from narwhal.config import parse_fleet, unstructure_fleet
+from narwhal.testing import open_sim_fleet
+from tests import profilekit
+from tests.checkkit import LIMIT_S, fleet_doc, identities, sim_profile, write_pair
+
+SMALL = {
+    "prefill_lens": (128, 512, 1024),
+    "decode_input_lens": (128, 512),
+    "decode_concurrency": (1, 4),
+    "decode_tokens": 16,
+}
+
+
+def failures(report: CheckReport, name: str) -> list[CheckResult]:
+    return [r for r in report.failures if r.name == name]
+
+
+def only_failure(report: CheckReport) -> CheckResult:
+    assert len(report.failures) == 1, report.lines()
+    return report.failures[0]
+
+
+async def test_gate_f_passes_on_a_fresh_profile_and_fails_after_a_restart(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    config = profilekit.fleet(profilekit.engine("e0", 8101), profilekit.engine("e1", 8102))
+    async with open_sim_fleet(config) as sim:
+        run, _ = await profilekit.profile(
+            config, sim.transport, profilekit.settings(tmp_path, **SMALL)
+        )
+        assert run.ok
+        doc = unstructure_fleet(config) | {"profiles": {"path": str(run.profiles_path)}}
+        with trio.fail_after(LIMIT_S):
+            fresh = await run_check(doc, transport=sim.transport)
+        assert fresh.ok, fresh.lines()
+        assert {r.engine for r in fresh.named("gate_f.generation")} == {"e0", "e1"}
+        # The sidecar's kept cells are what the axes are counted from.
+        assert all(
+            r.detail["counted_from"] == "samples" for r in fresh.named("decode.points.active")
+        )
+
+        await sim.engines["e0"].restart()
+        await trio.sleep(5)  # pooled connections to the old process expire
+        with trio.fail_after(LIMIT_S):
+            after = await run_check(doc, transport=sim.transport)
+    assert not after.ok
+    failure = only_failure(after)
+    assert (failure.name, failure.engine) == ("gate_f.generation", "e0")
+    assert "re-profile" in failure.message and "narwhal profile" in failure.message
+    assert "refit" in failure.message and "--refit-samples" in failure.message
+    assert set(failure.measured) == {"process_start_time"}
+    assert failure.measured["process_start_time"] != failure.limit["process_start_time"]
+    line = failure.line()
+    assert line.startswith("FAIL gate_f.generation e0: ") and "measured" in line and "limit" in line
+
+
+@pytest.mark.parametrize(
+    ("limits", "bad", "name", "measured", "limit"),
+    [
+        ({}, {"fit_mape": 0.08}, "decode.fit_mape", 0.08, 0.05),
+        ({"max_decode_fit_mape": 0.02}, {"fit_mape": 0.03}, "decode.fit_mape", 0.03, 0.02),
+        ({}, {"cv_mape": 0.2}, "decode.cv_mape", 0.2, 0.13),
+        ({"max_decode_cv_mape": 0.3}, {"cv_mape": 0.31}, "decode.cv_mape", 0.31, 0.3),
+    ],
+)
+async def test_each_fit_limit_names_the_engine_the_value_and_the_limit(
+    autojump_clock: trio.abc.Clock,
+    tmp_path: Path,
+    limits: dict[str, float],
+    bad: dict[str, Any],
+    name: str,
+    measured: float,
+    limit: float,
+) -> None:
+    doc = fleet_doc()
+    async with open_sim_fleet(parse_fleet(doc)) as sim:
+        live = await identities(parse_fleet(doc), sim.transport)
+        path = write_pair(
+            tmp_path / "profiles.json",
+            [sim_profile("e0", live["e0"]), sim_profile("e1", live["e1"], **bad)],
+        )
+        doc["profiles"] = {"path": str(path), **limits}
+        report = await run_check(doc, transport=sim.transport)
+    failure = only_failure(report)
+    assert (failure.name, failure.engine) == (name, "e1")
+    assert failure.measured == pytest.approx(measured) and failure.limit == pytest.approx(limit)
+    line = failure.line()
+    assert line.startswith(f"FAIL {name} e1: ")
+    assert f"measured {measured:g}" in line and f"limit {limit:g}" in line
+    assert "e0" not in line
+
+
+async def test_fewer_than_two_points_on_a_decode_axis_fails(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    doc = fleet_doc()
+    async with open_sim_fleet(parse_fleet(doc)) as sim:
+        live = await identities(parse_fleet(doc), sim.transport)
+        profiles = [
+            sim_profile("e0", live["e0"]),
+            # No cells in the sidecar: the domain counts, and its KV axis is one point.
+            sim_profile("e1", live["e1"], kv_tokens=(5000.0, 5000.0)),
+        ]
+        # e0's kept cells all ran one stream: one active count, three KV sizes.
+        cells = {"e0": [(1.0, 1000.0), (1.0, 2000.0), (1.0, 4000.0)]}
+        doc["profiles"] = {"path": str(write_pair(tmp_path / "p.json", profiles, cells=cells))}
+        report = await run_check(doc, transport=sim.transport)
+    got = {(r.name, r.engine): r for r in report.failures}
+    assert set(got) == {("decode.points.active", "e0"), ("decode.points.kv_tokens", "e1")}
+    e0, e1 = got["decode.points.active", "e0"], got["decode.points.kv_tokens", "e1"]
+    assert (e0.measured, e0.limit, e0.detail["counted_from"]) == (1, 2, "samples")
+    assert (e1.measured, e1.limit, e1.detail["counted_from"]) == (1, 2, "domain")
+    assert [r.measured for r in report.named("decode.points.kv_tokens") if r.engine == "e0"] == [3]
+
+
+async def test_a_fit_limit_above_the_movement_margin_fails(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    doc = fleet_doc(controller={"reactive": {"movement_margin": 0.04}})
+    # The loader refuses the document; the check reports that as one line with its path.
+    report = await run_check(doc | {"profiles": {"max_decode_fit_mape": 0.05}})
+    failure = only_failure(report)
+    assert failure.name == "fleet" and "$.profiles.max_decode_fit_mape" in failure.message
+    assert failure.line().startswith("FAIL fleet fleet: ")
+    # A document built in code skips the loader's validation; the check still catches it.
+    config = parse_fleet(doc | {"profiles": {"max_decode_fit_mape": 0.03}})
+    object.__setattr__(config, "profiles", attrs.evolve(config.profiles, max_decode_fit_mape=0.2))
+    result = check_margin(config)
+    assert not result.ok and (result.measured, result.limit) == (0.2, 0.04)
+    assert "movement_margin" in result.line() and "measured 0.2; limit 0.04" in result.line()
+    async with open_sim_fleet(config) as sim:
+        report = await run_check(config, transport=sim.transport)
+    assert [(r.name, r.measured, r.limit) for r in failures(report, "fit_limit")] == [
+        ("fit_limit", 0.2, 0.04)
+    ]
+
+
+async def test_every_engine_needs_an_accepted_profile_of_the_current_schema(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    doc = fleet_doc()
+    async with open_sim_fleet(parse_fleet(doc)) as sim:
+        live = await identities(parse_fleet(doc), sim.transport)
+        path = write_pair(tmp_path / "profiles.json", [sim_profile("e0", live["e0"])])
+        report = await run_check(doc | {"profiles": {"path": str(path)}}, transport=sim.transport)
+        failure = only_failure(report)
+        assert (failure.name, failure.engine) == ("gate_f.profile", "e1")
+        assert "no accepted profile" in failure.message
+
+        unset = await run_check(doc, transport=sim.transport)
+        assert [(r.name, r.engine) for r in unset.failures] == [("gate_f.profiles", None)]
+        assert "profiles.path is not set" in unset.failures[0].message
+
+        data = json.loads(path.read_text())
+        data["schema_version"] = 0
+        old = tmp_path / "old.json"
+        old.write_text(json.dumps(data))
+        (tmp_path / "old.samples.json").write_bytes(
+            (tmp_path / "profiles.samples.json").read_bytes()
+        )
+        report = await run_check(doc | {"profiles": {"path": str(old)}}, transport=sim.transport)
+    failure = only_failure(report)
+    assert failure.name == "gate_f.profiles" and "schema_version 0" in failure.message
+    assert failure.detail["path"] == "$.schema_version"
