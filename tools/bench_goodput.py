@@ -156,7 +156,9 @@ def main() -> int:
         urls = {name: f"http://127.0.0.1:{port}" for name, (_, port) in targets.items()}
         if vr:
             cmd = [vr, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
-                   "--port", str(ports["vr"]), "--prefill", engines[0]["url"], engines[1]["url"]]  # fmt: skip
+                   "--port", str(ports["vr"])]  # fmt: skip
+            for p in engines[:2]:
+                cmd += ["--prefill", p["url"]]
             for d in engines[2:]:
                 cmd += ["--decode", d["url"]]
             procs.append(start(cmd, tmp / "vllm-router.log"))
