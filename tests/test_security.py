@@ -1,0 +1,365 @@
+"""Security: KV transfers clients cannot steer, keys, secrets, internals, admin binding.
+
+Already covered elsewhere and extended here rather than repeated:
+test_router_basic.py (client ``kv_transfer_params`` on one completions request;
+same-worker stripping), test_router_failures.py (``wrong_endpoint`` never reaches the
+consumer), test_logs.py (the prompt in the INFO line of a success and a 400),
+test_fault_matrix.py (no host names or exception text in any fault's error body).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+import narwhal.router.app
+import narwhal.router.lifecycle
+from narwhal.config import FaultSpec, parse_fleet
+from narwhal.logs import JSONFormatter
+from narwhal.router.service import open_router
+from narwhal.testing import SimApp
+
+from .loadkit import Outcome, exchange
+from .routerkit import ROUTER_HOST, ROUTER_PORT, Stack, engine, fleet_doc, open_stack
+
+BODY = {"prompt": "one two three four", "max_tokens": 4}
+CHAT = {"messages": [{"role": "user", "content": "one two three"}], "max_tokens": 4}
+ADMIN = ("admin.test", 8001)
+
+
+async def post(stack: Stack, body: dict[str, Any], *, path: str = "/v1/completions", rid: str = "sec",
+               headers: tuple[tuple[str, str], ...] = ()) -> Outcome:
+    conn = await stack.net.connect(ROUTER_HOST, ROUTER_PORT)
+    return await exchange(conn, body, request_id=rid, path=path, headers=headers)
+
+
+@pytest.fixture
+def engine_headers(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[dict[str, str]]]]:
+    """The headers of every request each simulated engine receives, by engine name."""
+    seen: dict[str, list[dict[str, str]]] = defaultdict(list)
+    original = SimApp.__call__
+
+    async def recording(self: SimApp, request: Any, response: Any) -> None:
+        seen[self.engine.name].append({n.lower(): v for n, v in request.headers} | {":path": request.path})
+        await original(self, request, response)
+
+    monkeypatch.setattr(SimApp, "__call__", recording)
+    yield seen
+
+
+# ------------------------------------------------------------------ KV transfers
+
+
+EVIL = {"do_remote_prefill": True, "do_remote_decode": True, "remote_engine_id": "evil-engine",
+        "remote_block_ids": [[1, 2]], "remote_request_id": "evil-req", "remote_host": "evil.example",
+        "remote_port": 6666}  # fmt: skip
+HOSTILE_TRANSFER = {
+    "kv_transfer_params": EVIL,
+    "disaggregated_params": EVIL,
+    "bootstrap_host": "evil.example",
+    "bootstrap_port": 6666,
+    "vllm_xargs": {"kv_transfer_params": EVIL, "other": 1},
+}
+
+
+@pytest.mark.parametrize("topology", ["disaggregated", "same-worker"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_no_engine_ever_receives_client_transfer_params(
+    autojump_clock: trio.abc.Clock, topology: str, stream: bool, path: str
+) -> None:
+    doc = fleet_doc() if topology == "disaggregated" else fleet_doc(engine("both", 8101, ["prefill", "decode"]))
+    body = {**(BODY if path == "/v1/completions" else CHAT), **HOSTILE_TRANSFER, "stream": stream}
+    async with open_stack(doc) as stack:
+        out = await post(stack, body, path=path)
+        assert out.ok, out
+        bodies = [b for sim in stack.fleet.engines.values() for b in sim.requests_seen]
+    assert bodies
+    for sent in bodies:
+        assert "evil" not in json.dumps(sent), sent
+        assert "disaggregated_params" not in sent and "bootstrap_host" not in sent
+        assert sent["vllm_xargs"] == {"other": 1}
+    if topology == "disaggregated":
+        [prefill, decode] = bodies
+        assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+        assert decode["kv_transfer_params"]["remote_host"] == "p0.kv.test"
+    else:
+        assert all("kv_transfer_params" not in b for b in bodies)
+
+
+@pytest.mark.parametrize(
+    ("host", "port"),
+    [
+        ("p1.kv.test", 15102),  # another producer's real KV endpoint
+        ("p1.kv.test", 15101),  # another host at this producer's port
+        ("10.9.8.7", 15101),  # an address the fleet does not know
+        ("p0.kv.test", 15102),  # this host, another port
+    ],
+)
+async def test_descriptor_naming_another_endpoint_is_rejected_before_the_consumer(
+    autojump_clock: trio.abc.Clock, host: str, port: int
+) -> None:
+    doc = fleet_doc(engine("p0", 8101, ["prefill"]), engine("p1", 8102, ["prefill"]), engine("d0", 8103, ["decode"]),
+                    recovery={"eject_after": 100})
+    async with open_stack(doc) as stack:
+        # p0 (compromised or misconfigured) names another KV endpoint in its handoffs.
+        scheduler = stack.engine("p0").scheduler
+        honest = scheduler.describe
+        scheduler.describe = lambda h: {**honest(h), "remote_host": host, "remote_port": port}
+        outs = [await post(stack, BODY, rid=f"steer-{i}") for i in range(4)]
+        # The consumer only ever saw honest handoffs, from p1's own endpoint.
+        decode_bodies = stack.engine("d0").requests_seen
+        assert {b["kv_transfer_params"]["remote_host"] for b in decode_bodies} == {"p1.kv.test"}
+        assert stack.engine("d0").stats.failed_transfers == 0
+    by_producer = defaultdict(set)
+    for out, record in zip(outs, stack.records, strict=True):
+        by_producer[record["producer"]].add(record["terminal_class"])
+        if record["producer"] == "p0":
+            assert out.status == 502 and out.error is not None
+            assert out.error["message"] == "invalid KV handoff descriptor: endpoint mismatch"
+            assert host not in out.error["message"] and str(port) not in out.error["message"]
+        else:
+            assert out.ok
+    assert by_producer == {"p0": {"invalid_descriptor"}, "p1": {"ok"}}
+
+
+# ------------------------------------------------------------------ client API keys
+
+
+KEYS = ["key-one-0123456789", "key-two-abcdefghij"]
+
+
+@pytest.mark.parametrize(
+    ("authorization", "status"),
+    [
+        (None, 401),
+        ("Bearer wrong", 401),
+        ("Bearer key-one-012345678", 401),  # a prefix
+        ("Bearer key-one-0123456789x", 401),  # an extension
+        ("Basic key-one-0123456789", 401),  # another scheme
+        ("key-one-0123456789", 401),  # no scheme
+        ("Bearer", 401),
+        ("Bearer key-one-0123456789", 200),
+        ("bearer key-two-abcdefghij", 200),
+    ],
+)
+async def test_api_keys(autojump_clock: trio.abc.Clock, authorization: str | None, status: int,
+                        engine_headers: dict[str, list[dict[str, str]]]) -> None:
+    async with open_stack(fleet_doc(server={"api_keys": KEYS})) as stack:
+        headers = () if authorization is None else (("authorization", authorization),)
+        out = await post(stack, BODY, headers=headers)
+        assert out.status == status
+        models = await stack.client.get("/v1/models", headers=dict(headers))
+        assert models.status_code == status
+        # Health stays open for load balancers.
+        assert (await stack.client.get("/health")).status_code == 200
+        if status == 401:
+            assert out.error == {"message": "missing or invalid API key", "type": "authentication_error",
+                                 "code": "invalid_api_key"}
+            # Refused before admission: no journal record, no engine work.
+            assert stack.records == []
+            assert all(b == [] for b in (sim.requests_seen for sim in stack.fleet.engines.values()))
+        else:
+            assert out.ok and len(stack.records) == 1
+    # The client's credentials are never passed on to an engine.
+    for seen in engine_headers.values():
+        assert all("authorization" not in h for h in seen)
+
+
+async def test_every_key_is_compared_in_constant_time(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[bytes, bytes]] = []
+    compare = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return compare(a, b)
+
+    monkeypatch.setattr(narwhal.router.app.hmac, "compare_digest", counting)
+    keys = [f"key-{i}-secret" for i in range(4)]
+    async with open_stack(fleet_doc(server={"api_keys": keys})) as stack:
+        for presented, status in [(keys[0], 200), (keys[3], 200), ("nope", 401)]:
+            calls.clear()
+            out = await post(stack, BODY, headers=(("authorization", f"Bearer {presented}"),))
+            assert out.status == status
+            # A match on the first key still compares the others: the time taken does not
+            # say which key (or how much of one) matched.
+            assert [k for _, k in calls] == [k.encode() for k in keys]
+
+
+# ------------------------------------------------------------------ engine credentials
+
+
+SECRETS = {"p0": "sk-engine-p0-TOPSECRET-1111", "d0": "sk-engine-d0-TOPSECRET-2222"}
+
+
+async def test_engine_keys_are_sent_and_never_shown(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture,
+    engine_headers: dict[str, list[dict[str, str]]],
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    doc = fleet_doc(
+        {**engine("p0", 8101, ["prefill"]), "api_key": SECRETS["p0"]},
+        {**engine("d0", 8102, ["decode"]), "api_key": SECRETS["d0"]},
+        recovery={"eject_after": 1, "probe_interval_s": 5.0},
+    )
+    shown: list[str] = []
+    async with open_stack(doc) as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        # Successes, failures of every leg, an ejection and its readmission probe.
+        for body in (BODY, {**BODY, "stream": True}, CHAT):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            out = await post(stack, body, path=path)
+            assert out.ok, out
+            shown.append(repr(out))
+        for name, fault in [
+            ("p0", FaultSpec(kind="http_error", on="prefill", status=401, message="bad key", times=1)),
+            ("p0", FaultSpec(kind="malformed_descriptor", variant="wrong_endpoint", times=1)),
+            ("d0", FaultSpec(kind="close_before_done", on="decode", after_tokens=1, times=1)),
+            ("d0", FaultSpec(kind="refuse_connection", times=1)),
+        ]:
+            stack.engine(name).inject(fault)
+            shown.append(repr(await post(stack, {**BODY, "stream": True})))
+            await trio.sleep(6.0)  # the probe readmits the ejected engine
+        assert not any(st.ejected for st in stack.router.state.breaker.states.values())
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+            for route in ("/metrics", "/fleet", "/health"):
+                shown.append((await admin.get(route)).text)
+        for route in ("/health", "/v1/models"):
+            shown.append((await stack.client.get(route)).text)
+        shown.extend(repr(c) for c in stack.router.state.clients.values())
+    shown.extend(json.dumps(r) for r in stack.records)
+    shown.extend(JSONFormatter().format(r) for r in caplog.records)
+    shown.extend(r.getMessage() for r in caplog.records)
+    text = "\n".join(shown)
+    assert "TOPSECRET" not in text
+    # ... and yet every engine got its own key, and only its own, on its /v1 routes.
+    for name, seen in engine_headers.items():
+        v1 = [h for h in seen if h[":path"].startswith("/v1/")]
+        assert v1 and all(h["authorization"] == f"Bearer {SECRETS[name]}" for h in v1)
+
+
+# ------------------------------------------------------------------ internals
+
+
+async def test_a_router_bug_is_a_bare_500(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(raw: bytes, kind: str) -> Any:
+        raise RuntimeError("secret internal detail at /srv/narwhal/state.py")
+
+    monkeypatch.setattr(narwhal.router.lifecycle, "parse_request", broken)
+    async with open_stack() as stack:
+        out = await post(stack, BODY)
+    assert out.status == 500
+    assert out.error == {"message": "internal error", "type": "internal_error", "code": 500}
+    [record] = stack.records
+    assert record["terminal_class"] == "internal_error" and record["error"] == "RuntimeError"
+    # The operator's log keeps the traceback.
+    assert any("secret internal detail" in (r.exc_text or "") or r.exc_info for r in caplog.records)
+
+
+async def test_engine_internals_stay_out_of_client_errors(autojump_clock: trio.abc.Clock) -> None:
+    leak = "Traceback: File /opt/vllm/engine.py line 9 at 10.1.2.3:8000 password=hunter2"
+    async with open_stack(fleet_doc(recovery={"eject_after": 100})) as stack:
+        stack.engine("p0").inject(FaultSpec(kind="http_error", on="prefill", status=500, message=leak, times=1))
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, message=leak, times=1))
+        outs = [await post(stack, BODY, rid=f"leak-{i}") for i in range(2)]
+        # A refused connection's text names the address it tried.
+        stack.engine("d0").inject(FaultSpec(kind="refuse_connection", times=1))
+        outs.append(await post(stack, BODY, rid="leak-2"))
+    assert [o.status for o in outs] == [502, 502, 502]
+    assert [o.error["message"] for o in outs if o.error] == [
+        "engine p0 answered HTTP 500", "engine d0 answered HTTP 503", "engine d0 unreachable",
+    ]
+    # The journal keeps the detail for the operator.
+    assert "password=hunter2" in stack.records[0]["error"]
+    assert "d0.test" in stack.records[2]["error"]
+
+
+async def test_prompt_text_never_logged_or_journaled(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "zebrasecretword"
+    prompt = f"alpha {secret} beta"
+    async with open_stack(fleet_doc(recovery={"eject_after": 100}, engine={"decode_read_timeout_s": 0.5})) as stack:
+        bodies: list[dict[str, Any]] = [
+            {"prompt": prompt, "max_tokens": 3},
+            {"prompt": prompt, "max_tokens": 3, "stream": True},
+            {"prompt": prompt, "max_tokens": "x"},
+            {"prompt": prompt, "max_tokens": 10**6},
+            {"prompt": prompt, "max_tokens": 3, "model": "nope"},
+        ]
+        for body in bodies:
+            await post(stack, body)
+        for name, fault in [
+            ("p0", FaultSpec(kind="http_error", on="prefill", times=1)),
+            ("p0", FaultSpec(kind="http_error", on="prefill", status=400, times=1)),
+            ("p0", FaultSpec(kind="malformed_descriptor", times=1)),
+            ("d0", FaultSpec(kind="silence_after", on="decode", after_tokens=1, times=1)),
+            ("d0", FaultSpec(kind="close_before_done", on="decode", after_tokens=1, times=1)),
+        ]:
+            stack.engine(name).inject(fault)
+            await post(stack, {"prompt": prompt, "max_tokens": 3, "stream": True})
+        chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 3}
+        await post(stack, chat, path="/v1/chat/completions")
+        with trio.move_on_after(0.015):  # a client that leaves mid-prefill
+            await post(stack, {"prompt": prompt, "max_tokens": 3})
+        await trio.sleep(1.0)
+    assert len(stack.records) == len(bodies) + 5 + 2
+    assert all(secret not in json.dumps(r) for r in stack.records)
+    # Every router log line (the simulated engines' own logs are the engine's business).
+    router_logs = [r for r in caplog.records if not r.name.startswith("narwhal.testing")]
+    assert router_logs
+    for record in router_logs:
+        assert secret not in JSONFormatter().format(record)
+
+
+# ------------------------------------------------------------------ the admin surface
+
+
+async def test_admin_routes_are_not_on_the_client_listener(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        for route in ("/metrics", "/fleet", "/events"):
+            assert (await stack.client.get(route)).status_code == 404
+
+
+def test_admin_binds_loopback_by_default() -> None:
+    config = parse_fleet({"engines": fleet_doc()["engines"]})
+    assert config.server.admin_host == "127.0.0.1"
+    assert config.server.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("admin_host", "bound"), [(None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")])
+async def test_admin_listener_binds_where_configured(tmp_path: Path, admin_host: str | None, bound: str) -> None:
+    # Real sockets: the engines are unreachable (port 1), which the router tolerates.
+    engines = [
+        {"name": "p0", "url": "http://127.0.0.1:1", "roles": ["prefill"],
+         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": 2}},
+        {"name": "d0", "url": "http://127.0.0.1:3", "roles": ["decode"]},
+    ]
+    server: dict[str, Any] = {"admin_port": 0, "port": 0}
+    if admin_host is not None:
+        server["admin_host"] = admin_host
+    config = parse_fleet({"engines": engines, "server": server, "journal": {"path": str(tmp_path / "j.jsonl")}})
+    with trio.fail_after(30):
+        async with open_router(config) as router, trio.open_nursery() as nursery:
+            addresses = await nursery.start(router.serve_admin_tcp)
+            assert {host for host, _ in addresses} == {bound}
+            async with httpx.AsyncClient(trust_env=False) as client:
+                port = addresses[0][1]
+                resp = await client.get(f"http://127.0.0.1:{port}/metrics")
+                assert resp.status_code == 200 and "narwhal_in_flight_requests" in resp.text
+            await router.shutdown(0)
