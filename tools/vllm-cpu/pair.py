@@ -16,9 +16,9 @@ command lines, timings, the descriptor seen at startup), ``producer.log``,
 whose producer connector names exactly the side channel the producer's handoff
 descriptors name (checked with a real prefill at startup).
 
-Each engine runs in its own session, so its process group holds the API server and
-its engine-core child; stopping signals the members of that group, found by the PID
-recorded at start, and nothing else.
+Each engine runs in its own session, so its process group holds the API server, its
+engine core and its worker; stopping signals the members of that group, found by the
+PID recorded at start, and nothing else.
 """
 
 from __future__ import annotations
@@ -317,20 +317,27 @@ def handoff_check(pair: Pair) -> dict[str, Any]:
         "model": MODEL_NAME,
         "prompt": f"pair startup check {time.time_ns()} " + "narwhal " * 40,
         "max_tokens": 1,
+        "ignore_eos": True,  # a descriptor comes only with finish_reason "length"
         "stream": False,
         "kv_transfer_params": {
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None,
         },
     }  # fmt: skip
-    status, raw = http("POST", f"http://127.0.0.1:{p['port']}/v1/completions", body, timeout=120)
+    try:
+        status, raw = http("POST", f"http://127.0.0.1:{p['port']}/v1/completions", body, 120)
+    except OSError as exc:
+        raise StartError("producer", f"prefill check failed: {exc}") from None
     if status != 200:
         raise StartError("producer", f"prefill check answered HTTP {status}: {raw[:300]!r}")
     desc = json.loads(raw).get("kv_transfer_params")
     if not isinstance(desc, dict) or not desc.get("remote_port"):
         raise StartError("producer", f"prefill check returned no usable descriptor: {desc!r}")
     decode = {**body, "max_tokens": 2, "kv_transfer_params": desc}
-    status, raw = http("POST", f"http://127.0.0.1:{c['port']}/v1/completions", decode, timeout=120)
+    try:
+        status, raw = http("POST", f"http://127.0.0.1:{c['port']}/v1/completions", decode, 120)
+    except OSError as exc:
+        raise StartError("consumer", f"decode check failed: {exc}") from None
     if status != 200:
         raise StartError("consumer", f"decode check answered HTTP {status}: {raw[:300]!r}")
     return desc
