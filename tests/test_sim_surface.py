@@ -120,6 +120,9 @@ async def test_tokenize_models_and_small_routes(autojump_clock: trio.abc.Clock) 
     async with client_for() as client:
         tok = (await client.post("/tokenize", json={"model": "sim-llama", "prompt": "hello world"})).json()
         assert tok == {"count": 2, "max_model_len": 2048, "tokens": encode("hello world"), "token_strs": None}
+        # Like vLLM's, the simulator's /tokenize takes text only.
+        ids = await client.post("/tokenize", json={"prompt": [1, 2, 3]})
+        assert ids.status_code == 400 and "must be a string" in ids.json()["error"]["message"]
         chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "x y"}]})).json()
         assert chat["tokens"] == encode_chat([{"role": "user", "content": "x y"}])
         models = (await client.get("/v1/models")).json()

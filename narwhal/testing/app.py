@@ -173,7 +173,11 @@ class SimApp:
         if "messages" in body:
             ids = self._chat_ids(body.get("messages"))
         else:
-            ids = self._prompt_ids(body.get("prompt"), allow_empty=True)
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                # vLLM's /tokenize takes text only: a list of token ids is a 400 there.
+                raise SimError(400, "'prompt' must be a string")
+            ids = self._prompt_ids(prompt, allow_empty=True)
         strs = [token_text(t) for t in ids] if body.get("return_token_strs") is True else None
         out = {"count": len(ids), "max_model_len": self.engine.sim.max_model_len,
                "tokens": ids, "token_strs": strs}  # fmt: skip
