@@ -33,6 +33,7 @@ import trio
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult, RequestKind, validate_descriptor
 from narwhal.errors import (
+    ClientError,
     ContextLengthExceeded,
     DeadlineExceeded,
     EngineError,
@@ -74,9 +75,11 @@ def terminal_class_for(err: NarwhalError) -> str:
         return "prefill_failed" if err.leg == "prefill" else "decode_failed"
     if isinstance(err, DeadlineExceeded):
         return "deadline_exceeded"
-    if err.terminal_class == "refused" and err.status != 503:
+    if isinstance(err, Refused):
+        return "refused"
+    if isinstance(err, ClientError):
         return "invalid_request"
-    return err.terminal_class if err.terminal_class in ("refused",) else "internal_error"
+    return "internal_error"
 
 
 def _new_request_id() -> str:
