@@ -200,7 +200,7 @@ class RouterProcess:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            return proc.wait(timeout=60)
+            return proc.wait(timeout=120)  # grace period (30 s) plus a loaded machine
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
