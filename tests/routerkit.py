@@ -105,32 +105,30 @@ class Stack:
         assert all(v == 0 for v in state.in_flight_by_engine.values())
 
 
-async def sim_profiles(config: FleetConfig, network: MemoryNetwork, **decode_domain: float) -> Profiles:
+async def sim_profiles(config: FleetConfig, network: MemoryNetwork) -> Profiles:
     """Profiles that state each simulated engine's configured latency model exactly,
     bound to the generation running now (what a perfect profiler would write)."""
     from narwhal.engines.client import EngineClient
     from narwhal.profile import store
+
+    from .checkkit import sim_profile
 
     engines = {}
     for e in config.engines:
         assert e.sim is not None
         async with EngineClient(e.url, name=e.name, transport=network.wire_transport()) as client:
             identity = await client.identity()
-        pm, dm = e.sim.prefill, e.sim.decode
-        engines[e.name] = store.EngineProfile(
-            name=e.name,
-            identity=identity,
-            ttft=store.TTFTCurve(a=pm.a, b=pm.b, c=pm.c, min_length=1, max_length=e.sim.max_model_len,
-                                 mean_error=0.0, worst_error=0.0),
-            decode=store.DecodeModel(
-                c0=dm.c0, c1=dm.c1, c2=dm.c2, fit_mape=0.01, cv_mape=0.02, cells=4,
-                domain=store.DecodeDomain(
-                    active=store.DecodeAxis(min=1, max=decode_domain.get("active_max", 256)),
-                    kv_tokens=store.DecodeAxis(min=0, max=decode_domain.get("kv_max", float(e.sim.kv_capacity_tokens))),
-                ),
-            ),
-            kv_capacity=store.KVCapacity(source="physical", tokens=e.sim.kv_capacity_tokens, basis="simulated"),
-        )  # fmt: skip
+        capacity = e.sim.kv_capacity_tokens
+        engines[e.name] = sim_profile(
+            e.name,
+            identity,
+            prefill=attrs.asdict(e.sim.prefill),
+            decode=attrs.asdict(e.sim.decode),
+            active=(1.0, 256.0),
+            kv_tokens=(0.0, float(capacity)),
+            kv_capacity=capacity,
+            max_length=e.sim.max_model_len,
+        )
     return store.Profiles(
         schema_version=store.SCHEMA_VERSION, created_at="2026-01-01T00:00:00Z", software={"narwhal": "test"},
         samples=store.SamplesRef(path="profiles.samples.json", sha256="0" * 64), engines=engines,
