@@ -1,16 +1,12 @@
 """EngineClient: one engine's HTTP surface (prefill, decode stream, tokenize, metrics).
 
-The client speaks the vLLM OpenAI-compatible surface over a pooled keep-alive
-``httpx.AsyncClient`` running on trio. It translates every library error at this
-boundary into :mod:`narwhal.errors` (``engine`` and ``leg`` set), and takes no timeout
-arguments: callers own deadlines with trio cancel scopes. The only timeout configured
-on the transport is the connect timeout.
-
-Streams are closed deliberately: httpx iterates a response through a chain of async
-generators, and trio warns about (and later finalizes) any such generator left
-suspended. :func:`narwhal.engines.stream.abandon` finishes the chain by resuming it once inside an already
-cancelled scope, which closes the upstream connection as a side effect: the engine
-sees the client go away and aborts the request.
+The client speaks the vLLM OpenAI-compatible surface. By default it talks to the
+engine through :class:`~narwhal.engines.wire.WireTransport` (a lean keep-alive
+HTTP/1.1 pool) with pre-encoded request heads; given another httpx transport or an
+``httpx.AsyncClient`` it goes through httpx. It translates every library error at
+this boundary into :mod:`narwhal.errors` (``engine`` and ``leg`` set), and takes no
+timeout arguments: callers own deadlines with trio cancel scopes. The only timeout
+configured on the transport is the connect timeout.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Final, Self
+from urllib.parse import urlsplit
 
 import attrs
 import httpx
@@ -45,7 +42,8 @@ from narwhal.engines.sse import (
 from narwhal.engines.stream import (
     CLOSE_TIMEOUT_S,
     DecodeStream,
-    abandon,
+    EngineReply,
+    HttpxReply,
     check_kind,
     error_message,
     error_object,
@@ -185,13 +183,30 @@ class EngineClient:
         self._transport: httpx.AsyncBaseTransport | None = None
         self._urls: dict[str, httpx.URL] = {}
         self._extensions = {"timeout": {"connect": connect_timeout_s, "read": None, "write": None, "pool": None}}
+        parts = urlsplit(self.url)
+        self._host = parts.hostname or ""
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._prefix = parts.path
+        auth = b"authorization: Bearer %s\r\n" % api_key.encode("latin-1") if api_key else b""
+        self._fields_json = b"accept: application/json\r\n" + auth
+        self._fields_post = self._fields_json + b"content-type: application/json\r\n"
+        self._fields_stream = (
+            b"accept: text/event-stream\r\naccept-encoding: identity\r\n"
+            b"content-type: application/json\r\n" + auth
+        )
+        #: The pre-encoded request path: this client's own WireTransport over plain HTTP.
+        self._wire: WireTransport | None = None
         if http_client is None:
+            if transport is None and parts.scheme == "https":
+                transport = httpx.AsyncHTTPTransport()  # TLS engines: httpx's own transport
             if transport is None:
                 transport = WireTransport(
                     max_idle_per_origin=_MAX_KEEPALIVE,
                     idle_expiry_s=_KEEPALIVE_EXPIRY_S,
                     connect_timeout_s=connect_timeout_s,
                 )
+            if isinstance(transport, WireTransport) and parts.scheme == "http":
+                self._wire = transport
             self._transport = transport
             http_client = httpx.AsyncClient(
                 transport=transport,
@@ -263,7 +278,7 @@ class EngineClient:
             return error(EngineUnavailable, f"engine {name} unreachable")
         return error(EngineError, f"engine {name} request failed")
 
-    async def _send(
+    async def _open(
         self,
         method: str,
         path: str,
@@ -272,32 +287,53 @@ class EngineClient:
         leg: str | None,
         request_id: str | None = None,
         stream: bool = False,
-    ) -> httpx.Response:
-        headers = self._headers(request_id, stream=stream)
-        content: bytes | None = None
-        if payload is not None:
-            content = json_dumps(payload)
-            headers["content-type"] = "application/json"
-        transport = self._transport
+    ) -> EngineReply:
+        """Send a request; the reply once its head has arrived (the caller closes it)."""
+        content = json_dumps(payload) if payload is not None else None
         try:
+            wire = self._wire
+            if wire is not None:
+                fields = (
+                    self._fields_stream if stream else self._fields_post if content is not None else self._fields_json
+                )
+                if request_id is not None:
+                    fields += b"x-request-id: %s\r\n" % _header_value(request_id)
+                return await wire.request(
+                    method, self._host, self._port, self._prefix + path, fields, content or b""
+                )
+            headers = self._headers(request_id, stream=stream)
+            if content is not None:
+                headers["content-type"] = "application/json"
+            transport = self._transport
             if transport is None:
                 request = self._http.build_request(method, self.url + path, content=content, headers=headers)
-                return await self._http.send(request, stream=stream)
+                return HttpxReply(await self._http.send(request, stream=True))
             url = self._urls.get(path)
             if url is None:
                 url = self._urls[path] = httpx.URL(self.url + path)
             request = httpx.Request(method, url, headers=headers, content=content, extensions=self._extensions)
             response = await transport.handle_async_request(request)
             response.request = request
-            if not stream:
-                try:
-                    await response.aread()
-                except BaseException:
-                    await response.aclose()
-                    raise
-            return response
+            return HttpxReply(response)
         except httpx.HTTPError as exc:
             raise self.map_error(exc, leg) from exc
+
+    async def _fetch(
+        self,
+        method: str,
+        path: str,
+        payload: Mapping[str, Any] | None,
+        *,
+        leg: str | None,
+        request_id: str | None = None,
+    ) -> tuple[int, str, bytes]:
+        """Send a request and read the whole answer: (status, reason, body)."""
+        reply = await self._open(method, path, payload, leg=leg, request_id=request_id)
+        try:
+            body = await reply.read()  # closes the reply, however it ends
+        except httpx.HTTPError as exc:
+            raise self.map_error(exc, leg) from exc
+        return reply.status, reply.reason, body
 
     def _http_error(
         self, status: int, body: bytes, reason: str, leg: str | None
@@ -312,15 +348,15 @@ class EngineClient:
             public=f"engine {self.name} answered HTTP {status}",
         )
 
-    def _json_body(self, response: httpx.Response, leg: str | None) -> dict[str, Any]:
+    def _json_body(self, body: bytes, path: str, leg: str | None) -> dict[str, Any]:
         """The JSON object of a complete 200 answer; an error object in it raises."""
         try:
-            obj = json_loads(response.content)
+            obj = json_loads(body)
         except ValueError:
             obj = None
         if not isinstance(obj, dict):
             raise EngineProtocolError(
-                f"engine {self.name} answered {response.request.url.path} with something other than a JSON object",
+                f"engine {self.name} answered {path} with something other than a JSON object",
                 engine=self.name,
                 leg=leg,
             )
@@ -338,26 +374,22 @@ class EngineClient:
         leg: str | None,
         request_id: str | None = None,
     ) -> dict[str, Any]:
-        response = await self._send(method, path, payload, leg=leg, request_id=request_id)
-        if response.status_code != 200:
-            raise self._http_error(
-                response.status_code, response.content, response.reason_phrase, leg
-            )
-        return self._json_body(response, leg)
+        status, reason, body = await self._fetch(method, path, payload, leg=leg, request_id=request_id)
+        if status != 200:
+            raise self._http_error(status, body, reason, leg)
+        return self._json_body(body, path, leg)
 
     async def _request_text(self, path: str, *, leg: str | None) -> str:
-        response = await self._send("GET", path, None, leg=leg)
-        if response.status_code != 200:
-            raise self._http_error(
-                response.status_code, response.content, response.reason_phrase, leg
-            )
-        return response.text
+        status, reason, body = await self._fetch("GET", path, None, leg=leg)
+        if status != 200:
+            raise self._http_error(status, body, reason, leg)
+        return body.decode("utf-8", "replace")
 
-    async def _read_limited(self, response: httpx.Response, limit: int) -> bytes:
+    async def _read_limited(self, reply: EngineReply, limit: int) -> bytes:
         """Read at most ``limit`` bytes of a streamed body, then close it."""
         parts: list[bytes] = []
         size = 0
-        iterator = response.aiter_bytes()
+        iterator = reply.body
         try:
             while size < limit:
                 try:
@@ -369,9 +401,8 @@ class EngineClient:
         except httpx.HTTPError:
             pass  # a truncated error body still says what it can
         finally:
-            await abandon(iterator)
             with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-                await response.aclose()
+                await reply.aclose()
         return b"".join(parts)[:limit]
 
     # ----------------------------------------------------------------- inference
@@ -484,8 +515,8 @@ class EngineClient:
                 leg=leg,
             )
         descriptor = validate_descriptor(
-            raw_descriptor, connector=self.connector, engine=self.name, leg=leg
-        )
+            raw_descriptor, connector=self.connector, engine=self.name, leg=leg, detach=False
+        )  # PrefillResult keeps a detached, read-only copy
         return PrefillResult(
             descriptor=descriptor,
             producer=self.name,
@@ -561,6 +592,7 @@ class EngineClient:
                 expected_endpoint=prefill.endpoint,
                 engine=prefill.producer,
                 leg=leg,
+                detach=False,  # serialized at once, never mutated
             )
         options = body.get("stream_options")
         stream_options = dict(options) if isinstance(options, Mapping) else {}
@@ -580,12 +612,12 @@ class EngineClient:
     ) -> DecodeStream:
         payload = self._decode_body(prefill, body, leg)
         opened_at = trio.current_time()
-        response = await self._send(
+        response = await self._open(
             "POST", _PATHS[kind], payload, leg=leg, request_id=request_id, stream=True
         )
-        if response.status_code != 200:
+        if response.status != 200:
             data = await self._read_limited(response, _ERROR_BODY_LIMIT)
-            raise self._http_error(response.status_code, data, response.reason_phrase, leg)
+            raise self._http_error(response.status, data, response.reason, leg)
         content_type = response.headers.get("content-type", "")
         if content_type.startswith("application/json"):
             # Not a stream: an engine that answers a stream request with a JSON error.
@@ -711,10 +743,10 @@ class EngineClient:
     async def health(self) -> bool:
         """Whether ``GET /health`` answers 200 (connection failures count as unhealthy)."""
         try:
-            response = await self._send("GET", "/health", None, leg="health")
+            status, _, _ = await self._fetch("GET", "/health", None, leg="health")
         except EngineError:
             return False
-        return response.status_code == 200
+        return status == 200
 
 
 def _prompt_tokens(obj: Mapping[str, Any], choice: Mapping[str, Any]) -> int | None:
@@ -726,3 +758,10 @@ def _prompt_tokens(obj: Mapping[str, Any], choice: Mapping[str, Any]) -> int | N
         if isinstance(ids, list):
             return len(ids)
     return None
+
+
+def _header_value(value: str) -> bytes:
+    """A header value as bytes; refuses what would break the head (CR, LF, non-ASCII)."""
+    if not (value.isascii() and value.isprintable()):
+        raise ValueError(f"request id {value!r} is not printable ASCII")
+    return value.encode("ascii")

@@ -8,11 +8,13 @@ rules at this boundary: a body that ends before ``data: [DONE]`` is
 :class:`~narwhal.errors.EmptyStream`, an error object inside the 200 stream is
 :class:`~narwhal.errors.EngineStreamError` with the object's own status.
 
-Streams are closed deliberately: httpx iterates a response through a chain of async
-generators, and trio warns about (and later finalizes) any such generator left
-suspended. :func:`abandon` finishes the chain by resuming it once inside an already
-cancelled scope, which closes the upstream connection as a side effect: the engine
-sees the client go away and aborts the request.
+A response reaches it as an :class:`EngineReply`: the engine transport's own
+:class:`~narwhal.engines.wire.WireResponse`, or :class:`HttpxReply` around an
+``httpx.Response`` from any other httpx transport. httpx iterates a response through a
+chain of async generators, and trio warns about (and later finalizes) any such
+generator left suspended: :func:`abandon` finishes the chain by resuming it once
+inside an already cancelled scope, which closes the upstream connection as a side
+effect (the engine sees the client go away and aborts the request).
 """
 
 from __future__ import annotations
@@ -43,7 +45,57 @@ from narwhal.errors import (
     StreamClosed,
 )
 
-__all__ = ["DecodeStream", "StreamOwner", "abandon"]
+__all__ = ["DecodeStream", "EngineReply", "HttpxReply", "StreamOwner", "abandon"]
+
+
+class EngineReply(Protocol):
+    """A response whose head has arrived: what engine requests return.
+
+    ``headers`` has lower-case names; ``body`` yields the body's pieces as they arrive.
+    """
+
+    status: int
+    reason: str
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def body(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self) -> bytes:
+        """The whole body; the reply is closed afterwards."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the response (the connection returns to its pool only after a complete body)."""
+        ...
+
+
+class HttpxReply:
+    """:class:`EngineReply` over an ``httpx.Response`` (any httpx transport or client)."""
+
+    __slots__ = ("_response", "body", "headers", "reason", "status")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status = response.status_code
+        self.reason = response.reason_phrase
+        self.headers: Mapping[str, str] = response.headers
+        self.body: AsyncIterator[bytes] = response.aiter_bytes()
+
+    async def read(self) -> bytes:
+        try:
+            parts = [piece async for piece in self.body]
+        finally:
+            await self.aclose()
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        # Shielded: this often runs because an enclosing scope was cancelled.
+        with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+            await abandon(self.body)
+            await self._response.aclose()
 
 
 class StreamOwner(Protocol):
@@ -182,7 +234,8 @@ class DecodeStream:
         opened_at: ``trio.current_time()`` before the request was sent.
         headers_at: when the response headers arrived.
         tokens: output tokens so far (counted by token id).
-        first_token_at / last_token_at: when the first / latest token event arrived.
+        first_token_at / last_token_at: when the bytes of the first / latest token event
+            arrived.
         last_activity_at: when bytes last arrived (token, metadata or keep-alive).
         finish_reason: the finish reason the engine reported, once it did.
         usage: the usage object the engine reported, once it did.
@@ -192,7 +245,7 @@ class DecodeStream:
 
     def __init__(
         self,
-        response: httpx.Response,
+        response: EngineReply,
         *,
         owner: StreamOwner,
         leg: str | None,
@@ -203,8 +256,7 @@ class DecodeStream:
     ) -> None:
         self._owner = owner
         self._response = response
-        # The raw body stream: no decoders (we ask for identity), one generator layer.
-        self._bytes: AsyncIterator[bytes] = response.stream.__aiter__()  # type: ignore[union-attr]
+        self._bytes = response.body
         self._decoder = SSEDecoder()
         self._events: deque[SSEEvent] = deque()
         self._eof = False
@@ -215,7 +267,7 @@ class DecodeStream:
         self.request_id = request_id
         self.kind: RequestKind = kind
         self.prefill = prefill
-        self.status = response.status_code
+        self.status = response.status
         self.headers = response.headers
         self.opened_at = opened_at
         self.headers_at = trio.current_time()
@@ -268,7 +320,7 @@ class DecodeStream:
                     ) from None
                 kind = chunk.kind
                 if kind == "token":
-                    now = trio.current_time()
+                    now = self.last_activity_at  # when its bytes arrived
                     self.tokens += chunk.count
                     if self.first_token_at is None:
                         self.first_token_at = now
@@ -351,7 +403,6 @@ class DecodeStream:
         # a client disconnect); unshielded, that cancellation would skip the close and
         # leave the engine streaming into a connection nobody reads.
         with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-            await abandon(self._bytes)
             await self._response.aclose()
 
     async def _drain(self) -> None:

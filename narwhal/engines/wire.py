@@ -15,6 +15,11 @@ Errors are httpx's (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
 connection that turns out to be closed before any byte of the response arrived is
 retried once on a fresh connection (the engine never saw the request).
 
+Two interfaces share one implementation: :meth:`WireTransport.request` (what
+:class:`~narwhal.engines.client.EngineClient` calls: a pre-encoded head, a
+:class:`WireResponse` back, no per-request objects beyond it) and httpx's
+``handle_async_request`` (for ``httpx.AsyncClient`` users).
+
 ``connect`` is pluggable: ``narwhal.testing``'s in-memory network passes its own, so
 tests exercise this transport in virtual time.
 """
@@ -29,7 +34,9 @@ from typing import Final
 import httpx
 import trio
 
-__all__ = ["Connector", "WireTransport", "tcp_connector"]
+from narwhal.netio import StreamIO
+
+__all__ = ["Connector", "WireResponse", "WireTransport", "tcp_connector"]
 
 Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
@@ -46,10 +53,11 @@ async def tcp_connector(host: str, port: int) -> trio.abc.Stream:
 
 
 class _Conn:
-    __slots__ = ("buf", "idle_since", "origin", "reused", "stream")
+    __slots__ = ("buf", "idle_since", "io", "origin", "reused", "stream")
 
     def __init__(self, stream: trio.abc.Stream, origin: tuple[str, str, int]) -> None:
         self.stream = stream
+        self.io = StreamIO(stream)
         self.origin = origin
         self.buf = bytearray()
         self.idle_since = 0.0
@@ -62,7 +70,7 @@ class _Conn:
             httpx.ReadError: the connection broke (reset, closed under us).
         """
         try:
-            data = await self.stream.receive_some(_RECV)
+            data = await self.io.receive_some(_RECV)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.ReadError(f"connection to the engine broke: {exc}") from exc
         if not data:
@@ -196,6 +204,38 @@ class _Body(httpx.AsyncByteStream):
             await trio.aclose_forcefully(conn.stream)
 
 
+class WireResponse:
+    """A response head and its body, as :meth:`WireTransport.request` returns it.
+
+    Attributes:
+        status: the status code.
+        reason: the reason phrase.
+        headers: the header fields, names lower-cased (a repeated name keeps its last value).
+        body: the body: an async iterator of the pieces that arrive; close it (or the
+            response) when done, which returns the connection to the pool once the body
+            is complete.
+    """
+
+    __slots__ = ("body", "headers", "reason", "status")
+
+    def __init__(self, status: int, reason: str, headers: dict[str, str], body: _Body) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.body = body
+
+    async def read(self) -> bytes:
+        """The whole body (then the response is closed)."""
+        try:
+            parts = [piece async for piece in self.body]
+        finally:
+            await self.body.aclose()
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def aclose(self) -> None:
+        await self.body.aclose()
+
+
 class WireTransport(httpx.AsyncBaseTransport):
     """A pooled HTTP/1.1 transport for engines (see the module docstring).
 
@@ -257,7 +297,72 @@ class WireTransport(httpx.AsyncBaseTransport):
         self.connections_opened += 1
         return _Conn(stream, origin)
 
+    async def request(
+        self,
+        method: str,
+        host: str,
+        port: int,
+        target: str,
+        fields: bytes = b"",
+        body: bytes = b"",
+    ) -> WireResponse:
+        """Send one request and return its response once the head has arrived.
+
+        Args:
+            method: the request method.
+            host, port: the engine's address.
+            target: the request target (path and query).
+            fields: header lines, each ending in CRLF, without ``Host``,
+                ``Content-Length`` or framing headers (this adds them).
+            body: the request body.
+
+        Raises:
+            httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.ReadError,
+            httpx.RemoteProtocolError: as the module docstring says.
+        """
+        if self._closed:
+            raise httpx.ConnectError("transport is closed")
+        head = b"%s %s HTTP/1.1\r\nHost: %s:%d\r\n%s" % (
+            method.encode("ascii"), target.encode("ascii"), host.encode("ascii"), port, fields
+        )
+        if body or method in ("POST", "PUT", "PATCH"):
+            head += b"Content-Length: %d\r\n" % len(body)
+        head += b"\r\n"
+        return await self._exchange(("http", host, port), method, head, body)
+
+    async def _exchange(
+        self, origin: tuple[str, str, int], method: str, head: bytes, body: bytes
+    ) -> WireResponse:
+        payload = head + body if len(body) < 65536 else None
+        _, host, port = origin
+        for attempt in (0, 1):
+            conn = await self._acquire(origin)
+            try:
+                try:
+                    if payload is not None:
+                        await conn.io.send_all(payload)
+                    else:
+                        await conn.io.send_all(head)
+                        await conn.io.send_all(body)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    if conn.reused and attempt == 0:
+                        await trio.aclose_forcefully(conn.stream)
+                        continue
+                    raise httpx.WriteError(f"sending to {host}:{port} failed: {exc}") from exc
+                try:
+                    return await self._response(method, conn)
+                except _StaleConnection:
+                    if conn.reused and attempt == 0:
+                        await trio.aclose_forcefully(conn.stream)
+                        continue
+                    raise httpx.RemoteProtocolError("engine closed the connection without a response") from None
+            except BaseException:
+                await trio.aclose_forcefully(conn.stream)
+                raise
+        raise AssertionError("unreachable")
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """httpx's transport interface, over :meth:`request`'s machinery."""
         if self._closed:
             raise httpx.ConnectError("transport is closed")
         url = request.url
@@ -268,33 +373,14 @@ class WireTransport(httpx.AsyncBaseTransport):
             raise httpx.UnsupportedProtocol(f"WireTransport speaks plain HTTP, not {scheme}")
         body = await request.aread()
         head = self._head(request, host, port, len(body))
-        payload = head + body if len(body) < 65536 else None
-        origin = (scheme, host, port)
-        for attempt in (0, 1):
-            conn = await self._acquire(origin)
-            try:
-                try:
-                    if payload is not None:
-                        await conn.stream.send_all(payload)
-                    else:
-                        await conn.stream.send_all(head)
-                        await conn.stream.send_all(body)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    if conn.reused and attempt == 0:
-                        await trio.aclose_forcefully(conn.stream)
-                        continue
-                    raise httpx.WriteError(f"sending to {host}:{port} failed: {exc}") from exc
-                try:
-                    return await self._response(request, conn)
-                except _StaleConnection:
-                    if conn.reused and attempt == 0:
-                        await trio.aclose_forcefully(conn.stream)
-                        continue
-                    raise httpx.RemoteProtocolError("engine closed the connection without a response") from None
-            except BaseException:
-                await trio.aclose_forcefully(conn.stream)
-                raise
-        raise AssertionError("unreachable")
+        response = await self._exchange((scheme, host, port), request.method, head, body)
+        return httpx.Response(
+            response.status,
+            headers=list(response.headers.items()),
+            stream=response.body,
+            request=request,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": response.reason.encode("latin-1")},
+        )
 
     def _head(self, request: httpx.Request, host: str, port: int, length: int) -> bytes:
         target = request.url.raw_path.decode("ascii")
@@ -309,7 +395,7 @@ class WireTransport(httpx.AsyncBaseTransport):
         lines.append(b"\r\n")
         return b"".join(lines)
 
-    async def _response(self, request: httpx.Request, conn: _Conn) -> httpx.Response:
+    async def _response(self, method: str, conn: _Conn) -> WireResponse:
         buf = conn.buf
         received_any = bool(buf)
         while True:
@@ -341,8 +427,8 @@ class WireTransport(httpx.AsyncBaseTransport):
             raise httpx.RemoteProtocolError(f"malformed status line {status_line[:80]!r}") from None
         if 100 <= status < 200:
             # Interim responses (100 Continue): skip and read the final one.
-            return await self._response(request, conn)
-        headers: list[tuple[str, str]] = []
+            return await self._response(method, conn)
+        headers: dict[str, str] = {}
         length: int | None = None
         chunked = False
         keep_alive = parts[0] == "HTTP/1.1"
@@ -352,7 +438,7 @@ class WireTransport(httpx.AsyncBaseTransport):
                 raise httpx.RemoteProtocolError("malformed header line")
             value = value.strip()
             lname = name.strip().lower()
-            headers.append((lname, value))
+            headers[lname] = value
             if lname == "content-length":
                 try:
                     length = int(value)
@@ -366,19 +452,12 @@ class WireTransport(httpx.AsyncBaseTransport):
                     keep_alive = False
                 elif "keep-alive" in tokens:
                     keep_alive = True
-        if request.method == "HEAD" or status in _NO_BODY_STATUSES:
+        if method == "HEAD" or status in _NO_BODY_STATUSES:
             length, chunked = 0, False
         if chunked:
             length = None
         stream = _Body(self, conn, length=length, chunked=chunked, keep_alive=keep_alive)
-        reason = parts[2] if len(parts) > 2 else ""
-        return httpx.Response(
-            status,
-            headers=headers,
-            stream=stream,
-            request=request,
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": reason.encode("latin-1")},
-        )
+        return WireResponse(status, parts[2] if len(parts) > 2 else "", headers, stream)
 
     async def aclose(self) -> None:
         self._closed = True

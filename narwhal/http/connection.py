@@ -23,14 +23,15 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import h11
 import trio
 
 from narwhal.errors import NarwhalError, Refused
 from narwhal.http.messages import BODYLESS_STATUSES, Request, ResponseWriter
+from narwhal.netio import StreamIO
 
 if TYPE_CHECKING:
     from narwhal.http.server import HTTPServer
@@ -119,6 +120,7 @@ class Connection:
         self.server = server
         self.limits = server.limits
         self.stream = stream
+        self.io = StreamIO(stream)
         self.h11 = h11.Connection(
             h11.SERVER, max_incomplete_event_size=server.limits.max_header_bytes
         )
@@ -143,18 +145,20 @@ class Connection:
     async def receive(self) -> bytes:
         """One read; b"" (and ``eof``) when the peer closed or reset the connection."""
         try:
-            data = await self.stream.receive_some(_RECV_SIZE)
+            data = await self.io.receive_some(_RECV_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             data = b""
         if not data:
             self.eof = True
-        # h11 accepts any bytes-like object; avoid copying bytearrays from memory streams.
-        return cast(bytes, data)
+        return data
 
-    async def write(self, data: bytes) -> None:
-        """One ``send_all``; a failed write means the client is gone (cancels the handler)."""
+    async def write(self, data: bytes, on_wait: Callable[[], None] | None = None) -> None:
+        """One ``send_all``; a failed write means the client is gone (cancels the handler).
+
+        ``on_wait`` is called if the write has to wait for the client to read.
+        """
         try:
-            await self.stream.send_all(data)
+            await self.io.send_all(data, on_wait=on_wait)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.client_gone()
             await trio.lowlevel.checkpoint()  # raises Cancelled inside the handler's scope
@@ -477,7 +481,7 @@ class Connection:
         """Write outside any handler (bounded); False if the client is gone or too slow."""
         with trio.move_on_after(_ERROR_SEND_TIMEOUT_S):
             try:
-                await self.stream.send_all(data)
+                await self.io.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.eof = True
             else:

@@ -140,16 +140,20 @@ class ResponseWriter:
             head += conn.h11.send(h11.Data(data=data))
         await conn.write(head)
 
-    async def send(self, data: bytes) -> None:
-        """Send one chunk of a streamed response (one write; empty data is skipped)."""
+    async def send(self, data: bytes, *, on_wait: Callable[[], None] | None = None) -> None:
+        """Send one chunk of a streamed response (one write; empty data is skipped).
+
+        ``on_wait`` is called if the write has to wait for the client to read (a full
+        socket buffer): a forwarder uses it to stop timing its upstream meanwhile.
+        """
         if not self.started or self.finished:
             raise RuntimeError("send() needs a started, unfinished streamed response")
         if data and not self._head_only:
             conn = self._conn
             if self._chunked:
-                await conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+                await conn.write(b"%x\r\n%b\r\n" % (len(data), data), on_wait)
             else:
-                await conn.write(conn.h11.send(h11.Data(data=data)))
+                await conn.write(conn.h11.send(h11.Data(data=data)), on_wait)
 
     async def end(self, data: bytes = b"") -> None:
         """Finish a streamed response: ``data`` (if any) and the terminating chunk, in

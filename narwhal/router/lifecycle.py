@@ -31,7 +31,7 @@ from typing import Any
 import trio
 
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import PrefillResult, RequestKind, validate_descriptor
+from narwhal.engines.connector import PrefillResult, RequestKind
 from narwhal.errors import (
     ClientError,
     ContextLengthExceeded,
@@ -307,17 +307,9 @@ class RequestLifecycle:
         reservation.release_prefill()
         attempt.ttft_s = prefill_done - self.arrival
         self.record.ttft_s = attempt.ttft_s
-        handoff: PrefillResult | None = None
-        if not same_worker:
-            engine_cfg = state.engines[reservation.producer]
-            connector = engine_cfg.connector
-            validate_descriptor(
-                prefill.descriptor,
-                connector=connector.type if connector is not None else None,
-                expected_endpoint=(connector.kv_host, connector.kv_port) if connector is not None else None,
-                engine=reservation.producer,
-            )
-            handoff = prefill
+        # The producer's client validated the descriptor against the producer's
+        # configured connector and KV endpoint; the consumer's re-checks it on use.
+        handoff = None if same_worker else prefill
 
         # Decode leg, under one scope whose deadline follows the stream.
         await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done)
@@ -346,7 +338,13 @@ class RequestLifecycle:
         held: list[bytes] = []
         out = self._unsent  # events not yet written to the client (a burst in progress)
         last_token_at = prefill_done
+        burst_tokens = False
         name = reservation.consumer
+
+        def disarm() -> None:
+            # A write that must wait for the client: backpressure is not engine silence.
+            scope.deadline = math.inf
+
         state.in_flight_by_engine[name] += 1
         try:
             with scope:
@@ -354,7 +352,6 @@ class RequestLifecycle:
                     handoff, parsed.body, kind=self.kind, request_id=attempt.decode_request_id
                 ) as stream:
                     async for chunk in stream:
-                        now = clock()
                         if chunk.kind == "token":
                             if not tokens and scope.cancel_called:
                                 # Read in the scheduler tick in which its deadline expired:
@@ -364,16 +361,15 @@ class RequestLifecycle:
                             n = chunk.count
                             tokens += n
                             self.tokens = tokens
-                            last_token_at = now
+                            burst_tokens = True
                             if acc is not None:
                                 acc.add(chunk.data)
                             else:
                                 out.append(chunk.raw)
                             if tokens == n and n:
                                 self.visible = True
-                                self.record.first_byte_s = now - self.arrival
+                                self.record.first_byte_s = clock() - self.arrival
                                 if parsed.stream:
-                                    # Client backpressure is not engine silence.
                                     scope.deadline = math.inf
                                     data = b"".join((*held, *out))
                                     out.clear()
@@ -385,14 +381,20 @@ class RequestLifecycle:
                             acc.add(chunk.data)
                         elif forward_meta or not _is_usage(chunk.data):
                             (out if self.committed else held).append(chunk.raw)  # held: e.g. chat's role delta
-                        if out and self.committed and not stream.buffered:
-                            # One write per burst of events that arrived together.
-                            scope.deadline = math.inf
+                        if stream.buffered:
+                            continue  # more of this burst already arrived
+                        # The end of a burst: one write for everything that arrived together,
+                        # then the silence deadline runs from now.
+                        if out and self.committed:
                             data = b"".join(out)
                             out.clear()
-                            await respond.send(data)
+                            await respond.send(data, on_wait=disarm)
                         if tokens:
-                            scope.deadline = clock() + silence
+                            now = clock()
+                            if burst_tokens:
+                                last_token_at = now
+                                burst_tokens = False
+                            scope.deadline = now + silence
         finally:
             state.in_flight_by_engine[name] -= 1
             reservation.release_decode()

@@ -1,0 +1,131 @@
+"""Socket I/O for the per-token path, without a scheduler pass per call.
+
+Every ``await stream.send_all(...)`` or ``await stream.receive_some(...)`` on a
+``trio.SocketStream`` yields to the scheduler even when the system call completes at
+once: a full pass of trio's run loop (an ``epoll_wait`` included) that costs several
+times the system call itself. A router forwards each token with one read from the
+engine and one write to the client, so those passes were most of its per-token cost.
+
+:class:`StreamIO` wraps a stream and, for a TCP (or Unix) socket stream, calls
+``os.read``/``os.write`` on its descriptor first:
+
+- a write that the kernel takes whole returns without yielding; a partial write or a
+  full buffer finishes through trio's own ``send_all`` (which waits for writability);
+- a read that finds data returns it without yielding; an empty buffer waits with
+  :func:`trio.lowlevel.wait_readable`.
+
+Cancellation is still honoured at every call (:func:`trio.lowlevel.checkpoint_if_cancelled`
+raises ``Cancelled`` in a cancelled scope without yielding otherwise), and a stream
+whose calls keep completing at once yields every :data:`YIELD_EVERY` calls, so a task
+fed by a fast peer cannot starve the others. Errors are trio's:
+:class:`trio.BrokenResourceError` for a reset or closed peer,
+:class:`trio.ClosedResourceError` for a stream closed locally.
+
+Any other stream (an in-memory stream in tests, TLS) is used through its own methods.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from typing import Final
+
+import trio
+
+__all__ = ["YIELD_EVERY", "StreamIO"]
+
+#: Calls that complete without waiting before one yields to the scheduler anyway.
+YIELD_EVERY: Final = 16
+_CLOSED_ERRNOS: Final = frozenset({errno.EBADF, errno.ENOTSOCK})
+
+
+class StreamIO:
+    """Checkpoint-light ``send_all`` / ``receive_some`` over a trio stream.
+
+    Args:
+        stream: the stream; a :class:`trio.SocketStream` takes the fast path.
+
+    Attributes:
+        stream: the wrapped stream (closing it is the owner's business).
+    """
+
+    __slots__ = ("_socket", "_unyielded", "stream")
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self._socket: trio.socket.SocketType | None = (
+            stream.socket if type(stream) is trio.SocketStream else None
+        )
+        self._unyielded = 0
+
+    async def send_all(
+        self, data: bytes | bytearray | memoryview, *, on_wait: Callable[[], None] | None = None
+    ) -> None:
+        """Write all of ``data`` (see the module docstring).
+
+        Args:
+            on_wait: called before the write waits for the peer to read (a full socket
+                buffer, or any write on a stream without the fast path), so a caller can
+                tell the peer's backpressure from its own deadlines.
+        """
+        sock = self._socket
+        if sock is None or sock.did_shutdown_SHUT_WR:
+            if on_wait is not None:
+                on_wait()
+            await self.stream.send_all(data)
+            return
+        await trio.lowlevel.checkpoint_if_cancelled()
+        fd = sock.fileno()
+        if fd < 0:
+            raise trio.ClosedResourceError("the connection was already closed")
+        try:
+            sent = os.write(fd, data) if data else 0
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise _translate(exc) from exc
+        if sent == len(data):
+            await self._tick()
+            return
+        # The kernel's buffer is full: trio waits for it to drain.
+        self._unyielded = 0
+        if on_wait is not None:
+            on_wait()
+        await self.stream.send_all(memoryview(data)[sent:])
+
+    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        """Up to ``max_bytes`` bytes; ``b""`` at end of stream."""
+        sock = self._socket
+        if sock is None:
+            return bytes(await self.stream.receive_some(max_bytes))
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            fd = sock.fileno()
+            if fd < 0:
+                raise trio.ClosedResourceError("the connection was already closed")
+            try:
+                data = os.read(fd, max_bytes)
+            except BlockingIOError:
+                self._unyielded = 0
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except trio.ClosedResourceError:
+                    raise trio.ClosedResourceError("the connection was closed while reading") from None
+                continue
+            except OSError as exc:
+                raise _translate(exc) from exc
+            await self._tick()
+            return data
+
+    async def _tick(self) -> None:
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:
+            self._unyielded = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
+
+def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:
+    if exc.errno in _CLOSED_ERRNOS:
+        return trio.ClosedResourceError("the connection was already closed")
+    return trio.BrokenResourceError(f"socket connection broken: {exc}")
