@@ -31,6 +31,7 @@ __all__ = [
     "json_dumps",
     "json_loads",
     "parse_chunk",
+    "parse_data",
 ]
 
 # --------------------------------------------------------------------------- JSON
@@ -357,7 +358,23 @@ def parse_chunk(event: SSEEvent) -> Chunk:
         MalformedEvent: the data is neither ``[DONE]`` nor a JSON object.
     """
     data = event.data
-    if data == b"[DONE]" or data.strip() == b"[DONE]":
+    if event.event is None and event.id is None and b"\n" not in data:
+        return parse_data(data)
+    return parse_data(data, event.encode())
+
+
+def parse_data(data: bytes, raw: bytes | None = None) -> Chunk:
+    """Classify the data of one event (see :func:`parse_chunk`).
+
+    Args:
+        data: the event's data.
+        raw: the event as forwarded; by default ``data: <data>\\n\\n``, which is
+            the event exactly when it had one data line and no other field.
+
+    Raises:
+        MalformedEvent: the data is neither ``[DONE]`` nor a JSON object.
+    """
+    if data[:1] != b"{" and data.strip() == b"[DONE]":
         return _DONE_CHUNK
     try:
         obj = json_loads(data)
@@ -365,18 +382,51 @@ def parse_chunk(event: SSEEvent) -> Chunk:
         raise MalformedEvent(f"stream event is not JSON: {exc}") from None
     if type(obj) is not dict:
         raise MalformedEvent("stream event is not a JSON object")
-    raw = event.encode()
+    if raw is None:
+        raw = b"data: " + data + b"\n\n"
 
-    err = obj.get("error")
-    if err is not None:
+    if "error" in obj or obj.get("object") == "error":
+        err = obj.get("error")
+        if err is None:
+            # vLLM's older ErrorResponse shape: the error fields at the top level.
+            return _error_chunk(raw, obj, {k: v for k, v in obj.items() if k != "object"})
         if isinstance(err, dict):
             return _error_chunk(raw, obj, err)
         return _error_chunk(raw, obj, {"message": str(err)})
-    if obj.get("object") == "error":
-        # vLLM's older ErrorResponse shape: the error fields at the top level.
-        return _error_chunk(raw, obj, {k: v for k, v in obj.items() if k != "object"})
 
     choices = obj.get("choices")
+    if type(choices) is list and len(choices) == 1:
+        # The usual event: one choice that carries its token ids.
+        choice = choices[0]
+        if type(choice) is dict:
+            ids = choice.get("token_ids")
+            delta = choice.get("delta")
+            if delta is None:
+                text = choice.get("text")
+            elif type(delta) is dict:
+                if ids is None:
+                    ids = delta.get("token_ids")
+                text = delta.get("content")
+            else:
+                ids = None
+            if type(ids) is list and ids:
+                reason = choice.get("finish_reason")
+                usage = obj.get("usage")
+                return Chunk(
+                    "token",
+                    raw,
+                    obj,
+                    tuple(ids),
+                    len(ids),
+                    text if type(text) is str else "",
+                    reason if type(reason) is str else None,
+                    usage if type(usage) is dict else None,
+                )
+    return _classify(raw, obj, choices)
+
+
+def _classify(raw: bytes, obj: dict[str, Any], choices: object) -> Chunk:
+    """Any number of choices, with or without token ids."""
     ids: list[int] = []
     count_without_ids = 0
     texts: list[str] = []

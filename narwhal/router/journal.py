@@ -11,7 +11,6 @@ fsyncs; graceful shutdown calls it after in-flight requests are done.
 from __future__ import annotations
 
 import collections
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import IO, Any
 
 import attrs
 import trio
+
+from narwhal.engines.sse import json_dumps
 
 __all__ = ["TERMINAL_CLASSES", "AttemptRecord", "Journal", "RequestRecord"]
 
@@ -120,7 +121,14 @@ class RequestRecord:
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        # attrs.asdict, written out: it runs once per request on the router's hot path.
+        out = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        out["attempts"] = [{name: getattr(a, name) for name in _ATTEMPT_FIELDS} for a in self.attempts]
+        return out
+
+
+_RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(RequestRecord))
+_ATTEMPT_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(AttemptRecord))
 
 
 class Journal:
@@ -171,10 +179,10 @@ class Journal:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer task: runs until :meth:`aclose` and everything is on disk."""
-        fh: IO[str] | None = None
+        fh: IO[bytes] | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fh = open(self.path, "a", encoding="utf-8")  # noqa: ASYNC230 - opened once
+            fh = open(self.path, "ab")  # noqa: ASYNC230 - opened once
         task_status.started()
         try:
             async with self._receive:
@@ -207,7 +215,7 @@ class Journal:
                             break
                     batch.extend(self._take_overflow())
                     if fh is not None:
-                        text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in batch)
+                        text = b"".join([json_dumps(r) + b"\n" for r in batch])
                         await trio.to_thread.run_sync(_write, fh, text)
                     self.written += len(batch)
         finally:
@@ -229,12 +237,12 @@ class Journal:
         await self._done.wait()
 
 
-def _write(fh: IO[str], text: str) -> None:
+def _write(fh: IO[bytes], text: bytes) -> None:
     fh.write(text)
     fh.flush()
 
 
-def _close(fh: IO[str], fsync: bool) -> None:
+def _close(fh: IO[bytes], fsync: bool) -> None:
     fh.flush()
     if fsync:
         os.fsync(fh.fileno())

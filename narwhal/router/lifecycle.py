@@ -21,6 +21,7 @@ error; after it, the stream ends with a terminal ``data: {"error": ...}`` event.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -82,8 +83,14 @@ def terminal_class_for(err: NarwhalError) -> str:
     return "internal_error"
 
 
+#: Request ids: a random prefix per process and a counter (unique without a system
+#: call per request; workers draw different prefixes).
+_ID_PREFIX = secrets.token_hex(6)
+_ids = itertools.count(1)
+
+
 def _new_request_id() -> str:
-    return secrets.token_hex(12)
+    return f"{_ID_PREFIX}{next(_ids):012x}"
 
 
 class RequestLifecycle:
@@ -153,20 +160,21 @@ class RequestLifecycle:
             record.latency_s = state.clock() - self.arrival
             record.output_len = self.tokens
             state.journal.record(record)
-            log.info(
-                "request %s %s status=%s class=%s tokens=%d",
-                self.request_id, self.kind, record.status, record.terminal_class, self.tokens,
-                extra={
-                    "request_id": self.request_id,
-                    "route": self.kind,
-                    "status": record.status,
-                    "terminal_class": record.terminal_class,
-                    "output_len": self.tokens,
-                    "producer": record.producer,
-                    "consumer": record.consumer,
-                    "latency_s": record.latency_s,
-                },
-            )
+            if log.isEnabledFor(logging.INFO):
+                log.info(
+                    "request %s %s status=%s class=%s tokens=%d",
+                    self.request_id, self.kind, record.status, record.terminal_class, self.tokens,
+                    extra={
+                        "request_id": self.request_id,
+                        "route": self.kind,
+                        "status": record.status,
+                        "terminal_class": record.terminal_class,
+                        "output_len": self.tokens,
+                        "producer": record.producer,
+                        "consumer": record.consumer,
+                        "latency_s": record.latency_s,
+                    },
+                )
 
     async def _fail(self, err: NarwhalError) -> None:
         """Tell the client: an HTTP error before commit, a terminal event after."""
@@ -260,7 +268,7 @@ class RequestLifecycle:
             attempt.same_worker = reservation.same_worker
             self.record.producer = reservation.producer
             self.record.consumer = reservation.consumer
-            suffix = secrets.token_hex(4)
+            suffix = f"{next(_ids):x}"  # unique even when clients reuse an x-request-id
             attempt.prefill_request_id = f"{self.request_id}-{attempt.n}-{suffix}-p"
             attempt.decode_request_id = f"{self.request_id}-{attempt.n}-{suffix}-d"
             try:

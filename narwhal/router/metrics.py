@@ -146,36 +146,46 @@ class RouterMetrics:
             "narwhal_breaker_transitions", "Breaker transitions by engine and event.", ["engine", "event"],
             registry=r,
         )
+        self._children: dict[tuple[Any, ...], Any] = {}
         r.register(_LiveState(state, events))
         state.journal.add_listener(self.on_record)
         state.breaker.add_listener(self.on_transition)
 
+    def _child(self, family: Any, *labels: str) -> Any:
+        """``family.labels(*labels)``, remembered: a label lookup costs more than the update."""
+        key = (id(family), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*labels)
+        return child
+
     def on_record(self, record: dict[str, Any]) -> None:
+        child = self._child
         route = record["route"]
         klass = record["terminal_class"]
-        self.requests.labels(route, klass).inc()
+        child(self.requests, route, klass).inc()
         if klass == "refused":
             self.refusals.inc()
         if record.get("latency_s") is not None:
-            self.duration.labels(route).observe(record["latency_s"])
+            child(self.duration, route).observe(record["latency_s"])
         if klass == "ok":
             if record.get("ttft_s") is not None:
-                self.ttft.labels(route).observe(record["ttft_s"])
+                child(self.ttft, route).observe(record["ttft_s"])
             if record.get("first_byte_s") is not None:
-                self.first_byte.labels(route).observe(record["first_byte_s"])
+                child(self.first_byte, route).observe(record["first_byte_s"])
             if record.get("tpot_s") is not None:
-                self.tpot.labels(route).observe(record["tpot_s"])
+                child(self.tpot, route).observe(record["tpot_s"])
         if record.get("output_len"):
-            self.output_tokens.labels(route).inc(record["output_len"])
+            child(self.output_tokens, route).inc(record["output_len"])
         attempts = record.get("attempts") or []
         if len(attempts) > 1:
             self.retries.inc(len(attempts) - 1)
         for attempt in attempts:
             producer, consumer = attempt.get("producer"), attempt.get("consumer")
             if producer and consumer:
-                self.placements.labels(producer, consumer).inc()
-                self.attempt_outcomes.labels(producer, "prefill", attempt["outcome"]).inc()
-                self.attempt_outcomes.labels(consumer, "decode", attempt["outcome"]).inc()
+                child(self.placements, producer, consumer).inc()
+                child(self.attempt_outcomes, producer, "prefill", attempt["outcome"]).inc()
+                child(self.attempt_outcomes, consumer, "decode", attempt["outcome"]).inc()
 
     def on_transition(self, transition: Transition) -> None:
         self.breaker_transitions.labels(transition.engine, transition.event).inc()
