@@ -52,6 +52,7 @@ ROLES: tuple[str, ...] = get_args(Role)
 _ON = ("prefill", "decode", "any")
 _VARIANTS: tuple[str, ...] = get_args(DescriptorVariant)
 _ADMISSION = ("wait", "refuse")
+_PROMPT_TOKENS = ("auto", "tokenize", "estimate")
 _LITERAL: Any = Literal  # typed Any so that mypy accepts the identity test below
 
 # ------------------------------------------------------------------ validators
@@ -490,11 +491,21 @@ class ControllerConfig:
         slo: Latency targets.
         admission: When no placement meets the SLO: ``wait`` for capacity or ``refuse`` (503).
         reactive: Reactive role movement.
+        prompt_tokens: How a text prompt's length is known before placement: ``tokenize``
+            asks a producer's /tokenize (exact, one more engine round trip per request, and
+            the router refuses over-long prompts itself); ``estimate`` scales the prompt's
+            UTF-8 size by a tokens-per-byte ratio learned from the producers' own counts
+            (the engine refuses over-long prompts); ``auto`` tokenizes when placement is
+            priced by profiles and estimates otherwise. Token-id prompts are always
+            counted exactly, and the journal always records the producer's count.
     """
 
     slo: SLOConfig = attrs.field(factory=SLOConfig)
     admission: Literal["wait", "refuse"] = attrs.field(
         default="wait", validator=_member(_ADMISSION)
+    )
+    prompt_tokens: Literal["auto", "tokenize", "estimate"] = attrs.field(
+        default="auto", validator=_member(_PROMPT_TOKENS)
     )
     reactive: ReactiveConfig = attrs.field(factory=ReactiveConfig)
 

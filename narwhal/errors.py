@@ -267,6 +267,9 @@ class EngineHTTPError(EngineError):
         body = super().to_body()
         if self.client_fault:
             body["error"]["type"] = ClientError.error_type
+            if self.detail and "maximum context length" in self.detail:
+                # vLLM's wording for a prompt (plus output) over max_model_len.
+                body["error"]["code"] = "context_length_exceeded"
         return body
 
 

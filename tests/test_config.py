@@ -133,6 +133,8 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "expected a non-empty string @ $.server.api_keys[0]"),
     ("admission", fleet(controller={"admission": "drop"}),
      "expected one of 'wait', 'refuse' @ $.controller.admission"),
+    ("prompt_tokens", fleet(controller={"prompt_tokens": "guess"}),
+     "expected one of 'auto', 'tokenize', 'estimate' @ $.controller.prompt_tokens"),
     ("bad-name", fleet(prefill(name="prefill 0"), decode()),
      "expected a name of letters, digits, '.', '_' and '-' @ $.engines[0].name"),
     ("url-no-port", fleet(prefill(url="http://127.0.0.1"), decode()),
@@ -432,7 +434,8 @@ def test_defaults_match_the_plan() -> None:
     }
     assert data["controller"] == {"slo": {"ttft_s": None, "tpot_s": None}, "admission": "wait",
                                   "reactive": {"enabled": False, "movement_margin": 0.10,
-                                               "interval_s": 10.0, "deployment_record": None}}  # fmt: skip
+                                               "interval_s": 10.0, "deployment_record": None},
+                                  "prompt_tokens": "auto"}  # fmt: skip
     assert data["journal"] == {"path": "runs/journal.jsonl", "queue_size": 10000, "fsync": True}
     sim = unstructure_fleet(parse_fleet(fleet(prefill(), decode(sim={}))))["engines"][1]["sim"]
     assert sim == {

@@ -84,7 +84,11 @@ async def test_request_id_is_honoured_and_backend_ids_are_fresh(autojump_clock: 
 
 
 async def test_prompt_over_context_is_400_before_engine_work(autojump_clock: trio.abc.Clock) -> None:
-    doc = fleet_doc(engine("p0", 8101, ["prefill"], max_model_len=64), engine("d0", 8102, ["decode"], max_model_len=64))
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"], max_model_len=64),
+        engine("d0", 8102, ["decode"], max_model_len=64),
+        controller={"prompt_tokens": "tokenize"},
+    )
     async with open_stack(doc) as stack:
         resp = await stack.complete({"prompt": " ".join(["x"] * 60), "max_tokens": 5})
         assert resp.status_code == 400
@@ -94,6 +98,57 @@ async def test_prompt_over_context_is_400_before_engine_work(autojump_clock: tri
         assert generation == []
     assert stack.records[0]["terminal_class"] == "invalid_request"
     assert stack.records[0]["status"] == 400
+
+
+async def test_estimated_prompt_over_context_is_the_producers_400(autojump_clock: trio.abc.Clock) -> None:
+    # An estimate never refuses a request; the producer's exact count does, before any
+    # decode work starts. A prompt the producer itself cannot take gets vLLM's own 400.
+    doc = fleet_doc(engine("p0", 8101, ["prefill"], max_model_len=64), engine("d0", 8102, ["decode"], max_model_len=64))
+    async with open_stack(doc) as stack:
+        resp = await stack.complete({"prompt": " ".join(["x"] * 60), "max_tokens": 5})
+        assert resp.status_code == 400
+        error = resp.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert error["type"] == "invalid_request_error"
+        assert "maximum context length is 64" in error["message"]
+        assert stack.engine("p0").stats.calls.get("/tokenize", 0) == 0
+        assert not [b for b in stack.engine("d0").requests_seen if "prompt" in b]
+        resp = await stack.complete({"prompt": " ".join(["x"] * 70), "max_tokens": 5})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+        assert "maximum context length is 64" in resp.json()["error"]["message"]
+        assert not [b for b in stack.engine("d0").requests_seen if "prompt" in b]
+    assert [r["terminal_class"] for r in stack.records] == ["invalid_request"] * 2
+    assert [r["status"] for r in stack.records] == [400, 400]
+    assert stack.records[0]["prompt_tokens"] == 60
+
+
+async def test_estimated_prompt_lengths_learn_the_engines_counts(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(fleet_doc()) as stack:
+        assert not stack.router.state.exact_prompt_counts
+        for n in (10, 40, 80):
+            resp = await stack.complete({"prompt": " ".join(["word"] * n), "max_tokens": 2})
+            assert resp.status_code == 200
+        # Chat without max_tokens: the output limit follows the exact count.
+        resp = await stack.client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello there"}]}
+        )
+        assert resp.status_code == 200
+        assert stack.engine("p0").stats.calls.get("/tokenize", 0) == 0
+        lengths = stack.router.state.prompt_lengths
+    assert lengths.observations["completions"] == 3
+    # The journal carries the producer's exact counts, whatever the estimate was.
+    assert [r["prompt_tokens"] for r in stack.records[:3]] == [10, 40, 80]
+    size = len(" ".join(["word"] * 40))
+    assert abs(lengths.estimate("completions", size) - 40) <= 2
+
+
+async def test_priced_placement_tokenizes_by_default(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(fleet_doc(), priced=True) as stack:
+        assert stack.router.state.exact_prompt_counts
+        resp = await stack.complete({"prompt": "a b c", "max_tokens": 2})
+        assert resp.status_code == 200
+        assert stack.engine("p0").stats.calls.get("/tokenize", 0) == 1
 
 
 async def test_client_kv_transfer_params_never_reach_an_engine(autojump_clock: trio.abc.Clock) -> None:

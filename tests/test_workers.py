@@ -23,6 +23,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_port_pair() -> int:
+    """A port whose successor is free too (worker i's admin port is admin_port + i)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = int(a.getsockname()[1])
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no pair of free ports")
+
+
 async def test_placement_counts_load_the_engines_report(autojump_clock: trio.abc.Clock) -> None:
     doc = fleet_doc(
         engine("p0", 8101, ["prefill"]),
@@ -51,7 +65,8 @@ async def test_placement_counts_load_the_engines_report(autojump_clock: trio.abc
 
 
 def test_workers_share_one_port(tmp_path: Path) -> None:
-    port, admin, p_port, d_port = (_free_port() for _ in range(4))
+    admin = _free_port_pair()
+    port, p_port, d_port = (_free_port() for _ in range(3))
     doc = {
         "server": {"host": "127.0.0.1", "port": port, "admin_port": admin},
         "engines": [

@@ -46,6 +46,7 @@ from narwhal.engines.sse import (
     json_dumps,
     json_loads,
     parse_chunk,
+    parse_data,
 )
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "json_dumps",
     "json_loads",
     "parse_chunk",
+    "parse_data",
     "parse_prometheus",
     "prefill_request_params",
     "strip_transfer_params",

@@ -51,7 +51,7 @@ from narwhal.http.server import Request, ResponseWriter
 from narwhal.router.journal import AttemptRecord, RequestRecord
 from narwhal.router.placement import Reservation
 from narwhal.router.requests import ParsedRequest, ResponseAccumulator, error_event, parse_request
-from narwhal.router.state import RouterState
+from narwhal.router.state import PromptCount, RouterState
 
 __all__ = ["RequestLifecycle", "terminal_class_for"]
 
@@ -110,6 +110,7 @@ class RequestLifecycle:
             request_id=self.request_id, arrival=time.time(), route=kind
         )
         self.parsed: ParsedRequest | None = None
+        self.prompt: PromptCount | None = None
         self.committed = False
         self.visible = False
         #: Streamed events received but not yet written (sent before a terminal event).
@@ -207,13 +208,14 @@ class RequestLifecycle:
         if parsed.model is not None and state.models and parsed.model not in state.models:
             raise NotFound(f"model '{parsed.model}' does not exist", code="model_not_found")
         record.model = model
-        tok = await state.tokenize(parsed.body, self.kind)
+        tok = self.prompt = await state.count_prompt(parsed.body, self.kind)
         self.prompt_tokens = tok.count
-        record.prompt_tokens = tok.count
+        record.prompt_tokens = tok.count if tok.exact else None  # the producer's count, later
         max_model_len = tok.max_model_len if tok.max_model_len is not None else state.models.get(model or "")
         self.max_tokens = parsed.output_limit(tok.count, max_model_len)
         record.requested_output_len = self.max_tokens
-        if max_model_len is not None and tok.count + self.max_tokens > max_model_len:
+        # An estimate is not grounds for refusing: the engines check the exact length.
+        if tok.exact and max_model_len is not None and tok.count + self.max_tokens > max_model_len:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {max_model_len} tokens; the request has "
                 f"{tok.count} prompt tokens and asks for {self.max_tokens} output tokens"
@@ -313,6 +315,27 @@ class RequestLifecycle:
             )
         prefill_done = state.clock()
         reservation.release_prefill()
+        counted = prefill.prompt_tokens
+        if counted is not None and counted > 0:
+            prompt = self.prompt
+            if prompt is not None and not prompt.exact:
+                state.prompt_lengths.observe(self.kind, prompt.size, counted)
+            self.prompt_tokens = counted
+            self.record.prompt_tokens = counted
+            if prompt is not None and not prompt.exact:
+                # The estimate let the request through; the exact count may not fit the
+                # output it asks for: refuse before the decode leg rather than after.
+                limit = state.models.get(self.record.model or "")
+                parsed = self.parsed
+                assert parsed is not None
+                if parsed.max_tokens is None:  # the engines' default follows the exact count
+                    self.max_tokens = parsed.output_limit(counted, limit)
+                    self.record.requested_output_len = self.max_tokens
+                elif limit is not None and counted + self.max_tokens > limit:
+                    raise ContextLengthExceeded(
+                        f"this model's maximum context length is {limit} tokens; the request has "
+                        f"{counted} prompt tokens and asks for {self.max_tokens} output tokens"
+                    )
         attempt.ttft_s = prefill_done - self.arrival
         self.record.ttft_s = attempt.ttft_s
         # The producer's client validated the descriptor against the producer's

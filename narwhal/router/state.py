@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import httpx
 import trio
 
@@ -18,11 +19,29 @@ from narwhal.router.breaker import Breaker
 from narwhal.router.journal import Journal
 from narwhal.router.placement import Placement
 from narwhal.router.pricing import PricedPlacement
+from narwhal.router.promptlen import PromptLengths, prompt_size
 from narwhal.router.retry import RetryBudget
 
-__all__ = ["RouterState"]
+__all__ = ["PromptCount", "RouterState"]
 
 log = logging.getLogger("narwhal.router")
+
+
+@attrs.frozen
+class PromptCount:
+    """A prompt's length in tokens, and how it was found.
+
+    Attributes:
+        count: tokens (exact, or estimated from ``size``).
+        max_model_len: the engine's context limit when a /tokenize answer gave it.
+        exact: counted by token ids or /tokenize, not estimated.
+        size: the prompt's UTF-8 size behind an estimate (0 when exact).
+    """
+
+    count: int
+    max_model_len: int | None
+    exact: bool
+    size: int = 0
 
 
 class RouterState:
@@ -90,6 +109,12 @@ class RouterState:
                 self.models.setdefault(name, None)
         self.in_flight = 0
         self.in_flight_by_engine: dict[str, int] = dict.fromkeys(self.engines, 0)
+        mode = config.controller.prompt_tokens
+        #: Whether text prompts are counted by a producer's /tokenize (else estimated).
+        self.exact_prompt_counts = mode == "tokenize" or (
+            mode == "auto" and isinstance(self.placement, PricedPlacement)
+        )
+        self.prompt_lengths = PromptLengths()
 
     @property
     def default_model(self) -> str | None:
@@ -101,6 +126,17 @@ class RouterState:
         return any(avail(n) for n in self.placement.prefill_engines) and any(
             avail(n) for n in self.placement.decode_engines
         )
+
+    async def count_prompt(self, parsed_body: dict[str, Any], kind: RequestKind) -> PromptCount:
+        """The prompt's length for placement: exact, or estimated (``controller.prompt_tokens``)."""
+        prompt = parsed_body.get("prompt") if kind == "completions" else None
+        if isinstance(prompt, list):  # token ids: counted here, exactly
+            return PromptCount(len(prompt), None, exact=True)
+        if self.exact_prompt_counts:
+            tok = await self.tokenize(parsed_body, kind)
+            return PromptCount(tok.count, tok.max_model_len, exact=True)
+        size = prompt_size(parsed_body, kind)
+        return PromptCount(self.prompt_lengths.estimate(kind, size), None, exact=False, size=size)
 
     async def tokenize(self, parsed_body: dict[str, Any], kind: RequestKind) -> Tokenized:
         """Count the prompt's tokens with a producer's ``/tokenize``.

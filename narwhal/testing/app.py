@@ -120,6 +120,8 @@ class SimApp:
             await response.respond(404, _JSON, _dumps({"detail": "Not Found"}))
             return
         method, handler = route
+        calls = self.engine.stats.calls
+        calls[request.path] = calls.get(request.path, 0) + 1
         if request.method != method:
             await response.respond(405, _JSON, _dumps({"detail": "Method Not Allowed"}))
             return

@@ -87,6 +87,8 @@ class SimStats:
     max_concurrent: int = 0
     restarts: int = 0
     faults: dict[str, int] = attrs.field(factory=dict)
+    #: Requests received per path (every route, not only generation).
+    calls: dict[str, int] = attrs.field(factory=dict)
 
 
 class _Broken:
