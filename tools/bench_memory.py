@@ -25,6 +25,7 @@ A figure is only called met/missed when every requested stream was open while sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -69,90 +70,82 @@ def run_client(url: str, n: int, max_tokens: int, open_limit: int, open_timeout:
     raise_nofile(n + 256)
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    st: dict[str, Any] = {"opened": 0, "live": 0, "ended_early": 0, "settled": 0,
-                          "errors": {}, "error_samples": []}
+    st: dict[str, Any] = {"opened": 0, "live": 0, "ended_early": 0, "errors": {}, "error_samples": []}
+    settled, all_settled = [0], trio.Event()
 
     def emit(obj: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    def fail(kind: str, detail: str) -> None:
-        st["errors"][kind] = st["errors"].get(kind, 0) + 1
-        if len(st["error_samples"]) < 5:
-            st["error_samples"].append(f"{kind}: {detail[:300]}")
+    def settle(error: str | None = None, detail: str = "") -> None:
+        if error is not None:
+            st["errors"][error] = st["errors"].get(error, 0) + 1
+            if len(st["error_samples"]) < 5:
+                st["error_samples"].append(f"{error}: {detail[:300]}")
+        settled[0] += 1
+        if settled[0] == n:
+            all_settled.set()
 
-    async def one(i: int, limiter: trio.CapacityLimiter, all_settled: trio.Event) -> None:
+    async def first_token(stream: trio.SocketStream, request: bytes) -> str | None:
+        """Send the request, read to the first token event; None, or why not."""
+        await stream.send_all(request)
+        buf = b""
+        while True:
+            data = await stream.receive_some(65536)
+            if not data:
+                raise ConnectionError(f"closed before the first token: {buf[:200]!r}")
+            buf += data
+            if b"\r\n\r\n" in buf:
+                if buf[9:12] != b"200":
+                    return f"http {buf[9:12].decode(errors='replace')}"
+                if b'"text"' in buf.split(b"\r\n\r\n", 1)[1]:
+                    return None
+
+    async def one(i: int, limiter: trio.CapacityLimiter) -> None:
         body = json.dumps({"model": "sim-llama", "prompt": f"{PROMPT} {i}", "max_tokens": max_tokens,
                            "stream": True, "ignore_eos": True}).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\n\r\n").encode()
+        request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+                   f"content-length: {len(body)}\r\n\r\n").encode() + body
         stream: trio.SocketStream | None = None
-        opened = False
         try:
             async with limiter:
                 try:
                     with trio.fail_after(open_timeout):
                         stream = await trio.open_tcp_stream(host, port)
                         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        await stream.send_all(head + body)
-                        buf = b""
-                        while True:
-                            data = await stream.receive_some(65536)
-                            if not data:
-                                raise ConnectionError(f"closed before the first token: {buf[:200]!r}")
-                            buf += data
-                            if b"\r\n\r\n" not in buf:
-                                continue
-                            if buf[9:12] != b"200":
-                                fail(f"http {buf[9:12].decode(errors='replace')}", repr(buf[:300]))
-                                return
-                            if b'"text"' in buf.split(b"\r\n\r\n", 1)[1]:
-                                break
+                        error = await first_token(stream, request)
                 except trio.TooSlowError:
-                    fail("no first token in time", f"stream {i}")
-                    return
+                    return settle("no first token in time", f"stream {i}")
                 except (OSError, ConnectionError, trio.BrokenResourceError, ValueError) as exc:
-                    fail(type(exc).__name__, str(exc))
-                    return
-            opened = True
+                    return settle(type(exc).__name__, str(exc))
+                if error is not None:
+                    return settle(error, f"stream {i}")
             st["opened"] += 1
             st["live"] += 1
-            st["settled"] += 1
-            if st["settled"] == n:
-                all_settled.set()
-            try:
+            settle()
+            with contextlib.suppress(OSError, trio.BrokenResourceError):
                 while True:  # drain: the router must not buffer for a slow reader
                     data = await stream.receive_some(65536)
                     if not data or b"[DONE]" in data:
                         break
-            except (OSError, trio.BrokenResourceError):
-                pass
             st["live"] -= 1
             st["ended_early"] += 1
         finally:
-            if not opened:
-                st["settled"] += 1
-                if st["settled"] == n:
-                    all_settled.set()
             if stream is not None:
                 await trio.aclose_forcefully(stream)
 
     async def main() -> None:
         limiter = trio.CapacityLimiter(open_limit)
-        all_settled = trio.Event()
         t0 = trio.current_time()
         async with trio.open_nursery() as nursery:
             for i in range(n):
-                nursery.start_soon(one, i, limiter, all_settled)
-            while not all_settled.is_set():
+                nursery.start_soon(one, i, limiter)
+            while not all_settled.is_set() and trio.current_time() - t0 < open_timeout + n / 5:
                 with trio.move_on_after(5):
                     await all_settled.wait()
                 print(f"    client: {st['opened']}/{n} open, {sum(st['errors'].values())} errors",
                       file=sys.stderr, flush=True)
-                if trio.current_time() - t0 > open_timeout + n / 5:
-                    break
-            emit({"event": "opened", "elapsed_s": trio.current_time() - t0,
-                  **{k: st[k] for k in ("opened", "live", "ended_early", "errors", "error_samples")}})
+            emit({"event": "opened", "elapsed_s": trio.current_time() - t0, **st})
             await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
             emit({"event": "closed", "live": st["live"], "ended_early": st["ended_early"]})
             nursery.cancel_scope.cancel()
@@ -178,13 +171,6 @@ def rss_kib(pid: int) -> int:
     return total
 
 
-def open_fds(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return -1
-
-
 class Engines:
     """The ``narwhal sim`` process; :meth:`wait_idle` until its consumer runs nothing."""
 
@@ -197,10 +183,13 @@ class Engines:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the simulated engines exited (rc {self.proc.returncode}) during the "
                                    f"measurement; see {self.log}")
-            with urllib.request.urlopen(f"{self.consumer}/metrics", timeout=5) as resp:
-                m = re.search(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)", resp.read().decode(), re.M)
-            if m is None or float(m.group(1)) == 0:
-                return
+            try:
+                with urllib.request.urlopen(f"{self.consumer}/metrics", timeout=5) as resp:
+                    m = re.search(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)", resp.read().decode(), re.M)
+                if m is None or float(m.group(1)) == 0:
+                    return
+            except OSError:
+                pass  # the exit check above reports a dead engine process
             time.sleep(0.5)
 
 
@@ -218,14 +207,11 @@ def read_event(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
     raise RuntimeError(f"no report from the client within {timeout:.0f} s")
 
 
-def client_cmd(url: str, n: int, args: argparse.Namespace, max_tokens: int) -> list[str]:
-    return [sys.executable, __file__, "--client-of", url, "--streams", str(n), "--max-tokens", str(max_tokens),
-            "--open-concurrency", str(args.open_concurrency), "--open-timeout", str(args.open_timeout)]
-
-
 def hold_streams(url: str, n: int, args: argparse.Namespace, pid: int | None = None) -> dict[str, Any]:
     """Open ``n`` streams; while they are open sample ``pid``'s RSS; close them."""
-    proc = subprocess.Popen(client_cmd(url, n, args, args.max_tokens), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    cmd = [sys.executable, __file__, "--client-of", url, "--streams", str(n), "--max-tokens", str(args.max_tokens),
+           "--open-concurrency", str(args.open_concurrency), "--open-timeout", str(args.open_timeout)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         opened = read_event(proc, args.open_timeout + n / 5 + 60)
         samples: list[int] = []
@@ -235,7 +221,7 @@ def hold_streams(url: str, n: int, args: argparse.Namespace, pid: int | None = N
             for _ in range(args.samples):
                 samples.append(rss_kib(pid))
                 time.sleep(1.0)
-            fds = open_fds(pid)
+            fds = len(os.listdir(f"/proc/{pid}/fd"))
         assert proc.stdin is not None
         proc.stdin.write(b"close\n")
         proc.stdin.flush()
@@ -270,16 +256,6 @@ def measure(name: str, url: str, pid: int, engines: Engines, args: argparse.Name
     return {"target": name, **held, "idle_rss_kib": idle, "open_rss_kib": peak, "after_close_rss_kib": after,
             "kib_per_stream": per, "complete": complete,
             "meets_target": (per is not None and per <= TARGET_KIB) if complete else None}
-
-
-def start_router(name: str, cmd: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
-    proc = start(cmd, log)
-    try:
-        wait_http(f"{url}/health", timeout=120)
-    except RuntimeError:
-        stop(proc)
-        raise RuntimeError(f"{name} did not come up; see {log}") from None
-    return proc
 
 
 def main() -> int:
@@ -343,9 +319,10 @@ def main() -> int:
                                             "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(ports["vr"])],
                             f"http://127.0.0.1:{ports['vr']}"))
         for name, cmd, url in targets:
-            router = start_router(name, cmd, url, tmp / f"{name}.log")
+            router = start(cmd, tmp / f"{name}.log")
             procs.append(router)
             try:
+                wait_http(f"{url}/health", timeout=120)
                 rows.append(measure(name, url, router.pid, sims, args))
             finally:
                 stop(router)

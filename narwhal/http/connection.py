@@ -13,6 +13,11 @@ starts its response produces a 500 with a generic body (a
 :class:`~narwhal.errors.NarwhalError` produces its own status and body); once the
 response has started, an exception aborts the connection so the client sees an
 incomplete body rather than a truncated one that looks complete.
+
+h11 parses requests; responses are framed here (:meth:`Connection.response_head`,
+chunked bodies in :class:`~narwhal.http.messages.ResponseWriter`) under h11's rules
+for persistence (HTTP/1.0 and ``Connection: close`` end the connection), and each
+request cycle starts a fresh h11 state fed with the bytes read ahead of it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import http
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,7 +55,8 @@ _CLOSE_TIMEOUT_S = 5.0
 _LINGER_S = 1.0
 _LINGER_BYTES = 1 << 20
 _ERROR_SEND_TIMEOUT_S = 5.0
-_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
+_OWN_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+_UNSAFE = re.compile(r"[\r\n\x00]")
 
 
 def _error_body(message: str, error_type: str, code: int) -> bytes:
@@ -139,6 +146,10 @@ class Connection:
         self.watch_scope: trio.CancelScope | None = None
         self.watch_done: trio.Event | None = None
         self.detached = False  # the handler took the raw stream (protocol upgrade)
+        # The response side is ours (h11 parses requests only): see response_head().
+        self.http11 = True  # the request was HTTP/1.1 (else 1.0: no chunking, no keep-alive)
+        self.must_close = False  # close after this response
+        self.responded = False  # the current request's response has started
 
     # ------------------------------------------------------------------ I/O
 
@@ -177,30 +188,51 @@ class Connection:
         except h11.RemoteProtocolError as exc:
             raise _Reject(exc.error_status_hint) from exc
 
-    def make_response(
+    def response_head(
         self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None
-    ) -> h11.Response:
-        out: list[tuple[bytes, bytes]] = []
+    ) -> bytes:
+        """The status line and headers of the current request's response.
+
+        Framing is ours: ``Content-Length`` when ``content_length`` is given, else
+        chunked for an HTTP/1.1 client and close-delimited for an HTTP/1.0 one. It adds
+        ``Date`` and ``Server`` unless given, and ``Connection: close`` when the
+        connection ends after this response. Writing the head ourselves (h11 only
+        parses requests) saves h11's per-event validation on every response.
+
+        Raises:
+            ValueError: a header name or value would break the head (CR, LF, NUL).
+        """
+        server = self.server
+        out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
         have_date = have_server = False
         for name, value in headers:
             lname = name.lower()
-            if lname in _FRAMING_HEADERS:
-                continue  # framing is ours: Content-Length below, or chunked by h11
+            if lname in _OWN_HEADERS:
+                continue  # framing and persistence are ours
+            if _UNSAFE.search(name) or _UNSAFE.search(value):
+                raise ValueError(f"header {name!r} has a character a response head cannot carry")
             have_date = have_date or lname == "date"
             have_server = have_server or lname == "server"
-            out.append((name.encode("latin-1"), value.encode("latin-1")))
-        prefix: list[tuple[bytes, bytes]] = []
+            out.append(f"{name}: {value}\r\n".encode("latin-1"))
         if not have_date:
-            prefix.append((b"date", _DATE.get()))
+            out.insert(1, b"date: %s\r\n" % _DATE.get())
         if not have_server:
-            prefix.append((b"server", self.server.server_header))
-        if prefix:
-            out[:0] = prefix
-        if content_length is not None and status not in BODYLESS_STATUSES:
-            out.append((b"content-length", b"%d" % content_length))
-        if self.server.closing:
-            out.append((b"connection", b"close"))
-        return h11.Response(status_code=status, headers=out, reason=_REASONS.get(status, b""))
+            out.insert(1, b"server: %s\r\n" % server.server_header)
+        if status in BODYLESS_STATUSES or status < 200:
+            pass
+        elif content_length is not None:
+            out.append(b"content-length: %d\r\n" % content_length)
+        elif self.http11:
+            out.append(b"transfer-encoding: chunked\r\n")
+        else:
+            self.must_close = True  # an HTTP/1.0 stream ends when the connection does
+        if server.closing:
+            self.must_close = True
+        if self.must_close:
+            out.append(b"connection: close\r\n")
+        out.append(b"\r\n")
+        self.responded = True
+        return b"".join(out)
 
     # ------------------------------------------------------------ the loop
 
@@ -220,11 +252,21 @@ class Connection:
                 keep_alive = await self.serve(head)
             finally:
                 self.server._in_flight -= 1
-            if not keep_alive or self.server.closing:
+            if not keep_alive or self.server.closing or self.must_close:
                 return
-            if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
+            if self.h11.their_state is not h11.DONE:
                 return
-            self.h11.start_next_cycle()
+            self.next_cycle()
+
+    def next_cycle(self) -> None:
+        """A fresh h11 state for the next request, fed what was read ahead of it."""
+        data, closed = self.h11.trailing_data
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+        if data:
+            self.h11.receive_data(data)
+        if closed:
+            self.h11.receive_data(b"")
+        self.responded = False
 
     async def read_head(self, first: bool) -> h11.Request | None:
         """The next request head, or None to close quietly (EOF, idle timeout, shutdown)."""
@@ -312,6 +354,11 @@ class Connection:
             client=self.client,
         )
         self.head_only = head.method == b"HEAD"
+        self.http11 = head.http_version == b"1.1"
+        # h11's persistence rules: HTTP/1.0 closes; "Connection: close" closes.
+        self.must_close = not self.http11 or any(
+            name == b"connection" and b"close" in value.lower() for name, value in head.headers
+        )
         writer = ResponseWriter(self, head_only=self.head_only)
         self.request = request
         self.handler_scope = trio.CancelScope()
@@ -423,9 +470,9 @@ class Connection:
         if isinstance(exc, NarwhalError):
             status = exc.http_status if 400 <= exc.http_status <= 599 else 500
             body = json.dumps(exc.to_body(), separators=(",", ":"), default=str).encode()
-            extra: list[tuple[bytes, bytes]] = []
+            extra: list[tuple[str, str]] = []
             if isinstance(exc, Refused):
-                extra.append((b"retry-after", b"%d" % max(1, math.ceil(exc.retry_after_s))))
+                extra.append(("retry-after", str(max(1, math.ceil(exc.retry_after_s)))))
             logger.debug("handler for %s %s: %s %s", request.method, request.path, status, exc)
             return await self.send_error(status, body, extra=extra, close=False)
         logger.error(
@@ -450,32 +497,18 @@ class Connection:
         status: int,
         body: bytes,
         *,
-        extra: Sequence[tuple[bytes, bytes]] = (),
+        extra: Sequence[tuple[str, str]] = (),
         close: bool = True,
     ) -> bool:
         """A JSON error response outside the handler; True if it was sent (and keep-alive)."""
-        if self.eof or self.gone or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        if self.eof or self.gone or self.responded:
             return False
-        headers = [
-            (b"date", _DATE.get()),
-            (b"server", self.server.server_header),
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(body)),
-            *extra,
-        ]
-        if close or self.server.closing:
-            headers.append((b"connection", b"close"))
-        h = self.h11
-        try:
-            head = h.send(
-                h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b""))
-            )
-            payload = b"" if self.head_only else h.send(h11.Data(data=body))
-            data = b"".join((head, payload, h.send(h11.EndOfMessage())))
-        except h11.LocalProtocolError:
-            self.abort = True
-            return False
-        return await self.send_quietly(data) and not close
+        if close:
+            self.must_close = True
+        headers = [("content-type", "application/json"), *extra]
+        head = self.response_head(status, headers, len(body))
+        data = head if self.head_only else head + body
+        return await self.send_quietly(data) and not self.must_close
 
     async def send_quietly(self, data: bytes) -> bool:
         """Write outside any handler (bounded); False if the client is gone or too slow."""

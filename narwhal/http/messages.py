@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import h11
 import trio
 
 from narwhal.errors import BadRequest
@@ -101,7 +100,7 @@ class ResponseWriter:
     def __init__(self, conn: Connection, *, head_only: bool) -> None:
         self._conn = conn
         self._head_only = head_only
-        self._chunked = False  # a streamed body framed by us (HTTP/1.1 chunked)
+        self._chunked = False  # a streamed body in HTTP/1.1 chunked framing
         self.started = False
         self.finished = False
         self.status: int | None = None
@@ -114,14 +113,10 @@ class ResponseWriter:
         if body and status in BODYLESS_STATUSES:
             raise ValueError(f"a {status} response cannot have a body")
         conn = self._conn
-        response = conn.make_response(status, headers, len(body))
-        h = conn.h11
-        head = h.send(response)
-        payload = h.send(h11.Data(data=body)) if body and not self._head_only else b""
-        data = b"".join((head, payload, h.send(h11.EndOfMessage())))
+        head = conn.response_head(status, headers, len(body))
         self.started = self.finished = True
         self.status = status
-        await conn.write(data)
+        await conn.write(head if self._head_only or not body else head + body)
 
     async def start(
         self, status: int, headers: Sequence[tuple[str, str]] = (), data: bytes = b""
@@ -130,15 +125,16 @@ class ResponseWriter:
         in the same write)."""
         self._check_unstarted(status)
         conn = self._conn
-        head = conn.h11.send(conn.make_response(status, headers, None))
+        head = conn.response_head(status, headers, None)
         self.started = True
         self.status = status
-        # h11 frames an HTTP/1.1 streamed body with chunked encoding and keeps no state
-        # per chunk; framing the chunks here saves its per-chunk event machinery.
-        self._chunked = conn.h11.their_http_version == b"1.1"
+        self._chunked = conn.http11 and status not in BODYLESS_STATUSES
         if data and not self._head_only:
-            head += conn.h11.send(h11.Data(data=data))
+            head += self._frame(data)
         await conn.write(head)
+
+    def _frame(self, data: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
 
     async def send(self, data: bytes, *, on_wait: Callable[[], None] | None = None) -> None:
         """Send one chunk of a streamed response (one write; empty data is skipped).
@@ -149,11 +145,7 @@ class ResponseWriter:
         if not self.started or self.finished:
             raise RuntimeError("send() needs a started, unfinished streamed response")
         if data and not self._head_only:
-            conn = self._conn
-            if self._chunked:
-                await conn.write(b"%x\r\n%b\r\n" % (len(data), data), on_wait)
-            else:
-                await conn.write(conn.h11.send(h11.Data(data=data)), on_wait)
+            await self._conn.write(self._frame(data), on_wait)
 
     async def end(self, data: bytes = b"") -> None:
         """Finish a streamed response: ``data`` (if any) and the terminating chunk, in
@@ -163,10 +155,13 @@ class ResponseWriter:
         if self.finished:
             return
         self.finished = True
-        conn = self._conn
-        h = conn.h11
-        tail = h.send(h11.Data(data=data)) if data and not self._head_only else b""
-        await conn.write(tail + h.send(h11.EndOfMessage()))
+        if self._head_only:
+            return
+        tail = self._frame(data) if data else b""
+        if self._chunked:
+            tail += b"0\r\n\r\n"
+        if tail:
+            await self._conn.write(tail)
 
     async def upgrade(self) -> trio.abc.Stream:
         """Take the raw connection for a protocol upgrade (e.g. a WebSocket handshake).

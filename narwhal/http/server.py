@@ -1,4 +1,5 @@
-"""HTTP/1.1 server on h11 over trio streams, shared by the router and the simulated engines.
+"""HTTP/1.1 server over trio streams (requests parsed by h11), shared by the router and the
+simulated engines.
 
 One :class:`HTTPServer` serves any number of connections; each connection is a
 keep-alive loop run by :class:`narwhal.http.connection.Connection` (limits, timeouts,
