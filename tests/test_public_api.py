@@ -67,6 +67,7 @@ def test_prefill_result_fields() -> None:
         "completed_at",
         "prompt_tokens",
         "transfer",
+        "validated",
     ]
     assert callable(narwhal.engines.PrefillResult.parameters)
 

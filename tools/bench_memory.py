@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 from proctools import free_port, start, stop, wait_http
 
 TARGET_KIB = 64.0
+LOG = "--log-level=warning"  # one word: `pkill -f "narwhal --log-level WARNING ..."` elsewhere misses it
 PROMPT = "the quick brown fox jumps over the lazy dog while the router keeps every stream open"
 
 
@@ -307,12 +308,12 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(start([sys.executable, "-m", "narwhal", "--log-level", "WARNING", "sim", "--fleet",
+        procs.append(start([sys.executable, "-m", "narwhal", LOG, "sim", "--fleet",
                             str(tmp / "sim.json")], tmp / "sim.log"))
         sims = Engines(procs[0], d_url, tmp / "sim.log")
         wait_http(f"{p_url}/health")
         wait_http(f"{d_url}/health")
-        targets = [("narwhal", [sys.executable, "-m", "narwhal", "--log-level", "WARNING", "serve", "--fleet",
+        targets = [("narwhal", [sys.executable, "-m", "narwhal", LOG, "serve", "--fleet",
                                 str(tmp / "router.json")], f"http://127.0.0.1:{ports['router']}")]
         if vr:
             targets.append(("vllm-router", [vr, "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,

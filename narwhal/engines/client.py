@@ -529,6 +529,7 @@ class EngineClient:
             started_at=started_at,
             completed_at=completed_at,
             prompt_tokens=_prompt_tokens(obj, first),
+            validated=True,
         )
 
     def decode(
@@ -586,14 +587,17 @@ class EngineClient:
                     engine=self.name,
                     leg=leg,
                 )
-            payload["kv_transfer_params"] = validate_descriptor(
-                prefill.descriptor,
-                connector=prefill.connector,
-                expected_endpoint=prefill.endpoint,
-                engine=prefill.producer,
-                leg=leg,
-                detach=False,  # serialized at once, never mutated
-            )
+            if prefill.validated:
+                payload["kv_transfer_params"] = dict(prefill.descriptor)
+            else:
+                payload["kv_transfer_params"] = validate_descriptor(
+                    prefill.descriptor,
+                    connector=prefill.connector,
+                    expected_endpoint=prefill.endpoint,
+                    engine=prefill.producer,
+                    leg=leg,
+                    detach=False,  # serialized at once, never mutated
+                )
         options = body.get("stream_options")
         stream_options = dict(options) if isinstance(options, Mapping) else {}
         stream_options["include_usage"] = True

@@ -352,6 +352,10 @@ class PrefillResult:
             one (``EngineClient.prefill(..., transfer=False)``, for a same-worker
             decode that relies on prefix caching) has an empty descriptor and no
             endpoint, and cannot be passed to ``decode``.
+        validated: the descriptor was validated against the producer's connector when
+            this was made (``EngineClient.prefill`` does); a consumer then checks only
+            that it drives the same connector. A result made by hand is validated in full
+            when decoded.
     """
 
     descriptor: Mapping[str, Any] = attrs.field(converter=_readonly_deepcopy)
@@ -366,6 +370,7 @@ class PrefillResult:
     completed_at: float
     prompt_tokens: int | None = None
     transfer: bool = True
+    validated: bool = attrs.field(default=False, eq=False)
 
     def parameters(self) -> dict[str, Any]:
         """A detached deep copy of the descriptor (the decode request's ``kv_transfer_params``)."""

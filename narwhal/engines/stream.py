@@ -68,7 +68,14 @@ class EngineReply(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Close the response (the connection returns to its pool only after a complete body)."""
+        """Close the response (the connection returns to its pool only after a complete body).
+
+        Never blocks for long and completes under cancellation.
+        """
+        ...
+
+    def body_complete(self) -> bool:
+        """Whether the whole body has arrived, reading only what is buffered (never waits)."""
         ...
 
 
@@ -96,6 +103,9 @@ class HttpxReply:
         with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
             await abandon(self.body)
             await self._response.aclose()
+
+    def body_complete(self) -> bool:
+        return False  # httpx's iterators cannot be asked without awaiting
 
 
 class StreamOwner(Protocol):
@@ -397,13 +407,12 @@ class DecodeStream:
             return
         self.closed = True
         self._finished = True
-        if drain and self.done and not self._eof:
+        if drain and self.done and not self._eof and not self._response.body_complete():
             await self._drain()
-        # Shielded: this often runs because an enclosing scope was cancelled (a deadline,
-        # a client disconnect); unshielded, that cancellation would skip the close and
-        # leave the engine streaming into a connection nobody reads.
-        with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-            await self._response.aclose()
+        # This often runs because an enclosing scope was cancelled (a deadline, a client
+        # disconnect): a reply's aclose completes under cancellation, so the engine does
+        # not keep streaming into a connection nobody reads.
+        await self._response.aclose()
 
     async def _drain(self) -> None:
         received = 0

@@ -194,6 +194,20 @@ class _Body(httpx.AsyncByteStream):
             self._need = size
             self._state = "data"
 
+    def finish_buffered(self) -> bool:
+        """Consume what has already arrived; whether that completes the body (never waits)."""
+        conn = self._conn
+        if conn is None or self._complete:
+            return self._complete
+        if self._chunked:
+            if self._parse_chunks(conn.buf, bytearray()):
+                self._complete = True
+        elif self._length is not None and len(conn.buf) >= self._length:
+            del conn.buf[: self._length]
+            self._length = 0
+            self._complete = True
+        return self._complete
+
     async def aclose(self) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
@@ -231,6 +245,10 @@ class WireResponse:
         finally:
             await self.body.aclose()
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def body_complete(self) -> bool:
+        """Whether the whole body has arrived, reading only what is buffered (never waits)."""
+        return self.body.finish_buffered()
 
     async def aclose(self) -> None:
         await self.body.aclose()

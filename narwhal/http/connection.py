@@ -312,26 +312,31 @@ class Connection:
                 break
         parts: list[bytes] = []
         size = 0
-        with trio.move_on_after(self.limits.body_timeout_s):
-            while True:
-                event = self.next_event()
-                if isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > limit:
-                        raise _Reject(413)
-                    parts.append(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    return b"".join(parts)
-                elif event is h11.NEED_DATA:
-                    if self.h11.they_are_waiting_for_100_continue:
-                        continue_ = h11.InformationalResponse(
-                            status_code=100, headers=[], reason=b"Continue"
-                        )
-                        await self.send_quietly(self.h11.send(continue_))
-                    self.h11.receive_data(await self.receive())
-                else:
-                    return None
-        raise _Reject(408)
+        deadline: float | None = None  # set when the body is not all here yet
+        while True:
+            event = self.next_event()
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limit:
+                    raise _Reject(413)
+                parts.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            elif event is h11.NEED_DATA:
+                if deadline is None:
+                    deadline = trio.current_time() + self.limits.body_timeout_s
+                if self.h11.they_are_waiting_for_100_continue:
+                    continue_ = h11.InformationalResponse(
+                        status_code=100, headers=[], reason=b"Continue"
+                    )
+                    await self.send_quietly(self.h11.send(continue_))
+                with trio.CancelScope(deadline=deadline) as scope:
+                    data = await self.receive()
+                if scope.cancelled_caught:
+                    raise _Reject(408)
+                self.h11.receive_data(data)
+            else:
+                return None
 
     async def serve(self, head: h11.Request) -> bool:
         """Read the body, run the handler, finish the response; True to keep alive."""
