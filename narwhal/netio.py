@@ -50,7 +50,7 @@ class StreamIO:
         stream: the wrapped stream (closing it is the owner's business).
     """
 
-    __slots__ = ("_socket", "_unyielded", "stream")
+    __slots__ = ("_drained", "_socket", "_unyielded", "stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
@@ -58,6 +58,9 @@ class StreamIO:
             stream.socket if type(stream) is trio.SocketStream else None
         )
         self._unyielded = 0
+        # The last read took less than asked, so the kernel's buffer was empty then:
+        # the next read waits for readability first instead of failing a system call.
+        self._drained = False
 
     async def send_all(
         self, data: bytes | bytearray | memoryview, *, on_wait: Callable[[], None] | None = None
@@ -99,7 +102,11 @@ class StreamIO:
         sock = self._socket
         if sock is None:
             return bytes(await self.stream.receive_some(max_bytes))
-        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._drained:
+            self._drained = False
+            await self._wait_readable(sock)
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             fd = sock.fileno()
             if fd < 0:
@@ -107,16 +114,20 @@ class StreamIO:
             try:
                 data = os.read(fd, max_bytes)
             except BlockingIOError:
-                self._unyielded = 0
-                try:
-                    await trio.lowlevel.wait_readable(sock)
-                except trio.ClosedResourceError:
-                    raise trio.ClosedResourceError("the connection was closed while reading") from None
+                await self._wait_readable(sock)
                 continue
             except OSError as exc:
                 raise _translate(exc) from exc
+            self._drained = 0 < len(data) < max_bytes
             await self._tick()
             return data
+
+    async def _wait_readable(self, sock: trio.socket.SocketType) -> None:
+        self._unyielded = 0
+        try:
+            await trio.lowlevel.wait_readable(sock)
+        except trio.ClosedResourceError:
+            raise trio.ClosedResourceError("the connection was closed while reading") from None
 
     async def _tick(self) -> None:
         self._unyielded += 1

@@ -18,6 +18,8 @@ from narwhal.engines.sse import (
     json_dumps,
     json_loads,
     parse_chunk,
+    parse_data,
+    scan_token_event,
 )
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -314,3 +316,47 @@ def test_json_helpers_round_trip() -> None:
     assert json_loads(json_dumps(obj)) == obj
     # Integers beyond 64 bits still serialize (the stdlib fallback).
     assert json.loads(json_dumps({"big": 2**70 + 1})) == {"big": 2**70 + 1}
+
+
+# --------------------------------------------------------------------------- lazy counting
+
+
+def test_lazy_parse_counts_the_recording_like_a_full_parse() -> None:
+    full = [parse_chunk(e) for e in REFERENCE]
+    lazy = [parse_chunk(e, lazy=True) for e in REFERENCE]
+    assert [c.kind for c in lazy] == [c.kind for c in full]
+    assert [c.count for c in lazy] == [c.count for c in full]
+    assert b"".join(c.raw for c in lazy) == RECORDING
+    # Token events of the usual shape are counted without a parse; the last one (its
+    # finish_reason is set) and the usage event are parsed in full.
+    assert sum(c.data is None for c in lazy if c.kind == "token") == RECORDED_TOKENS - 1
+    assert lazy[RECORDED_TOKENS - 1].finish_reason in ("length", "stop")
+    assert lazy[RECORDED_TOKENS].usage is not None
+
+
+@pytest.mark.parametrize(
+    ("data", "count"),
+    [
+        (b'{"choices":[{"index":0,"text":"a","finish_reason":null,"token_ids":[5]}]}', 1),
+        (b'{"choices":[{"index":0,"text":"ab","finish_reason":null,"token_ids":[5, 6,7]}],"usage":null}', 3),
+        (b'{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null,"token_ids":[9]}]}', 1),
+        # Text that mentions the key is escaped inside its string: not the key.
+        (b'{"choices":[{"index":0,"text":"\\"token_ids\\":[1,2]","finish_reason":null,"token_ids":[4]}]}', 1),
+        (b'{"choices":[{"text":"a","finish_reason":"length","token_ids":[5]}]}', 0),  # a finish
+        (b'{"choices":[{"text":"a","finish_reason":null,"token_ids":[]}]}', 0),  # no ids
+        (b'{"choices":[{"text":"a","finish_reason":null,"token_ids":[1]},'
+         b'{"text":"b","finish_reason":null,"token_ids":[2]}]}', 0),  # two choices
+        (b'{"choices":[{"finish_reason":null,"token_ids":[1]}],"usage":{"prompt_tokens":3}}', 0),
+        (b'{"error":{"message":"x"},"choices":[{"finish_reason":null,"token_ids":[1]}]}', 0),
+        (b'{"choices":[{"finish_reason":null,"token_ids":[1,"x"]}]}', 0),  # not integers
+        (b'{"choices":[{"finish_reason":null,"token_ids":[1]}', 0),  # truncated
+        (b"[DONE]", 0),
+    ],
+)
+def test_scan_token_event(data: bytes, count: int) -> None:
+    assert scan_token_event(data) == count
+    if count:
+        full = parse_data(data)
+        assert full.count == count
+        lazy = parse_data(data, lazy=True)
+        assert (lazy.kind, lazy.count, lazy.raw, lazy.data) == ("token", count, full.raw, None)

@@ -47,6 +47,7 @@ from narwhal.engines.sse import (
     json_loads,
     parse_chunk,
     parse_data,
+    scan_token_event,
 )
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     "parse_data",
     "parse_prometheus",
     "prefill_request_params",
+    "scan_token_event",
     "strip_transfer_params",
     "sum_samples",
     "validate_descriptor",

@@ -109,8 +109,10 @@ class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
         kind: RequestKind,
         request_id: str,
         leg: str | None,
+        lazy: bool = False,
     ) -> None:
         self._client = client
+        self._lazy = lazy
         self._prefill = prefill
         self._body = body
         self._kind: RequestKind = kind
@@ -124,7 +126,7 @@ class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
             raise RuntimeError("a decode context can be entered only once")
         self._entered = True
         self._stream = await self._client._open_decode(
-            self._prefill, self._body, self._kind, self._request_id, self._leg
+            self._prefill, self._body, self._kind, self._request_id, self._leg, self._lazy
         )
         return self._stream
 
@@ -540,6 +542,7 @@ class EngineClient:
         kind: RequestKind | None = None,
         request_id: str | None = None,
         leg: str | None = "decode",
+        lazy: bool = False,
     ) -> AbstractAsyncContextManager[DecodeStream]:
         """Open a streaming decode; use as ``async with client.decode(result) as stream``.
 
@@ -556,6 +559,8 @@ class EngineClient:
             kind: ``"completions"`` or ``"chat"``; defaults to ``prefill.kind``.
             request_id: the backend request id (``x-request-id``); fresh by default.
             leg: the leg errors are attributed to.
+            lazy: count token events of the usual shape without parsing them (see
+                :class:`DecodeStream`).
 
         Raises (on entering):
             EngineUnavailable, EngineHTTPError, EngineStreamError, StreamClosed: the
@@ -573,7 +578,7 @@ class EngineClient:
         if kind is None:
             kind = prefill.kind if prefill is not None else "completions"
         rid = request_id if request_id is not None else new_request_id()
-        return _DecodeOpener(self, prefill, body, check_kind(kind), rid, leg)
+        return _DecodeOpener(self, prefill, body, check_kind(kind), rid, leg, lazy)
 
     def _decode_body(
         self, prefill: PrefillResult | None, body: Mapping[str, Any], leg: str | None
@@ -613,6 +618,7 @@ class EngineClient:
         kind: RequestKind,
         request_id: str,
         leg: str | None,
+        lazy: bool = False,
     ) -> DecodeStream:
         payload = self._decode_body(prefill, body, leg)
         opened_at = trio.current_time()
@@ -646,6 +652,7 @@ class EngineClient:
             kind=kind,
             prefill=prefill,
             opened_at=opened_at,
+            lazy=lazy,
         )
 
     # ----------------------------------------------------------------- introspection

@@ -32,6 +32,7 @@ __all__ = [
     "json_loads",
     "parse_chunk",
     "parse_data",
+    "scan_token_event",
 ]
 
 # --------------------------------------------------------------------------- JSON
@@ -351,29 +352,78 @@ def _error_chunk(raw: bytes, obj: dict[str, Any], error: dict[str, Any]) -> Chun
     return Chunk("error", raw, obj, error=error, status=_error_status(error))
 
 
-def parse_chunk(event: SSEEvent) -> Chunk:
+def parse_chunk(event: SSEEvent, *, lazy: bool = False) -> Chunk:
     """Classify one event of an OpenAI-compatible completions or chat stream.
+
+    ``lazy`` as for :func:`parse_data`.
 
     Raises:
         MalformedEvent: the data is neither ``[DONE]`` nor a JSON object.
     """
     data = event.data
     if event.event is None and event.id is None and b"\n" not in data:
-        return parse_data(data)
-    return parse_data(data, event.encode())
+        return parse_data(data, lazy=lazy)
+    return parse_data(data, event.encode(), lazy=lazy)
 
 
-def parse_data(data: bytes, raw: bytes | None = None) -> Chunk:
+_IDS_KEY: Final = b'"token_ids":['
+_ID_CHARS: Final = b"0123456789, "
+
+
+def scan_token_event(data: bytes) -> int:
+    """Count the token ids of an event of the usual shape without parsing it; 0 otherwise.
+
+    The usual shape is what vLLM streams for one choice with ``return_token_ids``: a
+    JSON object with exactly one ``"token_ids":[...]`` array of integers, a null
+    ``finish_reason``, no ``error`` key and no usage. A JSON string cannot contain
+    the key's bytes unescaped, so text that mentions ``"token_ids":[`` is not mistaken
+    for it; braces and brackets must balance. This is not a JSON validation: a
+    malformed event of that shape is relayed as it is (the client's parser sees it).
+    Anything else (0) needs :func:`parse_data`.
+    """
+    if data[:1] != b"{" or data[-1:] != b"}":
+        return 0
+    start = data.find(_IDS_KEY)
+    if start < 0:
+        return 0
+    start += len(_IDS_KEY)
+    end = data.find(b"]", start)
+    if end < 0 or data.find(_IDS_KEY, end) >= 0:
+        return 0
+    ids = data[start:end]
+    if not ids.strip() or ids.translate(None, _ID_CHARS):
+        return 0
+    if (
+        b'"finish_reason":null' not in data
+        or b'"error"' in data
+        or (b'"usage"' in data and b'"usage":null' not in data)
+        # A cut or corrupted event rarely balances (and text with brackets only costs
+        # a full parse).
+        or data.count(b"{") != data.count(b"}")
+        or data.count(b"[") != data.count(b"]")
+    ):
+        return 0
+    return ids.count(b",") + 1
+
+
+def parse_data(data: bytes, raw: bytes | None = None, *, lazy: bool = False) -> Chunk:
     """Classify the data of one event (see :func:`parse_chunk`).
 
     Args:
         data: the event's data.
         raw: the event as forwarded; by default ``data: <data>\\n\\n``, which is
             the event exactly when it had one data line and no other field.
+        lazy: a token event of the usual shape (:func:`scan_token_event`) is counted
+            without being parsed: its chunk has ``count`` and ``raw`` but no ``data``,
+            ``token_ids`` or ``text`` (for a forwarder that needs only those).
 
     Raises:
         MalformedEvent: the data is neither ``[DONE]`` nor a JSON object.
     """
+    if lazy:
+        count = scan_token_event(data)
+        if count:
+            return Chunk("token", b"data: " + data + b"\n\n" if raw is None else raw, None, _NO_IDS, count)
     if data[:1] != b"{" and data.strip() == b"[DONE]":
         return _DONE_CHUNK
     try:

@@ -251,6 +251,10 @@ class DecodeStream:
         usage: the usage object the engine reported, once it did.
         done: whether ``[DONE]`` arrived.
         closed: whether the stream was closed.
+
+    A ``lazy`` stream counts token events of the usual shape without parsing them
+    (:func:`~narwhal.engines.sse.scan_token_event`): their chunks carry ``count`` and
+    ``raw`` only. A forwarder that relays bytes and accounts tokens needs no more.
     """
 
     def __init__(
@@ -263,8 +267,10 @@ class DecodeStream:
         kind: RequestKind,
         prefill: PrefillResult | None,
         opened_at: float,
+        lazy: bool = False,
     ) -> None:
         self._owner = owner
+        self._lazy = lazy
         self._response = response
         self._bytes = response.body
         self._decoder = SSEDecoder()
@@ -316,7 +322,7 @@ class DecodeStream:
             while events:
                 event = events.popleft()
                 try:
-                    chunk = parse_chunk(event)
+                    chunk = parse_chunk(event, lazy=self._lazy)
                 except MalformedEvent as exc:
                     self._finished = True
                     if self._eof:

@@ -153,46 +153,57 @@ class _Body(httpx.AsyncByteStream):
                 raise httpx.RemoteProtocolError("engine closed the connection mid-body")
 
     def _parse_chunks(self, buf: bytearray, out: bytearray) -> bool:
-        """Move complete chunk data from ``buf`` to ``out``; True at the last chunk."""
-        while True:
-            if self._state == "data":
-                take = min(self._need, len(buf))
-                out += buf[:take]
-                del buf[:take]
-                self._need -= take
-                if self._need:
+        """Move complete chunk data from ``buf`` to ``out``; True at the last chunk.
+
+        One pass with an index over the buffer, and one deletion at the end: a burst
+        of events arrives as many small chunks.
+        """
+        pos = 0
+        try:
+            while True:
+                if self._state == "data":
+                    take = min(self._need, len(buf) - pos)
+                    out += buf[pos : pos + take]
+                    pos += take
+                    self._need -= take
+                    if self._need:
+                        return False
+                    self._state = "crlf"
+                if self._state == "crlf":
+                    if len(buf) - pos < 2:
+                        return False
+                    if buf[pos : pos + 2] != b"\r\n":
+                        raise httpx.RemoteProtocolError("malformed chunked body")
+                    pos += 2
+                    self._state = "size"
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if len(buf) - pos > 1024:
+                        raise httpx.RemoteProtocolError("malformed chunk size line")
                     return False
-                self._state = "crlf"
-            if self._state == "crlf":
-                if len(buf) < 2:
-                    return False
-                if buf[:2] != b"\r\n":
-                    raise httpx.RemoteProtocolError("malformed chunked body")
-                del buf[:2]
-                self._state = "size"
-            end = buf.find(b"\r\n")
-            if end < 0:
-                if len(buf) > 1024:
+                line = buf[pos:end]
+                semi = line.find(b";")
+                try:
+                    size = int(line if semi < 0 else line[:semi], 16)
+                except ValueError:
+                    raise httpx.RemoteProtocolError("malformed chunk size line") from None
+                if size < 0:
                     raise httpx.RemoteProtocolError("malformed chunk size line")
-                return False
-            try:
-                size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
-            except ValueError:
-                raise httpx.RemoteProtocolError("malformed chunk size line") from None
-            if size < 0:
-                raise httpx.RemoteProtocolError("malformed chunk size line")
-            if size == 0:
-                if buf[end : end + 4] == b"\r\n\r\n":
-                    del buf[: end + 4]
+                if size == 0:
+                    if buf[end : end + 4] == b"\r\n\r\n":
+                        pos = end + 4
+                        return True
+                    trailers_end = buf.find(b"\r\n\r\n", end)
+                    if trailers_end < 0:
+                        return False  # trailers (or the final CRLF) still to come
+                    pos = trailers_end + 4
                     return True
-                trailers_end = buf.find(b"\r\n\r\n", end)
-                if trailers_end < 0:
-                    return False  # trailers (or the final CRLF) still to come
-                del buf[: trailers_end + 4]
-                return True
-            del buf[: end + 2]
-            self._need = size
-            self._state = "data"
+                pos = end + 2
+                self._need = size
+                self._state = "data"
+        finally:
+            if pos:
+                del buf[:pos]
 
     def finish_buffered(self) -> bool:
         """Consume what has already arrived; whether that completes the body (never waits)."""

@@ -380,7 +380,11 @@ class RequestLifecycle:
         try:
             with scope:
                 async with consumer.decode(
-                    handoff, parsed.body, kind=self.kind, request_id=attempt.decode_request_id
+                    handoff,
+                    parsed.body,
+                    kind=self.kind,
+                    request_id=attempt.decode_request_id,
+                    lazy=acc is None,  # a relayed stream needs token counts, not token objects
                 ) as stream:
                     async for chunk in stream:
                         if chunk.kind == "token":
