@@ -143,6 +143,7 @@ class Connection:
         self.abort = False  # close without ceremony (response incomplete or stream broken)
         self.linger = False  # request bytes may be unread: drain before closing
         self.carry = False  # bytes of the next request were read ahead
+        self.nursery: trio.Nursery | None = None
         self.watch_scope: trio.CancelScope | None = None
         self.watch_done: trio.Event | None = None
         self.detached = False  # the handler took the raw stream (protocol upgrade)
@@ -237,6 +238,13 @@ class Connection:
     # ------------------------------------------------------------ the loop
 
     async def run(self) -> None:
+        # One nursery for the connection's life: each request's disconnect watcher runs
+        # in it (opening a nursery per request cost more than the watcher itself).
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            await self._serve_requests()
+
+    async def _serve_requests(self) -> None:
         first = True
         while True:
             try:
@@ -367,16 +375,17 @@ class Connection:
         writer = ResponseWriter(self, head_only=self.head_only)
         self.request = request
         self.handler_scope = trio.CancelScope()
-        self.watch_scope = trio.CancelScope()
-        self.watch_done = trio.Event()
+        self.watch_scope = watch_scope = trio.CancelScope()
+        self.watch_done = watch_done = trio.Event()
+        assert self.nursery is not None
+        self.nursery.start_soon(self.watch, watch_scope, watch_done)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.watch, self.watch_scope, self.watch_done)
-                failure = await self.call_handler(request, writer, self.handler_scope)
-                nursery.cancel_scope.cancel()
+            failure = await self.call_handler(request, writer, self.handler_scope)
         finally:
             self.request = None
             self.handler_scope = None
+            watch_scope.cancel()
+        await watch_done.wait()  # it feeds h11: it must stop before the next read
         return await self.finish(request, writer, failure)
 
     async def call_handler(
