@@ -130,7 +130,7 @@ def main() -> int:
         urls = {name: f"http://127.0.0.1:{port}" for name, (_, port) in targets.items()}
         if vr:
             cmd = [vr, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
-                   "--port", str(ports["vr"])]  # fmt: skip
+                   "--port", str(ports["vr"]), "--prometheus-port", str(free_port())]  # fmt: skip
             for p in engines[:2]:
                 cmd += ["--prefill", p["url"]]
             for d in engines[2:]:

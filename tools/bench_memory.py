@@ -12,7 +12,7 @@ on PATH):
    process (this file with ``--client-of``: one keep-alive TCP connection per stream,
    hand-written HTTP), wait until every stream has its first token, sample the RSS a
    few times (the max is reported) and count the streams still open;
-3. close every stream, read the RSS again and wait until the consumer is idle.
+3. close every stream, wait until the consumer is idle and read the RSS again.
 
 It prints idle and open RSS, (open - idle) / open streams in KiB against the target
 (64 KiB per stream), the ratio against vllm-router, and writes everything as JSON.
@@ -284,12 +284,9 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-bench-memory-"))
     ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "router", "admin", "vr")}
     p_url, d_url = f"http://127.0.0.1:{ports['p']}", f"http://127.0.0.1:{ports['d']}"
-    engines = [
-        {"name": "producer", "url": p_url, "roles": ["prefill"],
-         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["pkv"]}},
-        {"name": "consumer", "url": d_url, "roles": ["decode"],
-         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["dkv"]}},
-    ]
+    engines = [{"name": name, "url": url, "roles": [role],
+                "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports[kv]}}
+               for name, url, role, kv in (("producer", p_url, "prefill", "pkv"), ("consumer", d_url, "decode", "dkv"))]
     seqs = args.streams + 256
     sim = {"model": "sim-llama", "prefill": {"a": 0.0, "b": 0.0, "c": 0.0}, "transfer_s_per_token": 0.0,
            "decode": {"c0": args.token_interval, "c1": 0.0, "c2": 0.0}, "max_num_seqs": max(4096, seqs),
@@ -306,6 +303,7 @@ def main() -> int:
     (tmp / "sim.json").write_text(json.dumps({"engines": [{**e, "sim": sim} for e in engines]}))
     (tmp / "router.json").write_text(json.dumps(router_doc))
     rows: list[dict[str, Any]] = []
+    failures: dict[str, str] = {}
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(start([sys.executable, "-m", "narwhal", LOG, "sim", "--fleet",
@@ -325,28 +323,32 @@ def main() -> int:
             try:
                 wait_http(f"{url}/health", timeout=120)
                 rows.append(measure(name, url, router.pid, sims, args))
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                failures[name] = f"{type(exc).__name__}: {exc} (logs in {tmp})"
             finally:
                 stop(router)
     finally:
         for proc in reversed(procs):
             stop(proc)
     print_table(rows, args.streams)
-    by = {r["target"]: r for r in rows}
+    for name, why in failures.items():
+        print(f"{name}: NOT MEASURED: {why}")
+    per = {r["target"]: r["kib_per_stream"] for r in rows}
     ratio = None
-    if "vllm-router" in by and by["narwhal"]["kib_per_stream"] and by["vllm-router"]["kib_per_stream"]:
-        ratio = by["narwhal"]["kib_per_stream"] / by["vllm-router"]["kib_per_stream"]
+    if per.get("narwhal") and per.get("vllm-router"):
+        ratio = per["narwhal"] / per["vllm-router"]
         print(f"\nnarwhal / vllm-router, KiB per stream: x{ratio:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"streams": args.streams, "target_kib_per_stream": TARGET_KIB,
                                           "token_interval_s": args.token_interval, "rows": rows,
-                                          "narwhal_vs_vllm_router": ratio, "logs": str(tmp),
+                                          "narwhal_vs_vllm_router": ratio, "failures": failures, "logs": str(tmp),
                                           "machine": {"cpus": os.cpu_count(), "nofile": nofile}}, indent=2))
     print(f"written to {args.out} (logs in {tmp})")
-    return 0 if all(r["complete"] for r in rows) else 1
+    return 0 if all(r["complete"] for r in rows) and not failures else 1
 
 
 def print_table(rows: list[dict[str, Any]], n: int) -> None:
-    print(f"\n{'target':<13}{'open':>11}{'idle MiB':>10}{'open MiB':>10}{'after MiB':>11}{'KiB/stream':>12}"
+    print(f"\n{'router':<13}{'open':>11}{'idle MiB':>10}{'open MiB':>10}{'after MiB':>11}{'KiB/stream':>12}"
           f"{'target':>8}{'met':>6}{'fds':>7}{'errors':>8}")
     for r in rows:
         per, met = r["kib_per_stream"], r["meets_target"]

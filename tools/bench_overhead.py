@@ -13,8 +13,10 @@ then measures with a load generator in its own process (``tools/loadgen.py``):
 at concurrency 1, 16 and 64: requests/s, added p50/p99 latency to the first token
 and to the last token (against (a) at the same concurrency), router CPU seconds per
 request (from /proc), and per-token forwarding cost (router CPU per extra output
-token, from a short-output and a long-output run). It prints ratios against (a) and
-(c) and writes everything as JSON.
+token, from a short-output and a long-output run). The targets alternate within each
+of ``--rounds`` rounds and every figure is the median over them, so a change in the
+machine's load touches all targets alike. It prints ratios against (a) and (c), a
+verdict for each of the performance targets, and writes everything as JSON.
 
     python tools/bench_overhead.py --out runs/bench_overhead.json
 """
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,12 +55,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
-
-
-
-
-
-
 def loadgen(url: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, str(HERE / "loadgen.py"), "--url", url, "--concurrency", str(concurrency),
@@ -73,6 +70,19 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (errors summed)."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, float):
+            values = sorted(r[key] for r in rows if r[key] is not None)
+            out[key] = statistics.median(values) if values else None
+    out["errors"] = sum(r["errors"] for r in rows)
+    out["requests"] = sum(r["requests"] for r in rows)
+    out["rounds"] = len(rows)
+    return out
 
 
 def measure(name: str, url: str, pid: int | None, concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
@@ -105,6 +115,8 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=256, help="output length of the per-token run")
     parser.add_argument("--vllm-router", help="path of the vllm-router executable")
     parser.add_argument("--workers", type=int, default=1, help="narwhal serve --workers")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measurements per target and level, interleaved; figures are their medians")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     vr = args.vllm_router or shutil.which("vllm-router")
@@ -146,23 +158,33 @@ def main() -> int:
         if vr:
             vrp = start([vr, "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{ports['p']}",
                          "--decode", f"http://127.0.0.1:{ports['d']}", "--policy", "round_robin",
-                         "--host", "127.0.0.1", "--port", str(ports["vr"])], tmp / "vllm-router.log")
+                         "--host", "127.0.0.1", "--port", str(ports["vr"]),
+                         # its metrics listener defaults to a fixed port: one of our own
+                         "--prometheus-port", str(free_port())], tmp / "vllm-router.log")
             procs.append(vrp)
             wait_http(f"http://127.0.0.1:{ports['vr']}/health")
             targets.append(("vllm-router", f"http://127.0.0.1:{ports['vr']}", vrp.pid))
+        # Targets alternate within each round, so a change in the machine's load
+        # touches all of them alike; each figure is the median over the rounds.
         for c in levels:
-            for name, url, pid in targets:
-                rows.append(measure(name, url, pid, c, args.requests, args.max_tokens))
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in targets}
+            for _ in range(args.rounds):
+                for name, url, pid in targets:
+                    runs[name].append(measure(name, url, pid, c, args.requests, args.max_tokens))
+            for name, _, _ in targets:
+                rows.append(median_row(runs[name]))
                 print(f"  measured {name} at concurrency {c}", file=sys.stderr, flush=True)
         per_token: dict[str, float] = {}
-        for name, url, pid in targets:
-            if pid is None:
-                continue
-            short = measure(name, url, pid, 16, args.requests // 2, args.max_tokens)
-            long = measure(name, url, pid, 16, args.requests // 2, args.long_tokens)
-            per_token[name] = (long["router_cpu_ms_per_request"] - short["router_cpu_ms_per_request"]) * 1e3 / (
-                args.long_tokens - args.max_tokens
-            )
+        samples: dict[str, list[float]] = {name: [] for name, _, pid in targets if pid is not None}
+        for _ in range(args.rounds):
+            for name, url, pid in targets:
+                if pid is None:
+                    continue
+                short = measure(name, url, pid, 16, args.requests // 2, args.max_tokens)
+                long = measure(name, url, pid, 16, args.requests // 2, args.long_tokens)
+                samples[name].append((long["router_cpu_ms_per_request"] - short["router_cpu_ms_per_request"])
+                                     * 1e3 / (args.long_tokens - args.max_tokens))
+        per_token = {name: statistics.median(values) for name, values in samples.items()}
     finally:
         for proc in reversed(procs):
             stop(proc)
@@ -202,7 +224,28 @@ def summarize(rows: list[dict[str, Any]], per_token: dict[str, float], levels: l
             }
         out[str(c)] = level
     out["per_token_cpu_us"] = per_token
+    out["targets"] = verdicts(out, per_token, levels)
     return out
+
+
+def verdicts(report: dict[str, Any], per_token: dict[str, float], levels: list[int]) -> list[dict[str, Any]]:
+    """The performance targets, each with the figure measured and whether it is met."""
+    checks: list[dict[str, Any]] = []
+    for c in levels:
+        ratios = report[str(c)].get("narwhal_vs_vllm_router")
+        if ratios is None:
+            continue
+        limit = 1.0 if c <= 16 else 1.5
+        ttft = ratios["added_ttft_p50_ratio"]
+        checks.append({"target": f"added ttft p50 at c={c} <= {limit:g}x vllm-router's", "value": ttft,
+                       "met": ttft is not None and ttft <= limit})
+        cpu = ratios["cpu_per_request_ratio"]
+        checks.append({"target": f"router cpu/request at c={c} <= 1.5x vllm-router's", "value": cpu,
+                       "met": cpu is not None and cpu <= 1.5})
+    if "narwhal" in per_token:
+        checks.append({"target": "per-token forwarding cost <= 20 us", "value": per_token["narwhal"],
+                       "met": per_token["narwhal"] <= 20.0})
+    return checks
 
 
 def print_table(rows: list[dict[str, Any]], per_token: dict[str, float], report: dict[str, Any]) -> None:
@@ -213,7 +256,7 @@ def print_table(rows: list[dict[str, Any]], per_token: dict[str, float], report:
               f"{r['total_p50_ms']:>10.2f}{r['total_p99_ms']:>10.2f}{'-' if cpu is None else f'{cpu:.3f}':>12}{r['errors']:>8}")
     print("\nadded latency against the engines themselves (ms), and ratios:")
     for c, level in report.items():
-        if c == "per_token_cpu_us":
+        if c in ("per_token_cpu_us", "targets"):
             continue
         for name, v in level.items():
             if name == "narwhal_vs_vllm_router":
@@ -225,6 +268,11 @@ def print_table(rows: list[dict[str, Any]], per_token: dict[str, float], report:
                       f"rps x{v['rps_vs_engines']:.2f} of the engines")
     for name, us in per_token.items():
         print(f"  per-token forwarding cost, {name}: {us:.1f} us of router CPU per token")
+    print("\ntargets:")
+    for check in report["targets"]:
+        value = check["value"]
+        shown = "n/a" if value is None else f"{value:.2f}"
+        print(f"  {'met    ' if check['met'] else 'NOT MET'}  {check['target']}: {shown}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
 _MAX_HEAD: Final = 64 * 1024
 _RECV: Final = 65536
 _NO_BODY_STATUSES: Final = frozenset({204, 304})
+#: Idle longer than this, a pooled connection is checked for a close by the peer.
+_CHECK_AFTER_IDLE_S: Final = 0.05
 
 
 async def tcp_connector(host: str, port: int) -> trio.abc.Stream:
@@ -306,7 +308,10 @@ class WireTransport(httpx.AsyncBaseTransport):
         now = trio.current_time()
         while pool:
             conn = pool.pop()  # most recently used first: likeliest to be alive
-            if now - conn.idle_since < self._idle_expiry and not conn.looks_closed():
+            idle = now - conn.idle_since
+            # A connection idle for a moment is not worth a system call to check (a
+            # closed one is retried once anyway, see the module docstring).
+            if idle < self._idle_expiry and (idle < _CHECK_AFTER_IDLE_S or not conn.looks_closed()):
                 return conn
             await trio.aclose_forcefully(conn.stream)
         return await self._open(origin)

@@ -196,22 +196,15 @@ class Journal:
                             if not batch:
                                 break
                     # Gather for a short window: one write (and one thread hop) per
-                    # batch instead of per request; the request path never waits on it.
-                    deadline = trio.current_time() + self.batch_window_s
-                    while len(batch) < 512:
+                    # batch instead of per request, and one wake-up of this task per
+                    # batch (it sleeps through the window, then takes what queued up);
+                    # the request path never waits on it.
+                    if not self._closed:
+                        await trio.sleep(self.batch_window_s)
+                    while True:
                         try:
                             batch.append(self._receive.receive_nowait())
-                            continue
-                        except trio.EndOfChannel:
-                            break
-                        except trio.WouldBlock:
-                            pass
-                        with trio.move_on_at(deadline) as window:
-                            try:
-                                batch.append(await self._receive.receive())
-                            except trio.EndOfChannel:
-                                break
-                        if window.cancelled_caught:
+                        except (trio.WouldBlock, trio.EndOfChannel):
                             break
                     batch.extend(self._take_overflow())
                     if fh is not None:
