@@ -315,7 +315,8 @@ def main() -> int:
                                 str(tmp / "router.json")], f"http://127.0.0.1:{ports['router']}")]
         if vr:
             targets.append(("vllm-router", [vr, "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
-                                            "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(ports["vr"])],
+                                            "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(ports["vr"]),
+                                            "--prometheus-port", str(free_port())],
                             f"http://127.0.0.1:{ports['vr']}"))
         for name, cmd, url in targets:
             router = start(cmd, tmp / f"{name}.log")
