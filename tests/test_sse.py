@@ -360,3 +360,20 @@ def test_scan_token_event(data: bytes, count: int) -> None:
         assert full.count == count
         lazy = parse_data(data, lazy=True)
         assert (lazy.kind, lazy.count, lazy.raw, lazy.data) == ("token", count, full.raw, None)
+
+
+def test_feed_tokens_takes_only_bursts_of_usual_token_events() -> None:
+    events = [e + b"\n\n" for e in RECORDING.split(b"\n\n") if e]
+    assert len(events) == RECORDED_EVENTS
+    decoder = SSEDecoder()
+    burst = b"".join(events[:5])
+    assert decoder.feed_tokens(burst) == 5
+    # Not all usual token events: nothing consumed, feed() takes it.
+    tail = b"".join(events[RECORDED_TOKENS - 1 :])  # the finishing event, usage, [DONE]
+    assert decoder.feed_tokens(tail) == 0
+    assert [e.data for e in decoder.feed(tail)] == [e.data for e in REFERENCE[RECORDED_TOKENS - 1 :]]
+    # A burst cut inside an event is left to feed() as well.
+    assert decoder.feed_tokens(burst[:-10]) == 0
+    assert decoder.feed(burst[:-10]) == REFERENCE[:4]
+    assert decoder.feed_tokens(burst[-10:]) == 0  # the decoder holds a partial line
+    assert decoder.feed(burst[-10:]) == [REFERENCE[4]]

@@ -157,10 +157,11 @@ class SSEDecoder:
         #: The last valid ``retry`` (milliseconds) the stream set.
         self.retry: int | None = None
 
-    def feed(self, chunk: bytes) -> list[SSEEvent]:
-        """Consume ``chunk`` and return the events it completed, in order."""
-        if not chunk:
-            return []
+    def _simple_parts(self, chunk: bytes) -> list[bytes] | None:
+        """The events of ``chunk`` when it is whole ``data: ...\\n\\n`` events with one
+        data line each and the decoder holds nothing (what engines send); else None."""
+        if self._bom_pending and not self._pending and chunk[:1] != b"\xef":
+            self._bom_pending = False  # the stream does not open with a byte-order mark
         if (
             chunk[-2:] == b"\n\n"
             and not self._pending
@@ -172,13 +173,37 @@ class SSEDecoder:
             and len(chunk) <= self._max
             and b"\r" not in chunk
         ):
-            # What engines send: whole "data: ...\n\n" events, one data line each.
             parts = chunk[:-2].split(b"\n\n")
             for part in parts:
                 if part[:6] != b"data: " or b"\n" in part:
-                    break
-            else:
-                return [SSEEvent(part[6:]) for part in parts]
+                    return None
+            return parts
+        return None
+
+    def feed_tokens(self, chunk: bytes) -> int:
+        """Consume ``chunk`` if it is nothing but token events of the usual shape
+        (:func:`scan_token_event`) and return their token count; else consume nothing
+        and return 0 (then :meth:`feed` it)."""
+        if not chunk:
+            return 0
+        parts = self._simple_parts(chunk)
+        if parts is None:
+            return 0
+        total = 0
+        for part in parts:
+            count = scan_token_event(part[6:])
+            if not count:
+                return 0
+            total += count
+        return total
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Consume ``chunk`` and return the events it completed, in order."""
+        if not chunk:
+            return []
+        parts = self._simple_parts(chunk)
+        if parts is not None:
+            return [SSEEvent(part[6:]) for part in parts]
         if self._skip_lf:
             self._skip_lf = False
             if chunk[0] == 0x0A:

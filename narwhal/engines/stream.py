@@ -254,7 +254,9 @@ class DecodeStream:
 
     A ``lazy`` stream counts token events of the usual shape without parsing them
     (:func:`~narwhal.engines.sse.scan_token_event`): their chunks carry ``count`` and
-    ``raw`` only. A forwarder that relays bytes and accounts tokens needs no more.
+    ``raw`` only, and token events that arrived together (with nothing else) come as one
+    chunk whose ``count`` is their total and ``raw`` their bytes. A forwarder that
+    relays bytes and accounts tokens needs no more.
     """
 
     def __init__(
@@ -274,7 +276,7 @@ class DecodeStream:
         self._response = response
         self._bytes = response.body
         self._decoder = SSEDecoder()
-        self._events: deque[SSEEvent] = deque()
+        self._events: deque[SSEEvent | Chunk] = deque()
         self._eof = False
         self._finished = False
         self._interrupted = False
@@ -322,7 +324,7 @@ class DecodeStream:
             while events:
                 event = events.popleft()
                 try:
-                    chunk = parse_chunk(event, lazy=self._lazy)
+                    chunk = event if isinstance(event, Chunk) else parse_chunk(event, lazy=self._lazy)
                 except MalformedEvent as exc:
                     self._finished = True
                     if self._eof:
@@ -383,6 +385,12 @@ class DecodeStream:
             raise self._owner.map_error(exc, self.leg) from exc
         self._interrupted = False
         self.last_activity_at = trio.current_time()
+        if self._lazy:
+            count = self._decoder.feed_tokens(data)
+            if count:
+                # A burst of token events and nothing else: one chunk, relayed as it came.
+                self._events.append(Chunk("token", data, None, (), count))
+                return
         try:
             self._events.extend(self._decoder.feed(data))
         except SSEError as exc:
