@@ -75,6 +75,14 @@ class FakeServer:
                     return
 
 
+async def test_chunk_extensions_and_bursts_of_whole_chunks(autojump_clock: trio.abc.Clock) -> None:
+    body = b"2;ext=1\r\nab\r\n1\r\nc\r\n3\r\ndef\r\n0\r\n\r\n"
+    server = FakeServer([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body])
+    async with trio.open_nursery() as nursery:
+        server._nursery = nursery
+        assert await _get_stream(WireTransport(connect=server.connect)) == (200, b"abcdef")
+
+
 async def _get_stream(transport: WireTransport, url: str = "http://engine.test:80/v1/completions") -> tuple[int, bytes]:
     async with httpx.AsyncClient(transport=transport) as client:
         async with client.stream("POST", url, content=b'{"a":1}') as resp:
@@ -129,6 +137,10 @@ async def test_stale_pooled_connection_is_retried_once(autojump_clock: trio.abc.
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab", httpx.RemoteProtocolError),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nab", httpx.RemoteProtocolError),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", httpx.RemoteProtocolError),
+        # Whole chunks back to back, the second without its CRLF after the data.
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n2\r\ncdXX0\r\n\r\n",
+         httpx.RemoteProtocolError),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1_0\r\nab", httpx.RemoteProtocolError),
         (b"SPDY/9 200 OK\r\n\r\n", httpx.RemoteProtocolError),
         (b"HTTP/1.1 2x0 OK\r\n\r\n", httpx.RemoteProtocolError),
     ],

@@ -162,6 +162,29 @@ class _Body(httpx.AsyncByteStream):
         """
         pos = 0
         try:
+            if self._state == "size":
+                # Whole chunks back to back (a burst of events): no state machine.
+                n = len(buf)
+                find = buf.find
+                while True:
+                    end = find(b"\r\n", pos)
+                    if end < 0:
+                        break
+                    line = buf[pos:end]
+                    if not line.isalnum():
+                        break  # extensions, or malformed: the general path decides
+                    try:
+                        size = int(line, 16)
+                    except ValueError:
+                        break
+                    start = end + 2
+                    stop = start + size
+                    if size == 0 or stop + 2 > n:
+                        break  # the last chunk, or an incomplete one
+                    if buf[stop : stop + 2] != b"\r\n":
+                        raise httpx.RemoteProtocolError("malformed chunked body")
+                    out += buf[start:stop]
+                    pos = stop + 2
             while True:
                 if self._state == "data":
                     take = min(self._need, len(buf) - pos)
