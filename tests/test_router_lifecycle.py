@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -130,3 +131,40 @@ async def test_journal_never_blocks_and_never_drops() -> None:
     assert len(got) == 50
     with pytest.raises(ValueError, match="unknown terminal class"):
         Journal(None).record(RequestRecord(request_id="x", arrival=0.0, route="c", terminal_class="weird"))
+
+
+class _WholeStreams(httpx.AsyncBaseTransport):
+    """The simulated engines, except that a decode stream arrives in one piece at its end
+    (an engine that produced everything while the router was not reading)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            body = await response.aread()
+            return httpx.Response(response.status_code, headers=response.headers, content=body)
+        return response
+
+
+async def test_tpot_when_the_last_tokens_and_done_arrive_together(autojump_clock: trio.abc.Clock) -> None:
+    config = parse_fleet(fleet_doc())
+    records: list[dict[str, Any]] = []
+    journal = Journal(None)
+    journal.add_listener(records.append)
+    async with open_memory_network() as net, open_sim_fleet(config, network=net) as fleet:
+        async with open_router(config, transport=_WholeStreams(fleet.transport), journal=journal) as router:
+            net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
+            async with httpx.AsyncClient(
+                transport=net.transport(), base_url=f"http://{ROUTER_HOST}:{ROUTER_PORT}"
+            ) as client:
+                async with client.stream(
+                    "POST", "/v1/completions", json={"prompt": "a b c", "max_tokens": 6, "stream": True}
+                ) as resp:
+                    body = b"".join([part async for part in resp.aiter_bytes()])
+    assert resp.status_code == 200 and body.endswith(b"data: [DONE]\n\n")
+    [record] = records
+    assert record["terminal_class"] == "ok" and record["output_len"] == 6
+    # Six tokens at the sim's 5 ms a step arrived after the prefill: not a zero TPOT.
+    assert record["tpot_s"] == pytest.approx(0.030 / 5, rel=0.5)

@@ -430,6 +430,8 @@ class RequestLifecycle:
                                 last_token_at = now
                                 burst_tokens = False
                             scope.deadline = now + silence
+                    if burst_tokens:  # [DONE] came in the burst of the last tokens
+                        last_token_at = clock()
         finally:
             state.in_flight_by_engine[name] -= 1
             reservation.release_decode()

@@ -115,11 +115,17 @@ def test_profile_writes_an_accepted_pair(
         samples = json.loads(sidecar.read_text())
         if done.returncode == 1:
             # A fit rejected for noise: the pair is still written and the sidecar keeps
-            # every sample taken, so it can be refit or inspected.
+            # every sample taken, so it can be refit or inspected. A rejected TTFT curve
+            # stops that engine before its decode sweep (the seed's procedure).
             for name in ENGINES:
-                assert samples["engines"][name]["decode"]["cells"], f"{name}:\n{report}"
-                assert samples["engines"][name]["prefill"], f"{name}:\n{report}"
-            print(f"profile: a fit was REJECTED (exit 1), raw data kept in {sidecar}:\n{report}")
+                engine = samples["engines"][name]
+                assert engine["prefill"], f"{name}:\n{report}"
+                if "rejection" not in engine["prefill"]:
+                    assert engine["decode"]["cells"], f"{name}:\n{report}"
+            print(f"profile attempt {attempt}: a fit was REJECTED (exit 1), raw data kept in "
+                  f"{sidecar}:\n{report}")
+            if attempt == 1:
+                continue  # once more: a CPU stall on a loaded box is not the engine's curve
             return  # the later steps need accepted profiles: they skip, saying why
         assert set(profiles["engines"]) == set(ENGINES), report
         worst = _worst_decode_error(profiles)
