@@ -218,3 +218,25 @@ async def test_loopback_sets_nodelay_and_streams() -> None:
         await server.shutdown(1)
     assert (status, body) == (200, b"data: a\n\ndata: [DONE]\n\n")
     assert seen and seen[0] != 0
+
+
+
+async def test_a_malformed_rest_of_the_body_is_closed_not_raised() -> None:
+    # After [DONE] the reader only asks whether the body is complete, on its way to
+    # closing: whatever is buffered must close the connection, not raise past the close.
+    from narwhal.engines.wire import WireResponse, _Body, _Conn
+
+    client, _server = trio.testing.memory_stream_pair()
+    transport = WireTransport()
+    conn = _Conn(client, ("http", "engine.test", 80))
+    body = _Body(transport, conn, length=None, chunked=True, keep_alive=True)
+    conn.buf += b"z" * 2048  # a size line that never ends
+    response = WireResponse(200, "OK", {}, body)
+    assert response.body_complete() is False
+    await response.aclose()
+    assert not any(transport._idle.values())  # closed, not pooled
+    conn.buf.clear()
+    body = _Body(transport, _Conn(trio.testing.memory_stream_pair()[0], conn.origin),
+                 length=None, chunked=True, keep_alive=True)
+    body._conn.buf += b"0\r\n\r\n"  # type: ignore[union-attr]
+    assert WireResponse(200, "OK", {}, body).body_complete() is True

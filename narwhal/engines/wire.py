@@ -231,12 +231,20 @@ class _Body(httpx.AsyncByteStream):
                 del buf[:pos]
 
     def finish_buffered(self) -> bool:
-        """Consume what has already arrived; whether that completes the body (never waits)."""
+        """Consume what has already arrived; whether that completes the body (never waits).
+
+        A malformed rest is not complete (never raised: this runs on the way to closing,
+        and closing must happen); :meth:`aclose` then closes the connection.
+        """
         conn = self._conn
         if conn is None or self._complete:
             return self._complete
         if self._chunked:
-            if self._parse_chunks(conn.buf, bytearray()):
+            try:
+                done = self._parse_chunks(conn.buf, bytearray())
+            except httpx.RemoteProtocolError:
+                return False
+            if done:
                 self._complete = True
         elif self._length is not None and len(conn.buf) >= self._length:
             del conn.buf[: self._length]
