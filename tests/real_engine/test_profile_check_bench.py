@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from .kit import RealPair, RouterProcess
@@ -35,6 +36,9 @@ from .kit import RealPair, RouterProcess
 pytestmark = pytest.mark.real_engine
 
 ENGINES = ("producer", "consumer")
+OUTPUT_LEN = 16
+#: Bench client lag (s) beyond which a run met a machine stall (docs/real-engines.md).
+STALL_LAG_S = 0.25
 #: The sweep: the tiny model's prompts stay short on two cores; three prefill lengths,
 #: two decode input lengths and three concurrencies are the fewest the fits accept.
 SWEEP = [
@@ -123,8 +127,10 @@ def test_profile_writes_an_accepted_pair(
                 assert engine["prefill"], f"{name}:\n{report}"
                 if "rejection" not in engine["prefill"]:
                     assert engine["decode"]["cells"], f"{name}:\n{report}"
-            print(f"profile attempt {attempt}: a fit was REJECTED (exit 1), raw data kept in "
-                  f"{sidecar}:\n{report}")
+            print(
+                f"profile attempt {attempt}: a fit was REJECTED (exit 1), raw data kept in "
+                f"{sidecar}:\n{report}"
+            )
             if attempt < 3:
                 continue  # once more: a CPU stall on a loaded box is not the engine's curve
             return  # the later steps need accepted profiles: they skip, saying why
@@ -197,10 +203,17 @@ def _histogram_delta(before: Any, after: Any, name: str) -> tuple[float, float]:
     return s, n
 
 
-def _bench(
-    pair: RealPair, doc: dict[str, Any], work: Path
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """One bench run through a fresh router; its summary and the engines' scrapes."""
+@attrs.frozen
+class _BenchRun:
+    summary: dict[str, Any]
+    results: list[dict[str, Any]]
+    journal: dict[str, dict[str, Any]]
+    before: dict[str, Any]
+    after: dict[str, Any]
+
+
+def _bench(pair: RealPair, doc: dict[str, Any], work: Path) -> _BenchRun:
+    """One bench run through a fresh router: its summary, results, journal and scrapes."""
     router = RouterProcess(doc, work / "router")
     router.start()
     try:
@@ -208,7 +221,7 @@ def _bench(
         done = _narwhal(
             "bench", "--url", router.url, "--out", str(work / "bench"),
             "--rate", "2", "--num-requests", "20", "--input-len", "100",
-            "--output-len", "16", "--slo-ttft", "2s", "--slo-tpot", "200ms",
+            "--output-len", f"{OUTPUT_LEN}", "--slo-ttft", "2s", "--slo-tpot", "200ms",
             "--no-progress",
             cwd=work, timeout=300,
         )  # fmt: skip
@@ -218,69 +231,129 @@ def _bench(
     assert done.returncode == 0, done.stdout + done.stderr
     assert status == 0, router.log()[-3000:]
     summary = json.loads((work / "bench" / "summary.json").read_text())
-    return summary, before, after
+    results = [
+        json.loads(line)
+        for line in (work / "bench" / "results.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    journal = {
+        rec["request_id"]: rec
+        for rec in map(json.loads, router.journal_path.read_text().splitlines())
+    }
+    return _BenchRun(summary, results, journal, before, after)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> None:
     """Client-side TTFT/TPOT of ``narwhal bench`` against vLLM's own histograms.
 
     Over the run, each engine's mean is the delta of ``_sum`` over the delta of
-    ``_count`` of ``vllm:time_to_first_token_seconds`` and
-    ``vllm:request_time_per_output_token_seconds``.
+    ``_count`` of its ``vllm:*_seconds`` histograms; the router's journal (joined by
+    ``x-request-id``) gives each request's placement wait, the time it queued in the
+    router for a placement that meets the SLO, which no engine sees.
 
-    - TPOT: the consumer generates every output token (vLLM: last minus first token
-      time at its API server over n - 1), and the client sees the same tokens after
-      two more hops (router, bench client). A constant hop delay cancels between the
-      first and the last token, but on a saturated two-core box (the NIXL progress
-      threads spin a core each) every hop also costs CPU time per token, queued behind
-      the engines: measured +10 ms on 43 ms (+24%). So the client mean TPOT must lie
-      between 0.8x and 1.5x the consumer's mean plus 5 ms; a router that lost or
-      duplicated tokens, or mis-timed the stream, would be well outside.
-    - TTFT: the client's TTFT spans the router's tokenize, the whole prefill leg on the
+    - Accounting, exact: every request delivered the 16 tokens asked for, and the
+      journal counted the same tokens as the client, request by request.
+    - Causality: the client cannot see the last token before the producer's whole leg
+      and the consumer's whole leg have run, one after the other: client latency minus
+      placement wait is at least 90% of producer plus consumer end-to-end latency (10%
+      slack: the legs are stamped by different processes).
+    - TTFT: the client's TTFT spans the router's placement wait, the prefill leg on the
       producer (its TTFT: the one-token request), the handoff, and the consumer's TTFT
-      (which includes the KV pull); each engine's clock starts only when its API
-      server has the request. So the client mean must be at least 90% of producer +
-      consumer mean (10% slack: the legs' ends are stamped by different processes), and
-      at most that sum times 2 plus 1 s: the router's hops and queueing on a loaded box
-      (measured: client 718 ms, producer 210 + consumer 138 ms).
+      (which includes the KV pull). Less the wait, it lies between 90% of producer +
+      consumer TTFT and twice that plus 1 s: the router's hops and queueing on a loaded
+      box (measured: client 718 ms, producer 210 + consumer 138 ms).
+    - TPOT: vLLM stamps a request's tokens where its engine core makes them; the client
+      sees them two hops later (router, bench client). A constant hop delay cancels
+      between the first and the last token, but every hop costs CPU per token on a
+      saturated two-core box (the NIXL progress threads spin a core each): measured +10
+      ms on 43 ms (+24%). So the client's mean TPOT is at most 1.5x the consumer's plus
+      5 ms. It is at least 0.8x, less what a late first token takes off: when the
+      machine stalls the first token on its way out (the engine's API server, the
+      router, the bench client) and the later ones catch up, the client's first-to-last
+      span is shorter than the engine's by at most that lateness, which is the client's
+      TTFT beyond the wait and the engines' TTFT, spread over ``n - 1`` intervals.
+
+    A router that lost, duplicated or held back tokens, or a bench that mis-timed them,
+    falls outside these bounds. The timing bounds need a run that no machine stall
+    (docs/real-engines.md) touched: a run whose bench client sent a request more than
+    :data:`STALL_LAG_S` late met one and runs again, up to three times; if all three
+    did, the accounting and causality checks still apply and the test skips saying
+    that the TTFT upper bound and the TPOT bounds were not checked.
     """
     doc = _need("fleet")
-    for attempt in (1, 2):
-        summary, before, after = _bench(pair, doc, tmp_path / f"attempt{attempt}")
-        if summary["counts"]["ok"] == 20:
+    run = None
+    for attempt in (1, 2, 3):
+        run = _bench(pair, doc, tmp_path / f"attempt{attempt}")
+        lag = max((r["lag_s"] for r in run.results if r["lag_s"] is not None), default=0.0)
+        if run.summary["counts"]["ok"] == 20 and lag <= STALL_LAG_S:
             break
-        # The machine-wide stalls of docs/real-engines.md (health probes time out, the
-        # router marks engines unreachable): not the router's fault; one more run.
-        print(f"bench attempt {attempt}: {summary['counts']['by_class']}; retrying once")
-    assert summary["counts"]["ok"] == 20, summary["counts"]
-    client_ttft = summary["ttft_s"]["successes"]["mean"]
-    client_tpot = summary["tpot_s"]["successes"]["mean"]
-    ttft = {
-        n: _histogram_delta(before[n], after[n], "vllm:time_to_first_token_seconds")
-        for n in ENGINES
-    }
-    tpot_sum, tpot_n = _histogram_delta(
-        before["consumer"], after["consumer"], "vllm:request_time_per_output_token_seconds"
-    )
-    assert ttft["producer"][1] == 20 and ttft["consumer"][1] == 20, ttft
-    assert tpot_n == 20, (tpot_sum, tpot_n)
-    producer_ttft = ttft["producer"][0] / 20
-    consumer_ttft = ttft["consumer"][0] / 20
-    vllm_tpot = tpot_sum / tpot_n
+        # The machine-wide stalls of docs/real-engines.md: health probes time out (the
+        # router marks engines unreachable), and every process on the box, the bench
+        # client included, freezes for seconds, which skews the timings of whatever
+        # was in flight. The bench client's own lag (how late it sent requests on an
+        # idle 2/s schedule) shows such a stall. Not the router's fault: run again.
+        print(
+            f"bench attempt {attempt}: {run.summary['counts']['by_class']}, bench client "
+            f"lag up to {lag:.2f} s (a machine stall when over {STALL_LAG_S} s); running again"
+        )
+    assert run is not None
+    assert run.summary["counts"]["ok"] == 20, run.summary["counts"]
+    scored = [r for r in run.results if not r["warmup"]]
+    assert len(scored) == 20, [r["request_id"] for r in run.results]
+    waits: list[float] = []
+    for r in scored:
+        rec = run.journal[r["request_id"]]
+        assert r["output_len"] == OUTPUT_LEN and rec["output_len"] == OUTPUT_LEN, (r, rec)
+        assert rec["terminal_class"] == "ok", rec
+        waits.append(sum(a["placement_wait_s"] for a in rec["attempts"]))
+
+    def engine_mean(name: str, role: str) -> float:
+        total, n = _histogram_delta(run.before[role], run.after[role], name)
+        assert n == 20, (role, name, total, n)
+        return total / n
+
+    producer_ttft = engine_mean("vllm:time_to_first_token_seconds", "producer")
+    consumer_ttft = engine_mean("vllm:time_to_first_token_seconds", "consumer")
+    producer_e2e = engine_mean("vllm:e2e_request_latency_seconds", "producer")
+    consumer_e2e = engine_mean("vllm:e2e_request_latency_seconds", "consumer")
+    vllm_tpot = engine_mean("vllm:request_time_per_output_token_seconds", "consumer")
+    wait = _mean(waits)
+    client_ttft = _mean([r["ttft_s"] for r in scored]) - wait
+    client_e2e = _mean([r["latency_s"] for r in scored]) - wait
+    client_tpot = _mean([r["tpot_s"] for r in scored])
+    engines_ttft = producer_ttft + consumer_ttft
+    first_token_lateness = max(0.0, client_ttft - engines_ttft)
     figures = {
-        "client_ttft_mean_s": client_ttft,
-        "client_ttft_p50_s": summary["ttft_s"]["successes"]["p50"],
+        "placement_wait_mean_s": wait,
+        "client_ttft_less_wait_mean_s": client_ttft,
         "producer_ttft_mean_s": producer_ttft,
         "consumer_ttft_mean_s": consumer_ttft,
+        "client_e2e_less_wait_mean_s": client_e2e,
+        "producer_e2e_mean_s": producer_e2e,
+        "consumer_e2e_mean_s": consumer_e2e,
         "client_tpot_mean_s": client_tpot,
-        "client_tpot_p50_s": summary["tpot_s"]["successes"]["p50"],
+        "client_tpot_p50_s": run.summary["tpot_s"]["successes"]["p50"],
         "consumer_tpot_mean_s": vllm_tpot,
     }
     print(json.dumps(figures, indent=2))
     (tmp_path / "figures.json").write_text(json.dumps(figures, indent=2))
-    assert 0.8 * vllm_tpot <= client_tpot <= 1.5 * vllm_tpot + 0.005, figures
-    engines_ttft = producer_ttft + consumer_ttft
-    assert 0.9 * engines_ttft <= client_ttft <= 2 * engines_ttft + 1.0, figures
+    assert client_e2e >= 0.9 * (producer_e2e + consumer_e2e), figures
+    assert client_ttft >= 0.9 * engines_ttft, figures
+    if lag > STALL_LAG_S:
+        # Three runs in a row caught in machine stalls: the bounds below would measure
+        # the machine. The accounting and causality checks above held; say so loudly.
+        pytest.skip(
+            f"accounting and causality held, but every bench run met a machine stall "
+            f"(bench client lag {lag:.2f} s): the TTFT upper bound and the TPOT bounds "
+            "against vLLM's histograms were not checked"
+        )
+    assert client_ttft <= 2 * engines_ttft + 1.0, figures
+    tpot_floor = 0.8 * vllm_tpot - first_token_lateness / (OUTPUT_LEN - 1)
+    assert tpot_floor <= client_tpot <= 1.5 * vllm_tpot + 0.005, (tpot_floor, figures)
 
 
 def test_check_fails_gate_f_after_a_restart(managed_pair: RealPair, tmp_path: Path) -> None:
