@@ -44,8 +44,10 @@ async def test_moves_a_dual_role_engine_when_load_turns_prefill_heavy(autojump_c
         assert controller.role["x"] == "decode"
         assert all(not d["moved"] for d in controller.decisions)
         # Prefill-heavy: long prompts (0.02 + 2e-4 * 800 = 0.18 s each: one producer at
-        # 5/s is 90% busy), one output token. The controller moves x to prefill.
-        await _load(stack, rate=5.0, seconds=6.0, prompt_words=800, output=2)
+        # 5/s is 90% busy), one output token. The controller moves x to prefill once
+        # its window holds mostly long prompts: about 5 s in, so the phase lasts 10 s
+        # (at 6 s the move came at the phase's very end or just after it).
+        await _load(stack, rate=5.0, seconds=10.0, prompt_words=800, output=2)
         assert controller.role["x"] == "prefill"
         assert placement.prefill_engines == ["p0", "x"] and placement.decode_engines == ["d0"]
     moves = [d for d in controller.decisions if d["moved"]]
