@@ -62,6 +62,16 @@ class StreamIO:
         # the next read waits for readability first instead of failing a system call.
         self._drained = False
 
+    @property
+    def socket(self) -> trio.socket.SocketType | None:
+        """The socket of the fast path (None for any other stream)."""
+        return self._socket
+
+    def readable(self) -> None:
+        """Note that the socket was just reported readable (the caller waited on it with
+        :func:`trio.lowlevel.wait_readable`): the next read need not wait again."""
+        self._drained = False
+
     async def send_all(
         self, data: bytes | bytearray | memoryview, *, on_wait: Callable[[], None] | None = None
     ) -> None:

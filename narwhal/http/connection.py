@@ -120,6 +120,18 @@ def _peer_address(stream: trio.abc.Stream) -> tuple[str, int] | None:
     return None
 
 
+class _Watcher:
+    """One request's disconnect watcher: its scope, whether it is parked on the socket
+    (so that cancelling it frees the socket at once), and when it is done."""
+
+    __slots__ = ("done", "parked", "scope")
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.parked = False
+        self.done = trio.Event()
+
+
 class Connection:
     """State of one client connection (see the module docstring)."""
 
@@ -144,8 +156,7 @@ class Connection:
         self.linger = False  # request bytes may be unread: drain before closing
         self.carry = False  # bytes of the next request were read ahead
         self.nursery: trio.Nursery | None = None
-        self.watch_scope: trio.CancelScope | None = None
-        self.watch_done: trio.Event | None = None
+        self.watcher: _Watcher | None = None  # the current request's disconnect watcher
         self.detached = False  # the handler took the raw stream (protocol upgrade)
         # The response side is ours (h11 parses requests only): see response_head().
         self.http11 = True  # the request was HTTP/1.1 (else 1.0: no chunking, no keep-alive)
@@ -375,17 +386,21 @@ class Connection:
         writer = ResponseWriter(self, head_only=self.head_only)
         self.request = request
         self.handler_scope = trio.CancelScope()
-        self.watch_scope = watch_scope = trio.CancelScope()
-        self.watch_done = watch_done = trio.Event()
+        self.watcher = watcher = _Watcher()
         assert self.nursery is not None
-        self.nursery.start_soon(self.watch, watch_scope, watch_done)
+        self.nursery.start_soon(self.watch, watcher)
         try:
             failure = await self.call_handler(request, writer, self.handler_scope)
         finally:
             self.request = None
             self.handler_scope = None
-            watch_scope.cancel()
-        await watch_done.wait()  # it feeds h11: it must stop before the next read
+            watcher.scope.cancel()
+        # It feeds h11: it must be done reading before the next read. A watcher parked
+        # on the socket is taken off it by the cancel itself (trio aborts the wait at
+        # once); one whose wait has just ended meets the cancellation at the read's
+        # first checkpoint, before reading. Only a watcher caught elsewhere is waited for.
+        if not watcher.parked:
+            await watcher.done.wait()
         return await self.finish(request, writer, failure)
 
     async def call_handler(
@@ -398,12 +413,24 @@ class Connection:
                 return exc
         return None
 
-    async def watch(self, scope: trio.CancelScope, done: trio.Event) -> None:
+    async def watch(self, watcher: _Watcher) -> None:
         """Notice the client going away while the handler runs; keep pipelined bytes."""
+        sock = self.io.socket
         try:
-            with scope:
+            with watcher.scope:
                 read_ahead = 0
                 while read_ahead < max(self.limits.max_header_bytes, _RECV_SIZE):
+                    if sock is not None:
+                        # Parked here, the watcher gives the socket up the moment it is
+                        # cancelled (see serve()).
+                        watcher.parked = True
+                        try:
+                            await trio.lowlevel.wait_readable(sock)
+                        except trio.ClosedResourceError:
+                            self.client_gone()
+                            return
+                        watcher.parked = False
+                        self.io.readable()
                     data = await self.receive()
                     if not data:
                         self.client_gone()
@@ -413,7 +440,7 @@ class Connection:
                     read_ahead += len(data)
                 await trio.sleep_forever()  # enough read ahead: let TCP push back
         finally:
-            done.set()
+            watcher.done.set()
 
     async def detach(self) -> trio.abc.Stream:
         """Hand the raw stream to the handler for a protocol upgrade (WebSocket).
@@ -424,10 +451,12 @@ class Connection:
         closed when the handler returns.
         """
         request = self.request
-        if request is None or self.watch_scope is None or self.watch_done is None:
+        watcher = self.watcher
+        if request is None or watcher is None:
             raise RuntimeError("detach() outside a request")
-        self.watch_scope.cancel()
-        await self.watch_done.wait()
+        watcher.scope.cancel()
+        if not watcher.parked:
+            await watcher.done.wait()
         head = [f"{request.method} {request.target} HTTP/1.1\r\n".encode("latin-1")]
         head.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in request.headers)
         head.append(b"\r\n")

@@ -186,6 +186,11 @@ class Placement:
         deadline: float = math.inf,
         elapsed_s: float = 0.0,
     ) -> Reservation:
-        """Reserve a pair (least-loaded placement never waits)."""
-        await trio.lowlevel.checkpoint()
+        """Reserve a pair (least-loaded placement never waits).
+
+        Cancellation is honoured here, but it does not yield to the scheduler: the
+        request's next step is engine I/O, which does (a pass of the run loop per
+        request saved).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
         return self.choose(prompt_tokens, max_tokens, avoid=avoid)
