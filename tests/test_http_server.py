@@ -776,3 +776,50 @@ async def test_real_socket_sets_nodelay_and_streams() -> None:
     with pytest.raises(OSError):
         with trio.fail_after(5):
             await trio.open_tcp_stream(host, port)
+
+
+async def test_real_socket_keepalive_pipelining_and_disconnect() -> None:
+    """Over TCP a request's disconnect watcher parks on the socket and is released by
+    its cancellation alone: the next request on the connection, pipelined or not, is
+    read whole and in order, and a client that goes away still cancels its handler."""
+    cancelled = trio.Event()
+
+    async def handler(request: Request, writer: ResponseWriter) -> None:
+        if request.path == "/hang":
+            try:
+                await trio.sleep_forever()
+            finally:
+                cancelled.set()
+        await trio.sleep({"/a": 0.2, "/b": 0.1}.get(request.path, 0))
+        await echo(request, writer)
+
+    server = HTTPServer(handler, LIMITS)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            (host, port), *_ = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                # Plain keep-alive: each request after the previous answer.
+                for i in range(20):
+                    await stream.send_all(b"GET /k%d HTTP/1.1\r\nHost: x\r\n\r\n" % i)
+                    raw = b""
+                    while not raw.endswith(b"GET /k%d " % i):
+                        raw += await stream.receive_some()
+                # Pipelined: /b arrives with /a, /c while /b's handler runs.
+                await stream.send_all(
+                    b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+                    b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nB"
+                )
+                await trio.sleep(0.25)
+                await stream.send_all(b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                raw = await read_all(stream)
+            assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"200", b"200", b"200"]
+            assert raw.index(b"GET /a ") < raw.index(b"POST /b B") < raw.index(b"GET /c ")
+            # A client that goes away while its handler waits cancels the handler.
+            stream = await trio.open_tcp_stream(host, port)
+            await stream.send_all(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+            await trio.sleep(0.1)
+            await stream.aclose()
+            await cancelled.wait()
+            await server.shutdown(5.0)
+    assert server.open_connections == 0
