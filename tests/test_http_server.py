@@ -395,14 +395,19 @@ async def test_pipelined_requests_are_served_in_order(autojump_clock: object) ->
         await echo(request, writer)
 
     async with serving(slow_first) as (_, stream):
-        await stream.send_all(
-            b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
-            b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nB"
-        )
-        await trio.sleep(3.5)
-        # the third request arrives while the second handler runs: kept for later
-        await stream.send_all(b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        raw = await read_all(stream)
+        await pipeline_three(stream, pause=3.5)
+
+
+async def pipeline_three(stream: trio.abc.Stream, *, pause: float) -> None:
+    """/a and /b in one write, /c ``pause`` later (while /b's handler runs, so it is
+    kept for later); all three answered 200, in order, then the connection closes."""
+    await stream.send_all(
+        b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nB"
+    )
+    await trio.sleep(pause)
+    await stream.send_all(b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    raw = await read_all(stream)
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"200", b"200", b"200"]
     assert raw.index(b"GET /a ") < raw.index(b"POST /b B") < raw.index(b"GET /c ")
 
@@ -806,15 +811,7 @@ async def test_real_socket_keepalive_pipelining_and_disconnect() -> None:
                     while not raw.endswith(b"GET /k%d " % i):
                         raw += await stream.receive_some()
                 # Pipelined: /b arrives with /a, /c while /b's handler runs.
-                await stream.send_all(
-                    b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
-                    b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nB"
-                )
-                await trio.sleep(0.25)
-                await stream.send_all(b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                raw = await read_all(stream)
-            assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"200", b"200", b"200"]
-            assert raw.index(b"GET /a ") < raw.index(b"POST /b B") < raw.index(b"GET /c ")
+                await pipeline_three(stream, pause=0.25)
             # A client that goes away while its handler waits cancels the handler.
             stream = await trio.open_tcp_stream(host, port)
             await stream.send_all(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
