@@ -131,6 +131,18 @@ class _Watcher:
         self.parked = False
         self.done = trio.Event()
 
+    async def stop(self) -> None:
+        """Cancel it and return once it will not read again.
+
+        A watcher parked on the socket is taken off it by the cancel itself (trio
+        aborts the wait at once); one whose wait has just ended meets the cancellation
+        at the read's first checkpoint, before reading. Only a watcher caught
+        elsewhere is waited for.
+        """
+        self.scope.cancel()
+        if not self.parked:
+            await self.done.wait()
+
 
 class Connection:
     """State of one client connection (see the module docstring)."""
@@ -395,12 +407,7 @@ class Connection:
             self.request = None
             self.handler_scope = None
             watcher.scope.cancel()
-        # It feeds h11: it must be done reading before the next read. A watcher parked
-        # on the socket is taken off it by the cancel itself (trio aborts the wait at
-        # once); one whose wait has just ended meets the cancellation at the read's
-        # first checkpoint, before reading. Only a watcher caught elsewhere is waited for.
-        if not watcher.parked:
-            await watcher.done.wait()
+        await watcher.stop()  # it feeds h11: it must be done reading before the next read
         return await self.finish(request, writer, failure)
 
     async def call_handler(
@@ -422,7 +429,7 @@ class Connection:
                 while read_ahead < max(self.limits.max_header_bytes, _RECV_SIZE):
                     if sock is not None:
                         # Parked here, the watcher gives the socket up the moment it is
-                        # cancelled (see serve()).
+                        # cancelled (see _Watcher.stop()).
                         watcher.parked = True
                         try:
                             await trio.lowlevel.wait_readable(sock)
@@ -454,9 +461,7 @@ class Connection:
         watcher = self.watcher
         if request is None or watcher is None:
             raise RuntimeError("detach() outside a request")
-        watcher.scope.cancel()
-        if not watcher.parked:
-            await watcher.done.wait()
+        await watcher.stop()
         head = [f"{request.method} {request.target} HTTP/1.1\r\n".encode("latin-1")]
         head.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in request.headers)
         head.append(b"\r\n")
