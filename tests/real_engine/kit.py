@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -144,6 +145,37 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
+
+
+class StallWatch:
+    """The longest machine stall seen while it runs: how late a 50 ms sleep woke, at most.
+
+    The machine-wide stalls of docs/real-engines.md freeze every process on the box,
+    this one included; a thread of an otherwise idle test process that oversleeps by a
+    quarter of a second met one. Used as a context manager around what it watches.
+    """
+
+    TICK_S = 0.05
+
+    def __init__(self) -> None:
+        self.worst_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.TICK_S):
+            now = time.monotonic()
+            self.worst_s = max(self.worst_s, now - last - self.TICK_S)
+            last = now
+
+    def __enter__(self) -> StallWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 # --------------------------------------------------------------------------- the router

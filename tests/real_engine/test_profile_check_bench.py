@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import pytest
 
-from .kit import RealPair, RouterProcess
+from .kit import RealPair, RouterProcess, StallWatch
 
 pytestmark = pytest.mark.real_engine
 
@@ -210,6 +210,7 @@ class _BenchRun:
     journal: dict[str, dict[str, Any]]
     before: dict[str, Any]
     after: dict[str, Any]
+    stall_s: float
 
 
 def _bench(pair: RealPair, doc: dict[str, Any], work: Path) -> _BenchRun:
@@ -218,13 +219,14 @@ def _bench(pair: RealPair, doc: dict[str, Any], work: Path) -> _BenchRun:
     router.start()
     try:
         before = {n: pair.metrics(n) for n in ENGINES}
-        done = _narwhal(
+        with StallWatch() as watch:
+            done = _narwhal(
             "bench", "--url", router.url, "--out", str(work / "bench"),
-            "--rate", "2", "--num-requests", "20", "--input-len", "100",
-            "--output-len", f"{OUTPUT_LEN}", "--slo-ttft", "2s", "--slo-tpot", "200ms",
-            "--no-progress",
-            cwd=work, timeout=300,
-        )  # fmt: skip
+                "--rate", "2", "--num-requests", "20", "--input-len", "100",
+                "--output-len", f"{OUTPUT_LEN}", "--slo-ttft", "2s", "--slo-tpot", "200ms",
+                "--no-progress",
+                cwd=work, timeout=300,
+            )  # fmt: skip
         after = {n: pair.metrics(n) for n in ENGINES}
     finally:
         status = router.stop()
@@ -240,7 +242,31 @@ def _bench(pair: RealPair, doc: dict[str, Any], work: Path) -> _BenchRun:
         rec["request_id"]: rec
         for rec in map(json.loads, router.journal_path.read_text().splitlines())
     }
-    return _BenchRun(summary, results, journal, before, after)
+    return _BenchRun(summary, results, journal, before, after, watch.worst_s)
+
+
+def _stall_lag(run: _BenchRun) -> float:
+    """The longest machine stall the run met: how late the bench client sent a request
+    (its idle schedule is 2/s), or how late the test's own watch woke, whichever is more;
+    the watch also covers the run's tail, after the last request was sent."""
+    sent = max((r["lag_s"] for r in run.results if r["lag_s"] is not None), default=0.0)
+    return max(sent, run.stall_s)
+
+
+def _check_failures_are_journaled(run: _BenchRun) -> None:
+    """Every scored request the client saw fail has a journal record that says so.
+
+    Same HTTP status, a failure class (never ``ok``, never ``internal_error``) and an
+    error detail: a stall may fail a request, but never silently or unclassified.
+    """
+    for r in run.results:
+        if r["warmup"] or r["terminal_class"] == "ok":
+            continue
+        rec = run.journal.get(r["request_id"])
+        assert rec is not None, f"no journal record for a failed request: {r}"
+        assert rec["status"] == r["status"], (r, rec)
+        assert rec["terminal_class"] not in ("ok", "internal_error"), (r, rec)
+        assert rec["error"], (r, rec)
 
 
 def _mean(values: list[float]) -> float:
@@ -279,29 +305,48 @@ def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> No
 
     A router that lost, duplicated or held back tokens, or a bench that mis-timed them,
     falls outside these bounds. The timing bounds need a run that no machine stall
-    (docs/real-engines.md) touched: a run whose bench client sent a request more than
-    :data:`STALL_LAG_S` late met one and runs again, up to three times; if all three
-    did, the accounting and causality checks still apply and the test skips saying
-    that the TTFT upper bound and the TPOT bounds were not checked.
+    (docs/real-engines.md) touched: a run whose bench client sent a request, or whose
+    test-side :class:`StallWatch` woke, more than :data:`STALL_LAG_S` late met one and
+    runs again, up to three times; if all three
+    did, the accounting and causality checks still apply (to the least-stalled run) and
+    the test skips saying that the TTFT upper bound and the TPOT bounds were not
+    checked. A stall can also fail requests (a health probe or a handoff's KV lease
+    runs out while every process is frozen): a run with failures passes only when that lag
+    shows a stall, and each failure must be answered and journaled
+    with its class; when every run had them, the test skips saying so.
     """
     doc = _need("fleet")
-    run = None
+    usable: list[tuple[_BenchRun, float]] = []  # (run, lag) of the runs with 20 tokens x 20
+    lag = 0.0
     for attempt in (1, 2, 3):
         run = _bench(pair, doc, tmp_path / f"attempt{attempt}")
-        lag = max((r["lag_s"] for r in run.results if r["lag_s"] is not None), default=0.0)
-        if run.summary["counts"]["ok"] == 20 and lag <= STALL_LAG_S:
-            break
+        lag = _stall_lag(run)
+        _check_failures_are_journaled(run)
+        ok = run.summary["counts"]["ok"]
+        # A failed request is the router's fault unless a machine stall explains it.
+        assert ok == 20 or lag > STALL_LAG_S, (run.summary["counts"], lag)
+        if ok == 20:
+            usable.append((run, lag))
+            if lag <= STALL_LAG_S:
+                break
         # The machine-wide stalls of docs/real-engines.md: health probes time out (the
-        # router marks engines unreachable), and every process on the box, the bench
-        # client included, freezes for seconds, which skews the timings of whatever
-        # was in flight. The bench client's own lag (how late it sent requests on an
-        # idle 2/s schedule) shows such a stall. Not the router's fault: run again.
+        # router marks engines unreachable), a handoff outlives its KV lease, and every
+        # process on the box, the bench client included, freezes for seconds, which
+        # skews the timings of whatever was in flight. The bench client's own lag (how
+        # late it sent requests on an idle 2/s schedule) shows such a stall. Not the
+        # router's fault: run again.
         print(
             f"bench attempt {attempt}: {run.summary['counts']['by_class']}, bench client "
-            f"lag up to {lag:.2f} s (a machine stall when over {STALL_LAG_S} s); running again"
+            f"or watch lag up to {lag:.2f} s (a machine stall when over {STALL_LAG_S} s); "
+            "running again"
         )
-    assert run is not None
-    assert run.summary["counts"]["ok"] == 20, run.summary["counts"]
+    if not usable:
+        pytest.skip(
+            f"every bench run met a machine stall (lag up to {lag:.2f} s) that "
+            "failed requests; each failure was answered and journaled with its class, but "
+            "accounting, causality and timing against vLLM's histograms were not checked"
+        )
+    run, lag = min(usable, key=lambda pair_: pair_[1])
     scored = [r for r in run.results if not r["warmup"]]
     assert len(scored) == 20, [r["request_id"] for r in run.results]
     waits: list[float] = []
@@ -348,7 +393,7 @@ def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> No
         # the machine. The accounting and causality checks above held; say so loudly.
         pytest.skip(
             f"accounting and causality held, but every bench run met a machine stall "
-            f"(bench client lag {lag:.2f} s): the TTFT upper bound and the TPOT bounds "
+            f"(lag {lag:.2f} s): the TTFT upper bound and the TPOT bounds "
             "against vLLM's histograms were not checked"
         )
     assert client_ttft <= 2 * engines_ttft + 1.0, figures
