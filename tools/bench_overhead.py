@@ -9,14 +9,18 @@ then measures with a load generator in its own process (``tools/loadgen.py``):
     same engines, when a ``vllm-router`` executable is found (``--vllm-router PATH``, or
     on PATH; install it into its own venv: ``python3 -m venv ~/.venvs/vllm-router &&
     ~/.venvs/vllm-router/bin/pip install vllm-router``),
+(d) the floor (``tools/floor_relay.py``): the least a prefill/decode router in Python on
+    trio does per request (parse the body, the two engine legs over pooled keep-alive
+    connections, relay the stream bytes as they come; nothing else), so that the CPU a
+    Python router cannot avoid is a figure of the same run (``--no-floor`` leaves it out),
 
 at concurrency 1, 16 and 64: requests/s, added p50/p99 latency to the first token
 and to the last token (against (a) at the same concurrency), router CPU seconds per
 request (from /proc), and per-token forwarding cost (router CPU per extra output
 token, from a short-output and a long-output run). The targets alternate within each
 of ``--rounds`` rounds and every figure is the median over them, so a change in the
-machine's load touches all targets alike. It prints ratios against (a) and (c), a
-verdict for each of the performance targets, and writes everything as JSON.
+machine's load touches all targets alike. It prints ratios against (a) and (c), Narwhal's
+and vllm-router's CPU against the floor's, a verdict for each of the performance targets, and writes everything as JSON.
 
     python tools/bench_overhead.py --out runs/bench_overhead.json
 """
@@ -34,7 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from proctools import free_port, start, stop, wait_http
+from proctools import free_port, start, stop, wait_http, wait_port
 
 HERE = Path(__file__).resolve().parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -115,6 +119,8 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=256, help="output length of the per-token run")
     parser.add_argument("--vllm-router", help="path of the vllm-router executable")
     parser.add_argument("--workers", type=int, default=1, help="narwhal serve --workers")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="leave out (d), the floor: tools/floor_relay.py")
     parser.add_argument("--rounds", type=int, default=3,
                         help="measurements per target and level, interleaved; figures are their medians")
     args = parser.parse_args()
@@ -122,7 +128,7 @@ def main() -> int:
     vr = args.vllm_router or shutil.which("vllm-router")
 
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-bench-"))
-    ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "router", "admin", "vr")}
+    ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "router", "admin", "vr", "floor")}
     engines = [
         {"name": "producer", "url": f"http://127.0.0.1:{ports['p']}", "roles": ["prefill"],
          "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["pkv"]}},
@@ -164,6 +170,13 @@ def main() -> int:
             procs.append(vrp)
             wait_http(f"http://127.0.0.1:{ports['vr']}/health")
             targets.append(("vllm-router", f"http://127.0.0.1:{ports['vr']}", vrp.pid))
+        if not args.no_floor:
+            floor = start([sys.executable, str(HERE / "floor_relay.py"), "--port", str(ports["floor"]),
+                           "--prefill", f"http://127.0.0.1:{ports['p']}",
+                           "--decode", f"http://127.0.0.1:{ports['d']}"], tmp / "floor.log")
+            procs.append(floor)
+            wait_port(ports["floor"])
+            targets.append(("floor", f"http://127.0.0.1:{ports['floor']}", floor.pid))
         # Targets alternate within each round, so a change in the machine's load
         # touches all of them alike; each figure is the median over the rounds.
         for c in levels:
@@ -204,7 +217,7 @@ def summarize(rows: list[dict[str, Any]], per_token: dict[str, float], levels: l
     for c in levels:
         base = by[("engines", c)]
         level: dict[str, Any] = {}
-        for name in ("narwhal", "vllm-router"):
+        for name in ("narwhal", "vllm-router", "floor"):
             r = by.get((name, c))
             if r is None:
                 continue
@@ -221,6 +234,12 @@ def summarize(rows: list[dict[str, Any]], per_token: dict[str, float], levels: l
             level["narwhal_vs_vllm_router"] = {
                 "added_ttft_p50_ratio": n["added_ttft_p50_ms"] / v["added_ttft_p50_ms"] if v["added_ttft_p50_ms"] > 0 else None,
                 "cpu_per_request_ratio": n["cpu_ms_per_request"] / v["cpu_ms_per_request"] if v["cpu_ms_per_request"] else None,
+            }
+        if "floor" in level and level["floor"]["cpu_ms_per_request"]:
+            floor_cpu = level["floor"]["cpu_ms_per_request"]
+            level["cpu_vs_floor"] = {
+                name: level[name]["cpu_ms_per_request"] / floor_cpu
+                for name in ("narwhal", "vllm-router") if name in level
             }
         out[str(c)] = level
     out["per_token_cpu_us"] = per_token
@@ -259,7 +278,10 @@ def print_table(rows: list[dict[str, Any]], per_token: dict[str, float], report:
         if c in ("per_token_cpu_us", "targets"):
             continue
         for name, v in level.items():
-            if name == "narwhal_vs_vllm_router":
+            if name == "cpu_vs_floor":
+                print(f"  c={c:<3} cpu/request against the floor's (a Python/trio relay that does "
+                      "nothing else): " + ", ".join(f"{k} x{r:.2f}" for k, r in v.items()))
+            elif name == "narwhal_vs_vllm_router":
                 print(f"  c={c:<3} narwhal / vllm-router: added ttft p50 x{v['added_ttft_p50_ratio'] or float('nan'):.2f}, "
                       f"cpu/request x{v['cpu_per_request_ratio'] or float('nan'):.2f}")
             else:

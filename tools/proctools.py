@@ -29,6 +29,18 @@ def wait_http(url: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def wait_port(port: int, timeout: float = 60.0) -> None:
+    """Until something listens on 127.0.0.1:``port``, or RuntimeError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own session with its output in ``log``."""
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
