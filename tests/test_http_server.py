@@ -70,6 +70,17 @@ async def read_all(stream: trio.abc.ReceiveStream) -> bytes:
     return bytes(out)
 
 
+async def go_away_after(server: HTTPServer, seconds: float) -> None:
+    """Serve one in-memory connection whose client sends a request and leaves ``seconds``
+    later; returns when the server is done with the connection."""
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.handle_connection, server_stream)
+        await Client(client_stream).send()
+        await trio.sleep(seconds)
+        await client_stream.aclose()
+
+
 def statuses(raw: bytes) -> list[int]:
     return [int(m) for m in re.findall(rb"^HTTP/1\.[01] (\d{3}) ", raw, flags=re.MULTILINE)]
 
@@ -456,14 +467,68 @@ async def test_client_disconnect_before_response_sets_disconnected(autojump_cloc
             cancelled.set()
 
     server = HTTPServer(waiter, LIMITS)
-    client_stream, server_stream = trio.testing.memory_stream_pair()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(server.handle_connection, server_stream)
-        await Client(client_stream).send()
-        await trio.sleep(1)
-        await client_stream.aclose()
-        await cancelled.wait()
+    await go_away_after(server, 1)
+    assert cancelled.is_set()
     assert server.open_connections == 0
+
+
+class _WatchSpawns(trio.abc.Instrument):
+    """Counts the disconnect watchers started (tasks running ``Connection.watch``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("Connection.watch"):
+            self.count += 1
+
+
+async def test_a_watcher_starts_only_for_a_request_that_lasts(autojump_clock: object) -> None:
+    """Requests shorter than ``disconnect_check_s`` never get a watcher task."""
+
+    async def handler(request: Request, writer: ResponseWriter) -> None:
+        if request.path == "/slow":
+            await trio.sleep(LIMITS.disconnect_check_s * 4)
+        await echo(request, writer)
+
+    spawns = _WatchSpawns()
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        async with serving(handler) as (_, stream):
+            client = Client(stream)
+            for _ in range(10):
+                assert (await client.request(target="/quick")).status == 200
+            await trio.sleep(LIMITS.disconnect_check_s * 2)  # every delayed start is due
+            assert spawns.count == 0
+            assert (await client.request(target="/slow")).status == 200
+            assert spawns.count == 1
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+
+
+@pytest.mark.parametrize("check_s", [0.0, 0.05])
+async def test_an_early_disconnect_is_noticed_once_the_watch_starts(
+    autojump_clock: object, check_s: float
+) -> None:
+    """A client gone before ``disconnect_check_s`` cancels the handler when the watch
+    starts (at once with ``0``); one gone later, the moment it goes."""
+    seen: dict[str, float] = {}
+
+    async def waiter(request: Request, writer: ResponseWriter) -> None:
+        seen["started_at"] = trio.current_time()
+        try:
+            await trio.sleep_forever()
+        finally:
+            seen["cancelled_at"] = trio.current_time()
+
+    limits = attrs.evolve(LIMITS, disconnect_check_s=check_s)
+    for gone_after in (0.01, 1.0):
+        seen.clear()
+        server = HTTPServer(waiter, limits)
+        await go_away_after(server, gone_after)
+        noticed = seen["started_at"] + max(gone_after, check_s)
+        assert seen["cancelled_at"] == pytest.approx(noticed, abs=1e-9), (check_s, gone_after)
+        assert server.open_connections == 0
 
 
 async def test_handler_exception_gives_generic_500_and_is_logged(
@@ -565,6 +630,9 @@ def test_request_helpers() -> None:
 def test_server_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="header_timeout_s"):
         ServerLimits(header_timeout_s=0)
+    with pytest.raises(ValueError, match="disconnect_check_s"):
+        ServerLimits(disconnect_check_s=-0.1)
+    assert ServerLimits(disconnect_check_s=0).disconnect_check_s == 0
 
 
 async def test_exception_group_with_one_narwhal_error_is_unwrapped(autojump_clock: object) -> None:

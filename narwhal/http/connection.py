@@ -398,17 +398,30 @@ class Connection:
         writer = ResponseWriter(self, head_only=self.head_only)
         self.request = request
         self.handler_scope = trio.CancelScope()
-        self.watcher = watcher = _Watcher()
-        assert self.nursery is not None
-        self.nursery.start_soon(self.watch, watcher)
+        self.watcher = None
+        if self.limits.disconnect_check_s > 0:
+            self.server.watch_starts.call_later(self.start_watcher, request)
+        else:
+            self.start_watcher(request)
         try:
             failure = await self.call_handler(request, writer, self.handler_scope)
         finally:
             self.request = None
             self.handler_scope = None
-            watcher.scope.cancel()
-        await watcher.stop()  # it feeds h11: it must be done reading before the next read
+            watcher = self.watcher
+            if watcher is not None:
+                watcher.scope.cancel()
+        if watcher is not None:
+            await watcher.stop()  # it feeds h11: it must be done reading before the next read
         return await self.finish(request, writer, failure)
+
+    def start_watcher(self, request: Request) -> None:
+        """Start ``request``'s disconnect watcher, if the request is still being handled."""
+        if self.request is not request or self.watcher is not None or self.detached:
+            return
+        assert self.nursery is not None
+        self.watcher = watcher = _Watcher()
+        self.nursery.start_soon(self.watch, watcher)
 
     async def call_handler(
         self, request: Request, writer: ResponseWriter, scope: trio.CancelScope
@@ -458,14 +471,14 @@ class Connection:
         closed when the handler returns.
         """
         request = self.request
-        watcher = self.watcher
-        if request is None or watcher is None:
+        if request is None:
             raise RuntimeError("detach() outside a request")
-        await watcher.stop()
+        self.detached = True  # no watcher starts from now on
+        if self.watcher is not None:
+            await self.watcher.stop()
         head = [f"{request.method} {request.target} HTTP/1.1\r\n".encode("latin-1")]
         head.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in request.headers)
         head.append(b"\r\n")
-        self.detached = True
         return ReplayStream(b"".join(head) + request.body + self.h11.trailing_data[0], self.stream)
 
     async def finish(

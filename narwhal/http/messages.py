@@ -30,15 +30,28 @@ def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -
         raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
 
 
+def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
 @attrs.frozen
 class ServerLimits:
-    """Per-connection limits and timeouts (seconds) of an :class:`~narwhal.http.server.HTTPServer`."""
+    """Per-connection limits and timeouts (seconds) of an :class:`~narwhal.http.server.HTTPServer`.
+
+    ``disconnect_check_s``: a request that lasts this long gets a task watching its
+    connection, which cancels the handler (and sets ``Request.disconnected``) the
+    moment the client goes away; a request that ends sooner never needs one. ``0``
+    watches every request from its start. Until the watch starts, a client that went
+    away is noticed when a write to it fails.
+    """
 
     max_header_bytes: int = attrs.field(default=16384, validator=_positive)
     max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_positive)
     header_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     keepalive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
+    disconnect_check_s: float = attrs.field(default=0.05, validator=_not_negative)
 
 
 @attrs.define(eq=False)

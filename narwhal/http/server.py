@@ -16,6 +16,7 @@ import socket
 import trio
 
 from narwhal.http.connection import Connection
+from narwhal.http.delayed import DelayedCalls
 from narwhal.http.messages import Handler, Request, ResponseWriter, ServerLimits
 
 __all__ = ["HTTPServer", "Handler", "Request", "ResponseWriter", "ServerLimits"]
@@ -47,6 +48,8 @@ class HTTPServer:
         self._closing = False
         self._in_flight = 0
         self._closed_lot = trio.lowlevel.ParkingLot()
+        #: Starts the disconnect watchers of requests that outlast ``disconnect_check_s``.
+        self.watch_starts = DelayedCalls(limits.disconnect_check_s)
 
     @property
     def in_flight(self) -> int:

@@ -1,0 +1,60 @@
+"""DelayedCalls: one task runs each callback its fixed delay after it was queued."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+import trio.testing
+
+from narwhal.http.delayed import DelayedCalls
+
+
+async def test_calls_run_in_order_at_their_due_times(autojump_clock: trio.abc.Clock) -> None:
+    calls = DelayedCalls(0.5)
+    ran: list[tuple[str, float]] = []
+
+    def note(name: str) -> None:
+        ran.append((name, trio.current_time()))
+
+    start = trio.current_time()
+    calls.call_later(note, "a")
+    await trio.sleep(0.2)
+    calls.call_later(note, "b")
+    calls.call_later(note, "c")
+    assert len(calls) == 3
+    await trio.sleep(1.0)
+    assert ran == [("a", start + 0.5), ("b", start + 0.7), ("c", start + 0.7)]
+    assert len(calls) == 0
+
+
+async def test_the_task_ends_when_idle_and_starts_again(autojump_clock: trio.abc.Clock) -> None:
+    calls = DelayedCalls(0.1)
+    ran: list[int] = []
+    calls.call_later(ran.append, 1)
+    await trio.sleep(0.2)
+    await trio.testing.wait_all_tasks_blocked()
+    assert not calls._running  # nothing queued: no task left sleeping
+    calls.call_later(ran.append, 2)
+    assert calls._running
+    await trio.sleep(0.2)
+    assert ran == [1, 2]
+
+
+async def test_a_failing_call_is_logged_and_the_rest_still_run(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = DelayedCalls(0.1)
+    ran: list[str] = []
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    calls.call_later(boom)
+    calls.call_later(ran.append, "after")
+    with caplog.at_level(logging.ERROR, logger="narwhal.http"):
+        await trio.sleep(0.2)
+    assert ran == ["after"]
+    assert "a delayed call failed" in caplog.text
+    assert "boom" in caplog.text
