@@ -54,6 +54,26 @@ ZERO_SIM = {
 
 
 
+def pd_engines(ports: dict[str, int]) -> list[dict[str, Any]]:
+    """The producer and the consumer of the fleet documents, on ``ports`` p, d, pkv and dkv."""
+    return [
+        {"name": "producer", "url": f"http://127.0.0.1:{ports['p']}", "roles": ["prefill"],
+         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["pkv"]}},
+        {"name": "consumer", "url": f"http://127.0.0.1:{ports['d']}", "roles": ["decode"],
+         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["dkv"]}},
+    ]  # fmt: skip
+
+
+def start_sims(engines: list[dict[str, Any]], tmp: Path) -> subprocess.Popen[bytes]:
+    """``narwhal sim`` serving ``engines`` with zero latency, once both answer /health."""
+    (tmp / "sim.json").write_text(json.dumps({"engines": [{**e, "sim": ZERO_SIM} for e in engines]}))
+    sims = start([sys.executable, "-m", "narwhal", "--log-level", "WARNING", "sim", "--fleet", str(tmp / "sim.json")],
+                 tmp / "sim.log")  # fmt: skip
+    for engine in engines:
+        wait_http(f"{engine['url']}/health")
+    return sims
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
@@ -129,28 +149,18 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-bench-"))
     ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "router", "admin", "vr", "floor")}
-    engines = [
-        {"name": "producer", "url": f"http://127.0.0.1:{ports['p']}", "roles": ["prefill"],
-         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["pkv"]}},
-        {"name": "consumer", "url": f"http://127.0.0.1:{ports['d']}", "roles": ["decode"],
-         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports["dkv"]}},
-    ]
-    sim_doc = {"engines": [{**e, "sim": ZERO_SIM} for e in engines]}
+    engines = pd_engines(ports)
     router_doc = {
         "server": {"host": "127.0.0.1", "port": ports["router"], "admin_port": ports["admin"],
                    "max_concurrent_requests": 100000},
         "engines": engines,
         "journal": {"path": str(tmp / "journal.jsonl"), "fsync": False},
     }
-    (tmp / "sim.json").write_text(json.dumps(sim_doc))
     (tmp / "router.json").write_text(json.dumps(router_doc))
     procs: list[subprocess.Popen[bytes]] = []
     rows: list[dict[str, Any]] = []
     try:
-        sims = start([sys.executable, "-m", "narwhal", "--log-level", "WARNING", "sim", "--fleet", str(tmp / "sim.json")], tmp / "sim.log")
-        procs.append(sims)
-        wait_http(f"http://127.0.0.1:{ports['p']}/health")
-        wait_http(f"http://127.0.0.1:{ports['d']}/health")
+        procs.append(start_sims(engines, tmp))
         serve_cmd = [sys.executable, "-m", "narwhal", "--log-level", "WARNING", "serve", "--fleet", str(tmp / "router.json")]
         if args.workers > 1:
             serve_cmd += ["--workers", str(args.workers)]

@@ -1,0 +1,109 @@
+"""A/B: two versions of ``narwhal serve`` side by side, on the same engines, in one run.
+
+A change worth a few percent of router CPU is invisible between two runs of
+``tools/bench_overhead.py`` on a shared machine, whose speed drifts by more than that.
+This tool starts zero-latency simulated engines once and two routers in front of them:
+A runs the checkout at ``--a`` (a ``git worktree`` of the base, say), B the one at
+``--b`` (this one by default); ``--env-a`` / ``--env-b`` add environment variables.
+At each concurrency it alternates load-generator runs between them (ABAB..., then
+BABA...) for ``--rounds`` rounds and prints each side's median router CPU per request
+and client TTFT p50, and B/A.
+
+    git worktree add /tmp/base HEAD~1
+    python tools/bench_ab.py --a /tmp/base --concurrency 1,16 --rounds 21
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_overhead import cpu_seconds, loadgen, pct, pd_engines, start_sims
+from proctools import free_port, stop, wait_http
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--env-a/--env-b take NAME=VALUE, not {pair!r}")
+        out[name] = value
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", required=True, help="checkout (repository root) router A runs")
+    parser.add_argument("--b", default=str(REPO), help="checkout router B runs (default: this one)")
+    parser.add_argument("--env-a", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--env-b", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--requests", type=int, default=400, help="requests per load-generator run")
+    parser.add_argument("--rounds", type=int, default=7, help="runs per side and concurrency")
+    args = parser.parse_args()
+    checkouts = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
+    for side, path in checkouts.items():
+        if not (path / "narwhal" / "__init__.py").is_file():
+            raise SystemExit(f"--{side.lower()} {path}: not a narwhal checkout (no narwhal/__init__.py)")
+    envs = {"A": _env(args.env_a), "B": _env(args.env_b)}
+
+    tmp = Path(tempfile.mkdtemp(prefix="narwhal-ab-"))
+    ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "A", "A-admin", "B", "B-admin")}
+    engines = pd_engines(ports)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(start_sims(engines, tmp))
+        pids: dict[str, int] = {}
+        for side in "AB":
+            fleet = tmp / f"{side}.json"
+            fleet.write_text(json.dumps({
+                "server": {"host": "127.0.0.1", "port": ports[side], "admin_port": ports[f"{side}-admin"],
+                           "max_concurrent_requests": 100000},
+                "engines": engines,
+                "journal": {"path": str(tmp / f"journal-{side}.jsonl"), "fsync": False},
+            }))  # fmt: skip
+            # Run from the checkout with it first on the path: `-m narwhal` imports that one.
+            env = {**os.environ, **envs[side], "PYTHONPATH": str(checkouts[side])}
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "narwhal", "--log-level", "WARNING", "serve", "--fleet", str(fleet)],
+                stdout=(tmp / f"{side}.log").open("wb"), stderr=subprocess.STDOUT,
+                start_new_session=True, env=env, cwd=checkouts[side],
+            )  # fmt: skip
+            procs.append(proc)
+            pids[side] = proc.pid
+            wait_http(f"http://127.0.0.1:{ports[side]}/health")
+        print(f"A: {checkouts['A']} {envs['A'] or ''}\nB: {checkouts['B']} {envs['B'] or ''}")
+        for c in (int(x) for x in args.concurrency.split(",")):
+            cpu: dict[str, list[float]] = {"A": [], "B": []}
+            ttft: dict[str, list[float]] = {"A": [], "B": []}
+            for side in "AB":  # warm connections and caches
+                loadgen(f"http://127.0.0.1:{ports[side]}", c, max(2 * c, 50), 16)
+            for r in range(args.rounds):
+                for side in "AB" if r % 2 == 0 else "BA":
+                    before = cpu_seconds(pids[side])
+                    out = loadgen(f"http://127.0.0.1:{ports[side]}", c, args.requests, 16)
+                    cpu[side].append((cpu_seconds(pids[side]) - before) / max(out["requests"], 1) * 1e3)
+                    ttft[side].append(pct(out["ttft_s"], 0.5) * 1e3)
+            a, b = statistics.median(cpu["A"]), statistics.median(cpu["B"])
+            print(
+                f"c={c:<3} cpu ms/request A {a:.3f} B {b:.3f} B/A {b / a:.3f}; ttft p50 ms "
+                f"A {statistics.median(ttft['A']):.2f} B {statistics.median(ttft['B']):.2f}",
+                flush=True,
+            )
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
