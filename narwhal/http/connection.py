@@ -3,9 +3,11 @@
 Each connection is a keep-alive loop that reads a request head (``header_timeout_s``,
 or ``keepalive_timeout_s`` while idle between requests), reads the whole body
 (``body_timeout_s``, ``max_body_bytes``), then calls the handler inside a cancel
-scope while a reader task watches the connection: if the client goes away the
-request's ``disconnected`` event is set and the handler is cancelled. Bytes the
-reader sees meanwhile are pipelined requests and are kept for the next cycle.
+scope while a reader task watches the connection (from the moment the request has
+lasted ``disconnect_check_s``; most requests end sooner and never need one): if the
+client goes away the request's ``disconnected`` event is set and the handler is
+cancelled. Bytes the reader sees meanwhile are pipelined requests and are kept for
+the next cycle.
 
 Protocol errors are answered with h11's ``error_status_hint`` (400/431/501) and
 ``Connection: close``; a slow client gets 408. A handler that raises before it
