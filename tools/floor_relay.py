@@ -29,14 +29,10 @@ from urllib.parse import urlsplit
 import orjson
 import trio
 
-_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from narwhal.engines.connector import prefill_request_params
+
+#: The request block every prefill carries (the same one Narwhal sends).
+_PREFILL_PARAMS = prefill_request_params("NixlConnector")
 _STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
     b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
