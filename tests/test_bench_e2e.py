@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +12,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from narwhal.testing.ports import free_port
 
 
 def _bench(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -34,8 +29,8 @@ def _fleet(tmp_path: Path) -> Path:
 
     doc = json.loads(default_fleet_path().read_text())
     for engine in doc["engines"]:
-        engine["url"] = f"http://127.0.0.1:{_free_port()}"
-        engine["connector"]["kv_port"] = _free_port()
+        engine["url"] = f"http://127.0.0.1:{free_port()}"
+        engine["connector"]["kv_port"] = free_port()
     doc["journal"]["path"] = str(tmp_path / "runs" / "journal.jsonl")
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps(doc))
@@ -43,19 +38,21 @@ def _fleet(tmp_path: Path) -> Path:
 
 
 def test_serve_then_bench_then_join(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "narwhal", "serve", "--fleet", str(_fleet(tmp_path)), "--port", str(port)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.stdout is not None
+    lines = []
     try:
         for line in proc.stdout:
+            lines.append(line)
             if "narwhal serving on" in line:
                 break
         else:
-            pytest.fail("narwhal serve exited early")
+            pytest.fail("narwhal serve exited early:\n" + "".join(lines))
         url = f"http://127.0.0.1:{port}"
         done = _bench("--url", url, "--out", "runs/a", "--rate", "40", "--num-requests", "20",
                       "--input-len", "uniform:32:64", "--output-len", "12", "--slo-ttft", "2s",

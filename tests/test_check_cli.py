@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,6 +16,7 @@ from narwhal.check import load_record
 from narwhal.check.cli import amain, main
 from narwhal.config import FaultSpec, parse_fleet
 from narwhal.testing import SimFleet, open_sim_fleet
+from narwhal.testing.ports import free_port
 from tests.checkkit import engine, fleet_doc, identities, identity_of, sim_profile, write_pair
 
 
@@ -157,14 +157,8 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--suggest-slo" in capsys.readouterr().out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_an_unreachable_fleet_fails_on_real_sockets(tmp_path: Path) -> None:
-    port = _free_port()  # nothing listens there once the socket is closed
+    port = free_port()  # nothing listens there once the socket is closed
     doc = {
         "engines": [
             {

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from narwhal.profile import load_profiles
 from narwhal.profile.cli import main
 from narwhal.profile.progress import Progress
 from narwhal.profile.store import pair_paths
+from narwhal.testing.ports import free_port
 
 SWEEP = ["--prefill-lens", "16,128,512", "--decode-input-lens", "32,128",
          "--decode-concurrency", "1,2"]  # fmt: skip
@@ -27,15 +27,9 @@ MODEL = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def fleet_file(tmp_path: Path) -> Path:
-    port, kv_port = _free_port(), _free_port()
+    port, kv_port = free_port(), free_port()
     doc = {"engines": [{
         "name": "sim-0", "url": f"http://127.0.0.1:{port}", "roles": ["prefill", "decode"],
         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": kv_port},

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,18 +13,14 @@ from pathlib import Path
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from narwhal.testing.ports import free_port
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
     workdir = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    admin_port = _free_port()
+    port = free_port()
+    admin_port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "narwhal", "serve", "--port", str(port), "--admin-port", str(admin_port)],
         cwd=workdir,
@@ -97,8 +92,8 @@ def test_openai_client_streams(served: tuple[str, Path, str]) -> None:
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_narwhal_sim_serves_engines_curl_can_stream(tmp_path: Path) -> None:
-    port = _free_port()
-    kv_port = _free_port()
+    port = free_port()
+    kv_port = free_port()
     fleet = {
         "engines": [
             {"name": "both", "url": f"http://127.0.0.1:{port}", "roles": ["prefill", "decode"],

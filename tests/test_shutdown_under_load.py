@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import trio.lowlevel
 from narwhal.config import FaultSpec, parse_fleet
 from narwhal.router.service import open_router
 from narwhal.testing import open_memory_network, open_sim_fleet
+from narwhal.testing.ports import free_port
 
 from .loadkit import Outcome, exchange
 from .routerkit import ROUTER_HOST, ROUTER_PORT, engine, fleet_doc
@@ -114,22 +114,16 @@ async def test_shutdown_with_300_streams_in_flight(autojump_clock: trio.abc.Cloc
 # ------------------------------------------------------------------ narwhal serve + SIGTERM
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _fleet(tmp_path: Path) -> Path:
     sim = {"model": "sim-llama", "decode": {"c0": 0.02, "c1": 0.0, "c2": 0.0}, "max_num_seqs": 512,
            "kv_capacity_tokens": 10_000_000}
     doc = {
         "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0, "shutdown_grace_s": 3.0},
         "engines": [
-            {"name": "p0", "url": f"http://127.0.0.1:{_free_port()}", "roles": ["prefill"],
-             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": _free_port()}, "sim": sim},
-            {"name": "d0", "url": f"http://127.0.0.1:{_free_port()}", "roles": ["decode"],
-             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": _free_port()}, "sim": sim},
+            {"name": "p0", "url": f"http://127.0.0.1:{free_port()}", "roles": ["prefill"],
+             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": free_port()}, "sim": sim},
+            {"name": "d0", "url": f"http://127.0.0.1:{free_port()}", "roles": ["decode"],
+             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": free_port()}, "sim": sim},
         ],
         "journal": {"path": str(tmp_path / "journal.jsonl")},
     }  # fmt: skip

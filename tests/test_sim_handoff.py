@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,6 +13,7 @@ import trio
 
 from narwhal.config import EngineConfig, parse_as
 from narwhal.testing import SimFleet, open_sim_fleet
+from narwhal.testing.ports import free_port
 
 TPS = 1e-5  # transfer seconds per token
 STEP = {"c0": 0.005, "c1": 0.0, "c2": 0.0}
@@ -174,16 +174,10 @@ async def test_held_blocks_count_against_admission(autojump_clock: trio.abc.Cloc
         assert fleet.engines["p0"].stats.expired_handoffs == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_loopback_handoff_through_engine_client() -> None:
     from narwhal.engines.client import EngineClient
 
-    configs = [engine_config(n, _free_port(), host="127.0.0.1") for n in ("p0", "d0")]
+    configs = [engine_config(n, free_port(), host="127.0.0.1") for n in ("p0", "d0")]
     with trio.fail_after(10):
         async with open_sim_fleet(configs, sockets=True) as fleet:
             p0, d0 = configs

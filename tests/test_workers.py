@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,27 +13,9 @@ from pathlib import Path
 
 import trio
 
+from narwhal.testing.ports import free_port, free_port_run
+
 from .routerkit import engine, fleet_doc, open_stack
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _free_port_pair() -> int:
-    """A port whose successor is free too (worker i's admin port is admin_port + i)."""
-    for _ in range(100):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = int(a.getsockname()[1])
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no pair of free ports")
 
 
 async def test_placement_counts_load_the_engines_report(autojump_clock: trio.abc.Clock) -> None:
@@ -65,16 +46,16 @@ async def test_placement_counts_load_the_engines_report(autojump_clock: trio.abc
 
 
 def test_workers_share_one_port(tmp_path: Path) -> None:
-    admin = _free_port_pair()
-    port, p_port, d_port = (_free_port() for _ in range(3))
+    admin = free_port_run(2)
+    port, p_port, d_port = (free_port() for _ in range(3))
     doc = {
         "server": {"host": "127.0.0.1", "port": port, "admin_port": admin},
         "engines": [
             {"name": "p", "url": f"http://127.0.0.1:{p_port}", "roles": ["prefill"],
-             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": _free_port()},
+             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": free_port()},
              "sim": {"prefill": {"a": 0.001, "b": 0.0}, "decode": {"c0": 0.001, "c1": 0.0, "c2": 0.0}}},
             {"name": "d", "url": f"http://127.0.0.1:{d_port}", "roles": ["decode"],
-             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": _free_port()},
+             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": free_port()},
              "sim": {"prefill": {"a": 0.001, "b": 0.0}, "decode": {"c0": 0.001, "c1": 0.0, "c2": 0.0}}},
         ],
         "journal": {"path": str(tmp_path / "journal.jsonl")},

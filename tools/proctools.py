@@ -9,11 +9,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from narwhal.testing.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port", "start", "stop", "wait_http", "wait_port"]
 
 
 def wait_http(url: str, timeout: float = 60.0) -> None:

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ import trio
 from narwhal.config import FaultSpec, FleetConfig, parse_fleet
 from narwhal.router.service import open_router
 from narwhal.testing import SimFleet, open_sim_fleet
+from narwhal.testing.ports import free_port
 
 PREFILL = ("prefill-0", "prefill-1")
 DECODE = ("decode-0", "decode-1")
@@ -73,12 +73,6 @@ DECODE_FAULTS = [
     FaultSpec(kind="delay_headers", on="decode", delay_s=FIRST_TOKEN_S + 1.0),
     FaultSpec(kind="slow_transfer", on="decode", delay_s=FIRST_TOKEN_S + 1.0),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fleet(journal: Path, rate: float, seed: int) -> FleetConfig:

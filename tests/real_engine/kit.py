@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,18 +24,13 @@ import attrs
 import httpx
 
 from narwhal.engines.metrics import parse_prometheus, sum_samples
+from narwhal.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PAIR_SCRIPT = REPO / "tools" / "vllm-cpu" / "pair.py"
 MODEL = "tiny-llama"
 #: Generous: two vLLM servers and the router share two cores in CI.
 HTTP_TIMEOUT = httpx.Timeout(120.0, connect=10.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def unique_prompt(words: int) -> str:
