@@ -29,8 +29,9 @@ from narwhal.testing.ports import free_port
 REPO = Path(__file__).resolve().parents[2]
 PAIR_SCRIPT = REPO / "tools" / "vllm-cpu" / "pair.py"
 MODEL = "tiny-llama"
-#: Generous: two vLLM servers and the router share two cores in CI.
-HTTP_TIMEOUT = httpx.Timeout(120.0, connect=10.0)
+#: Generous: two vLLM servers and the router share two cores in CI, and the machine
+#: stalls for up to half a minute (a connect to a frozen router waits that long).
+HTTP_TIMEOUT = httpx.Timeout(120.0, connect=60.0)
 
 
 def unique_prompt(words: int) -> str:
