@@ -24,10 +24,10 @@ PID recorded at start, and nothing else.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,10 +57,22 @@ def say(message: str) -> None:
 # ------------------------------------------------------------------ small helpers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _load_ports() -> Any:
+    """``narwhal/testing/ports.py`` by its path: it needs only the standard library, and
+    importing it as ``narwhal.testing.ports`` would import the package's dependencies."""
+    spec = importlib.util.spec_from_file_location(
+        "_narwhal_ports", HERE.parents[1] / "narwhal" / "testing" / "ports.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: A free port below the kernel's ephemeral range: the engines bind theirs at the end
+#: of a start-up that opens many sockets (torch's rendezvous, ZMQ, the NIXL side
+#: channel) on ports from that range.
+free_port = _load_ports().free_port
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, bytes]:
