@@ -47,12 +47,10 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     if count < 1:
         raise ValueError(f"count must be at least 1, not {count}")
     high = _ephemeral_low()
-    if high - _LOWEST < 1000:  # an unusual ephemeral range: the kernel's choice it is
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return int(s.getsockname()[1])
+    if high - _LOWEST < 1000:
+        high = 65536  # an unusual ephemeral range leaves no room below it: any port
     for _ in range(1000):
-        first = random.randrange(_LOWEST, high - count)
+        first = random.randrange(_LOWEST, high - count + 1)
         run = range(first, first + count)
         if any(p in _given for p in run) or not all(_bindable(host, p) for p in run):
             continue
