@@ -7,7 +7,8 @@ A runs the checkout at ``--a`` (a ``git worktree`` of the base, say), B the one 
 ``--b`` (this one by default); ``--env-a`` / ``--env-b`` add environment variables.
 At each concurrency it alternates load-generator runs between them (ABAB..., then
 BABA...) for ``--rounds`` rounds and prints each side's median router CPU per request
-and client TTFT p50, and B/A.
+and client TTFT p50, and B/A. Requests ask for ``--max-tokens`` output tokens (16; 256
+weighs the per-token path).
 
     git worktree add /tmp/base HEAD~1
     python tools/bench_ab.py --a /tmp/base --concurrency 1,16 --rounds 21
@@ -49,6 +50,8 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--requests", type=int, default=400, help="requests per load-generator run")
     parser.add_argument("--rounds", type=int, default=7, help="runs per side and concurrency")
+    parser.add_argument("--max-tokens", type=int, default=16,
+                        help="output tokens per request (256 weighs the per-token path)")
     args = parser.parse_args()
     checkouts = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
     for side, path in checkouts.items():
@@ -86,11 +89,11 @@ def main() -> int:
             cpu: dict[str, list[float]] = {"A": [], "B": []}
             ttft: dict[str, list[float]] = {"A": [], "B": []}
             for side in "AB":  # warm connections and caches
-                loadgen(f"http://127.0.0.1:{ports[side]}", c, max(2 * c, 50), 16)
+                loadgen(f"http://127.0.0.1:{ports[side]}", c, max(2 * c, 50), args.max_tokens)
             for r in range(args.rounds):
                 for side in "AB" if r % 2 == 0 else "BA":
                     before = cpu_seconds(pids[side])
-                    out = loadgen(f"http://127.0.0.1:{ports[side]}", c, args.requests, 16)
+                    out = loadgen(f"http://127.0.0.1:{ports[side]}", c, args.requests, args.max_tokens)
                     cpu[side].append((cpu_seconds(pids[side]) - before) / max(out["requests"], 1) * 1e3)
                     ttft[side].append(pct(out["ttft_s"], 0.5) * 1e3)
             a, b = statistics.median(cpu["A"]), statistics.median(cpu["B"])
