@@ -380,10 +380,11 @@ class HandoffConfig:
     """The KV handoff between producer and consumer (the ``handoff`` section).
 
     Attributes:
-        max_age_s: Seconds from the start of the prefill leg until the handoff expires.
+        max_age_s: Seconds from the start of the prefill leg until the handoff expires;
+            more than engine.first_token_timeout_s, since the age includes the prefill.
     """
 
-    max_age_s: float = attrs.field(default=30.0, validator=_positive)
+    max_age_s: float = attrs.field(default=60.0, validator=_positive)
 
 
 @attrs.frozen(kw_only=True)
@@ -577,6 +578,16 @@ class FleetConfig:
             ):
                 message = "a prefill engine needs a connector when another engine can decode"
                 raise ConfigError(message, path=f"$.engines[{i}].connector")
+        first_token = self.engine.first_token_timeout_s
+        if self.handoff.max_age_s <= first_token:
+            # The handoff's age starts with the prefill leg, before the first-token
+            # deadline: at or below it, a stalled decode always ends as a handoff expiry
+            # and the first-token deadline can never fire.
+            message = (
+                f"expected a number > $.engine.first_token_timeout_s ({first_token:g}): the handoff's "
+                "age includes the prefill leg and the decode leg up to its first token"
+            )
+            raise ConfigError(message, path="$.handoff.max_age_s")
         margin = self.controller.reactive.movement_margin
         if self.profiles.max_decode_fit_mape > margin:
             message = f"expected a number <= controller.reactive.movement_margin ({margin:g})"

@@ -21,7 +21,8 @@ exc``), most specific first::
     └── EngineError (502, ...)               anything an engine did wrong
         ├── EngineUnavailable (502, engine_unavailable)   connect refused / reset
         ├── EngineHTTPError (502, engine_http_error)      non-2xx answer; keeps upstream status
-        │                                                 (a 400/422 is the client's fault: that status)
+        │                                                 (a 400/422 is the client's fault: that status;
+        │                                                 the engine's own 408/504 is a timeout: 504)
         ├── EngineProtocolError (502, engine_protocol_error)
         │   ├── StreamClosed (502, stream_closed)         closed before ``data: [DONE]``
         │   └── EmptyStream (502, empty_stream)           ``[DONE]`` before any token
@@ -43,6 +44,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "TIMEOUT_STATUSES",
     "BadRequest",
     "ClientError",
     "ConfigError",
@@ -186,7 +188,8 @@ class DeadlineExceeded(NarwhalError):
 
 
 class EngineError(NarwhalError):
-    """An engine failed. ``engine`` names it, ``leg`` says which leg.
+    """An engine failed. ``engine`` names it, ``leg`` says which leg, ``deadline`` the
+    router's setting whose deadline fired, when one did (``"handoff.max_age_s"``, ...).
 
     ``message`` is the full detail for the journal and logs; ``public`` (when given) is
     what the client's error body says instead, without library exception text or the
@@ -209,10 +212,12 @@ class EngineError(NarwhalError):
         leg: str | None = None,
         code: str | None = None,
         public: str | None = None,
+        deadline: str | None = None,
     ) -> None:
         super().__init__(message, code=code)
         self.engine = engine
         self.leg = leg
+        self.deadline = deadline
         self._public = public
 
     @property
@@ -222,6 +227,10 @@ class EngineError(NarwhalError):
 
 class EngineUnavailable(EngineError):
     terminal_class = "engine_unavailable"
+
+
+#: Upstream statuses that say the engine itself timed out: answered as 504.
+TIMEOUT_STATUSES: frozenset[int] = frozenset({408, 504})
 
 
 class EngineHTTPError(EngineError):
@@ -252,10 +261,14 @@ class EngineHTTPError(EngineError):
         # A 4xx from an engine is about the request, not the engine: retrying won't help.
         self.transient = upstream_status >= 500 or upstream_status in (408, 429)
         self.client_fault = upstream_status in (400, 422)
+        #: The engine's own timeout (408 Request Timeout, 504 Gateway Timeout).
+        self.timed_out = upstream_status in TIMEOUT_STATUSES
 
     @property
     def http_status(self) -> int:
-        return self.upstream_status if self.client_fault else self.status
+        if self.client_fault:
+            return self.upstream_status
+        return EngineTimeout.status if self.timed_out else self.status
 
     @property
     def public_message(self) -> str:
@@ -265,6 +278,8 @@ class EngineHTTPError(EngineError):
 
     def to_body(self) -> dict[str, Any]:
         body = super().to_body()
+        if self.timed_out and not self.client_fault:
+            body["error"]["type"] = EngineTimeout.error_type
         if self.client_fault:
             body["error"]["type"] = ClientError.error_type
             if self.detail and "maximum context length" in self.detail:
@@ -330,6 +345,8 @@ class InvalidDescriptor(EngineError):
 
 
 class EngineTimeout(EngineError):
+    """A timeout-shaped engine fault (``deadline``: the router's setting that fired, if one did)."""
+
     status = 504
     error_type = "timeout_error"
     terminal_class = "engine_timeout"

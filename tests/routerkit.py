@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -51,8 +51,7 @@ def fleet_doc(*engines: dict[str, Any], **sections: Any) -> dict[str, Any]:
         "server": {"host": ROUTER_HOST, "port": ROUTER_PORT},
         "engines": list(engines)
         or [engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"])],
-        "engine": {"first_token_timeout_s": 5.0, "decode_read_timeout_s": 2.0, "request_timeout_s": 60.0},
-    }
+    }  # every other section: the shipped defaults (a test overrides only what it is about)
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(doc.get(key), dict):
             doc[key] = {**doc[key], **value}
@@ -136,9 +135,15 @@ async def sim_profiles(config: FleetConfig, network: MemoryNetwork) -> Profiles:
 
 
 @asynccontextmanager
-async def open_stack(doc: dict[str, Any] | None = None, *, priced: bool = False) -> AsyncIterator[Stack]:
+async def open_stack(
+    doc: dict[str, Any] | None = None,
+    *,
+    priced: bool = False,
+    wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
+) -> AsyncIterator[Stack]:
     """A router in front of simulated engines, in memory; ``priced`` gives it profiles
-    that state the simulated latency models exactly."""
+    that state the simulated latency models exactly; ``wrap`` wraps the router's
+    transport to the engines (to answer some requests otherwise)."""
     config = parse_fleet(doc if doc is not None else fleet_doc())
     records: list[dict[str, Any]] = []
     journal = Journal(None)
@@ -146,7 +151,8 @@ async def open_stack(doc: dict[str, Any] | None = None, *, priced: bool = False)
     async with open_memory_network() as net:
         async with open_sim_fleet(config, network=net) as fleet:
             profiles = await sim_profiles(config, net) if priced else None
-            async with open_router(config, transport=fleet.transport, journal=journal, profiles=profiles) as router:
+            transport = fleet.transport if wrap is None else wrap(fleet.transport)
+            async with open_router(config, transport=transport, journal=journal, profiles=profiles) as router:
                 net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
                 async with httpx.AsyncClient(
                     transport=net.transport(), base_url=f"http://{ROUTER_HOST}:{ROUTER_PORT}", timeout=None

@@ -115,6 +115,14 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "expected a number >= 0 @ $.engine.decode_read_timeout_s"),
     ("handoff-age-zero", fleet(handoff={"max_age_s": 0.0}),
      "expected a number > 0 @ $.handoff.max_age_s"),
+    # The handoff's age includes the prefill: at or below the first-token deadline a
+    # stalled decode would always end as a handoff expiry.
+    ("handoff-age-at-first-token", fleet(handoff={"max_age_s": 30.0}),
+     "expected a number > $.engine.first_token_timeout_s (30): the handoff's age includes the "
+     "prefill leg and the decode leg up to its first token @ $.handoff.max_age_s"),
+    ("handoff-age-below-first-token", fleet(engine={"first_token_timeout_s": 90.0}),
+     "expected a number > $.engine.first_token_timeout_s (90): the handoff's age includes the "
+     "prefill leg and the decode leg up to its first token @ $.handoff.max_age_s"),
     ("quarantine-negative", fleet(recovery={"failure_quarantine_s": -0.5}),
      "expected a number >= 0 @ $.recovery.failure_quarantine_s"),
     ("attempts-zero", fleet(recovery={"max_attempts": 0}),
@@ -214,6 +222,7 @@ def test_table_covers_enough_rules() -> None:
         fleet(prefill(url="https://[::1]:8443/"), decode(url="http://LOCALHOST:8102")),
         fleet(profiles={"max_decode_fit_mape": 0.1}),  # equal to the margin is fine
         fleet(engine={"decode_read_timeout_s": 0, "first_token_timeout_s": 1}),
+        fleet(handoff={"max_age_s": 30.5}),  # just above the first-token deadline
         with_faults(*({"kind": k} for k in FAULT_KINDS)),
     ],
 )  # fmt: skip
@@ -420,7 +429,7 @@ def test_defaults_match_the_plan() -> None:
     data = unstructure_fleet(cfg)
     assert data["engine"] == {"first_token_timeout_s": 30.0, "decode_read_timeout_s": 30.0,
                               "request_timeout_s": 600.0, "connect_timeout_s": 5.0}  # fmt: skip
-    assert data["handoff"] == {"max_age_s": 30.0}
+    assert data["handoff"] == {"max_age_s": 60.0}
     assert data["recovery"] == {
         "eject_after": 3, "failure_quarantine_s": 0.0, "max_attempts": 1,
         "retry_budget": {"ratio": 0.2, "min_retries_per_s": 1.0, "window_s": 10.0},

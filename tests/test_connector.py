@@ -18,6 +18,7 @@ from narwhal.engines.connector import (
     REJECTION_REASONS,
     TRANSFER_KEYS,
     PrefillResult,
+    detached,
     hosts_equal,
     prefill_request_params,
     strip_transfer_params,
@@ -113,9 +114,26 @@ def test_parameters_are_detached() -> None:
     del params["remote_engine_id"]
     again = result.parameters()
     assert again == OBSERVED
-    assert dict(result.descriptor) == OBSERVED
+    assert detached(result.descriptor) == OBSERVED
+
+
+def test_descriptor_is_immutable_all_the_way_down() -> None:
+    result = make_result(copy.deepcopy(OBSERVED))
+    desc = result.descriptor
     with pytest.raises(TypeError):
-        result.descriptor["remote_port"] = 1  # type: ignore[index]
+        desc["remote_port"] = 1  # type: ignore[index]
+    # Nested values too: the block ids and any opaque nested field.
+    with pytest.raises(AttributeError):
+        desc["remote_block_ids"][0].append(99)
+    with pytest.raises(TypeError):
+        desc["remote_block_ids"][0][0] = 99
+    with pytest.raises((TypeError, AttributeError)):
+        desc["future_field"]["nested"].clear()
+    with pytest.raises(TypeError):
+        desc["future_field"]["added"] = 1
+    assert result.parameters() == OBSERVED
+    # A frozen descriptor still validates and still serializes to the same JSON.
+    assert validate_descriptor(desc, connector="NixlConnector") == OBSERVED
 
 
 def test_prefill_result_is_frozen_and_keeps_a_copy_of_the_request() -> None:

@@ -395,8 +395,8 @@ def raising(exc: Exception) -> Callable[[httpx.Request], Awaitable[httpx.Respons
     ("exc", "expected"),
     [
         (httpx.ConnectError("connection refused"), EngineUnavailable),
-        (httpx.ConnectTimeout("connect timed out"), EngineUnavailable),
-        (httpx.PoolTimeout("pool"), EngineUnavailable),
+        (httpx.ConnectTimeout("connect timed out"), EngineTimeout),
+        (httpx.PoolTimeout("pool"), EngineTimeout),
         (httpx.ReadError("connection reset"), StreamClosed),
         (httpx.RemoteProtocolError("server disconnected without sending a response"), StreamClosed),
         (httpx.WriteError("broken pipe"), StreamClosed),
@@ -411,6 +411,8 @@ async def test_prefill_transport_errors(exc: Exception, expected: type[Exception
         await run_prefill(engine)
     assert type(info.value) is expected
     assert info.value.__cause__ is exc
+    # Timeout-shaped faults are 504s, every other engine fault a 502.
+    assert info.value.http_status == (504 if isinstance(exc, httpx.TimeoutException) else 502)
 
 
 # --------------------------------------------------------------------------- decode
@@ -638,6 +640,21 @@ async def test_http_error_on_open() -> None:
     assert exc.upstream_status == 503 and exc.transient
     assert "engine overloaded" in str(exc)
     assert stream is None
+
+
+@pytest.mark.parametrize(
+    ("upstream", "status", "error_type"),
+    [(408, 504, "timeout_error"), (504, 504, "timeout_error"), (500, 502, "engine_error"),
+     (503, 502, "engine_error"), (429, 502, "engine_error"), (422, 422, "invalid_request_error")],
+)
+async def test_engine_status_maps_timeouts_to_504(upstream: int, status: int, error_type: str) -> None:
+    # The engine's own timeout (408, 504) is timeout-shaped: 504; other faults 502.
+    engine = Engine()
+    engine.reply("POST", "/v1/completions", lambda: httpx.Response(upstream, text="nope"))
+    exc, _ = await decode_error(engine)
+    assert isinstance(exc, EngineHTTPError) and exc.upstream_status == upstream
+    assert exc.http_status == status
+    assert exc.to_body()["error"]["type"] == error_type
 
 
 async def test_http_error_with_text_body() -> None:

@@ -4,7 +4,9 @@ Each case runs one request against a fresh router in front of ``p0`` (prefill) a
 ``d0`` (decode), in memory and in virtual time, and asserts what docs/failures.md
 promises: the client's status (or, once a stream is committed, its terminal event),
 the journal's terminal class, the breaker's state (``eject_after: 1``, so a counted
-fault ejects its engine at once and an uncounted one leaves every streak at 0), and
+fault ejects its engine at once and an uncounted one leaves every streak at 0; each
+role has one engine, so an ejection is a whole wave and the engine is held in
+placement), and
 the invariants: exactly one journal record carrying the request's id, no engine
 generation left running, no reservation or in-flight count left, no connection or
 task left once the stack closes, no internals (host names, exception text) in the
@@ -26,7 +28,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from narwhal.config import FaultSpec
+from narwhal.config import EngineTimeouts, FaultSpec, HandoffConfig
 from narwhal.router.breaker import Breaker
 
 from .routerkit import Stack, engine, fleet_doc, open_stack
@@ -35,9 +37,10 @@ PROMPT = "one two three four"
 BODY = {"prompt": PROMPT, "max_tokens": 6}
 PREFILL_S = 0.010 + 1e-4 * 4  # routerkit's latency model for a 4-token prompt
 STEP_S = 0.005
-FIRST_TOKEN_S = 5.0  # routerkit's engine.first_token_timeout_s
-SILENCE_S = 2.0  # routerkit's engine.decode_read_timeout_s
-HANDOFF_S = 30.0  # handoff.max_age_s (the default)
+# The shipped defaults: the matrix runs what users run.
+FIRST_TOKEN_S = EngineTimeouts().first_token_timeout_s
+SILENCE_S = EngineTimeouts().decode_read_timeout_s
+HANDOFF_S = HandoffConfig().max_age_s
 # Internals a client's error body must never show: engine and KV host names
 # (p0.test, p0.kv.test), library exception text, tracebacks.
 _INTERNALS = (".test", "Errno", "Traceback", "httpx", "httpcore", "Exception")
@@ -126,6 +129,7 @@ class Case:
         message: a fragment the client's error message holds.
         sections: fleet document overrides.
         restart_producer_at: restart p0 this long after the request starts.
+        also: more faults, as (engine, fault) pairs.
     """
 
     id: str
@@ -139,6 +143,7 @@ class Case:
     message: str | None = None
     sections: dict[str, Any] = attrs.field(factory=dict)
     restart_producer_at: float | None = None
+    also: tuple[tuple[str, FaultSpec], ...] = ()
 
 
 def _prefill(kind: str, status: int, klass: str, culprit: str | None = "p0", **kw: Any) -> Case:
@@ -156,11 +161,15 @@ _AFTER = {"after_tokens": 2, "on": "decode"}
 CASES = [
     # Prefill leg: the producer fails; a prefill error is always an ordinary HTTP error.
     _prefill("refuse_connection", 502, "prefill_failed", fault=FaultSpec(kind="refuse_connection")),
-    _prefill("delay_headers", 504, "prefill_failed", fault=FaultSpec(kind="delay_headers", on="prefill", delay_s=40.0),
+    _prefill("delay_headers", 504, "prefill_failed",
+             fault=FaultSpec(kind="delay_headers", on="prefill", delay_s=HANDOFF_S + 10),
              elapsed=HANDOFF_S, message="handoff.max_age_s"),
     _prefill("http_error", 502, "prefill_failed", id="http_error-500"),
     _prefill("http_error", 502, "prefill_failed", id="http_error-503",
              fault=FaultSpec(kind="http_error", on="prefill", status=503)),
+    # The engine's own timeout is timeout-shaped: 504.
+    _prefill("http_error", 504, "prefill_failed", id="http_error-408",
+             fault=FaultSpec(kind="http_error", on="prefill", status=408)),
     # A 400 rejects the request's content: the client's fault, never the engine's.
     _prefill("http_error", 400, "invalid_request", None, id="http_error-400",
              fault=FaultSpec(kind="http_error", on="prefill", status=400, message="bad sampling")),
@@ -181,10 +190,15 @@ CASES = [
     _prefill("restart", 502, "prefill_failed"),
     # Transfer: the consumer pulls the producer's KV before its first token.
     _decode("slow_transfer", 504, "first_token_timeout", leg="transfer",
-            fault=FaultSpec(kind="slow_transfer", on="decode", delay_s=10.0), elapsed=PREFILL_S + FIRST_TOKEN_S),
-    _decode("slow_transfer", 504, "handoff_expired", None, leg="transfer", id="slow_transfer-handoff_expired",
-            fault=FaultSpec(kind="slow_transfer", on="decode", delay_s=10.0), elapsed=3.0,
-            sections={"handoff": {"max_age_s": 3.0}}),
+            fault=FaultSpec(kind="slow_transfer", on="decode", delay_s=FIRST_TOKEN_S + 10),
+            elapsed=PREFILL_S + FIRST_TOKEN_S),
+    # A slow producer leaves the consumer less of the handoff's age than the first-token
+    # timeout: the handoff expires while the consumer holds it, which is the consumer's
+    # first-token failure (the breaker counts it against the consumer).
+    _decode("slow_transfer", 504, "handoff_expired", leg="transfer", id="slow_transfer-handoff_expired",
+            fault=FaultSpec(kind="slow_transfer", on="decode", delay_s=HANDOFF_S),
+            also=(("p0", FaultSpec(kind="delay_headers", on="prefill", delay_s=HANDOFF_S - FIRST_TOKEN_S / 2)),),
+            elapsed=HANDOFF_S, message="handoff.max_age_s"),
     # The producer restarts after the prefill: its KV is gone and the consumer's pull
     # fails (a 500 after vLLM's 5 s); the breaker blames the consumer that answered it.
     _decode("restart", 502, "decode_failed", leg="transfer", id="producer_restart",
@@ -192,9 +206,12 @@ CASES = [
             sections={"engine": {"first_token_timeout_s": 10.0}}, elapsed=PREFILL_S + 1.0 + 5.0),
     # Decode before the first token: still an ordinary HTTP error in both modes.
     _decode("refuse_connection", 502, "decode_failed", fault=FaultSpec(kind="refuse_connection")),
-    _decode("delay_headers", 504, "first_token_timeout", fault=FaultSpec(kind="delay_headers", on="decode", delay_s=10.0),
+    _decode("delay_headers", 504, "first_token_timeout",
+            fault=FaultSpec(kind="delay_headers", on="decode", delay_s=FIRST_TOKEN_S + 10),
             elapsed=PREFILL_S + FIRST_TOKEN_S, message="first_token_timeout_s"),
     _decode("http_error", 502, "decode_failed", id="http_error-500"),
+    _decode("http_error", 504, "decode_failed", id="http_error-504",
+            fault=FaultSpec(kind="http_error", on="decode", status=504)),
     _decode("http_error", 400, "invalid_request", None, id="http_error-400",
             fault=FaultSpec(kind="http_error", on="decode", status=400, message="bad sampling")),
     _decode("close_before_done", 502, "decode_failed"),
@@ -219,7 +236,7 @@ CASES = [
 def test_the_matrix_covers_every_fault() -> None:
     from narwhal.config import FAULT_KINDS
 
-    kinds = {c.fault.kind for c in CASES} | {"restart"}
+    kinds = {c.fault.kind for c in CASES}
     assert kinds == set(FAULT_KINDS)
     legs = {c.id.rsplit("-", 1)[0].split("-")[0] for c in CASES}
     assert {"prefill", "transfer", "decode"} <= legs
@@ -233,6 +250,8 @@ async def test_fault(autojump_clock: trio.abc.Clock, case: Case, mode: str) -> N
     async with open_stack(doc_for(**case.sections)) as stack:
         breaker = stack.router.state.breaker
         stack.engine(case.engine).inject(case.fault)
+        for name, fault in case.also:
+            stack.engine(name).inject(fault)
         async with trio.open_nursery() as nursery:
             if case.restart_producer_at is not None:
 
@@ -269,12 +288,13 @@ async def test_fault(autojump_clock: trio.abc.Clock, case: Case, mode: str) -> N
         assert PROMPT not in json.dumps(record)
 
         # The breaker (eject_after 1): the culprit is ejected, nobody else is touched.
+        # It is its role's only engine (a whole wave): held in placement.
         for name, st in breaker.states.items():
             if name == case.culprit:
-                assert st.ejected and st.streak == 1, (name, st)
+                assert st.ejected and st.held and st.streak == 1, (name, st)
             else:
                 assert not st.ejected and st.streak == 0, (name, st)
-        assert [t.event for t in breaker.transitions] == (["ejected"] if case.culprit else [])
+        assert [t.event for t in breaker.transitions] == (["ejected", "held"] if case.culprit else [])
         if case.klass == "invalid_descriptor":
             # Rejected between the legs: the consumer never saw the handoff.
             assert [b for b in stack.engine("d0").requests_seen if "prompt" in b] == []
@@ -308,7 +328,7 @@ PROBE_CASES = [
         for target in ("p0", "d0")
     ],
     *[
-        _probe(target, "delay_headers", fault=FaultSpec(kind="delay_headers", on=on, delay_s=10.0, times=1))
+        _probe(target, "delay_headers", fault=FaultSpec(kind="delay_headers", on=on, delay_s=FIRST_TOKEN_S + 10, times=1))
         for target, on in (("p0", "prefill"), ("d0", "decode"))
     ],
     *[
@@ -325,7 +345,13 @@ PROBE_CASES = [
     ],
     _probe("p0", "malformed_descriptor",
            fault=FaultSpec(kind="malformed_descriptor", variant="wrong_endpoint", times=1)),
-    _probe("d0", "slow_transfer", fault=FaultSpec(kind="slow_transfer", on="decode", delay_s=10.0, times=1)),
+    _probe("d0", "slow_transfer",
+           fault=FaultSpec(kind="slow_transfer", on="decode", delay_s=FIRST_TOKEN_S + 10, times=1)),
+    # The probe replays the failing path: a decode streamed past its first token, so a
+    # consumer that goes silent mid-stream (or closes the stream) is not readmitted.
+    _probe("d0", "silence_after-2", fault=FaultSpec(kind="silence_after", on="decode", after_tokens=2, times=1)),
+    _probe("d0", "close_before_done-2",
+           fault=FaultSpec(kind="close_before_done", on="decode", after_tokens=2, times=1)),
     # The consumer's probe needs a fresh handoff from the original producer; when that
     # producer fails, the probe cannot judge the consumer.
     _probe("d0", "origin_producer_fails", at="p0",
@@ -362,23 +388,26 @@ async def test_fault_during_readmission_probe(autojump_clock: trio.abc.Clock, ca
 
         ejected_at = trio.current_time()
 
+        # It is its role's only engine (a whole wave): held in placement, and probed.
+        assert [t.event for t in breaker.transitions] == ["ejected", "held"]
+        assert st.held and stack.router.state.ready()
+
         # The first probe meets the fault (each probe leg is bounded by the first-token
-        # timeout): the engine stays out and is probed again a full interval later.
-        await transition(breaker, 2)
-        failed_at = trio.current_time()
-        assert failed_at - ejected_at <= interval + 2 * FIRST_TOKEN_S + 0.1
-        assert [t.event for t in breaker.transitions] == ["ejected", case.outcome]
-        assert st.ejected and st.probes == 1
-        assert not stack.router.state.ready()
-        assert (await stack.complete(BODY)).status_code == 503
-        # The fault is spent: the next probe readmits it and requests flow again.
+        # timeout, a decode's silence by the read timeout): the engine stays ejected
+        # and is probed again a full interval later.
         await transition(breaker, 3)
+        failed_at = trio.current_time()
+        assert failed_at - ejected_at <= interval + 2 * FIRST_TOKEN_S + SILENCE_S + 0.1
+        assert [t.event for t in breaker.transitions] == ["ejected", "held", case.outcome]
+        assert st.ejected and st.probes == 1
+        # The fault is spent: the next probe readmits it and requests flow again.
+        await transition(breaker, 4)
         assert trio.current_time() - failed_at >= interval
-        assert [t.event for t in breaker.transitions] == ["ejected", case.outcome, "readmitted"]
-        assert not st.ejected
+        assert [t.event for t in breaker.transitions] == ["ejected", "held", case.outcome, "readmitted"]
+        assert not st.ejected and not st.held
         assert (await stack.complete(BODY)).status_code == 200
-        # Probes are not client requests: three requests, three records.
-        assert [r["terminal_class"] for r in stack.records] == [f"{on}_failed", "refused", "ok"]
+        # Probes are not client requests: two requests, two records.
+        assert [r["terminal_class"] for r in stack.records] == [f"{on}_failed", "ok"]
         await settled(stack)
 
 

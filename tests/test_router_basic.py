@@ -75,12 +75,16 @@ async def test_request_id_is_honoured_and_backend_ids_are_fresh(autojump_clock: 
         for _ in range(2):
             resp = await stack.complete({"prompt": "a b c", "max_tokens": 2}, headers={"x-request-id": "client-42"})
             assert resp.headers["x-request-id"] == "client-42"
-        seen = stack.engine("p0").requests_seen + stack.engine("d0").requests_seen
     assert [r["request_id"] for r in stack.records] == ["client-42", "client-42"]
     backend_ids = [a[k] for r in stack.records for a in r["attempts"] for k in ("prefill_request_id", "decode_request_id")]
     assert len(set(backend_ids)) == 4
     assert all(i.startswith("client-42-") for i in backend_ids)
-    assert seen
+    # The engines saw exactly those ids, each once, on the leg the journal names.
+    by_engine = {name: stack.engine(name).request_ids_seen for name in ("p0", "d0")}
+    assert by_engine == {
+        "p0": [a["prefill_request_id"] for r in stack.records for a in r["attempts"]],
+        "d0": [a["decode_request_id"] for r in stack.records for a in r["attempts"]],
+    }
 
 
 async def test_prompt_over_context_is_400_before_engine_work(autojump_clock: trio.abc.Clock) -> None:
@@ -205,15 +209,24 @@ async def test_models_and_health(autojump_clock: trio.abc.Clock) -> None:
         assert resp.json()["error"]["type"] == "not_found_error"
 
 
-async def test_health_unready_without_decode(autojump_clock: trio.abc.Clock) -> None:
-    doc = fleet_doc(recovery={"eject_after": 1, "probe_interval_s": 1000.0})
+async def test_health_names_each_engines_breaker_state(autojump_clock: trio.abc.Clock) -> None:
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]),
+        recovery={"eject_after": 1, "probe_interval_s": 1000.0},
+    )
     async with open_stack(doc) as stack:
-        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=500))
-        resp = await stack.complete({"prompt": "a", "max_tokens": 1})
-        assert resp.status_code == 502
+        for name in ("d0", "d1"):
+            stack.engine(name).inject(FaultSpec(kind="http_error", on="decode", status=500))
+        assert (await stack.complete({"prompt": "a", "max_tokens": 1})).status_code == 502
         health = await stack.client.get("/health")
-        assert health.status_code == 503
-        assert health.json()["engines"]["d0"] == "ejected"
+        assert health.status_code == 200
+        assert health.json()["engines"] == {"p0": "ok", "d0": "ejected", "d1": "ok"}
+        # The last decode engine fails too: ejected, but held in placement (whole wave),
+        # so the router stays ready.
+        assert (await stack.complete({"prompt": "a", "max_tokens": 1})).status_code == 502
+        health = await stack.client.get("/health")
+        assert health.status_code == 200
+        assert health.json()["engines"] == {"p0": "ok", "d0": "ejected", "d1": "held"}
 
 
 async def test_bad_bodies_are_400(autojump_clock: trio.abc.Clock) -> None:

@@ -52,12 +52,21 @@ async def test_client_disconnect_mid_stream_cancels_the_decode_leg(autojump_cloc
 
 
 async def test_client_disconnect_during_prefill(autojump_clock: trio.abc.Clock) -> None:
+    # A 1000-token prompt prefills for 0.11 s: the client gives up long before.
     async with open_stack() as stack:
+        producer, consumer = stack.engine("p0"), stack.engine("d0")
         with trio.move_on_after(0.005):
             await stack.complete({"prompt": " ".join(["w"] * 1000), "max_tokens": 5})
         await trio.sleep(1.0)
         assert stack.router.state.in_flight == 0
-    assert stack.records[0]["terminal_class"] == "client_cancelled"
+        # The prefill reached the producer and was aborted there (its connection closed),
+        # never completed; no decode was ever sent.
+        assert producer.stats.requests == 1
+        assert (producer.stats.aborted, producer.stats.completed, producer.stats.active) == (1, 0, 0)
+        assert consumer.requests_seen == [] and consumer.stats.requests == 0
+    [record] = stack.records
+    assert record["terminal_class"] == "client_cancelled"
+    assert record["ttft_s"] is None and record["attempts"][0]["decode_request_id"] is not None
 
 
 async def test_graceful_shutdown_drains_and_flushes_the_journal(

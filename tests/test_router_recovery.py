@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 import trio
 
-from narwhal.config import FaultSpec
+from narwhal.config import EngineTimeouts, FaultSpec
+from narwhal.router.breaker import BreakerState
+from narwhal.router.probe import PROBE_TOKENS, probe_engine
 
-from .routerkit import engine, fleet_doc, open_stack
+from .routerkit import Stack, engine, fleet_doc, open_stack
 
 BODY = {"prompt": "one two three four", "max_tokens": 4}
+FIRST_TOKEN_S = EngineTimeouts().first_token_timeout_s
+SILENCE_S = EngineTimeouts().decode_read_timeout_s
 
 
 def two_by_two(**sections: object) -> dict:
@@ -131,21 +135,182 @@ async def test_eject_after_n_failures_and_readmit_by_probe(autojump_clock: trio.
     async with open_stack(doc) as stack:
         breaker = stack.router.state.breaker
         stack.engine("d0").inject(FaultSpec(kind="silence_after", on="decode", after_tokens=1, times=2))
-        stack.engine("d1").inject(FaultSpec(kind="delay_headers", on="decode", delay_s=60.0, times=2))
-        for _ in range(4):
+        for _ in range(4):  # ties alternate: d0, d1, d0, d1
             await stack.complete(BODY)
-        assert breaker.states["d0"].ejected and breaker.states["d1"].ejected
-        assert not stack.router.state.ready()
-        assert (await stack.complete(BODY)).status_code == 503
-        # Faults are spent: the next probes succeed and readmit both.
-        await trio.sleep(5.5 + 5.0)
-        assert not breaker.states["d0"].ejected and not breaker.states["d1"].ejected
-        assert (await stack.complete(BODY)).status_code == 200
+        assert breaker.states["d0"].ejected and not breaker.states["d1"].ejected
+        assert breaker.status("d0") == "ejected" and not breaker.states["d0"].held
+        # Out of placement: every request goes to d1 until a probe succeeds.
+        for _ in range(3):
+            assert (await stack.complete(BODY)).status_code == 200
+            assert stack.records[-1]["consumer"] == "d1"
+        # The fault is spent: the next probe succeeds and readmits d0 (half-open).
+        await trio.sleep(5.0)
+        assert not breaker.states["d0"].ejected and breaker.status("d0") == "trial"
     classes = [r["terminal_class"] for r in stack.records]
-    assert classes.count("silence_timeout") == 2 and classes.count("first_token_timeout") == 2
-    assert classes[4] == "refused"
-    events = [t.event for t in breaker.transitions]
-    assert events.count("ejected") == 2 and events.count("readmitted") == 2
+    assert classes == ["silence_timeout", "ok", "silence_timeout", "ok", "ok", "ok", "ok"]
+    assert [(t.engine, t.event) for t in breaker.transitions] == [("d0", "ejected"), ("d0", "readmitted")]
+
+
+def two_decoders(**recovery: object) -> dict:
+    return fleet_doc(
+        engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]),
+        recovery={"eject_after": 1, "probe_interval_s": 5.0, **recovery},
+    )
+
+
+async def test_whole_wave_keeps_the_last_engine_of_a_role_in_placement(autojump_clock: trio.abc.Clock) -> None:
+    # Every decode engine fails at once (a whole-wave restart, a shared dependency down).
+    async with open_stack(two_decoders()) as stack:
+        state = stack.router.state
+        breaker = state.breaker
+        for name in ("d0", "d1"):
+            stack.engine(name).inject(FaultSpec(kind="http_error", on="decode", status=503, times=2))
+        assert (await stack.complete(BODY)).status_code == 502  # d0: ejected
+        assert (await stack.complete(BODY)).status_code == 502  # d1: the last one, held
+        assert breaker.status("d0") == "ejected" and breaker.status("d1") == "held"
+        assert [(t.engine, t.event) for t in breaker.transitions] == [
+            ("d0", "ejected"), ("d1", "ejected"), ("d1", "held")
+        ]
+        # The role keeps its capacity: the router stays ready and places on d1, and the
+        # client gets the engine's own answer (here its fault), never a 503.
+        assert state.ready()
+        assert (await stack.complete(BODY)).status_code == 502
+        assert stack.records[-1]["consumer"] == "d1"
+        assert breaker.status("d1") == "held"  # a failure while held changes nothing
+        # d1's fault is spent: its next live request succeeds and readmits it (full
+        # weight: live traffic proved it), while d0 stays out until its own probe.
+        assert (await stack.complete(BODY)).status_code == 200
+        assert breaker.status("d1") == "ok" and breaker.status("d0") == "ejected"
+        assert stack.records[-1]["consumer"] == "d1"
+        # d0's probes (every 5 s from its ejection): the first meets its last fault.
+        await trio.sleep(5.0 + 5.0)
+        assert breaker.status("d0") == "trial"
+    assert [r["terminal_class"] for r in stack.records] == ["decode_failed"] * 3 + ["ok"]
+    assert [(t.engine, t.event) for t in breaker.transitions][3:] == [
+        ("d1", "readmitted"), ("d0", "probe_failed"), ("d0", "readmitted")
+    ]
+
+
+async def test_whole_wave_hold_ends_when_another_engine_is_back(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(two_decoders(probe_interval_s=5.0)) as stack:
+        breaker = stack.router.state.breaker
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, times=1))
+        stack.engine("d1").inject(FaultSpec(kind="http_error", on="decode", status=503))
+        await stack.complete(BODY)  # d0 ejected
+        await stack.complete(BODY)  # d1 ejected and held
+        assert breaker.status("d1") == "held"
+        # d0's probe readmits it: d1 (still failing) leaves placement until its own probe.
+        await trio.sleep(5.5)
+        assert breaker.status("d0") == "trial" and breaker.status("d1") == "ejected"
+        assert ("d1", "released") in [(t.engine, t.event) for t in breaker.transitions]
+        assert (await stack.complete(BODY)).status_code == 200
+        assert stack.records[-1]["consumer"] == "d0"
+
+
+async def eject_and_readmit(stack: Stack, name: str) -> BreakerState:
+    """Fail ``name`` until it is ejected; wait for the probe that readmits it (on trial)."""
+    st = stack.router.state.breaker.states[name]
+    stack.engine(name).inject(FaultSpec(kind="http_error", on="decode", status=503, times=3))
+    while not st.ejected:
+        await stack.complete(BODY)
+    await trio.sleep(5.5)
+    assert st.trial and not st.ejected
+    return st
+
+
+async def test_readmission_is_half_open(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(two_decoders(eject_after=3)) as stack:
+        breaker = stack.router.state.breaker
+        st = await eject_and_readmit(stack, "d0")
+        # On trial: one live request at a time. Two concurrent slow requests: only one
+        # goes to d0.
+        consumers: list[str] = []
+
+        async def one() -> None:
+            await stack.complete({**BODY, "max_tokens": 50})
+            consumers.append(stack.records[-1]["consumer"])
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+        assert sorted(consumers) == ["d0", "d1", "d1"]
+        # That success closed the trial: full weight again.
+        assert not st.trial and breaker.status("d0") == "ok"
+        assert ("d0", "closed") in [(t.engine, t.event) for t in breaker.transitions]
+
+
+async def test_a_failure_on_trial_ejects_at_once(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(two_decoders(eject_after=3)) as stack:
+        st = await eject_and_readmit(stack, "d0")
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, times=1))
+        await stack.complete(BODY)
+        while stack.records[-1]["consumer"] != "d0":
+            await stack.complete(BODY)
+        assert stack.records[-1]["terminal_class"] == "decode_failed"
+        # One failure, not eject_after (3): the probe's verdict did not hold.
+        assert st.ejected and st.streak == 1 and not st.trial
+
+
+async def test_consumer_probe_streams_a_decode_not_a_prefill(autojump_clock: trio.abc.Clock) -> None:
+    # An engine that prefills and decodes, ejected for a decode-stream failure, is probed
+    # with a same-worker streaming decode of several tokens: a one-token prefill would
+    # readmit an engine whose streams still fail.
+    doc = fleet_doc(
+        engine("both", 8101, ["prefill", "decode"]), engine("p1", 8102, ["prefill"]),
+        engine("d1", 8103, ["decode"]), recovery={"eject_after": 1, "probe_interval_s": 5.0},
+    )
+    async with open_stack(doc) as stack:
+        breaker = stack.router.state.breaker
+        both = stack.engine("both")
+        both.inject(FaultSpec(kind="silence_after", on="decode", after_tokens=1, times=2))
+        await stack.complete(BODY)  # ties go to the first engines: same-worker on "both"
+        assert stack.records[-1]["attempts"][0]["same_worker"] is True
+        st = breaker.states["both"]
+        assert st.ejected and st.failed_leg == "decode" and st.origin_producer is None
+        seen = len(both.requests_seen)
+        await trio.sleep(5.0 + SILENCE_S + 1)  # the first probe meets the second silence
+        assert breaker.transitions[-1].event == "probe_failed"
+        await trio.sleep(5.0)
+        assert breaker.status("both") == "trial"
+        probes = [b for b in both.requests_seen[seen:] if "prompt" in b]
+    assert len(probes) == 2
+    for body in probes:
+        assert body["stream"] is True and body["max_tokens"] == PROBE_TOKENS
+        assert "kv_transfer_params" not in body  # same-worker
+
+
+async def test_decode_only_probe_without_origin_takes_a_handoff_from_a_producer_in_placement(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack(two_decoders()) as stack:
+        state = stack.router.state
+        state.breaker.record_failure("d0", "a decode failed", leg="decode")
+        assert state.breaker.states["d0"].origin_producer is None
+        assert await probe_engine(state, "d0") is True
+        [prefill] = [b for b in stack.engine("p0").requests_seen if "prompt" in b]
+        [decode] = [b for b in stack.engine("d0").requests_seen if "prompt" in b]
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert decode["kv_transfer_params"]["remote_host"] == "p0.kv.test"
+    assert decode["max_tokens"] == PROBE_TOKENS and decode["stream"] is True
+
+
+async def test_decode_only_probe_with_no_producer_in_placement_is_inconclusive(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"]), engine("p1", 8102, ["prefill"]), engine("d0", 8103, ["decode"]),
+        engine("d1", 8104, ["decode"]), recovery={"eject_after": 1, "probe_interval_s": 1000.0},
+    )
+    async with open_stack(doc) as stack:
+        state = stack.router.state
+        state.breaker.record_failure("p0", "down", leg="prefill")
+        state.breaker.record_failure("p1", "down", leg="prefill")  # held: the last producer
+        state.breaker.record_failure("d0", "a decode failed", leg="decode")
+        assert await probe_engine(state, "d0") is True  # p1 is held, so in placement
+        state.breaker.states["p1"].held = False  # as if released: no producer at all
+        state.breaker.record_failure("d0", "a decode failed", leg="decode")
+        assert await probe_engine(state, "d0") is None
+        assert state.breaker.transitions[-1].event == "probe_inconclusive"
 
 
 async def test_crossed_decode_probe_uses_fresh_handoff_from_original_producer(autojump_clock: trio.abc.Clock) -> None:
@@ -174,7 +339,8 @@ async def test_crossed_decode_probe_uses_fresh_handoff_from_original_producer(au
     remote_ids = [b["kv_transfer_params"]["remote_request_id"] for b in probe_decodes]
     assert len(set(remote_ids)) == 2
     assert all(b["kv_transfer_params"]["remote_host"] == "p0.kv.test" for b in probe_decodes)
-    assert [t.event for t in breaker.transitions] == ["ejected", "probe_failed", "readmitted"]
+    # d0 is the only decode engine: held in placement while it is probed (a whole wave).
+    assert [t.event for t in breaker.transitions] == ["ejected", "held", "probe_failed", "readmitted"]
 
 
 async def test_inconclusive_probe_returns_to_normal_cadence(autojump_clock: trio.abc.Clock) -> None:

@@ -30,6 +30,7 @@ from narwhal.engines.connector import (
     PrefillResult,
     RequestKind,
     connector_type,
+    detached,
     prefill_request_params,
     strip_transfer_params,
     validate_descriptor,
@@ -262,10 +263,14 @@ class EngineClient:
         def error(cls: type[EngineError], what: str) -> EngineError:
             return cls(f"{what}: {detail}", engine=name, leg=leg, public=what)
 
-        if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
-            return error(EngineUnavailable, f"engine {name} unreachable")
+        # Timeout-shaped faults are 504s (connect and pool timeouts included); a
+        # refused or reset connection is a 502.
+        if isinstance(exc, httpx.ConnectTimeout):
+            return error(EngineTimeout, f"engine {name} unreachable (connect timed out)")
         if isinstance(exc, httpx.PoolTimeout):
-            return error(EngineUnavailable, f"no connection to engine {name} available")
+            return error(EngineTimeout, f"no connection to engine {name} available in time")
+        if isinstance(exc, httpx.ConnectError):
+            return error(EngineUnavailable, f"engine {name} unreachable")
         if isinstance(exc, httpx.TimeoutException):
             return error(EngineTimeout, f"engine {name} timed out")
         if isinstance(
@@ -518,7 +523,7 @@ class EngineClient:
             )
         descriptor = validate_descriptor(
             raw_descriptor, connector=self.connector, engine=self.name, leg=leg, detach=False
-        )  # PrefillResult keeps a detached, read-only copy
+        )  # PrefillResult keeps a frozen (immutable) copy
         return PrefillResult(
             descriptor=descriptor,
             producer=self.name,
@@ -592,17 +597,17 @@ class EngineClient:
                     engine=self.name,
                     leg=leg,
                 )
-            if prefill.validated:
-                payload["kv_transfer_params"] = dict(prefill.descriptor)
-            else:
-                payload["kv_transfer_params"] = validate_descriptor(
+            if not prefill.validated:
+                validate_descriptor(
                     prefill.descriptor,
                     connector=prefill.connector,
                     expected_endpoint=prefill.endpoint,
                     engine=prefill.producer,
                     leg=leg,
-                    detach=False,  # serialized at once, never mutated
+                    detach=False,
                 )
+            # The descriptor is frozen (read-only mappings, tuples): plain JSON shapes.
+            payload["kv_transfer_params"] = detached(prefill.descriptor)
         options = body.get("stream_options")
         stream_options = dict(options) if isinstance(options, Mapping) else {}
         stream_options["include_usage"] = True

@@ -13,7 +13,7 @@ unusable descriptor does not fail: it logs and silently recomputes the whole pro
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Final, Literal, Protocol, TypeGuard
 
@@ -187,13 +187,13 @@ def _is_int(value: object) -> TypeGuard[int]:
 def _block_ids_problem(ids: object) -> str | None:
     if ids is None:
         return "remote_block_ids is missing"
-    if not isinstance(ids, list):
+    if not isinstance(ids, list | tuple):  # a tuple: a frozen descriptor's
         return f"remote_block_ids must be a list, not {type(ids).__name__}"
     if not ids:
         return "remote_block_ids is empty"
     if all(_is_int(x) for x in ids):
-        groups: list[list[Any]] = [ids]
-    elif all(isinstance(g, list) for g in ids):
+        groups: Sequence[Sequence[Any]] = [ids]
+    elif all(isinstance(g, list | tuple) for g in ids):
         groups = ids
         if not all(_is_int(x) for g in groups for x in g):
             return "remote_block_ids groups must hold only integers"
@@ -304,17 +304,31 @@ _SCALARS: Final = (str, int, float, bool, type(None))
 
 
 def detached(value: Any) -> Any:
-    """A deep copy of a JSON-shaped value (dicts, lists, scalars; anything else deep-copied).
+    """A mutable deep copy of a JSON-shaped value (mappings to dicts, lists and tuples to
+    lists, scalars as they are; anything else deep-copied).
 
-    Much cheaper than :func:`copy.deepcopy` on the descriptors' long block-id lists.
+    Much cheaper than :func:`copy.deepcopy` on the descriptors' long block-id lists; it
+    also thaws a :func:`frozen` value.
     """
     kind = type(value)
     if kind is dict or isinstance(value, Mapping):
         return {k: v if type(v) in _SCALARS else detached(v) for k, v in value.items()}
-    if kind is list:
+    if kind is list or kind is tuple:
         return [v if type(v) in _SCALARS else detached(v) for v in value]
     if kind in _SCALARS:
         return value
+    return copy.deepcopy(value)
+
+
+def frozen(value: Any) -> Any:
+    """An immutable deep copy of a JSON-shaped value: read-only mappings, tuples, scalars."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: v if type(v) in _SCALARS else frozen(v) for k, v in value.items()})
+    if kind is list or kind is tuple:
+        return tuple(v if type(v) in _SCALARS else frozen(v) for v in value)
     return copy.deepcopy(value)
 
 
@@ -322,8 +336,9 @@ def _readonly_copy(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(value))
 
 
-def _readonly_deepcopy(value: Mapping[str, Any]) -> Mapping[str, Any]:
-    return MappingProxyType(detached(value))
+def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    out: Mapping[str, Any] = frozen(value)
+    return out
 
 
 @attrs.frozen(eq=False)
@@ -334,7 +349,8 @@ class PrefillResult:
     copy of the descriptor for inspection.
 
     Attributes:
-        descriptor: the producer's descriptor, read-only, unknown fields included.
+        descriptor: the producer's descriptor, unknown fields included, immutable all the
+            way down (read-only mappings, lists as tuples).
         producer: the producer engine's name.
         producer_url: the producer engine's base URL.
         endpoint: the KV side-channel ``(host, port)`` the descriptor names
@@ -358,7 +374,7 @@ class PrefillResult:
             when decoded.
     """
 
-    descriptor: Mapping[str, Any] = attrs.field(converter=_readonly_deepcopy)
+    descriptor: Mapping[str, Any] = attrs.field(converter=_frozen_mapping)
     producer: str
     producer_url: str
     endpoint: tuple[str, int] | None

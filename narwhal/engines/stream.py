@@ -297,6 +297,18 @@ class DecodeStream:
         self.usage: dict[str, Any] | None = None
         self.done = False
         self.closed = False
+        self._silence_scope: trio.CancelScope | None = None
+        self._silence_s = 0.0
+
+    def watch_silence(self, scope: trio.CancelScope, seconds: float) -> None:
+        """Move ``scope``'s deadline to ``seconds`` after every piece of the body that arrives.
+
+        The silence bound runs between transport chunks: any bytes from the engine (a
+        token, a metadata event, an SSE comment or keep-alive, part of an event) reset
+        it, not only whole events.
+        """
+        self._silence_scope = scope
+        self._silence_s = seconds
 
     def __aiter__(self) -> Self:
         return self
@@ -384,7 +396,9 @@ class DecodeStream:
             self._finished = True
             raise self._owner.map_error(exc, self.leg) from exc
         self._interrupted = False
-        self.last_activity_at = trio.current_time()
+        now = self.last_activity_at = trio.current_time()
+        if self._silence_scope is not None:
+            self._silence_scope.deadline = now + self._silence_s
         if self._lazy:
             count = self._decoder.feed_tokens(data)
             if count:

@@ -57,7 +57,7 @@ class AdminApp:
                     "name": e.name,
                     "url": e.url,
                     "roles": list(e.roles),
-                    "breaker": "ejected" if st.ejected else ("ok" if state.breaker.available(e.name) else "quarantined"),
+                    "breaker": state.breaker.status(e.name),
                     "streak": st.streak,
                     "in_flight": state.in_flight_by_engine[e.name],
                     "reserved_prefill_tokens": load.prefill_tokens,

@@ -68,8 +68,7 @@ class RouterApp:
     async def _health(self, response: ResponseWriter) -> None:
         state = self.state
         engines = {
-            name: ("ejected" if st.ejected else "quarantined" if not state.breaker.available(name) else "ok")
-            for name, st in state.breaker.states.items()
+            name: state.breaker.status(name) for name in state.breaker.states
         }
         ready = state.ready()
         body = {"status": "ready" if ready else "unavailable", "engines": engines}

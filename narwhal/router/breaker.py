@@ -4,20 +4,32 @@ The breaker holds state only; the probes that readmit an engine are run by
 :mod:`narwhal.router.probe`, which reports back through :meth:`Breaker.readmit` and
 :meth:`Breaker.probe_inconclusive`.
 
-- Every engine fault counts towards the engine's streak (first-token timeouts and
-  mid-stream silence included); a success resets it.
+- Every engine fault counts towards the engine's streak (first-token timeouts, a
+  handoff that expired while the consumer held it, and mid-stream silence included); a
+  success resets it.
 - With ``recovery.failure_quarantine_s > 0`` a failed engine leaves placement for that
   long after each failure, while its streak builds.
 - After ``recovery.eject_after`` consecutive failures the engine is *ejected*: out of
   placement until a readmission probe succeeds. The failure that ejected it keeps the
-  producer of that request (``origin_producer``) so that a consumer ejected after a
-  crossed decode is probed with a fresh handoff from that producer.
+  leg that failed (``failed_leg``) and the producer of that request
+  (``origin_producer``), so that the probe replays the failing path: a consumer ejected
+  after a crossed decode is probed with a fresh handoff from that producer.
+- A probe readmits the engine *half-open* (``trial``): placement gives it one live
+  request at a time until one succeeds, then full weight; a failure on trial ejects it
+  again at once.
+- Whole wave: neither an ejection nor a quarantine ever leaves a role (prefill,
+  decode) with no engine in placement. When every engine of a role is out at once (a
+  whole-wave restart, a shared dependency down), the last one to fail is ejected but
+  *held* in placement: it is probed like any ejected engine, keeps serving the role,
+  and is readmitted by its first success (a probe or a live request). When another
+  engine of the role is back in placement, the hold ends and the engine is out until
+  its own probe succeeds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 import attrs
 import trio
@@ -32,9 +44,13 @@ class BreakerState:
     Attributes:
         streak: consecutive failures since the last success.
         quarantined_until: trio time until which placement skips the engine.
-        ejected: out of placement until a probe readmits it.
+        ejected: tripped: probed until a probe (or, while held, a live request) succeeds.
+        held: ejected, but kept in placement as its role's last capacity (whole wave).
+        trial: readmitted by a probe, not yet proven by live traffic (half-open).
         ejected_at: trio time of the ejection.
         origin_producer: producer of the request whose failure ejected a consumer.
+        failed_leg: the leg of the failure that ejected the engine (``"prefill"``,
+            ``"decode"``, or ``None`` when unknown).
         next_probe_at: trio time of the next readmission probe.
         probes: probes run since the ejection.
         last_error: detail of the last failure.
@@ -43,8 +59,11 @@ class BreakerState:
     streak: int = 0
     quarantined_until: float = -math.inf
     ejected: bool = False
+    held: bool = False
+    trial: bool = False
     ejected_at: float | None = None
     origin_producer: str | None = None
+    failed_leg: str | None = None
     next_probe_at: float = math.inf
     probes: int = 0
     last_error: str | None = None
@@ -55,13 +74,22 @@ class Transition:
     """A breaker transition, for events and metrics."""
 
     engine: str
-    event: str  # "ejected" | "readmitted" | "quarantined" | "probe_inconclusive" | "probe_failed"
+    # "ejected" | "held" | "released" | "readmitted" | "closed" | "quarantined"
+    # | "probe_inconclusive" | "probe_failed"
+    event: str
     at: float
     detail: str | None = None
 
 
 class Breaker:
-    """Breaker state for every engine of a fleet."""
+    """Breaker state for every engine of a fleet.
+
+    Args:
+        engines: every engine's name.
+        roles: role -> the engines that have it; ejection and quarantine never leave a
+            role without an engine in placement (see the module docstring). Without it
+            every engine is a role of its own (no hold).
+    """
 
     def __init__(
         self,
@@ -70,6 +98,7 @@ class Breaker:
         eject_after: int,
         quarantine_s: float,
         probe_interval_s: float,
+        roles: Mapping[str, Collection[str]] | None = None,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.eject_after = eject_after
@@ -77,6 +106,12 @@ class Breaker:
         self.probe_interval_s = probe_interval_s
         self._clock = clock
         self.states: dict[str, BreakerState] = {name: BreakerState() for name in engines}
+        #: engine -> the engine lists of its roles.
+        self._peers: dict[str, list[list[str]]] = {name: [] for name in engines}
+        for members in (roles or {}).values():
+            group = list(members)
+            for name in group:
+                self._peers[name].append(group)
         self._listeners: list[Callable[[Transition], None]] = []
         self.transitions: list[Transition] = []
         self._wakeup = trio.Event()
@@ -91,18 +126,73 @@ class Breaker:
         for listener in self._listeners:
             listener(tr)
 
+    # ------------------------------------------------------------------ placement
+
+    def _in_placement(self, engine: str, now: float) -> bool:
+        """Placeable on the engine's own state (ejection, hold, quarantine)."""
+        st = self.states[engine]
+        return (not st.ejected or st.held) and now >= st.quarantined_until
+
+    def _last_of_a_role(self, engine: str, now: float) -> bool:
+        """No other engine of one of ``engine``'s roles is in placement."""
+        return any(
+            not any(o != engine and self._in_placement(o, now) for o in group)
+            for group in self._peers[engine]
+        )
+
     def available(self, engine: str) -> bool:
         """Whether placement may use ``engine`` now."""
         st = self.states[engine]
-        return not st.ejected and self._clock() >= st.quarantined_until
+        if st.ejected and not st.held:
+            return False
+        now = self._clock()
+        if now >= st.quarantined_until:
+            return True
+        # A quarantine never empties a role: the engine stays while it is the last one.
+        return self._last_of_a_role(engine, now)
+
+    def on_trial(self, engine: str) -> bool:
+        """Half-open: placement gives it one live request at a time (unless the role has
+        no other engine in placement)."""
+        return self.states[engine].trial and not self._last_of_a_role(engine, self._clock())
+
+    def status(self, engine: str) -> str:
+        """``ok``, ``trial``, ``quarantined``, ``held`` or ``ejected``, for operators."""
+        st = self.states[engine]
+        if st.held:
+            return "held"
+        if st.ejected:
+            return "ejected"
+        if not self.available(engine):
+            return "quarantined"
+        return "trial" if st.trial else "ok"
+
+    # ------------------------------------------------------------------ outcomes
 
     def record_success(self, engine: str) -> None:
         st = self.states[engine]
-        if not st.ejected:
-            st.streak = 0
+        if st.held:
+            # The role's last capacity served a live request: as good as a probe.
+            self.readmit(engine, detail="a live request succeeded while held (whole wave)")
+            return
+        if st.ejected:
+            return
+        st.streak = 0
+        if st.trial:
+            st.trial = False
+            self._emit(engine, "closed", "a live request succeeded on trial: full weight")
 
-    def record_failure(self, engine: str, detail: str, *, origin_producer: str | None = None) -> None:
-        """Count one failure of ``engine`` (``origin_producer``: the request's producer)."""
+    def record_failure(
+        self, engine: str, detail: str, *, origin_producer: str | None = None, leg: str | None = None
+    ) -> None:
+        """Count one failure of ``engine``.
+
+        Args:
+            engine: the engine blamed.
+            detail: the failure, for operators.
+            origin_producer: the failed request's producer (a consumer's probe replays it).
+            leg: the leg that failed (``"prefill"`` or ``"decode"``).
+        """
         st = self.states[engine]
         st.last_error = detail
         if st.ejected:
@@ -112,14 +202,22 @@ class Breaker:
         if self.quarantine_s > 0:
             st.quarantined_until = now + self.quarantine_s
             self._emit(engine, "quarantined", detail)
-        if st.streak >= self.eject_after:
+        if st.streak >= self.eject_after or st.trial:
+            # On trial one failure is enough: the probe did not tell the truth.
             st.ejected = True
+            st.trial = False
             st.ejected_at = now
             st.probes = 0
             st.origin_producer = origin_producer if origin_producer != engine else None
+            st.failed_leg = leg
             st.next_probe_at = now + self.probe_interval_s
             self._emit(engine, "ejected", detail)
+            if self._last_of_a_role(engine, now):
+                st.held = True
+                self._emit(engine, "held", "every engine of its role is out (whole wave): kept in placement")
             self._wakeup.set()
+
+    # ------------------------------------------------------------------ probes
 
     def due_probes(self) -> list[str]:
         now = self._clock()
@@ -137,14 +235,30 @@ class Breaker:
         """Wake the probe loop (a probe finished)."""
         self._wakeup.set()
 
-    def readmit(self, engine: str) -> None:
+    def readmit(self, engine: str, *, detail: str | None = None) -> None:
+        """Back in placement; half-open after a probe, full weight after a live success."""
         st = self.states[engine]
+        live = st.held
         st.ejected = False
+        st.held = False
+        st.trial = not live
         st.streak = 0
         st.quarantined_until = -math.inf
         st.next_probe_at = math.inf
         st.origin_producer = None
-        self._emit(engine, "readmitted")
+        st.failed_leg = None
+        self._emit(engine, "readmitted", detail)
+        self._release_holds(engine)
+
+    def _release_holds(self, engine: str) -> None:
+        """Engines held for a role ``engine`` now serves again go out until their probe."""
+        now = self._clock()
+        for group in self._peers[engine]:
+            for other in group:
+                ost = self.states[other]
+                if ost.held and not self._last_of_a_role(other, now):
+                    ost.held = False
+                    self._emit(other, "released", f"{engine} serves its role again")
 
     def probe_failed(self, engine: str, detail: str) -> None:
         st = self.states[engine]

@@ -60,6 +60,9 @@ class AttemptRecord:
         placement_wait_s: time spent waiting for a placement that meets the SLO.
         predicted_ttft_s: the producer's price (profile-priced placement only).
         predicted_tpot_s: the consumer's price (profile-priced placement only).
+        deadline: the setting whose deadline ended the attempt, when one did
+            (``engine.first_token_timeout_s``, ``handoff.max_age_s``, ...).
+        held_by: the engine whose leg held the time when that deadline fired.
     """
 
     n: int
@@ -74,6 +77,8 @@ class AttemptRecord:
     placement_wait_s: float = 0.0
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    deadline: str | None = None
+    held_by: str | None = None
 
 
 @attrs.define

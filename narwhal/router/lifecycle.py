@@ -7,11 +7,18 @@ cancel scopes:
 
 - the request deadline (``engine.request_timeout_s`` from arrival) wraps everything;
 - the handoff deadline (``handoff.max_age_s`` from the start of the producer HTTP leg)
-  bounds the prefill leg and the decode leg until its first token;
+  bounds the prefill leg and, for a remote decode, the decode leg until its first
+  token (a same-worker decode has no handoff to age);
 - the first-token deadline (``engine.first_token_timeout_s``) starts before the decode
   stream is opened, so connect and response headers consume it;
 - after the first token, ``engine.decode_read_timeout_s`` bounds the silence between
-  chunks (metadata chunks reset it; zero leaves only the request deadline).
+  transport chunks (any bytes reset it: metadata, SSE comments, part of an event; zero
+  leaves only the request deadline).
+
+A deadline that fires is blamed on the engine whose leg held the time: a handoff that
+expires after the producer answered, before the consumer's first token, counts against
+the consumer (as a first-token failure), and the attempt's journal entry names the
+deadline (``deadline``) and that engine (``held_by``).
 
 One scope carries the decode leg's deadlines and is moved as the stream advances, so
 the per-token cost is one deadline assignment. The HTTP 200 of a streaming answer is
@@ -118,6 +125,8 @@ class RequestLifecycle:
         self.tokens = 0
         self.prompt_tokens = 0
         self.max_tokens = 0
+        #: The engine whose leg is running (the one a deadline that fires now blames).
+        self._holder: str | None = None
 
     # ------------------------------------------------------------------ entry point
 
@@ -135,6 +144,12 @@ class RequestLifecycle:
         except NarwhalError as err:
             record.terminal_class = terminal_class_for(err)
             record.error = err.message
+            if isinstance(err, DeadlineExceeded) and record.attempts and self._holder is not None:
+                last = record.attempts[-1]
+                if last.outcome == "pending":
+                    last.outcome = record.terminal_class
+                    last.deadline = "engine.request_timeout_s"
+                    last.held_by = self._holder
             await self._fail(err)
         except trio.Cancelled:
             if self.request.disconnected.is_set():
@@ -228,6 +243,7 @@ class RequestLifecycle:
             n += 1
             attempt = AttemptRecord(n=n)
             record.attempts.append(attempt)
+            record.ttft_s = None  # this attempt's, once its prefill completes
             try:
                 await self._attempt(attempt, frozenset(tried))
                 attempt.outcome = "ok"
@@ -235,6 +251,9 @@ class RequestLifecycle:
             except EngineError as err:
                 attempt.outcome = terminal_class_for(err)
                 attempt.error = err.message
+                if err.deadline is not None:
+                    attempt.deadline = err.deadline
+                    attempt.held_by = err.engine
                 if err.engine:
                     tried.add(err.engine)
                 if not self._may_retry(err, n, max_attempts):
@@ -243,9 +262,11 @@ class RequestLifecycle:
     def _may_retry(self, err: EngineError, n: int, max_attempts: int) -> bool:
         if self.visible or self.committed or not err.transient or n >= max_attempts:
             return False
-        # The request deadline must still permit a fresh attempt.
-        remaining = self.arrival + self.state.config.engine.request_timeout_s - self.state.clock()
-        if remaining <= 0:
+        # The request deadline must still leave a fresh attempt the time it may take to
+        # reach a first token (engine.first_token_timeout_s), not merely some time.
+        cfg = self.state.config.engine
+        remaining = self.arrival + cfg.request_timeout_s - self.state.clock()
+        if remaining < cfg.first_token_timeout_s:
             return False
         return self.state.retry_budget.try_acquire()
 
@@ -278,8 +299,10 @@ class RequestLifecycle:
             except EngineError as err:
                 culprit = err.engine or (reservation.producer if err.leg == "prefill" else reservation.consumer)
                 err.engine = culprit
-                if not isinstance(err, HandoffExpired) and not err.client_fault:
-                    state.breaker.record_failure(culprit, err.message, origin_producer=reservation.producer)
+                if not err.client_fault:
+                    state.breaker.record_failure(
+                        culprit, err.message, origin_producer=reservation.producer, leg=err.leg
+                    )
                 raise
         state.breaker.record_success(reservation.producer)
         state.breaker.record_success(reservation.consumer)
@@ -296,6 +319,7 @@ class RequestLifecycle:
         # Prefill leg: the handoff's age starts with the producer HTTP leg.
         handoff_start = state.clock()
         handoff_deadline = handoff_start + cfg.handoff.max_age_s
+        self._holder = reservation.producer
         with trio.CancelScope(deadline=handoff_deadline) as scope:
             state.in_flight_by_engine[reservation.producer] += 1
             try:
@@ -312,6 +336,7 @@ class RequestLifecycle:
                 f"prefill did not complete within handoff.max_age_s ({cfg.handoff.max_age_s:g} s)",
                 engine=reservation.producer,
                 leg="prefill",
+                deadline="handoff.max_age_s",
             )
         prefill_done = state.clock()
         reservation.release_prefill()
@@ -340,9 +365,13 @@ class RequestLifecycle:
         self.record.ttft_s = attempt.ttft_s
         # The producer's client validated the descriptor against the producer's
         # configured connector and KV endpoint; the consumer's re-checks it on use.
+        # A same-worker decode has no handoff: no handoff age bounds it.
         handoff = None if same_worker else prefill
+        if same_worker:
+            handoff_deadline = math.inf
 
         # Decode leg, under one scope whose deadline follows the stream.
+        self._holder = reservation.consumer
         await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done)
 
     async def _decode(
@@ -404,6 +433,8 @@ class RequestLifecycle:
                             if tokens == n and n:
                                 self.visible = True
                                 self.record.first_byte_s = clock() - self.arrival
+                                if silence != math.inf:
+                                    stream.watch_silence(scope, silence)
                                 if parsed.stream:
                                     scope.deadline = math.inf
                                     data = b"".join((*held, *out))
@@ -442,18 +473,24 @@ class RequestLifecycle:
                     f"after {tokens} tokens)",
                     engine=name,
                     leg="decode",
+                    deadline="engine.decode_read_timeout_s",
                 )
-            if handoff_deadline <= first_token_deadline and handoff is not None:
+            if handoff_deadline < first_token_deadline:
+                # The producer answered; the consumer held the rest of the handoff's age
+                # without a token: its first-token failure.
                 raise HandoffExpired(
                     f"KV handoff older than handoff.max_age_s ({state.config.handoff.max_age_s:g} s) "
-                    "before the first token",
+                    f"before the first token: consumer {name} produced none in the "
+                    f"{handoff_deadline - prefill_done:.3g} s left after the producer answered",
                     engine=name,
                     leg="decode",
+                    deadline="handoff.max_age_s",
                 )
             raise FirstTokenTimeout(
                 f"no token within engine.first_token_timeout_s ({cfg.first_token_timeout_s:g} s)",
                 engine=name,
                 leg="decode",
+                deadline="engine.first_token_timeout_s",
             )
         # A normal end: the stream saw [DONE] after at least one token (the client enforces it).
         if tokens >= 2:

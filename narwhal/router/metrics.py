@@ -29,7 +29,7 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,
 )
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
-_BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2}
+_BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "held": 3, "trial": 4}
 
 
 class _LiveState(Collector):
@@ -66,12 +66,12 @@ class _LiveState(Collector):
         yield reserved
         breaker = GaugeMetricFamily(
             "narwhal_breaker_state",
-            "Breaker state by engine: 0 in placement, 1 quarantined, 2 ejected.",
+            "Breaker state by engine: 0 in placement, 1 quarantined, 2 ejected, "
+            "3 ejected but held in placement (whole wave), 4 on trial (half-open).",
             labels=["engine"],
         )
-        for name, st in state.breaker.states.items():
-            status = "ejected" if st.ejected else ("ok" if state.breaker.available(name) else "quarantined")
-            breaker.add_metric([name], _BREAKER_CODES[status])
+        for name in state.breaker.states:
+            breaker.add_metric([name], _BREAKER_CODES[state.breaker.status(name)])
         yield breaker
         placement = state.placement
         if isinstance(placement, PricedPlacement):

@@ -2,7 +2,8 @@
 
 Placement here is least reserved load: the producer with the fewest prompt tokens
 reserved for prefill, the consumer with the fewest decode reservations (then resident
-KV tokens). Engines the breaker keeps out (ejected, quarantined) are skipped; engines
+KV tokens). Engines the breaker keeps out (ejected, quarantined, on trial with a request
+already in flight) are skipped; engines
 that failed an earlier attempt of the same request are avoided while others remain.
 When one engine is best for both roles, the request decodes on the same worker.
 
@@ -139,6 +140,11 @@ class Placement:
         }
         self.open_reservations = 0
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def idle(self, name: str) -> bool:
+        """No reservation of this router holds the engine."""
+        load = self.loads[name]
+        return load.prefill_requests == 0 and load.decode_requests == 0
 
     def _pick(
         self, role: str, names: Iterable[str], avoid: frozenset[str], key: Callable[[str], tuple[int, ...]]

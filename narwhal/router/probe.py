@@ -5,13 +5,23 @@ An ejected engine returns to placement only when an inference probe succeeds:
 - with ``engine_contract`` configured, the engine's lifecycle is validated first: its
   identity (version, model, max_model_len) and configured connector must match the
   contract; without it, ``GET /health`` must answer 200;
-- then an inference probe runs, each leg bounded by ``engine.first_token_timeout_s``:
-  a consumer ejected after a crossed decode (the failing request's KV came from another
-  engine) is probed with a *fresh* handoff from that original producer; otherwise the
-  engine prefills a one-token request (with a KV descriptor when it has a connector)
-  or, when it only decodes, streams a short same-worker request;
-- a probe that cannot decide (the original producer itself failed) is *inconclusive*:
-  the engine stays out and is probed again at the normal cadence.
+- then an inference probe replays the path that failed, each leg bounded by
+  ``engine.first_token_timeout_s`` (and, after the first token, the silence between
+  chunks by ``engine.decode_read_timeout_s``):
+
+  - an engine ejected for a decode-leg failure (or one that only decodes) streams a
+    decode of :data:`PROBE_TOKENS` tokens to its ``data: [DONE]``: after a crossed
+    decode through a *fresh* handoff from the original producer; a decode-only engine
+    otherwise through a fresh handoff from a producer in placement; an engine that also
+    prefills, same-worker;
+  - an engine ejected for a prefill-leg failure prefills a one-token request (with a
+    KV descriptor, validated, when it has a connector);
+
+- a probe that cannot decide (the producer of its handoff failed, or no producer is in
+  placement) is *inconclusive*: the engine stays out and is probed again at the normal
+  cadence.
+
+A successful probe readmits the engine half-open (see :mod:`narwhal.router.breaker`).
 """
 
 from __future__ import annotations
@@ -26,7 +36,11 @@ from narwhal.engines.connector import validate_descriptor
 from narwhal.errors import NarwhalError
 from narwhal.router.state import RouterState
 
-__all__ = ["probe_engine", "run_probes"]
+__all__ = ["PROBE_TOKENS", "probe_engine", "run_probes"]
+
+#: Tokens a decode probe streams: enough to cross the first-token and between-chunk
+#: bounds that eject consumers.
+PROBE_TOKENS = 4
 
 log = logging.getLogger("narwhal.router.probe")
 
@@ -43,6 +57,9 @@ def _probe_body(state: RouterState, name: str, max_tokens: int) -> dict[str, Any
         "max_tokens": max_tokens,
         "temperature": 0,
     }
+    if max_tokens > 1:
+        # Every token must come: an early end-of-sequence is no verdict on the stream.
+        body["ignore_eos"] = True
     if model:
         body["model"] = model
     return body
@@ -72,43 +89,76 @@ async def _check_lifecycle(state: RouterState, name: str) -> None:
         raise NarwhalError("engine contract mismatch: " + "; ".join(mismatches))
 
 
-async def _decode_one(state: RouterState, name: str, handoff: Any, body: dict[str, Any]) -> None:
-    timeout = state.config.engine.first_token_timeout_s
+async def _decode_stream(state: RouterState, name: str, handoff: Any, body: dict[str, Any]) -> None:
+    """Stream a decode to its ``[DONE]`` under the request path's own bounds."""
+    cfg = state.config.engine
     client = state.clients[name]
-    with trio.fail_after(timeout):
+    silence = cfg.decode_read_timeout_s if cfg.decode_read_timeout_s > 0 else cfg.first_token_timeout_s
+    with trio.CancelScope(deadline=trio.current_time() + cfg.first_token_timeout_s) as scope:
         async with client.decode(handoff, body, kind="completions", request_id=f"probe-{secrets.token_hex(6)}-d") as stream:
             async for chunk in stream:
-                if chunk.kind == "token":
-                    return
-    raise NarwhalError("probe stream produced no token")
+                if chunk.kind == "token" and stream.tokens == chunk.count:
+                    stream.watch_silence(scope, silence)
+                    scope.deadline = trio.current_time() + silence
+            if stream.tokens < PROBE_TOKENS:
+                raise NarwhalError(f"probe stream ended after {stream.tokens} of {PROBE_TOKENS} tokens")
+    if scope.cancelled_caught:
+        raise trio.TooSlowError(
+            "probe decode timed out (engine.first_token_timeout_s, then engine.decode_read_timeout_s)"
+        )
+
+
+async def _fresh_handoff(state: RouterState, producer: str, body: dict[str, Any]) -> Any:
+    """A validated handoff from ``producer``; its failure makes the probe inconclusive."""
+    try:
+        with trio.fail_after(state.config.engine.first_token_timeout_s):
+            prefill = await state.clients[producer].prefill(
+                body, kind="completions", request_id=f"probe-{secrets.token_hex(6)}-p", transfer=True
+            )
+        connector = state.engines[producer].connector
+        validate_descriptor(
+            prefill.descriptor,
+            connector=connector.type if connector else None,
+            expected_endpoint=(connector.kv_host, connector.kv_port) if connector else None,
+            engine=producer,
+        )
+    except (NarwhalError, trio.TooSlowError) as exc:
+        raise _Inconclusive(f"producer {producer} failed the probe handoff: {exc}") from exc
+    return prefill
+
+
+def _probe_producer(state: RouterState, name: str) -> str | None:
+    """A producer in placement (not ``name``) for a decode-only engine's probe handoff."""
+    loads = state.placement.loads
+    candidates = [
+        n for n in state.placement.prefill_engines if n != name and state.breaker.available(n)
+    ]
+    return min(candidates, key=lambda n: loads[n].prefill_tokens, default=None)
 
 
 async def probe_engine(state: RouterState, name: str) -> bool | None:
     """Probe one engine: True (healthy), False (still failing), None (inconclusive)."""
     timeout = state.config.engine.first_token_timeout_s
-    origin = state.breaker.states[name].origin_producer
+    st = state.breaker.states[name]
+    origin = st.origin_producer
     engine = state.engines[name]
+    decode_path = engine.can_decode and (st.failed_leg == "decode" or not engine.can_prefill)
     try:
         await _check_lifecycle(state, name)
-        if origin is not None:
+        if decode_path and origin is not None:
             # Crossed decode: a fresh handoff from the original producer.
-            body = _probe_body(state, origin, 2)
-            try:
-                with trio.fail_after(timeout):
-                    prefill = await state.clients[origin].prefill(
-                        body, kind="completions", request_id=f"probe-{secrets.token_hex(6)}-p", transfer=True
-                    )
-                connector = state.engines[origin].connector
-                validate_descriptor(
-                    prefill.descriptor,
-                    connector=connector.type if connector else None,
-                    expected_endpoint=(connector.kv_host, connector.kv_port) if connector else None,
-                    engine=origin,
-                )
-            except (NarwhalError, trio.TooSlowError) as exc:
-                raise _Inconclusive(f"original producer {origin} failed the probe handoff: {exc}") from exc
-            await _decode_one(state, name, prefill, body)
-        elif engine.can_prefill:
+            body = _probe_body(state, origin, PROBE_TOKENS)
+            await _decode_stream(state, name, await _fresh_handoff(state, origin, body), body)
+        elif decode_path and not engine.can_prefill:
+            # A decode-only engine decodes through a handoff, as live traffic does.
+            producer = _probe_producer(state, name)
+            if producer is None:
+                raise _Inconclusive("no producer in placement for the probe handoff")
+            body = _probe_body(state, producer, PROBE_TOKENS)
+            await _decode_stream(state, name, await _fresh_handoff(state, producer, body), body)
+        elif decode_path:
+            await _decode_stream(state, name, None, _probe_body(state, name, PROBE_TOKENS))
+        else:
             body = _probe_body(state, name, 1)
             connector = engine.connector
             with trio.fail_after(timeout):
@@ -125,8 +175,6 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
                     expected_endpoint=(connector.kv_host, connector.kv_port),
                     engine=name,
                 )
-        else:
-            await _decode_one(state, name, None, _probe_body(state, name, 2))
     except _Inconclusive as exc:
         state.breaker.probe_inconclusive(name, str(exc))
         return None

@@ -72,25 +72,26 @@ class RouterState:
             for e in config.engines
         }
         rec = config.recovery
+        prefill = [e.name for e in config.engines if e.can_prefill]
+        decode = [e.name for e in config.engines if e.can_decode]
         self.breaker = Breaker(
             list(self.engines),
             eject_after=rec.eject_after,
             quarantine_s=rec.failure_quarantine_s,
             probe_interval_s=rec.probe_interval_s,
+            roles={"prefill": prefill, "decode": decode},
             clock=clock,
         )
-        prefill = [e.name for e in config.engines if e.can_prefill]
-        decode = [e.name for e in config.engines if e.can_decode]
         self.profiles = profiles
         self.placement: Placement
         if profiles is not None:
             ctl = config.controller
             self.placement = PricedPlacement(
                 prefill, decode, profiles={}, slo=ctl.slo, admission=ctl.admission,
-                available=self.breaker.available, clock=clock,
+                available=self.placeable, clock=clock,
             )  # fmt: skip
         else:
-            self.placement = Placement(prefill, decode, available=self.breaker.available)
+            self.placement = Placement(prefill, decode, available=self.placeable)
         budget = rec.retry_budget
         self.retry_budget = RetryBudget(
             ratio=budget.ratio,
@@ -115,6 +116,14 @@ class RouterState:
             mode == "auto" and isinstance(self.placement, PricedPlacement)
         )
         self.prompt_lengths = PromptLengths()
+
+    def placeable(self, name: str) -> bool:
+        """Whether placement may use ``name`` now: the breaker lets it, and an engine on
+        trial (readmitted half-open) has no other live request."""
+        breaker = self.breaker
+        if not breaker.available(name):
+            return False
+        return not breaker.on_trial(name) or self.placement.idle(name)
 
     @property
     def default_model(self) -> str | None:

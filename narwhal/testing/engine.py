@@ -114,6 +114,8 @@ class SimEngine:
         #: Bodies of the generation requests received, oldest first (the oldest half is
         #: dropped past ``REQUESTS_SEEN_LIMIT`` so a long simulation stays bounded).
         self.requests_seen: list[Any] = []
+        #: The ``x-request-id`` of each of those requests (None when it had none), alike.
+        self.request_ids_seen: list[str | None] = []
         self.generation = 0
         self.engine_id = ""
         self.process_start_time = 0.0
@@ -244,11 +246,13 @@ class SimEngine:
         """Whether the engine is down between generations (refusing every connection)."""
         return self._down > 0
 
-    def record_request(self, body: Any) -> None:
-        """Log a received request body (``requests_seen``)."""
+    def record_request(self, body: Any, request_id: str | None = None) -> None:
+        """Log a received request body (``requests_seen``) and its id (``request_ids_seen``)."""
         self.requests_seen.append(body)
+        self.request_ids_seen.append(request_id)
         if len(self.requests_seen) > REQUESTS_SEEN_LIMIT:
             del self.requests_seen[: REQUESTS_SEEN_LIMIT // 2]
+            del self.request_ids_seen[: REQUESTS_SEEN_LIMIT // 2]
 
     # ------------------------------------------------------------ lifecycle
 

@@ -378,7 +378,7 @@ def write_fleet(pair: Pair, desc: dict[str, Any], version: str | None, lease_s: 
     fleet = {
         "server": {"host": "127.0.0.1", "port": 8000},
         "engines": engines,
-        "engine": {"first_token_timeout_s": max_age, "decode_read_timeout_s": 30.0,
+        "engine": {"first_token_timeout_s": max_age / 2, "decode_read_timeout_s": 30.0,
                    "request_timeout_s": 600.0, "connect_timeout_s": 5.0},
         # A handoff older than the producer's KV lease names blocks that may be gone.
         "handoff": {"max_age_s": max_age},

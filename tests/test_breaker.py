@@ -1,0 +1,349 @@
+"""The breaker's state machine and least-reserved-load placement, on a hand-driven clock.
+
+The router tests drive the same rules end to end; these pin down every transition
+(what each one sets, what it emits, what it leaves alone), so that a change to any
+of them fails a test (see tools/mutation.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+import trio.testing
+
+from narwhal.errors import Refused
+from narwhal.router.breaker import Breaker, BreakerState, Transition
+from narwhal.router.placement import Placement
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breaker(
+    *,
+    eject_after: int = 2,
+    quarantine_s: float = 0.0,
+    probe_interval_s: float = 5.0,
+    roles: dict[str, list[str]] | None = None,
+) -> tuple[Breaker, Clock]:
+    clock = Clock()
+    roles = roles if roles is not None else {"prefill": ["p0", "p1"], "decode": ["d0", "d1"]}
+    names = list(dict.fromkeys(n for group in roles.values() for n in group))
+    b = Breaker(
+        names, eject_after=eject_after, quarantine_s=quarantine_s, probe_interval_s=probe_interval_s,
+        roles=roles, clock=clock,
+    )  # fmt: skip
+    return b, clock
+
+
+def events(b: Breaker) -> list[tuple[str, str]]:
+    return [(t.engine, t.event) for t in b.transitions]
+
+
+def test_a_fresh_engine_is_in_placement() -> None:
+    b, _ = breaker()
+    assert b.states["d0"] == BreakerState()
+    assert b.available("d0") and b.status("d0") == "ok" and not b.on_trial("d0")
+    assert b.due_probes() == [] and b.next_probe_at() == math.inf
+
+
+def test_failures_build_a_streak_and_a_success_resets_it() -> None:
+    b, _ = breaker(eject_after=3)
+    b.record_failure("d0", "one")
+    b.record_failure("d0", "two")
+    st = b.states["d0"]
+    assert st.streak == 2 and not st.ejected and st.last_error == "two"
+    assert b.available("d0") and b.transitions == []  # no quarantine configured
+    b.record_success("d0")
+    assert st.streak == 0 and st.last_error == "two"
+    b.record_failure("d0", "three")
+    assert st.streak == 1 and not st.ejected
+
+
+def test_ejection_after_the_streak() -> None:
+    b, clock = breaker(eject_after=2, probe_interval_s=7.0)
+    b.record_failure("d0", "first", origin_producer="p0", leg="decode")
+    clock.now = 103.0
+    b.record_failure("d0", "second", origin_producer="p1", leg="decode")
+    st = b.states["d0"]
+    assert st.ejected and not st.held and not st.trial
+    assert (st.ejected_at, st.next_probe_at, st.probes) == (103.0, 110.0, 0)
+    assert (st.origin_producer, st.failed_leg, st.last_error) == ("p1", "decode", "second")
+    assert not b.available("d0") and b.status("d0") == "ejected"
+    assert b.transitions == [Transition("d0", "ejected", 103.0, "second")]
+    # Nothing is due before the probe interval; the loop learns when.
+    assert b.due_probes() == [] and b.next_probe_at() == 110.0
+    clock.now = 110.0
+    assert b.due_probes() == ["d0"]
+    # Further failures and successes change nothing while ejected (not held).
+    b.record_failure("d0", "third")
+    b.record_success("d0")
+    assert st.ejected and st.streak == 2 and st.last_error == "third"
+    assert len(b.transitions) == 1
+
+
+def test_a_same_worker_failure_has_no_origin_producer() -> None:
+    b, _ = breaker(eject_after=1, roles={"prefill": ["both", "p1"], "decode": ["both", "d1"]})
+    b.record_failure("both", "x", origin_producer="both", leg="decode")
+    assert b.states["both"].origin_producer is None and b.states["both"].failed_leg == "decode"
+
+
+def test_quarantine_after_each_failure() -> None:
+    b, clock = breaker(eject_after=5, quarantine_s=10.0)
+    b.record_failure("d0", "x")
+    st = b.states["d0"]
+    assert st.quarantined_until == 110.0
+    assert not b.available("d0") and b.status("d0") == "quarantined"
+    assert b.transitions == [Transition("d0", "quarantined", 100.0, "x")]
+    clock.now = 109.999
+    assert not b.available("d0")
+    clock.now = 110.0
+    assert b.available("d0") and b.status("d0") == "ok"
+
+
+def test_a_quarantine_never_empties_a_role() -> None:
+    b, clock = breaker(eject_after=5, quarantine_s=10.0)
+    b.record_failure("d0", "x")
+    b.record_failure("d1", "y")
+    # Both decode engines quarantined: neither is left out (the role keeps capacity).
+    assert b.available("d0") and b.available("d1")
+    # Producers are untouched.
+    assert b.available("p0") and b.available("p1")
+    clock.now = 105.0
+    b.record_success("d1")  # streak reset, quarantine runs its course
+    assert b.available("d0")
+
+
+def test_whole_wave_holds_the_last_engine_of_a_role() -> None:
+    b, clock = breaker(eject_after=1)
+    b.record_failure("d0", "d0 down", leg="decode")
+    clock.now = 101.0
+    b.record_failure("d1", "d1 down", leg="decode")
+    d0, d1 = b.states["d0"], b.states["d1"]
+    assert d0.ejected and not d0.held and not b.available("d0")
+    assert d1.ejected and d1.held and b.available("d1") and b.status("d1") == "held"
+    assert events(b) == [("d0", "ejected"), ("d1", "ejected"), ("d1", "held")]
+    assert b.transitions[-1].at == 101.0 and "whole wave" in (b.transitions[-1].detail or "")
+    # Held engines are probed like any ejected one.
+    clock.now = 106.0
+    assert b.due_probes() == ["d0", "d1"]
+    # A failure while held changes nothing.
+    b.record_failure("d1", "still down")
+    assert d1.held and d1.streak == 1 and len(b.transitions) == 3
+    # A live success readmits a held engine at full weight.
+    b.record_success("d1")
+    assert not d1.ejected and not d1.held and not d1.trial and d1.streak == 0
+    assert b.status("d1") == "ok" and b.states["d0"].ejected
+    assert events(b)[-1] == ("d1", "readmitted") and "live request" in (b.transitions[-1].detail or "")
+
+
+def test_an_engine_in_two_roles_is_held_for_either() -> None:
+    b, _ = breaker(eject_after=1, roles={"prefill": ["both"], "decode": ["both", "d1"]})
+    b.record_failure("both", "x")
+    assert b.states["both"].held  # the only producer
+    b2, _ = breaker(eject_after=1, roles={"prefill": ["both", "p1"], "decode": ["both", "d1"]})
+    b2.record_failure("both", "x")
+    assert not b2.states["both"].held
+
+
+def test_without_roles_nothing_is_held() -> None:
+    clock = Clock()
+    b = Breaker(["e"], eject_after=1, quarantine_s=0.0, probe_interval_s=1.0, clock=clock)
+    b.record_failure("e", "x")
+    assert b.states["e"].ejected and not b.states["e"].held and not b.available("e")
+
+
+def test_the_hold_ends_when_another_engine_of_the_role_is_back() -> None:
+    b, _ = breaker(eject_after=1)
+    b.record_failure("d0", "x")
+    b.record_failure("d1", "y")
+    assert b.states["d1"].held
+    b.readmit("d0")
+    assert not b.states["d1"].held and b.states["d1"].ejected and not b.available("d1")
+    assert events(b)[-2:] == [("d0", "readmitted"), ("d1", "released")]
+    assert b.transitions[-1].detail == "d0 serves its role again"
+    # Another role's readmission releases nothing.
+    b.record_failure("p0", "a")
+    b.record_failure("p1", "b")
+    b.readmit("d1")
+    assert b.states["p1"].held
+
+
+def test_probe_readmission_is_half_open() -> None:
+    b, clock = breaker(eject_after=2, quarantine_s=3.0)
+    for _ in range(2):
+        b.record_failure("d0", "x", origin_producer="p0", leg="decode")
+    st = b.states["d0"]
+    st.probes = 2
+    b.readmit("d0")
+    assert not st.ejected and not st.held and st.trial and st.streak == 0
+    assert (st.quarantined_until, st.next_probe_at, st.origin_producer, st.failed_leg) == (
+        -math.inf, math.inf, None, None
+    )
+    assert b.available("d0") and b.on_trial("d0") and b.status("d0") == "trial"
+    assert events(b)[-1] == ("d0", "readmitted") and b.transitions[-1].detail is None
+    # The first live success closes the trial.
+    b.record_success("d0")
+    assert not st.trial and not b.on_trial("d0") and b.status("d0") == "ok"
+    assert events(b)[-1] == ("d0", "closed")
+    # A second success emits nothing more.
+    n = len(b.transitions)
+    b.record_success("d0")
+    assert len(b.transitions) == n
+    del clock
+
+
+def test_a_failure_on_trial_ejects_at_once() -> None:
+    b, _ = breaker(eject_after=3)
+    for _ in range(3):
+        b.record_failure("d0", "x")
+    b.readmit("d0")
+    b.record_failure("d0", "again", leg="decode")
+    st = b.states["d0"]
+    assert st.ejected and not st.trial and st.streak == 1 and st.failed_leg == "decode"
+
+
+def test_the_last_engine_of_a_role_is_never_limited_to_trial() -> None:
+    b, _ = breaker(eject_after=1, roles={"prefill": ["p0"], "decode": ["d0", "d1"]})
+    b.record_failure("d0", "x")
+    b.readmit("d0")
+    assert b.on_trial("d0")
+    b.record_failure("d1", "y")  # d1 out: d0 is the role's only engine in placement
+    assert b.states["d0"].trial and not b.on_trial("d0")
+
+
+def test_probe_outcomes() -> None:
+    b, clock = breaker(eject_after=1, probe_interval_s=5.0)
+    b.record_failure("d0", "x")
+    st = b.states["d0"]
+    clock.now = 105.0
+    b.probe_failed("d0", "probe failed: 503")
+    assert (st.probes, st.next_probe_at, st.last_error) == (1, 110.0, "probe failed: 503")
+    assert st.ejected and b.transitions[-1] == Transition("d0", "probe_failed", 105.0, "probe failed: 503")
+    clock.now = 110.0
+    b.probe_inconclusive("d0", "producer p0 failed")
+    assert (st.probes, st.next_probe_at, st.last_error) == (2, 115.0, "probe failed: 503")
+    assert b.transitions[-1] == Transition("d0", "probe_inconclusive", 110.0, "producer p0 failed")
+
+
+def test_listeners_and_a_bounded_transition_log() -> None:
+    b, _ = breaker(eject_after=10_000, quarantine_s=1.0)
+    seen: list[Transition] = []
+    b.add_listener(seen.append)
+    for i in range(1005):
+        b.record_failure("d0", f"f{i}")
+    assert len(seen) == 1005
+    assert len(b.transitions) == 1000 and b.transitions[0].detail == "f5" and b.transitions[-1].detail == "f1004"
+
+
+async def test_the_probe_loop_wakes_on_an_ejection_and_on_a_poke() -> None:
+    b = Breaker(["e"], eject_after=1, quarantine_s=0.0, probe_interval_s=1.0)
+    woke = 0
+
+    async def waiter() -> None:
+        nonlocal woke
+        await b.wait_for_change()
+        woke += 1
+        await b.wait_for_change()
+        woke += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == 0
+        b.record_failure("e", "x")
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == 1
+        b.poke()
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == 2
+
+
+# ---------------------------------------------------------------- placement
+
+
+def test_placement_takes_the_least_reserved_load() -> None:
+    p = Placement(["p0", "p1"], ["d0", "d1"])
+    first = p.choose(100, 10)
+    assert (first.producer, first.consumer, first.same_worker) == ("p0", "d0", False)
+    assert (p.loads["p0"].prefill_requests, p.loads["p0"].prefill_tokens) == (1, 100)
+    assert (p.loads["d0"].decode_requests, p.loads["d0"].decode_kv_tokens) == (1, 110)
+    assert p.open_reservations == 1 and not p.idle("p0") and not p.idle("d0") and p.idle("p1")
+    second = p.choose(50, 5)
+    assert (second.producer, second.consumer) == ("p1", "d1")
+    first.release_prefill()
+    assert (p.loads["p0"].prefill_requests, p.loads["p0"].prefill_tokens) == (0, 0)
+    assert p.loads["d0"].decode_requests == 1
+    first.release()
+    first.release()  # idempotent
+    assert (p.loads["d0"].decode_requests, p.loads["d0"].decode_kv_tokens) == (0, 0)
+    assert p.open_reservations == 1 and p.idle("p0") and p.idle("d0")
+    with second:
+        pass
+    assert p.open_reservations == 0
+    assert all(load.prefill_tokens == 0 and load.decode_kv_tokens == 0 for load in p.loads.values())
+
+
+def test_placement_weighs_tokens_then_requests() -> None:
+    p = Placement(["p0", "p1"], ["d0", "d1"])
+    big = p.choose(1000, 10)  # p0, d0
+    assert (big.producer, big.consumer) == ("p0", "d0")
+    small = p.choose(10, 10)  # p1 has fewer prefill tokens; d1 fewer decodes
+    assert (small.producer, small.consumer) == ("p1", "d1")
+    nxt = p.choose(10, 10)
+    assert nxt.producer == "p1"  # 10 tokens reserved < 1000
+    p.loads["d1"].engine_running = 5  # what the engine reports counts too
+    assert p.choose(10, 10).consumer == "d0"
+
+
+def test_placement_skips_unavailable_engines_and_avoids_failed_ones() -> None:
+    out = {"p0"}
+    p = Placement(["p0", "p1"], ["d0", "d1"], available=lambda n: n not in out)
+    assert p.choose(1, 1).producer == "p1"
+    r = p.choose(1, 1, avoid=frozenset({"d0"}))
+    assert r.consumer == "d1"
+    # Avoidance yields when nothing else is left.
+    assert p.choose(1, 1, avoid=frozenset({"p1"})).producer == "p1"
+    out.update({"p1"})
+    with pytest.raises(Refused, match="no engine available for prefill") as info:
+        p.choose(1, 1)
+    assert info.value.retry_after_s == 1.0
+    out.clear()
+    out.update({"d0", "d1"})
+    with pytest.raises(Refused, match="no engine available for decode"):
+        p.choose(1, 1)
+
+
+def test_placement_same_worker_when_one_engine_has_both_roles() -> None:
+    p = Placement(["both"], ["both"])
+    r = p.choose(10, 5)
+    assert r.same_worker and r.producer == r.consumer == "both"
+    assert p.loads["both"].prefill_requests == 1 and p.loads["both"].decode_requests == 1
+
+
+def test_reservation_callbacks() -> None:
+    p = Placement(["p0"], ["d0"])
+    r = p.choose(10, 5)
+    calls: list[str] = []
+    r.on_release_prefill = lambda: calls.append("prefill")
+    r.on_release_decode = lambda: calls.append("decode")
+    r.release()
+    r.release()
+    assert calls == ["prefill", "decode"]
+
+
+async def test_acquire_honours_cancellation() -> None:
+    p = Placement(["p0"], ["d0"])
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await p.acquire(1, 1)
+    assert scope.cancelled_caught and p.open_reservations == 0
+    r = await p.acquire(1, 1)
+    assert r.producer == "p0" and p.open_reservations == 1

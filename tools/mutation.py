@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Mutation testing of the modules that carry the execution rules, one module at a time.
+
+Runs ``mutmut`` (``pip install mutmut``; configured in setup.cfg's ``[mutmut]`` section)
+on each module with the tests that exercise it, in a scratch copy of the working tree
+(mutmut writes a ``mutants/`` tree beside the code), and prints the score per module:
+killed (a test failed, or hung past mutmut's timeout) over every mutant generated.
+Mutants no test reaches count as survivors.
+
+    python3 tools/mutation.py                      # every module below
+    python3 tools/mutation.py narwhal/router/breaker.py --survivors
+    python3 tools/mutation.py --tree /elsewhere    # score another checkout
+
+A run over every module takes tens of minutes on two cores; one module takes a few.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Module -> the tests that exercise its rules (mutmut runs, for each mutant, those of
+#: them that reach the mutated function).
+MODULES: dict[str, tuple[str, ...]] = {
+    "narwhal/router/breaker.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
+    "narwhal/router/probe.py": ("tests/test_router_recovery.py", "tests/test_fault_matrix.py"),
+    "narwhal/router/placement.py": ("tests/test_breaker.py", "tests/test_router_basic.py", "tests/test_router_recovery.py"),
+    "narwhal/router/retry.py": ("tests/test_router_recovery.py",),
+    "narwhal/router/lifecycle.py": (
+        "tests/test_router_basic.py", "tests/test_router_failures.py", "tests/test_router_lifecycle.py",
+        "tests/test_router_recovery.py",
+    ),
+    "narwhal/engines/stream.py": ("tests/test_engine_client.py",),
+    "narwhal/engines/connector.py": ("tests/test_connector.py", "tests/test_engine_client.py"),
+    "narwhal/errors.py": ("tests/test_engine_client.py", "tests/test_router_failures.py"),
+}  # fmt: skip
+
+#: mutmut's statuses that count as a killed mutant.
+KILLED = ("killed", "timeout", "caught by type check")
+
+
+def _copy_tree(source: Path, dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=source, check=True, capture_output=True, text=True
+    ).stdout.split("\n")
+    for name in filter(None, files):
+        src = source / name
+        if src.is_file() or src.is_symlink():
+            out = dest / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, out, follow_symlinks=False)
+
+
+def _configure(tree: Path, module: str, tests: tuple[str, ...]) -> None:
+    cfg = configparser.ConfigParser()
+    cfg.read(tree / "setup.cfg")
+    if not cfg.has_section("mutmut"):
+        cfg.add_section("mutmut")
+    cfg.set("mutmut", "source_paths", "narwhal")
+    cfg.set("mutmut", "only_mutate", "\n" + module)
+    cfg.set("mutmut", "also_copy", "\nconfig\nfixtures")
+    present = [t for t in tests if (tree / t).exists()]
+    cfg.set("mutmut", "pytest_add_cli_args_test_selection", "\n" + "\n".join(present))
+    with open(tree / "setup.cfg", "w") as f:
+        cfg.write(f)
+
+
+def _results(tree: Path, env: dict[str, str]) -> dict[str, str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=tree, env=env, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    statuses = {}
+    for line in out.splitlines():
+        name, _, status = line.strip().rpartition(": ")
+        if name:
+            statuses[name] = status
+    return statuses
+
+
+def run_module(source: Path, module: str, children: int, survivors: bool) -> tuple[int, int, float]:
+    """Mutate one module; (killed, total, seconds)."""
+    with tempfile.TemporaryDirectory(prefix="narwhal-mutation-") as scratch:
+        tree = Path(scratch)
+        _copy_tree(source, tree)
+        _configure(tree, module, MODULES[module])
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = str(tree)
+        t0 = time.monotonic()
+        subprocess.run(
+            [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
+            cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+        )  # fmt: skip
+        elapsed = time.monotonic() - t0
+        statuses = _results(tree, env)
+    counts = Counter(statuses.values())
+    killed = sum(counts[s] for s in KILLED)
+    total = sum(counts[s] for s in counts if s not in ("skipped", "not checked"))
+    detail = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    print(f"{module}: {killed}/{total} killed ({100 * killed / max(total, 1):.1f}%) in {elapsed:.0f} s [{detail}]", flush=True)
+    if survivors:
+        for name, status in sorted(statuses.items()):
+            if status not in KILLED:
+                print(f"    {status}: {name}")
+    return killed, total, elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help=f"modules to mutate (default: {', '.join(MODULES)})")
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout to mutate (default: this one)")
+    parser.add_argument("--children", type=int, default=1, help="mutants run in parallel (default 1)")
+    parser.add_argument("--survivors", action="store_true", help="list every mutant not killed")
+    args = parser.parse_args(argv)
+    modules = args.modules or list(MODULES)
+    unknown = [m for m in modules if m not in MODULES]
+    if unknown:
+        parser.error(f"no test selection for {', '.join(unknown)} (known: {', '.join(MODULES)})")
+    killed = total = 0
+    for module in modules:
+        k, t, _ = run_module(args.tree.resolve(), module, args.children, args.survivors)
+        killed += k
+        total += t
+    if len(modules) > 1:
+        print(f"all: {killed}/{total} killed ({100 * killed / max(total, 1):.1f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
