@@ -38,7 +38,6 @@ def load_doc() -> dict[str, Any]:
         engine("p1", 8102, ["prefill"], **_SIM),
         engine("d0", 8103, ["decode"], **_SIM),
         engine("d1", 8104, ["decode"], **_SIM),
-        engine={"first_token_timeout_s": 30.0, "decode_read_timeout_s": 10.0, "request_timeout_s": 120.0},
         # The breaker is exercised elsewhere; here every injected fault must show up
         # as exactly one failed client request, so nothing is ejected or probed.
         recovery={"eject_after": 1_000_000},

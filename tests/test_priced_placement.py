@@ -26,7 +26,6 @@ def hetero(**sections: Any) -> dict[str, Any]:
         engine("d-fast", 8103, ["decode"], decode={"c0": 0.004, "c1": 0.0002, "c2": 0.0}),
         engine("d-slow", 8104, ["decode"], decode={"c0": 0.012, "c1": 0.0006, "c2": 0.0}),
         controller={"slo": {"ttft_s": SLO_TTFT, "tpot_s": SLO_TPOT}, **sections.pop("controller", {})},
-        engine={"first_token_timeout_s": 30.0, "decode_read_timeout_s": 10.0, "request_timeout_s": 120.0},
         server={"max_concurrent_requests": 10000},
         **sections,
     )

@@ -20,7 +20,6 @@ def dual_fleet(margin: float) -> dict[str, Any]:
                decode={"c0": 0.005, "c1": 0.001, "c2": 0.0}),
         controller={"slo": SLO, "admission": "refuse",
                     "reactive": {"enabled": True, "movement_margin": margin, "interval_s": 2.0}},
-        engine={"first_token_timeout_s": 30.0, "decode_read_timeout_s": 10.0, "request_timeout_s": 120.0},
         server={"max_concurrent_requests": 10000},
     )  # fmt: skip
 

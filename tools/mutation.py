@@ -88,6 +88,13 @@ def _results(tree: Path, env: dict[str, str]) -> dict[str, str]:
     return statuses
 
 
+def _diff(tree: Path, env: dict[str, str], name: str) -> str:
+    shown = subprocess.run(
+        [sys.executable, "-m", "mutmut", "show", name], cwd=tree, env=env, capture_output=True, text=True, check=False
+    ).stdout
+    return "\n".join(line for line in shown.splitlines() if line.startswith(("+", "-")) and not line.startswith(("+++", "---")))
+
+
 def run_module(source: Path, module: str, children: int, survivors: bool) -> tuple[int, int, float]:
     """Mutate one module; (killed, total, seconds)."""
     with tempfile.TemporaryDirectory(prefix="narwhal-mutation-") as scratch:
@@ -103,6 +110,7 @@ def run_module(source: Path, module: str, children: int, survivors: bool) -> tup
         )  # fmt: skip
         elapsed = time.monotonic() - t0
         statuses = _results(tree, env)
+        diffs = {n: _diff(tree, env, n) for n, st in statuses.items() if survivors and st not in KILLED}
     counts = Counter(statuses.values())
     killed = sum(counts[s] for s in KILLED)
     total = sum(counts[s] for s in counts if s not in ("skipped", "not checked"))
@@ -112,6 +120,8 @@ def run_module(source: Path, module: str, children: int, survivors: bool) -> tup
         for name, status in sorted(statuses.items()):
             if status not in KILLED:
                 print(f"    {status}: {name}")
+                for line in diffs.get(name, "").splitlines():
+                    print(f"        {line}")
     return killed, total, elapsed
 
 
