@@ -1,4 +1,5 @@
-"""The breaker's state machine and least-reserved-load placement, on a hand-driven clock.
+"""The breaker's state machine, least-reserved-load placement and the retry budget, on a
+hand-driven clock.
 
 The router tests drive the same rules end to end; these pin down every transition
 (what each one sets, what it emits, what it leaves alone), so that a change to any
@@ -16,6 +17,7 @@ import trio.testing
 from narwhal.errors import Refused
 from narwhal.router.breaker import Breaker, BreakerState, Transition
 from narwhal.router.placement import Placement
+from narwhal.router.retry import RetryBudget
 
 
 class Clock:
@@ -347,3 +349,43 @@ async def test_acquire_honours_cancellation() -> None:
     assert scope.cancelled_caught and p.open_reservations == 0
     r = await p.acquire(1, 1)
     assert r.producer == "p0" and p.open_reservations == 1
+
+
+# ---------------------------------------------------------------- the retry budget
+
+
+def test_retry_budget_allows_the_floor_then_refuses() -> None:
+    clock = Clock()
+    budget = RetryBudget(ratio=0.0, min_retries_per_s=0.2, window_s=10.0, clock=clock)
+    # max(0.2 * 10, 0 * requests) = 2 retries per window.
+    assert [budget.try_acquire() for _ in range(3)] == [True, True, False]
+    clock.now += 10.0  # still inside the window (its edge counts)
+    assert not budget.try_acquire()
+    clock.now += 0.001  # the first two retries leave the window
+    assert [budget.try_acquire() for _ in range(3)] == [True, True, False]
+
+
+def test_retry_budget_grows_with_the_request_rate() -> None:
+    clock = Clock()
+    budget = RetryBudget(ratio=0.5, min_retries_per_s=0.0, window_s=10.0, clock=clock)
+    assert not budget.try_acquire()  # no requests, no floor: no retry
+    for _ in range(4):
+        budget.note_request()
+    assert [budget.try_acquire() for _ in range(3)] == [True, True, False]  # 0.5 * 4
+    clock.now += 10.5  # the requests leave the window: back to nothing
+    assert not budget.try_acquire()
+    budget.note_request()
+    budget.note_request()
+    assert budget.try_acquire() and not budget.try_acquire()
+
+
+def test_retry_budget_bounds_its_memory() -> None:
+    clock = Clock()
+    budget = RetryBudget(ratio=1.0, min_retries_per_s=0.0, window_s=1.0, clock=clock)
+    for _ in range(5000):
+        budget.note_request()
+        clock.now += 0.01
+    # Requests older than the window are dropped once 4096 are held.
+    assert len(budget._requests) <= 4096
+    clock.now += 0.5
+    assert budget.try_acquire()

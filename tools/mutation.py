@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: them that reach the mutated function).
 MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/breaker.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
-    "narwhal/router/probe.py": ("tests/test_router_recovery.py", "tests/test_fault_matrix.py"),
+    "narwhal/router/probe.py": ("tests/test_readmission.py", "tests/test_router_recovery.py", "tests/test_fault_matrix.py"),
     "narwhal/router/placement.py": ("tests/test_breaker.py", "tests/test_router_basic.py", "tests/test_router_recovery.py"),
-    "narwhal/router/retry.py": ("tests/test_router_recovery.py",),
+    "narwhal/router/retry.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     "narwhal/router/lifecycle.py": (
         "tests/test_router_basic.py", "tests/test_router_failures.py", "tests/test_router_lifecycle.py",
         "tests/test_router_recovery.py",
