@@ -56,9 +56,11 @@ class TopView:
         elif event.get("type") == "breaker" and event.get("engine") in self.engines:
             kind = event["event"]
             engine = self.engines[event["engine"]]
-            if kind == "ejected":
+            if kind in ("ejected", "released"):
                 engine["breaker"] = "ejected"
-            elif kind == "readmitted":
+            elif kind == "held":
+                engine["breaker"] = "held"
+            elif kind in ("readmitted", "closed"):
                 engine["breaker"] = "ok"
             elif kind == "quarantined" and engine.get("breaker") == "ok":
                 engine["breaker"] = "quarantined"
