@@ -337,10 +337,18 @@ async def test_no_retry_without_time_for_a_first_token(autojump_clock: trio.abc.
     assert len(record["attempts"]) == 1
 
 
-async def test_request_deadline(autojump_clock: trio.abc.Clock) -> None:
-    doc = fleet_doc(engine={"request_timeout_s": 1.0, "first_token_timeout_s": 5.0})
+@pytest.mark.parametrize(("leg", "holder"), [("prefill", "p0"), ("decode", "d0")])
+async def test_request_deadline(autojump_clock: trio.abc.Clock, leg: str, holder: str) -> None:
+    doc = fleet_doc(engine={"request_timeout_s": 1.0})
     async with open_stack(doc) as stack:
-        stack.engine("d0").inject(FaultSpec(kind="delay_headers", on="decode", delay_s=10.0))
+        stack.engine(holder).inject(FaultSpec(kind="delay_headers", on=leg, delay_s=10.0))  # type: ignore[arg-type]
+        t0 = trio.current_time()
         resp = await stack.complete(BODY)
+        assert trio.current_time() - t0 == pytest.approx(1.0, abs=1e-6)
     assert resp.status_code == 504
-    assert stack.records[0]["terminal_class"] == "deadline_exceeded"
+    [record] = stack.records
+    assert record["terminal_class"] == "deadline_exceeded"
+    # The attempt in flight when the request deadline fired, and the engine holding it.
+    [attempt] = record["attempts"]
+    assert attempt["outcome"] == "deadline_exceeded"
+    assert (attempt["deadline"], attempt["held_by"]) == ("engine.request_timeout_s", holder)
