@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import configparser
+import fnmatch
 import os
 import shutil
 import subprocess
@@ -94,8 +95,11 @@ def _diff(tree: Path, env: dict[str, str], name: str) -> str:
     return "\n".join(line for line in shown.splitlines() if line.startswith(("+", "-")) and not line.startswith(("+++", "---")))
 
 
-def run_module(source: Path, module: str, children: int, survivors: bool) -> tuple[int, int, float]:
-    """Mutate one module; (killed, total, seconds)."""
+def run_module(
+    source: Path, module: str, children: int, survivors: bool, only: tuple[str, ...] = ()
+) -> tuple[int, int, float]:
+    """Mutate one module (only the mutants whose names match a glob of ``only``, when
+    given); (killed, total, seconds)."""
     with tempfile.TemporaryDirectory(prefix="narwhal-mutation-") as scratch:
         tree = Path(scratch)
         _copy_tree(source, tree)
@@ -104,11 +108,13 @@ def run_module(source: Path, module: str, children: int, survivors: bool) -> tup
         env["PYTHONPATH"] = str(tree)
         t0 = time.monotonic()
         subprocess.run(
-            [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
+            [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *only],
             cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
         )  # fmt: skip
         elapsed = time.monotonic() - t0
-        statuses = _results(tree, env)
+        statuses = {
+            n: st for n, st in _results(tree, env).items() if not only or any(fnmatch.fnmatch(n, g) for g in only)
+        }
         diffs = {n: _diff(tree, env, n) for n, st in statuses.items() if survivors and st not in KILLED}
     counts = Counter(statuses.values())
     killed = sum(counts[s] for s in KILLED)
@@ -130,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout to mutate (default: this one)")
     parser.add_argument("--children", type=int, default=1, help="mutants run in parallel (default 1)")
     parser.add_argument("--survivors", action="store_true", help="list every mutant not killed")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="GLOB",
+        help="mutate only the functions whose mutant names match (e.g. '*_may_retry*'); repeatable",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     modules = args.modules or list(MODULES)
     unknown = [m for m in modules if m not in MODULES]
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no test selection for {', '.join(unknown)} (known: {', '.join(MODULES)})")
     killed = total = 0
     for module in modules:
-        k, t, _ = run_module(args.tree.resolve(), module, args.children, args.survivors)
+        k, t, _ = run_module(args.tree.resolve(), module, args.children, args.survivors, tuple(args.only))
         killed += k
         total += t
     if len(modules) > 1:
