@@ -391,3 +391,48 @@ def test_retry_budget_bounds_its_memory() -> None:
     assert max(held) == 4096 and held.count(4096) == 1
     clock.now += 0.5
     assert budget.try_acquire()
+
+
+def test_transition_details_and_exact_states() -> None:
+    b, clock = breaker(eject_after=1)
+    b.record_failure("d0", "x")
+    b.record_failure("d1", "y")  # held
+    assert b.transitions[-1].detail == "every engine of its role is out (whole wave): kept in placement"
+    b.record_success("d1")  # a live success while held
+    assert b.transitions[-1].detail == "a live request succeeded while held (whole wave)"
+    assert b.states["d1"] == BreakerState(last_error="y", ejected_at=100.0)
+    b.readmit("d0")  # by a probe: on trial
+    assert b.states["d0"] == BreakerState(trial=True, last_error="x", ejected_at=100.0)
+    b.record_success("d0")
+    assert b.transitions[-1] == Transition("d0", "closed", 100.0, "a live request succeeded on trial: full weight")
+    assert b.states["d0"] == BreakerState(last_error="x", ejected_at=100.0)
+    # Ejected and held again, then released by d0's own ejection and readmission.
+    b.record_failure("d0", "x2")
+    b.record_failure("d1", "y2")
+    assert b.states["d1"].held is True
+    b.readmit("d0")
+    assert b.states["d1"].held is False and b.states["d1"].ejected is True
+    # A failure on trial: the trial flag is cleared, not just falsy.
+    b.record_failure("d0", "on trial")
+    assert b.states["d0"].trial is False and b.states["d0"].ejected is True
+    del clock
+
+
+def test_probes_are_counted() -> None:
+    b, _ = breaker(eject_after=1)
+    b.record_failure("d0", "x")
+    b.probe_failed("d0", "a")
+    b.probe_failed("d0", "b")
+    b.probe_inconclusive("d0", "c")
+    assert b.states["d0"].probes == 3
+
+
+def test_a_peer_whose_quarantine_ends_now_is_back_in_placement() -> None:
+    b, clock = breaker(eject_after=5, quarantine_s=10.0)
+    b.record_failure("d1", "y")  # quarantined until 110
+    clock.now = 105.0
+    b.record_failure("d0", "x")  # quarantined until 115
+    clock.now = 109.0
+    assert b.available("d0")  # d1 is out too: d0 is the role's last engine
+    clock.now = 110.0
+    assert b.available("d1") and not b.available("d0")  # d1 is back: d0 sits out its quarantine
