@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -1047,3 +1048,28 @@ async def test_loopback_connection_is_reused_after_done() -> None:
             nursery.cancel_scope.cancel()
     assert engine.requests == 3
     assert engine.connections == 1
+
+
+async def test_watch_silence_moves_a_deadline_on_every_transport_chunk(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A token, then a keep-alive comment and an event in two pieces, 2 s apart each:
+    # every chunk, whole event or not, moves the watched scope's deadline.
+    token = completion_event([2])
+    parts = [completion_event([1]), b": keep-alive\n\n", token[:20], token[20:], DONE]
+    engine = Engine()
+    engine.reply("POST", "/v1/completions", sse(parts, gap_s=2.0))
+    deadlines: list[float] = []
+    async with engine.client() as client:
+        async with client.decode(None, CLIENT_BODY) as stream:
+            with trio.CancelScope() as scope:
+                first = await stream.__anext__()
+                assert first.kind == "token" and scope.deadline == math.inf  # not armed yet
+                stream.watch_silence(scope, 3.0)
+                start = trio.current_time()
+                async for _ in stream:
+                    deadlines.append(scope.deadline)
+    assert not scope.cancelled_caught
+    # The second token was read after the comment and both halves: three more chunks.
+    assert deadlines == [start + 6.0 + 3.0]
+    assert stream.last_activity_at == start + 8.0
