@@ -284,3 +284,38 @@ def test_strip_transfer_params() -> None:
     assert not TRANSFER_KEYS & stripped.keys()
     assert stripped == {"model": "m", "prompt": "p", "max_tokens": 5, "vllm_xargs": {"keep": 1}}
     assert "kv_transfer_params" in TRANSFER_KEYS
+
+
+def test_frozen_and_detached_round_trip() -> None:
+    from types import MappingProxyType
+
+    from narwhal.engines.connector import frozen
+
+    value = {"a": [1, {"b": [2, 3]}], "c": None, "d": 1.5, "e": True, "f": "s", "g": ((4,),)}
+    cold = frozen(value)
+    assert isinstance(cold, MappingProxyType)
+    assert cold["a"] == (1, MappingProxyType({"b": (2, 3)})) and isinstance(cold["a"][1], MappingProxyType)
+    assert cold["g"] == ((4,),)
+    assert (cold["c"], cold["d"], cold["e"], cold["f"]) == (None, 1.5, True, "s")
+    thawed = detached(cold)
+    assert thawed == {**value, "g": [[4]]}
+    assert type(thawed) is dict and type(thawed["a"]) is list and type(thawed["a"][1]) is dict
+    # Neither shares anything mutable with its source.
+    value["a"][1]["b"].append(9)
+    assert cold["a"][1]["b"] == (2, 3)
+    thawed["a"][1]["b"].append(8)
+    assert cold["a"][1]["b"] == (2, 3)
+    # Anything that is not JSON-shaped is copied, not shared.
+    odd = {"s": {1, 2}}
+    assert frozen(odd)["s"] == {1, 2} and frozen(odd)["s"] is not odd["s"]
+    assert detached(odd)["s"] == {1, 2} and detached(odd)["s"] is not odd["s"]
+
+
+def test_frozen_block_ids_still_validate() -> None:
+    from narwhal.engines.connector import frozen
+
+    for ids in ([[1, 2]], [1, 2]):
+        desc = frozen({**OBSERVED, "remote_block_ids": ids})
+        assert validate_descriptor(desc, connector="NixlConnector")["remote_block_ids"] == ids
+    with pytest.raises(InvalidDescriptor, match="must be a list of integers or a list of lists"):
+        validate_descriptor(frozen({**OBSERVED, "remote_block_ids": [[1], 2]}), connector="NixlConnector")
