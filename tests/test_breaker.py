@@ -436,3 +436,39 @@ def test_a_peer_whose_quarantine_ends_now_is_back_in_placement() -> None:
     assert b.available("d0")  # d1 is out too: d0 is the role's last engine
     clock.now = 110.0
     assert b.available("d1") and not b.available("d0")  # d1 is back: d0 sits out its quarantine
+
+
+def test_placement_refusals_and_reservation_fields() -> None:
+    out: set[str] = set()
+    p = Placement(["p0"], ["d0"], available=lambda n: n not in out)
+    r = p.choose(10, 5)
+    assert r.predicted_ttft_s is None and r.predicted_tpot_s is None  # priced placement sets them
+    r.release()
+    assert (r.prefill_held, r.decode_held, r._open) == (False, False, False)
+    assert all(x is False for x in (r.prefill_held, r.decode_held, r._open))
+    for gone, role in (("p0", "prefill"), ("d0", "decode")):
+        out.clear()
+        out.add(gone)
+        with pytest.raises(Refused) as info:
+            p.choose(1, 1)
+        assert str(info.value) == f"no engine available for {role}" and info.value.retry_after_s == 1.0
+
+
+def test_placement_adds_up_a_consumers_kv_and_counts_what_it_reports_waiting() -> None:
+    p = Placement(["p0"], ["d0", "d1"])
+    a = p.choose(10, 5)
+    p.loads["d1"].decode_requests = 1  # d1 as busy as d0 now: ties rotate
+    b = p.choose(20, 5, avoid=frozenset({"d1"}))
+    assert (a.consumer, b.consumer) == ("d0", "d0")
+    assert p.loads["d0"].decode_kv_tokens == 15 + 25 and p.loads["d0"].decode_requests == 2
+    # What an engine reports running and waiting both count towards its load.
+    q = Placement(["p0"], ["d0", "d1"])
+    q.loads["d0"].engine_running, q.loads["d0"].engine_waiting = 1, 2
+    q.loads["d1"].engine_running = 2
+    assert q.choose(1, 1).consumer == "d1"
+
+
+async def test_acquire_passes_the_engines_to_avoid() -> None:
+    p = Placement(["p0", "p1"], ["d0"])
+    r = await p.acquire(1, 1, avoid=frozenset({"p0"}))
+    assert r.producer == "p1"
