@@ -47,9 +47,10 @@ def test_ttft_fit_is_non_negative_where_free_least_squares_is_not() -> None:
     assert all(fit.predict(n) <= fit.predict(n + 1) for n in range(0, 5000, 250))
 
 
-def test_ttft_fit_needs_three_lengths() -> None:
-    with pytest.raises(ValueError, match="at least 3"):
-        fit_ttft({100: 0.01, 200: 0.02})
+def test_ttft_fit_needs_four_lengths() -> None:
+    # Three lengths leave a leave-one-length-out fold two points for three coefficients.
+    with pytest.raises(ValueError, match="at least 4"):
+        fit_ttft({100: 0.01, 200: 0.02, 300: 0.03})
 
 
 def test_median_is_taken_per_exact_length() -> None:

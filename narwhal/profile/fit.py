@@ -10,10 +10,24 @@ router pricing a longer prompt is never told it is cheaper. Both fits minimise
 Decode model: ``tpot = c0 + c1*active + c2*resident_kv_tokens`` with every coefficient
 non-negative (``scipy.optimize.nnls``), fitted to cell medians; leave-one-cell-out
 refits without each cell (non-negative as well) and predicts it.
+
+Out of sample: with three lengths a three-coefficient curve passes through the medians
+exactly, so its in-sample errors prove nothing. :func:`fit_ttft` therefore also fits
+the curve without each length and predicts that length (leave-one-length-out; at least
+:data:`MIN_PREFILL_LENGTHS` lengths, so every fold has three points for three
+coefficients), and the acceptance bounds apply to those errors too.
+
+Uncertainty: :func:`bootstrap_ttft` and :func:`bootstrap_decode` resample the raw
+measurements (prefill repeats within each length; decode intervals within each stream
+of each cell), refit, and give percentile intervals per coefficient and per prediction
+at the operating points (every swept length; every decode cell and the far corner of
+the decode domain). The resampling is seeded, so the same samples give the same
+intervals, and a preflight can recompute them.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
@@ -23,15 +37,23 @@ import numpy as np
 from scipy.optimize import nnls
 
 __all__ = [
+    "BOOTSTRAP_LEVEL",
+    "BOOTSTRAP_RESAMPLES",
+    "BOOTSTRAP_SEED",
     "DEFAULT_MAX_MEAN_ERROR",
     "DEFAULT_MAX_WORST_ERROR",
     "MIN_DECODE_CELLS",
     "MIN_PREFILL_LENGTHS",
     "TPOT_MODEL",
     "TTFT_MODEL",
+    "Band",
     "DecodeFit",
     "DecodePoint",
+    "Intervals",
     "TTFTFit",
+    "bootstrap_decode",
+    "bootstrap_ttft",
+    "cell_figures",
     "decode_fit_problem",
     "fit_decode",
     "fit_ttft",
@@ -47,8 +69,14 @@ TPOT_MODEL: Final = "c0 + c1*active + c2*resident_kv_tokens"
 #: The prefill validation bounds (the seed's section 4).
 DEFAULT_MAX_MEAN_ERROR: Final = 0.20
 DEFAULT_MAX_WORST_ERROR: Final = 0.50
-MIN_PREFILL_LENGTHS: Final = 3
+#: Lengths a TTFT fit needs: leave-one-length-out then fits three coefficients to three.
+MIN_PREFILL_LENGTHS: Final = 4
 MIN_DECODE_CELLS: Final = 4
+#: Bootstrap resamples, confidence level and seed (fixed: the same samples give the same
+#: intervals, so a preflight can recompute them).
+BOOTSTRAP_RESAMPLES: Final = 200
+BOOTSTRAP_LEVEL: Final = 0.95
+BOOTSTRAP_SEED: Final = 16
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> np.ndarray:
@@ -100,6 +128,9 @@ class TTFTFit:
         errors: ``|predicted - median| / median`` at each length.
         mean_error: mean of ``errors``.
         worst_error: largest of ``errors``.
+        loo_predicted: each length predicted by the curve fitted without it.
+        loo_errors: relative errors of ``loo_predicted``.
+        loo_mean_error, loo_worst_error: their mean and largest.
     """
 
     a: float
@@ -111,6 +142,10 @@ class TTFTFit:
     errors: tuple[float, ...]
     mean_error: float
     worst_error: float
+    loo_predicted: tuple[float, ...] = ()
+    loo_errors: tuple[float, ...] = ()
+    loo_mean_error: float = 0.0
+    loo_worst_error: float = 0.0
 
     def predict(self, length: float) -> float:
         """The curve at ``length`` tokens, seconds."""
@@ -121,27 +156,45 @@ class TTFTFit:
         """The length with the largest error."""
         return self.lengths[int(np.argmax(self.errors))]
 
+    @property
+    def loo_worst_length(self) -> int:
+        """The length with the largest leave-one-length-out error."""
+        return self.lengths[int(np.argmax(self.loo_errors))]
+
     def as_dict(self) -> dict[str, object]:
         """The JSON form kept in the sidecar."""
         return {
             "model": TTFT_MODEL,
             "coefficients": {"a": self.a, "b": self.b, "c": self.c},
             "points": [
-                {"length": n, "median_s": m, "predicted_s": p, "error": e}
-                for n, m, p, e in zip(
-                    self.lengths, self.medians, self.predicted, self.errors, strict=True
+                {"length": n, "median_s": m, "predicted_s": p, "error": e,
+                 "loo_predicted_s": lp, "loo_error": le}
+                for n, m, p, e, lp, le in zip(
+                    self.lengths, self.medians, self.predicted, self.errors,
+                    self.loo_predicted, self.loo_errors, strict=True,
                 )
             ],
             "mean_error": self.mean_error,
             "worst_error": self.worst_error,
+            "loo_mean_error": self.loo_mean_error,
+            "loo_worst_error": self.loo_worst_error,
         }
 
 
+def _ttft_design(lengths: np.ndarray) -> np.ndarray:
+    return np.column_stack([np.ones_like(lengths), lengths, lengths * lengths])
+
+
+def _relative_errors(predicted: Sequence[float], observed: Sequence[float]) -> tuple[float, ...]:
+    return tuple(abs(p - y) / y for p, y in zip(predicted, observed, strict=True))
+
+
 def fit_ttft(medians: Mapping[int, float]) -> TTFTFit:
-    """Fit ``a + b*L + c*L**2`` (non-negative) to per-length median TTFTs.
+    """Fit ``a + b*L + c*L**2`` (non-negative) to per-length median TTFTs, and each
+    length out of sample (the curve fitted to the other lengths).
 
     Raises:
-        ValueError: fewer than three lengths, or a non-positive median.
+        ValueError: fewer than :data:`MIN_PREFILL_LENGTHS` lengths, or a non-positive median.
     """
     lengths = tuple(sorted(medians))
     if len(lengths) < MIN_PREFILL_LENGTHS:
@@ -149,21 +202,31 @@ def fit_ttft(medians: Mapping[int, float]) -> TTFTFit:
             f"a TTFT fit needs at least {MIN_PREFILL_LENGTHS} lengths, got {len(lengths)}"
         )
     ys = np.array([medians[n] for n in lengths], dtype=float)
-    ls = np.array(lengths, dtype=float)
-    x = np.column_stack([np.ones_like(ls), ls, ls * ls])
-    a, b, c = (float(v) for v in nonneg_lstsq(x, ys))
-    predicted = tuple(float(a + b * n + c * n * n) for n in ls)
-    errors = tuple(abs(p - y) / y for p, y in zip(predicted, ys.tolist(), strict=True))
+    x = _ttft_design(np.array(lengths, dtype=float))
+    coef = nonneg_lstsq(x, ys)
+    a, b, c = (float(v) for v in coef)
+    predicted = tuple(float(v) for v in x @ coef)
+    observed = ys.tolist()
+    errors = _relative_errors(predicted, observed)
+    loo: list[float] = []
+    for i in range(len(lengths)):
+        keep = np.arange(len(lengths)) != i
+        loo.append(float(x[i] @ nonneg_lstsq(x[keep], ys[keep])))
+    loo_errors = _relative_errors(loo, observed)
     return TTFTFit(
         a=a,
         b=b,
         c=c,
         lengths=lengths,
-        medians=tuple(float(y) for y in ys),
+        medians=tuple(observed),
         predicted=predicted,
         errors=errors,
         mean_error=float(statistics.fmean(errors)),
         worst_error=max(errors),
+        loo_predicted=tuple(loo),
+        loo_errors=loo_errors,
+        loo_mean_error=float(statistics.fmean(loo_errors)),
+        loo_worst_error=max(loo_errors),
     )
 
 
@@ -173,7 +236,11 @@ def ttft_rejection(
     max_mean_error: float = DEFAULT_MAX_MEAN_ERROR,
     max_worst_error: float = DEFAULT_MAX_WORST_ERROR,
 ) -> str | None:
-    """Why a TTFT curve must be rejected (either bound exceeded), or None if it passes."""
+    """Why a TTFT curve must be rejected, or None if it passes.
+
+    Either bound exceeded, in sample or leave-one-length-out (a curve through the
+    medians that cannot predict a length it did not see is no curve to price with).
+    """
     reasons = []
     if fit.mean_error > max_mean_error:
         reasons.append(f"mean error {fit.mean_error:.1%} is above the {max_mean_error:.0%} bound")
@@ -182,7 +249,119 @@ def ttft_rejection(
             f"worst-point error {fit.worst_error:.1%} (at {fit.worst_length} tokens) is above "
             f"the {max_worst_error:.0%} bound"
         )
+    if fit.loo_errors and fit.loo_mean_error > max_mean_error:
+        reasons.append(f"leave-one-length-out mean error {fit.loo_mean_error:.1%} is above the "
+                       f"{max_mean_error:.0%} bound")  # fmt: skip
+    if fit.loo_errors and fit.loo_worst_error > max_worst_error:
+        reasons.append(
+            f"leave-one-length-out worst error {fit.loo_worst_error:.1%} (at "
+            f"{fit.loo_worst_length} tokens) is above the {max_worst_error:.0%} bound"
+        )
     return "; ".join(reasons) if reasons else None
+
+
+# ------------------------------------------------------------------ intervals
+
+
+@attrs.frozen
+class Band:
+    """A point estimate and its percentile interval."""
+
+    value: float
+    low: float
+    high: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"value": self.value, "low": self.low, "high": self.high}
+
+    @property
+    def relative_half_width(self) -> float:
+        """The larger distance from the value to an end, relative to the value."""
+        if self.value <= 0:
+            return 0.0 if self.high <= 0 else math.inf
+        return max(self.high - self.value, self.value - self.low) / self.value
+
+
+@attrs.frozen
+class Intervals:
+    """Bootstrap intervals of one fit.
+
+    Attributes:
+        coefficients: per coefficient name.
+        predictions: ``(operating point, band)``; the point is ``{"length": L}`` or
+            ``{"active": a, "kv_tokens": k}``.
+        resamples, level, seed: how they were made.
+    """
+
+    coefficients: dict[str, Band]
+    predictions: tuple[tuple[dict[str, float], Band], ...]
+    resamples: int = BOOTSTRAP_RESAMPLES
+    level: float = BOOTSTRAP_LEVEL
+    seed: int = BOOTSTRAP_SEED
+
+    @property
+    def upper_factor(self) -> float:
+        """The largest ``high / value`` over the operating points (>= 1): a conservative
+        price is the point prediction times this."""
+        ratios = [b.high / b.value for _, b in self.predictions if b.value > 0]
+        return max([1.0, *ratios])
+
+    @property
+    def worst_half_width(self) -> float:
+        """The largest relative half-width of a prediction interval."""
+        return max((b.relative_half_width for _, b in self.predictions), default=0.0)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "method": "percentile bootstrap of the raw samples, refitted",
+            "resamples": self.resamples,
+            "level": self.level,
+            "seed": self.seed,
+            "coefficients": {k: b.as_dict() for k, b in self.coefficients.items()},
+            "predictions": [p | b.as_dict() for p, b in self.predictions],
+            "upper_factor": self.upper_factor,
+            "worst_half_width": self.worst_half_width,
+        }
+
+
+def _band(value: float, draws: np.ndarray, level: float) -> Band:
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    # The point estimate is inside its interval by construction (a percentile interval
+    # of a skewed statistic can miss it).
+    return Band(float(value), float(min(low, value)), float(max(high, value)))
+
+
+def bootstrap_ttft(
+    repeats: Sequence[tuple[int, float]],
+    fit: TTFTFit,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    level: float = BOOTSTRAP_LEVEL,
+    seed: int = BOOTSTRAP_SEED,
+) -> Intervals:
+    """Intervals of the TTFT coefficients and of the curve at every swept length.
+
+    Each resample draws, at every length, as many repeats as were measured there (with
+    replacement), takes the medians and refits.
+    """
+    by_length: dict[int, np.ndarray] = {}
+    for n in fit.lengths:
+        by_length[n] = np.array([s for length, s in repeats if length == n], dtype=float)
+    rng = np.random.default_rng(seed)
+    x = _ttft_design(np.array(fit.lengths, dtype=float))
+    coefs = np.empty((resamples, 3))
+    for r in range(resamples):
+        ys = np.array([float(np.median(rng.choice(by_length[n], size=len(by_length[n]))))
+                       for n in fit.lengths])  # fmt: skip
+        coefs[r] = nonneg_lstsq(x, ys)
+    point = np.array([fit.a, fit.b, fit.c])
+    coefficients = {k: _band(point[i], coefs[:, i], level) for i, k in enumerate("abc")}
+    predictions = tuple(
+        ({"length": float(n)}, _band(fit.predict(n), coefs @ x[i], level))
+        for i, n in enumerate(fit.lengths)
+    )
+    return Intervals(coefficients, predictions, resamples, level, seed)
 
 
 # ------------------------------------------------------------------ decode
@@ -314,6 +493,71 @@ def fit_decode(points: Sequence[DecodePoint]) -> DecodeFit:
         kv_min=min(p.kv_tokens for p in points),
         kv_max=max(p.kv_tokens for p in points),
     )
+
+
+def cell_figures(intervals: Sequence[Mapping[str, float]]) -> tuple[float, float, float]:
+    """A decode cell's ``(tpot_s, active, kv_tokens)`` from its window's intervals.
+
+    TPOT is the median over streams of each stream's mean interval inside the window
+    (the measurement contract's ``(last - first) / (n - 1)`` restricted to it); the
+    load is the mean of the inferred active count and resident KV over the intervals.
+
+    Raises:
+        ValueError: no intervals.
+    """
+    if not intervals:
+        raise ValueError("a decode cell needs at least one interval")
+    spans: dict[int, list[float]] = {}
+    for iv in intervals:
+        spans.setdefault(int(iv["stream"]), []).append(float(iv["seconds"]))
+    per_stream = [sum(g) / len(g) for _, g in sorted(spans.items())]
+    return (
+        float(statistics.median(per_stream)),
+        float(statistics.fmean(float(iv["active"]) for iv in intervals)),
+        float(statistics.fmean(float(iv["kv_tokens"]) for iv in intervals)),
+    )
+
+
+def bootstrap_decode(
+    cells: Sequence[Sequence[Mapping[str, float]]],
+    fit: DecodeFit,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    level: float = BOOTSTRAP_LEVEL,
+    seed: int = BOOTSTRAP_SEED,
+) -> Intervals:
+    """Intervals of the decode coefficients and of TPOT at every cell and at the far
+    corner of the domain (most active requests with the most resident KV).
+
+    ``cells`` are the fitted cells' window intervals, in the order of ``fit.points``.
+    Each resample draws every stream's intervals with replacement (as many as it had),
+    recomputes each cell's figures (:func:`cell_figures`) and refits.
+    """
+    rng = np.random.default_rng(seed)
+    rows = [
+        [np.array([[iv["seconds"], iv["active"], iv["kv_tokens"]] for iv in cell
+                   if iv["stream"] == stream], dtype=float)
+         for stream in sorted({iv["stream"] for iv in cell})]
+        for cell in cells
+    ]  # fmt: skip
+    coefs = np.empty((resamples, 3))
+    for r in range(resamples):
+        xs, ys = [], []
+        for streams in rows:
+            drawn = [s[rng.integers(0, len(s), size=len(s))] for s in streams]
+            tpot = float(np.median([d[:, 0].mean() for d in drawn]))
+            stacked = np.vstack(drawn)
+            xs.append([1.0, stacked[:, 1].mean(), stacked[:, 2].mean()])
+            ys.append(tpot)
+        coefs[r] = nonneg_lstsq(np.array(xs), np.array(ys))
+    point = np.array([fit.c0, fit.c1, fit.c2])
+    coefficients = {k: _band(point[i], coefs[:, i], level) for i, k in enumerate(("c0", "c1", "c2"))}
+    operating = [(p.active, p.kv_tokens) for p in fit.points] + [(fit.active_max, fit.kv_max)]
+    predictions = tuple(
+        ({"active": a, "kv_tokens": k}, _band(fit.predict(a, k), coefs @ np.array([1.0, a, k]), level))
+        for a, k in operating
+    )  # fmt: skip
+    return Intervals(coefficients, predictions, resamples, level, seed)
 
 
 def tpot_kv_limit(c0: float, c1: float, c2: float, *, tpot_s: float, active: float) -> float | None:

@@ -87,7 +87,7 @@ class RouterState:
             ctl = config.controller
             self.placement = PricedPlacement(
                 prefill, decode, profiles={}, slo=ctl.slo, admission=ctl.admission,
-                available=self.breaker.available, clock=clock,
+                available=self.breaker.available, clock=clock, pricing=ctl.pricing,
             )  # fmt: skip
         else:
             self.placement = Placement(prefill, decode, available=self.breaker.available)

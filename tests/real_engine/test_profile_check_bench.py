@@ -42,7 +42,7 @@ STALL_LAG_S = 0.25
 #: The sweep: the tiny model's prompts stay short on two cores; three prefill lengths,
 #: two decode input lengths and three concurrencies are the fewest the fits accept.
 SWEEP = [
-    "--prefill-lens", "64,256,512",
+    "--prefill-lens", "64,128,256,512",
     "--decode-input-lens", "64,256",
     "--decode-concurrency", "1,2,4",
     "--repeats", "3",
