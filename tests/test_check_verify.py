@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
 
-from narwhal.check import CheckReport, run_check
+from narwhal.check import CheckReport, gate, run_check
 from narwhal.config import unstructure_fleet
 from narwhal.profile import run_profile
 from narwhal.profile.store import file_sha256
@@ -223,7 +224,9 @@ async def test_intervals_of_a_simulated_engine_contain_its_true_coefficients(
 ) -> None:
     config = profilekit.fleet(profilekit.engine("e0", 8101, noise=0.02))
     async with open_sim_fleet(config) as sim:
-        run, _ = await profilekit.profile(config, sim.transport, profilekit.settings(tmp_path))
+        # The CLI's default five repeats per length.
+        s = profilekit.settings(tmp_path, repeats=5)
+        run, _ = await profilekit.profile(config, sim.transport, s)
     p = run.outcomes[0].profile
     assert p is not None and p.ttft.uncertainty is not None and p.decode is not None
     assert p.decode.uncertainty is not None
@@ -241,21 +244,86 @@ async def test_intervals_of_a_simulated_engine_contain_its_true_coefficients(
     assert p.ttft.uncertainty.upper_factor > 1 and p.decode.uncertainty.upper_factor > 1
 
 
-@pytest.mark.parametrize("limit", [0.2, 0.001])
-async def test_the_interval_width_gate_applies_the_prefill_bound(
-    autojump_clock: trio.abc.Clock, tmp_path: Path, limit: float
+async def test_an_honest_profile_passes_the_interval_gates(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    from narwhal.check import gate
+    # The shipped simulated fleet's noise (1 %), the CLI's five repeats.
+    config = profilekit.fleet(profilekit.engine("e0", 8101, noise=0.01))
+    async with open_sim_fleet(config) as sim:
+        doc = await _profiled(tmp_path, config, sim, repeats=5)
+        report = await _check(doc, sim.transport)
+    assert report.ok, [r.line() for r in report.failures]
+    mean, worst = report.named("prefill.interval")[0], report.named("prefill.interval_worst")[0]
+    assert 0 < mean.measured <= worst.measured < 0.1
+    assert mean.limit == 0.20 and worst.limit == 0.50
+    assert "coefficients a " in mean.message and "[" in mean.message
+    assert report.named("prefill.interval_samples")[0].measured == 5
 
-    config = profilekit.fleet(profilekit.engine("e0", 8101, noise=0.05))
+
+async def test_too_noisy_samples_fail_the_prefill_gates_of_the_check(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    # A profiler told to accept anything (bounds of 1000 %) writes a pair the samples
+    # back: the check still applies the seed's prefill bounds to what they give.
+    config = profilekit.fleet(profilekit.engine("e0", 8101, noise=0.7, seed=4))
+    loose = {"max_mean_error": 10.0, "max_worst_error": 10.0, "repeats": 3,
+             "prefill_lens": (64, 128, 256, 512, 1024, 2048)}  # fmt: skip
+    async with open_sim_fleet(config) as sim:
+        doc = await _profiled(tmp_path, config, sim, **loose)
+        report = await _check(doc, sim.transport)
+    tripped = {name for name, engine in failed(report) if engine == "e0"}
+    assert {"prefill.mean_error", "prefill.worst_error", "prefill.loo_mean_error",
+            "prefill.interval", "prefill.interval_worst"} <= tripped, report.lines()  # fmt: skip
+    assert not [r for r in report.failures if not r.name.startswith(("prefill.", "decode."))]
+    interval = report.named("prefill.interval")[0]
+    assert interval.measured > 0.20 and "exceeds the prefill mean-error bound" in interval.message
+
+
+async def test_too_few_repeats_are_refused_by_the_profiler_and_the_check(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    config = profilekit.fleet(profilekit.engine("e0", 8101, noise=0.01))
+    async with open_sim_fleet(config) as sim:
+        few, _ = await profilekit.profile(config, sim.transport,
+                                          profilekit.settings(tmp_path / "few", repeats=2))  # fmt: skip
+        doc = await _profiled(tmp_path, config, sim)
+    assert few.outcomes[0].status == "rejected"
+    assert "2 repeat(s) at a length cannot bound its median" in (few.outcomes[0].reason or "")
+    # The same rule in the check, for a profile whose intervals rest on two repeats.
+    profiles, samples = gate.load_pair(doc["profiles"]["path"])
+    p = profiles.engines["e0"]
+    assert p.ttft.uncertainty is not None
+    two = attrs.evolve(p, ttft=attrs.evolve(
+        p.ttft, uncertainty=attrs.evolve(p.ttft.uncertainty, min_samples=2)))  # fmt: skip
+    results = gate.check_fit_limits(config, attrs.evolve(profiles, engines={"e0": two}), samples)
+    bad = [r for r in results if not r.ok]
+    assert [(r.name, r.measured, r.limit) for r in bad] == [("prefill.interval_samples", 2, 3)]
+    assert "re-profile it with more --repeats" in bad[0].message
+    ok = gate.check_fit_limits(config, profiles, samples)
+    assert all(r.ok for r in ok), [r.line() for r in ok if not r.ok]
+
+
+async def test_the_merge_flow_passes_after_a_restart_long_after_the_profile(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """restart -> the check says re-profile -> ``--engines d0`` -> the check passes, with
+    the restart an hour after the profile: the sweep's timestamps and the engine's
+    process start time are read on the same clock (virtual here)."""
+    config = profilekit.fleet(profilekit.engine("e0", 8101), profilekit.engine("d0", 8102))
     async with open_sim_fleet(config) as sim:
         doc = await _profiled(tmp_path, config, sim)
-        original = gate.DEFAULT_MAX_MEAN_ERROR
-        gate.DEFAULT_MAX_MEAN_ERROR = limit  # type: ignore[misc]
-        try:
-            report = await _check(doc, sim.transport)
-        finally:
-            gate.DEFAULT_MAX_MEAN_ERROR = original  # type: ignore[misc]
-    result = report.named("prefill.interval")[0]
-    assert result.ok is (result.measured <= limit) and result.limit == limit
-    assert "[" in result.message and "coefficients a " in result.message
+        await trio.sleep(3600)
+        await sim.engines["d0"].restart()
+        await trio.sleep(5)
+        report = await _check(doc, sim.transport)
+        assert failed(report) == {("gate_f.generation", "d0")}
+        assert "--engines d0" in report.failures[0].message
+        s = profilekit.settings(tmp_path, **SMALL, engines=("d0",))
+        run, _ = await profilekit.profile(config, sim.transport, s)
+        assert run.ok
+        fixed = await _check(doc, sim.transport)
+    assert fixed.ok, [r.line() for r in fixed.failures]
+    entry = json.loads(_read(Path(doc["profiles"]["path"]).with_name("profiles.samples.json")))
+    clock = entry["engines"]["d0"]["wall_clock"]
+    born = entry["engines"]["d0"]["identity"]["process_start_time"]
+    assert born <= clock["started_at"] <= clock["finished_at"]

@@ -32,7 +32,7 @@ _PROFILE_TESTS = [
     "tests/test_profile_fit.py",
     "tests/test_profile_sweep.py",
     "tests/test_profile_store.py",
-    "tests/test_profile_verify.py",
+    "tests/test_profile_attacks.py",
     "tests/test_profile_cli.py",
 ]
 _CHECK_TESTS = [
@@ -40,15 +40,18 @@ _CHECK_TESTS = [
     "tests/test_check_api.py",
     "tests/test_check_cli.py",
     "tests/test_check_verify.py",
+    "tests/test_profile_attacks.py",
 ]
 TESTS: dict[str, list[str]] = {
-    "narwhal/profile/fit.py": ["tests/test_profile_fit.py", "tests/test_profile_verify.py"],
-    "narwhal/profile/derive.py": ["tests/test_profile_verify.py", "tests/test_profile_fit.py",
+    "narwhal/profile/fit.py": ["tests/test_profile_fit.py", "tests/test_check_verify.py",
+                               "tests/test_profile_attacks.py"],
+    "narwhal/profile/derive.py": ["tests/test_check_verify.py", "tests/test_profile_fit.py",
                                   "tests/test_profile_store.py"],
-    "narwhal/profile/stability.py": ["tests/test_profile_verify.py", "tests/test_profile_cli.py"],
-    "narwhal/check/gate.py": ["tests/test_check_gate.py", "tests/test_check_verify.py"],
+    "narwhal/profile/stability.py": ["tests/test_profile_attacks.py"],
+    "narwhal/check/gate.py": ["tests/test_check_gate.py", "tests/test_check_verify.py",
+                              "tests/test_profile_attacks.py"],
     "narwhal/check/checks.py": ["tests/test_check_gate.py", "tests/test_check_verify.py",
-                                "tests/test_check_api.py"],
+                                "tests/test_check_api.py", "tests/test_profile_attacks.py"],
 }
 
 

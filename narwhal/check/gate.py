@@ -33,7 +33,11 @@ from narwhal.config import FleetConfig
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
 from narwhal.profile.derive import derive_profile, profile_differences
-from narwhal.profile.fit import DEFAULT_MAX_MEAN_ERROR, DEFAULT_MAX_WORST_ERROR
+from narwhal.profile.fit import (
+    DEFAULT_MAX_MEAN_ERROR,
+    DEFAULT_MAX_WORST_ERROR,
+    MIN_INTERVAL_REPEATS,
+)
 from narwhal.profile.store import (
     SAMPLES_KIND,
     SCHEMA_VERSION,
@@ -432,21 +436,41 @@ def _prefill_limits(engine: str, t: TTFTCurve) -> list[CheckResult]:
             _limit("prefill.loo_worst_error", engine, "leave-one-length-out TTFT worst error",
                    bound, t.loo_worst_error, DEFAULT_MAX_WORST_ERROR),
         ]  # fmt: skip
-    results.append(_interval("prefill.interval", engine, "TTFT", t.uncertainty,
-                             "the prefill mean-error bound", DEFAULT_MAX_MEAN_ERROR))  # fmt: skip
-    return results
+    return results + _prefill_intervals(engine, t.uncertainty)
+
+
+def _prefill_intervals(engine: str, u: Uncertainty | None) -> list[CheckResult]:
+    """The prefill bounds applied to the TTFT curve's prediction intervals at the swept
+    lengths (the mean and the widest relative half-width), and enough repeats at every
+    length for those intervals to mean something."""
+    if u is None or u.mean_half_width is None or u.min_samples is None:
+        return [_missing("prefill.interval", engine, "TTFT intervals")]
+    enough = u.min_samples >= MIN_INTERVAL_REPEATS
+    samples = CheckResult(
+        name="prefill.interval_samples", engine=engine, ok=enough, measured=u.min_samples,
+        limit=MIN_INTERVAL_REPEATS,
+        message=f"engine {engine}'s TTFT curve rests on at least {u.min_samples} repeat(s) per "
+                f"length" + ("" if enough else f", fewer than the {MIN_INTERVAL_REPEATS} an "
+                             "interval needs; re-profile it with more --repeats"),
+    )  # fmt: skip
+    return [
+        samples,
+        _interval("prefill.interval", engine, "mean TTFT", u, u.mean_half_width,
+                  "the prefill mean-error bound", DEFAULT_MAX_MEAN_ERROR),
+        _interval("prefill.interval_worst", engine, "widest TTFT", u, u.worst_half_width,
+                  "the prefill worst-point bound", DEFAULT_MAX_WORST_ERROR),
+    ]  # fmt: skip
 
 
 def _interval(
-    name: str, engine: str, what: str, u: Uncertainty | None, setting: str, limit: float
+    name: str, engine: str, what: str, u: Uncertainty, width: float, setting: str, limit: float
 ) -> CheckResult:
-    """The widest prediction interval of a fit against ``limit``, its coefficients' bands shown."""
-    if u is None:
-        return _missing(name, engine, f"{what} intervals")
+    """A prediction-interval width of a fit against ``limit``, its coefficients' bands shown."""
     return _limit(
         name, engine,
-        f"widest {what} prediction interval ({u.level:.0%}, half-width; coefficients {_bands(u)})",
-        setting, u.worst_half_width, limit,
+        f"{what} prediction interval ({u.level:.0%}, relative half-width; coefficients "
+        f"{_bands(u)})",
+        setting, width, limit,
         coefficients={k: attrs.asdict(b) for k, b in u.coefficients.items()},
         upper_factor=u.upper_factor,
     )  # fmt: skip
@@ -460,8 +484,12 @@ def _decode_limits(config: FleetConfig, engine: str, d: DecodeModel) -> list[Che
         _limit("decode.cv_mape", engine, "leave-one-cell-out decode MAPE",
                "profiles.max_decode_cv_mape", d.cv_mape, limits.max_decode_cv_mape),
     ]  # fmt: skip
-    results.append(_interval("decode.interval", engine, "TPOT", d.uncertainty,
-                             "profiles.max_decode_cv_mape", limits.max_decode_cv_mape))  # fmt: skip
+    u = d.uncertainty
+    if u is None:
+        results.append(_missing("decode.interval", engine, "TPOT intervals"))
+    else:
+        results.append(_interval("decode.interval", engine, "widest TPOT", u, u.worst_half_width,
+                                 "profiles.max_decode_cv_mape", limits.max_decode_cv_mape))  # fmt: skip
     return results
 
 

@@ -14,16 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-import attrs
 import trio
 
 from narwhal.config import FleetConfig, load_default_fleet, load_fleet
 from narwhal.errors import ConfigError
 from narwhal.profile.progress import Progress
 from narwhal.profile.refit import refit_pair
-from narwhal.profile.runner import ProfileRun, ProfileSettings, check_output, run_profile
-from narwhal.profile.stability import run_paths, stability, stability_lines, stability_path
-from narwhal.profile.store import read_json
+from narwhal.profile.runner import ProfileRun, ProfileSettings, run_profile
+from narwhal.profile.stability import profile_repeatedly, stability_lines, stability_path
 
 __all__ = ["main"]
 
@@ -131,30 +129,12 @@ def _report(run: ProfileRun, *, plot: bool = False) -> int:
 def _repeated(config: FleetConfig, settings: ProfileSettings, repeat: int, progress: Progress,
               source: str | None, *, plot: bool) -> int:  # fmt: skip
     """``--repeat N``: N runs, each its own pair, then the stability report."""
-    files = run_paths(settings.out, repeat)
-    for path in files[1:]:
-        check_output(path, overwrite=settings.overwrite)
-    runs: list[ProfileRun] = []
+    runs, doc = trio.run(functools.partial(profile_repeatedly, config, settings, repeat,
+                                           progress=progress, config_source=source))  # fmt: skip
     status = 0
-    for k, path in enumerate(files, 1):
+    for k, run in enumerate(runs, 1):
         print(f"run {k} of {repeat}")
-        seed = settings.seed + k - 1 if settings.seed is not None else None
-        one = attrs.evolve(settings, out=str(path), seed=seed)
-        run = trio.run(functools.partial(run_profile, config, one, progress=progress,
-                                         config_source=source))  # fmt: skip
         status = max(status, _report(run, plot=plot and k == 1))
-        runs.append(run)
-    by_run = [{o.name: o.profile for o in r.outcomes} for r in runs]
-    names = [o.name for o in runs[0].outcomes]
-    first = read_json(runs[0].samples_path, "samples file")
-    operating: dict[str, tuple[list[float], list[tuple[float, float]]]] = {}
-    for name in names:
-        entry = first["engines"].get(name, {})
-        lengths = [float(n) for n in entry.get("prefill", {}).get("effective_lens", [])]
-        cells = [(float(c["active"]), float(c["kv_tokens"]))
-                 for c in entry.get("decode", {}).get("cell_medians", [])]  # fmt: skip
-        operating[name] = (lengths, cells)
-    doc = stability(by_run, operating, names, files, settings.out)
     print(f"run-to-run stability over {repeat} runs (wrote {stability_path(settings.out)}):")
     for line in stability_lines(doc):
         print(line)

@@ -33,6 +33,8 @@ from narwhal.config import converter, parse_as
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
 from narwhal.profile.fit import (
+    DEFAULT_MAX_MEAN_ERROR,
+    DEFAULT_MAX_WORST_ERROR,
     DecodeFit,
     DecodePoint,
     Intervals,
@@ -43,8 +45,10 @@ from narwhal.profile.fit import (
     decode_fit_problem,
     fit_decode,
     fit_ttft,
+    interval_rejection,
     median_by_length,
     tpot_kv_limit,
+    ttft_rejection,
 )
 from narwhal.profile.store import (
     CoefficientBand,
@@ -146,6 +150,8 @@ def uncertainty(intervals: Intervals) -> Uncertainty:
                       for k, b in intervals.coefficients.items()},
         upper_factor=intervals.upper_factor,
         worst_half_width=intervals.worst_half_width,
+        mean_half_width=intervals.mean_half_width,
+        min_samples=intervals.min_samples,
     )
 
 
@@ -153,6 +159,16 @@ def uncertainty(intervals: Intervals) -> Uncertainty:
 class DerivedTTFT:
     fit: TTFTFit
     intervals: Intervals
+
+    def rejection(self, *, max_mean_error: float = DEFAULT_MAX_MEAN_ERROR,
+                  max_worst_error: float = DEFAULT_MAX_WORST_ERROR) -> str | None:  # fmt: skip
+        """Why the curve must be rejected (its errors in and out of sample, the width of
+        its intervals, against the prefill bounds), or None if it is accepted."""
+        reasons = [ttft_rejection(self.fit, max_mean_error=max_mean_error,
+                                  max_worst_error=max_worst_error),
+                   interval_rejection(self.intervals, max_mean_width=max_mean_error,
+                                      max_worst_width=max_worst_error)]  # fmt: skip
+        return "; ".join(r for r in reasons if r is not None) or None
 
 
 @attrs.frozen

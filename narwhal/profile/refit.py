@@ -26,7 +26,6 @@ from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
     DEFAULT_MAX_WORST_ERROR,
     median_by_length,
-    ttft_rejection,
 )
 from narwhal.profile.progress import Progress
 from narwhal.profile.runner import (
@@ -158,8 +157,8 @@ def refit_pair(
         ]  # fmt: skip
         prefill["fit"] = fit.as_dict()
         prefill["intervals"] = derived.intervals.as_dict()
-        rejection = ttft_rejection(fit, max_mean_error=max_mean_error,
-                                   max_worst_error=max_worst_error)  # fmt: skip
+        rejection = derived.rejection(max_mean_error=max_mean_error,
+                                      max_worst_error=max_worst_error)  # fmt: skip
         if rejection is not None:
             prefill["rejection"] = rejection
             entry.update(status="rejected", reason=f"refitted TTFT curve rejected: {rejection}")

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import attrs
 import httpx
+import trio
 
 from narwhal import __version__
 from narwhal.config import EngineConfig, FleetConfig, converter
@@ -44,7 +45,6 @@ from narwhal.profile.fit import (
     MIN_PREFILL_LENGTHS,
     DecodePoint,
     decode_fit_problem,
-    ttft_rejection,
 )
 from narwhal.profile.progress import Progress
 from narwhal.profile.store import (
@@ -229,6 +229,24 @@ def check_output(out: str | os.PathLike[str], *, overwrite: bool) -> tuple[Path,
     return profiles, samples
 
 
+#: How the sidecar's ``wall_clock`` stamps are taken.
+SWEEP_CLOCK = "Unix seconds: the wall clock read once, advanced by the run's own clock"
+_EPOCH: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("narwhal_sweep_epoch")
+
+
+def sweep_clock() -> float:
+    """Unix time on the run's clock: the wall clock read at the first call of this
+    Trio run, advanced by Trio's clock since (monotonic in production, so a wall-clock
+    step during a sweep does not skew it; virtual in tests, where the simulated engines'
+    process start times follow virtual time too)."""
+    try:
+        epoch = _EPOCH.get()
+    except LookupError:
+        epoch = time.time() - trio.current_time()
+        _EPOCH.set(epoch)
+    return epoch + trio.current_time()
+
+
 class _EngineRun:
     """Profiles one engine, recording into its sidecar entry as it goes."""
 
@@ -248,7 +266,7 @@ class _EngineRun:
         client, settings, record, name = self.client, self.settings, self.record, self.client.name
         timeouts = self.config.engine
         limit = timeouts.request_timeout_s
-        record["wall_clock"] = {"started_at": time.time()}
+        record["wall_clock"] = {"started_at": sweep_clock(), "clock": SWEEP_CLOCK}
         identity = await bounded(client, limit, "its identity", client.identity)
         record["identity"] = attrs.asdict(identity)
         if identity.process_start_time is None:
@@ -278,7 +296,7 @@ class _EngineRun:
         tfit = ttft.fit
         prefill["fit"] = tfit.as_dict()
         prefill["intervals"] = ttft.intervals.as_dict()
-        rejection = ttft_rejection(tfit, max_mean_error=settings.max_mean_error,
+        rejection = ttft.rejection(max_mean_error=settings.max_mean_error,
                                    max_worst_error=settings.max_worst_error)  # fmt: skip
         if rejection is not None:
             prefill["rejection"] = rejection
@@ -296,7 +314,7 @@ class _EngineRun:
 
         after = await bounded(client, limit, "its identity", client.identity)
         record["identity_after"] = attrs.asdict(after)
-        record["wall_clock"]["finished_at"] = time.time()
+        record["wall_clock"]["finished_at"] = sweep_clock()
         if after != identity:
             raise EngineError(f"engine {name} changed generation during the sweep "
                               f"({identity} -> {after}); its samples span two processes",

@@ -28,9 +28,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from narwhal.profile.store import EngineProfile, pair_paths, write_json
+import attrs
+import httpx
 
-__all__ = ["STABILITY_KIND", "engine_figures", "run_paths", "stability", "stability_lines"]
+from narwhal.config import FleetConfig
+from narwhal.profile.progress import Progress
+from narwhal.profile.runner import ProfileRun, ProfileSettings, check_output, run_profile
+from narwhal.profile.store import EngineProfile, pair_paths, read_json, write_json
+
+__all__ = [
+    "STABILITY_KIND",
+    "engine_figures",
+    "profile_repeatedly",
+    "run_paths",
+    "stability",
+    "stability_lines",
+]
 
 STABILITY_KIND: Final = "narwhal.profile-stability"
 
@@ -117,6 +130,43 @@ def stability(
     }
     write_json(stability_path(out), doc)
     return doc
+
+
+async def profile_repeatedly(
+    config: FleetConfig,
+    settings: ProfileSettings,
+    repeat: int,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    progress: Progress | None = None,
+    config_source: str | None = None,
+) -> tuple[list[ProfileRun], dict[str, Any]]:
+    """``--repeat N``: the sweep ``repeat`` times, each run its own pair (run k with
+    seed ``settings.seed + k - 1`` when a seed is given), then :func:`stability`.
+
+    Raises:
+        ConfigError: a run's pair exists already and ``settings.overwrite`` is not set.
+    """
+    files = run_paths(settings.out, repeat)
+    for path in files[1:]:
+        check_output(path, overwrite=settings.overwrite)
+    runs: list[ProfileRun] = []
+    for k, path in enumerate(files, 1):
+        seed = settings.seed + k - 1 if settings.seed is not None else None
+        one = attrs.evolve(settings, out=str(path), seed=seed)
+        runs.append(await run_profile(config, one, transport=transport, progress=progress,
+                                      config_source=config_source))  # fmt: skip
+    by_run = [{o.name: o.profile for o in r.outcomes} for r in runs]
+    names = [o.name for o in runs[0].outcomes]
+    first = read_json(runs[0].samples_path, "samples file")
+    operating: dict[str, tuple[list[float], list[tuple[float, float]]]] = {}
+    for name in names:
+        entry = first["engines"].get(name, {})
+        lengths = [float(n) for n in entry.get("prefill", {}).get("effective_lens", [])]
+        cells = [(float(c["active"]), float(c["kv_tokens"]))
+                 for c in entry.get("decode", {}).get("cell_medians", [])]  # fmt: skip
+        operating[name] = (lengths, cells)
+    return runs, stability(by_run, operating, names, files, settings.out)
 
 
 def stability_lines(doc: dict[str, Any]) -> list[str]:

@@ -89,6 +89,9 @@ class Uncertainty:
             (>= 1); conservative pricing multiplies predictions by it.
         worst_half_width: the largest relative half-width of a prediction interval at
             the operating points.
+        mean_half_width: their mean (None in profiles written before it was recorded).
+        min_samples: the fewest raw samples behind one operating point (repeats at a
+            prefill length; intervals of a decode cell).
     """
 
     level: float
@@ -96,6 +99,9 @@ class Uncertainty:
     coefficients: dict[str, CoefficientBand]
     upper_factor: float = attrs.field(validator=_nonneg)
     worst_half_width: float = attrs.field(validator=_nonneg)
+    mean_half_width: float | None = attrs.field(default=None,
+                                                validator=attrs.validators.optional(_nonneg))
+    min_samples: int | None = None
 
 
 @attrs.frozen(kw_only=True)
