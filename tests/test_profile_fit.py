@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 import numpy as np
 import pytest
 
 from narwhal.profile.fit import (
+    Band,
     DecodePoint,
+    Intervals,
     TTFTFit,
+    bootstrap_ttft,
     decode_fit_problem,
     fit_decode,
     fit_ttft,
+    interval_rejection,
     median_by_length,
+    nonneg_lstsq,
     tpot_kv_limit,
     ttft_rejection,
 )
@@ -72,6 +78,115 @@ def test_bounds_are_inclusive_limits() -> None:
     assert ttft_rejection(_fit_with([0.2, 0.2])) is None
     assert ttft_rejection(_fit_with([0.5, 0.0, 0.0, 0.1])) is None
     assert ttft_rejection(_fit_with([0.1, 0.1]), max_mean_error=0.05) is not None
+
+
+TRUE = (0.02, 5e-5, 2e-8)
+LENGTHS = (128, 512, 1024, 2048)
+
+
+def _truth(n: float) -> float:
+    a, b, c = TRUE
+    return a + b * n + c * n * n
+
+
+def _repeats(noise: float, per_length: int, seed: int = 1) -> list[tuple[int, float]]:
+    rng = np.random.default_rng(seed)
+    return [(n, _truth(n) * float(np.exp(rng.normal(0, noise))))
+            for n in LENGTHS for _ in range(per_length)]  # fmt: skip
+
+
+def test_leave_one_length_out_predicts_each_length_without_it_and_gates_the_interior() -> None:
+    medians = {128: 0.030, 512: 0.060, 1024: 0.080, 2048: 0.180}
+    fit = fit_ttft(medians)
+    for i, n in enumerate(fit.lengths):
+        rest = {k: v for k, v in medians.items() if k != n}
+        x = np.array([[1.0, k, k * k] for k in sorted(rest)])
+        coef = nonneg_lstsq(x, np.array([rest[k] for k in sorted(rest)]))
+        held = float(coef @ np.array([1.0, n, n * n]))
+        assert fit.loo_predicted[i] == pytest.approx(held)
+        assert fit.loo_errors[i] == pytest.approx(abs(held - medians[n]) / medians[n])
+    interior = fit.loo_errors[1:-1]
+    assert fit.loo_mean_error == pytest.approx(sum(interior) / 2)
+    assert fit.loo_worst_error == max(interior)
+    assert fit.loo_worst_length == fit.lengths[1 + interior.index(max(interior))]
+    points = fit.as_dict()["points"]
+    assert [p["loo_kind"] for p in points] == ["extrapolation", "interpolation",
+                                               "interpolation", "extrapolation"]  # fmt: skip
+
+
+def test_the_leave_one_length_out_bounds_reject_on_their_own() -> None:
+    base = _fit_with([0.0, 0.0, 0.0, 0.0])
+    worse = attrs.evolve(base, loo_errors=(9.0, 0.3, 0.3, 9.0), loo_mean_error=0.3,
+                         loo_worst_error=0.3)  # fmt: skip
+    reason = ttft_rejection(worse)
+    assert reason is not None and "leave-one-length-out mean error 30.0%" in reason
+    assert "worst" not in reason
+    worst = attrs.evolve(base, loo_errors=(0.0, 0.6, 0.0, 0.0), loo_mean_error=0.1,
+                         loo_worst_error=0.6)  # fmt: skip
+    reason = ttft_rejection(worst)
+    assert reason is not None and "leave-one-length-out worst error 60.0% (at 200 tokens)" in reason
+    assert "mean" not in reason
+    edge = attrs.evolve(base, loo_errors=(0.0, 0.5, 0.2, 0.0), loo_mean_error=0.2,
+                        loo_worst_error=0.5)  # fmt: skip
+    assert ttft_rejection(edge) is None
+
+
+def test_ttft_intervals_cover_the_truth_and_narrow_with_more_repeats() -> None:
+    wide = bootstrap_ttft(r := _repeats(0.05, 3), fit_ttft(median_by_length(r)))
+    narrow = bootstrap_ttft(r := _repeats(0.05, 15), fit_ttft(median_by_length(r)))
+    for iv in (wide, narrow):
+        assert [p["length"] for p, _ in iv.predictions] == list(LENGTHS)
+        for point, band in iv.predictions:
+            assert band.low <= _truth(point["length"]) <= band.high
+            assert band.low <= band.value <= band.high
+        for key, truth in zip("abc", TRUE, strict=True):
+            assert iv.coefficients[key].low <= truth <= iv.coefficients[key].high
+        widths = [b.relative_half_width for _, b in iv.predictions]
+        assert iv.worst_half_width == max(widths)
+        assert iv.mean_half_width == pytest.approx(sum(widths) / len(widths))
+        assert iv.upper_factor == max(b.high / b.value for _, b in iv.predictions) > 1
+    assert (wide.min_samples, narrow.min_samples) == (3, 15)
+    assert narrow.mean_half_width < 0.6 * wide.mean_half_width
+    # Seeded: the same samples give the same intervals.
+    r = _repeats(0.05, 3)
+    assert bootstrap_ttft(r, fit_ttft(median_by_length(r))) == wide
+    assert wide.as_dict()["mean_half_width"] == wide.mean_half_width
+
+
+def test_one_stalled_repeat_does_not_span_its_lengths_interval() -> None:
+    r = _repeats(0.02, 5)
+    stalled = list(r)
+    stalled[15] = (2048, r[15][1] * 3.0)  # one of the five at 2048 took three times as long
+    iv = bootstrap_ttft(stalled, fit_ttft(median_by_length(stalled)))
+    assert iv.worst_half_width < 0.5 and interval_rejection(iv) is None
+
+
+def _intervals(widths: list[float], samples: int = 5) -> Intervals:
+    bands = tuple(({"length": float(n)}, Band(1.0, 1.0 - w, 1.0 + w))
+                  for n, w in zip(LENGTHS, widths, strict=False))  # fmt: skip
+    return Intervals({}, bands, samples)
+
+
+def test_the_interval_bounds_and_the_repeats_rule_reject_on_their_own() -> None:
+    assert interval_rejection(_intervals([0.2, 0.2, 0.2, 0.2])) is None
+    assert interval_rejection(_intervals([0.5, 0.05, 0.05, 0.1])) is None
+    mean = interval_rejection(_intervals([0.25, 0.25, 0.25, 0.25]))
+    assert mean is not None and "mean prediction-interval half-width 25.0%" in mean
+    assert "widest" not in mean and "repeat" in mean  # the advice: more --repeats
+    widest = interval_rejection(_intervals([0.6, 0.0, 0.0, 0.0]))
+    assert widest is not None and "widest prediction-interval half-width 60.0%" in widest
+    assert "mean prediction" not in widest
+    few = interval_rejection(_intervals([0.0, 0.0, 0.0, 0.0], samples=2))
+    assert few is not None and few.startswith("2 repeat(s) at a length cannot bound")
+    assert interval_rejection(_intervals([0.0] * 4, samples=3)) is None
+    assert interval_rejection(_intervals([0.3] * 4), max_mean_width=0.35) is None
+
+
+def test_a_band_measures_its_larger_side_relative_to_the_value() -> None:
+    assert Band(2.0, 1.0, 2.5).relative_half_width == 0.5
+    assert Band(2.0, 1.9, 3.0).relative_half_width == 0.5
+    assert Band(0.0, 0.0, 0.0).relative_half_width == 0.0
+    assert Band(0.0, 0.0, 1.0).relative_half_width == float("inf")
 
 
 def _grid(c0: float, c1: float, c2: float) -> list[DecodePoint]:
