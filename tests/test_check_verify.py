@@ -235,12 +235,11 @@ async def test_intervals_of_a_simulated_engine_contain_its_true_coefficients(
     for band in bands.values():
         assert band.low <= band.value <= band.high
         assert band.high > band.low  # noisy samples: a real interval, not a point
-    for key in ("a", "b", "c0"):
+    # Every coefficient, the decode slopes included: the decode resampling draws the
+    # same steps for every stream of a cell (their noise is shared), not each stream's
+    # intervals on its own, which gave bands too narrow to hold c1 and c2.
+    for key in ("a", "b", "c", "c0", "c1", "c2"):
         assert bands[key].low <= truth[key] <= bands[key].high, (key, bands[key], truth[key])
-    # The decode slopes carry the client-inferred load's small bias, which resampling the
-    # intervals does not see: within 2 % of the truth, not necessarily inside the band.
-    for key in ("c1", "c2"):
-        assert bands[key].value == pytest.approx(truth[key], rel=0.02)
     assert p.ttft.uncertainty.upper_factor > 1 and p.decode.uncertainty.upper_factor > 1
 
 

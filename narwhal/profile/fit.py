@@ -601,8 +601,9 @@ def bootstrap_decode(
     corner of the domain (most active requests with the most resident KV).
 
     ``cells`` are the fitted cells' window intervals, in the order of ``fit.points``.
-    Each resample draws every stream's intervals with replacement (as many as it had),
-    recomputes each cell's figures (:func:`cell_figures`) and refits.
+    Each resample draws, in every cell, window positions with replacement and takes
+    every stream's intervals at those positions (as many as it had), recomputes each
+    cell's figures (:func:`cell_figures`) and refits.
     """
     rng = np.random.default_rng(seed)
     rows = [
@@ -615,7 +616,12 @@ def bootstrap_decode(
     for r in range(resamples):
         xs, ys = [], []
         for streams in rows:
-            drawn = [s[rng.integers(0, len(s), size=len(s))] for s in streams]
+            # One draw of window positions for every stream of the cell: the streams
+            # step together (one engine step gives each its next token), so the i-th
+            # intervals of two streams are one step's time and share its noise;
+            # drawing them independently would understate the variance.
+            u = rng.random(max(len(s) for s in streams))
+            drawn = [s[(u[: len(s)] * len(s)).astype(int)] for s in streams]
             tpot = float(np.median([d[:, 0].mean() for d in drawn]))
             stacked = np.vstack(drawn)
             xs.append([1.0, stacked[:, 1].mean(), stacked[:, 2].mean()])
