@@ -10,7 +10,6 @@ from typing import Any
 
 import attrs
 import httpx
-import pytest
 import trio
 
 from narwhal.check import CheckReport, gate, run_check
