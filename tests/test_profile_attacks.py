@@ -183,3 +183,18 @@ async def test_repeat_profiles_n_times_and_reports_the_stability_of_each_figure(
     # Three runs of a 2 %-noise engine agree: the curve within a few per cent.
     assert 0 < entry["figures"]["ttft_at.1024"]["cv"] < 0.05
     assert len([k for k in entry["figures"] if k.startswith("tpot_at.")]) == 4
+
+
+def test_the_reprofile_hint_is_the_whole_merging_command() -> None:
+    from narwhal.check.gate import reprofile_hint
+
+    sweep = {"prefill_lens": [128, 512, 1024, 2048], "decode_input_lens": [256, 1024],
+             "decode_concurrency": [1, 4, 8]}  # fmt: skip
+    assert reprofile_hint("d0", "fleet.json", "runs/p.json", sweep) == (
+        "narwhal profile --fleet fleet.json --engines d0 --out runs/p.json --prefill-lens "
+        "128,512,1024,2048 --decode-input-lens 256,1024 --decode-concurrency 1,4,8"
+    )
+    assert reprofile_hint("p0", None, None, {"prefill_lens": []}) == (
+        "narwhal profile --fleet FLEET --engines p0 --prefill-lens ... --decode-input-lens ... "
+        "--decode-concurrency ..."
+    )
