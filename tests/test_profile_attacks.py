@@ -17,7 +17,7 @@ import trio
 
 from narwhal.check import run_check
 from narwhal.check.checks import check_stable
-from narwhal.config import SLOConfig, unstructure_fleet
+from narwhal.config import SLOConfig, parse_fleet, unstructure_fleet
 from narwhal.engines.client import EngineIdentity
 from narwhal.profile import load_profiles, refit_pair
 from narwhal.profile.fit import fit_ttft, median_by_length
@@ -198,3 +198,34 @@ def test_the_reprofile_hint_is_the_whole_merging_command() -> None:
         "narwhal profile --fleet FLEET --engines p0 --prefill-lens ... --decode-input-lens ... "
         "--decode-concurrency ..."
     )
+
+
+async def test_the_hint_names_each_engines_own_sweep_and_an_unreachable_engine_fails(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    from narwhal.check import gate
+
+    config = profilekit.fleet(profilekit.engine("e0", 8101), profilekit.engine("d0", 8102))
+    async with open_sim_fleet(config) as sim:
+        s = profilekit.settings(tmp_path, **SMALL)
+        assert (await profilekit.profile(config, sim.transport, s))[0].ok
+        # d0 re-profiled with another sweep: the pair's run-level sweep is now d0's.
+        other = profilekit.settings(tmp_path, **(SMALL | {"prefill_lens": (64, 256, 512, 2048)}),
+                                    engines=("d0",))  # fmt: skip
+        assert (await profilekit.profile(config, sim.transport, other))[0].ok
+        await sim.engines["e0"].restart()
+        await trio.sleep(5)
+        doc = unstructure_fleet(config) | {"profiles": {"path": str(tmp_path / "profiles.json")}}
+        with trio.fail_after(LIMIT_S):
+            report = await run_check(doc, transport=sim.transport)
+    hint = report.named("gate_f.generation")[0].message
+    assert "--engines e0" in hint and "--prefill-lens 128,256,512,1024 " in hint, hint
+    profiles, samples = gate.load_pair(tmp_path / "profiles.json")
+    outcome = gate.gate_f(parse_fleet(doc), {"e0": None, "d0": report.identities["d0"]})
+    generation = [r for r in outcome.results if r.name == "gate_f.generation"]
+    assert [(r.engine, r.ok) for r in generation] == [("e0", False), ("d0", True)]
+    e0 = generation[0]
+    assert e0.measured is None and e0.limit == attrs.asdict(profiles.engines["e0"].identity)
+    assert e0.message == ("engine e0 is unreachable; its generation cannot be compared with "
+                          "its profile's")  # fmt: skip
+    assert samples["sweep"]["prefill_lens"] == [64, 256, 512, 2048]
