@@ -160,6 +160,28 @@ async def test_an_unknown_generation_fails_closed(
         assert failed(r) == {("gate_f.generation", "e0")}
         message = r.failures[0].message
         assert "generation is unknown" in message and "multiprocess" in message
+        assert message.startswith("engine e0's generation is unknown: the running engine and "
+                                  "its profile report no process_start_time_seconds")  # fmt: skip
+
+
+async def test_a_running_engine_that_stops_exporting_its_start_time_fails_closed(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Profiled with a known start time, checked against an engine now in multiprocess
+    mode (no process_* metrics): unknown, not equal."""
+    config = profilekit.fleet(profilekit.engine("e0", 8101))
+    async with open_sim_fleet(config) as sim:
+        doc = await _profiled(tmp_path, config, sim)
+        report = await _check(doc, _NoProcessMetrics(sim.transport))
+    assert failed(report) == {("gate_f.generation", "e0")}
+    r = report.failures[0]
+    profiled = json.loads(_read(Path(doc["profiles"]["path"])))["engines"]["e0"]["identity"]
+    assert r.measured is None and r.limit == profiled["process_start_time"] is not None
+    assert r.message.startswith("engine e0's generation is unknown: the running engine reports "
+                                "no process_start_time_seconds (Prometheus multiprocess mode")  # fmt: skip
+    assert "--engines e0" in r.message
+    assert r.detail["live"]["process_start_time"] is None
+    assert r.detail["profiled"] == profiled
 
 
 async def test_reprofiling_one_engine_merges_into_the_pair_and_passes(

@@ -180,7 +180,8 @@ def _generation(
             measured=live.process_start_time,
             limit=profile.identity.process_start_time,
             message=f"engine {name}'s generation is unknown: {' and '.join(unknown)} "
-            "report no process_start_time_seconds (Prometheus multiprocess mode, e.g. more "
+            f"{'report' if len(unknown) > 1 else 'reports'} no process_start_time_seconds "
+            "(Prometheus multiprocess mode, e.g. more "
             "than one API server process, drops process_* metrics, and vLLM offers no other "
             "per-boot identity over HTTP), so the profile cannot be bound to the process "
             "running now; run the engine with a single API server process so that /metrics "
