@@ -499,9 +499,15 @@ class ControllerConfig:
             (the engine refuses over-long prompts); ``auto`` tokenizes when placement is
             priced by profiles and estimates otherwise. Token-id prompts are always
             counted exactly, and the journal always records the producer's count.
+        pricing: What a profile-priced placement prices with: ``point`` the fitted
+            prediction, ``upper`` its bootstrap upper bound (the prediction times the
+            profile's ``upper_factor``: conservative, fewer requests admitted per engine).
     """
 
     slo: SLOConfig = attrs.field(factory=SLOConfig)
+    pricing: Literal["point", "upper"] = attrs.field(
+        default="point", validator=_member(("point", "upper"))
+    )
     admission: Literal["wait", "refuse"] = attrs.field(
         default="wait", validator=_member(_ADMISSION)
     )

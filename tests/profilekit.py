@@ -177,8 +177,11 @@ class RewriteStreams(Wrapper):
         )
 
 
-class StripKVSize(Wrapper):
-    """Answers /metrics without cache_config_info's kv_cache_size_tokens label."""
+class MetricsRewrite(Wrapper):
+    """Answers /metrics with each line passed through :meth:`line` (None drops it)."""
+
+    def line(self, text: str) -> str | None:
+        return text
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self.inner.handle_async_request(request)
@@ -186,13 +189,18 @@ class StripKVSize(Wrapper):
             return response
         text = (await response.aread()).decode()
         await response.aclose()
-        lines = []
-        for line in text.splitlines():
-            if line.startswith("vllm:cache_config_info{"):
-                head, rest = line.split("{", 1)
-                labels, value = rest.rsplit("}", 1)
-                kept = [p for p in labels.split(",") if not p.startswith("kv_cache_size_tokens=")]
-                line = f"{head}{{{','.join(kept)}}}{value}"
-            lines.append(line)
+        lines = [out for line in text.splitlines() if (out := self.line(line)) is not None]
         return httpx.Response(response.status_code, headers={"content-type": "text/plain"},
                               content="\n".join(lines).encode())  # fmt: skip
+
+
+class StripKVSize(MetricsRewrite):
+    """Answers /metrics without cache_config_info's kv_cache_size_tokens label."""
+
+    def line(self, text: str) -> str | None:
+        if not text.startswith("vllm:cache_config_info{"):
+            return text
+        head, rest = text.split("{", 1)
+        labels, value = rest.rsplit("}", 1)
+        kept = [p for p in labels.split(",") if not p.startswith("kv_cache_size_tokens=")]
+        return f"{head}{{{','.join(kept)}}}{value}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
@@ -17,7 +16,7 @@ from tests import profilekit
 from tests.checkkit import LIMIT_S, fleet_doc, identities, sim_profile, write_pair
 
 SMALL = {
-    "prefill_lens": (128, 512, 1024),
+    "prefill_lens": (128, 256, 512, 1024),
     "decode_input_lens": (128, 512),
     "decode_concurrency": (1, 4),
     "decode_tokens": 16,
@@ -68,62 +67,46 @@ async def test_gate_f_passes_on_a_fresh_profile_and_fails_after_a_restart(
 
 
 @pytest.mark.parametrize(
-    ("limits", "bad", "name", "measured", "limit"),
+    ("limits", "noise", "name", "limit"),
     [
-        ({}, {"fit_mape": 0.08}, "decode.fit_mape", 0.08, 0.05),
-        ({"max_decode_fit_mape": 0.02}, {"fit_mape": 0.03}, "decode.fit_mape", 0.03, 0.02),
-        ({}, {"cv_mape": 0.2}, "decode.cv_mape", 0.2, 0.13),
-        ({"max_decode_cv_mape": 0.3}, {"cv_mape": 0.31}, "decode.cv_mape", 0.31, 0.3),
+        ({}, 0.08, "decode.fit_mape", 0.05),
+        ({"max_decode_fit_mape": 0.02}, 0.03, "decode.fit_mape", 0.02),
+        ({"max_decode_cv_mape": 0.025}, 0.02, "decode.cv_mape", 0.025),
     ],
 )
 async def test_each_fit_limit_names_the_engine_the_value_and_the_limit(
     autojump_clock: trio.abc.Clock,
     tmp_path: Path,
     limits: dict[str, float],
-    bad: dict[str, Any],
+    noise: float,
     name: str,
-    measured: float,
     limit: float,
 ) -> None:
+    # e1's cells scatter +/- noise around its model: the errors the check recomputes
+    # from those samples trip the limit (a figure typed into profiles.json would not count).
     doc = fleet_doc()
     async with open_sim_fleet(parse_fleet(doc)) as sim:
         live = await identities(parse_fleet(doc), sim.transport)
+        grid = [(a, k) for a in (1.0, 8.0, 64.0) for k in (100.0, 50_000.0, 200_000.0)]
         path = write_pair(
             tmp_path / "profiles.json",
-            [sim_profile("e0", live["e0"]), sim_profile("e1", live["e1"], **bad)],
+            [sim_profile("e0", live["e0"]), sim_profile("e1", live["e1"])],
+            cells={"e0": grid, "e1": grid},
+            decode_noise={"e1": noise},
         )
         doc["profiles"] = {"path": str(path), **limits}
         report = await run_check(doc, transport=sim.transport)
-    failure = only_failure(report)
-    assert (failure.name, failure.engine) == (name, "e1")
-    assert failure.measured == pytest.approx(measured) and failure.limit == pytest.approx(limit)
+    tripped = [r for r in report.failures if r.name == name]
+    assert [r.engine for r in tripped] == ["e1"], report.lines()
+    failure = tripped[0]
+    stored = json.loads(path.read_text())["engines"]["e1"]["decode"][name.split(".")[1]]
+    assert failure.measured == pytest.approx(stored) and stored > limit
+    assert failure.limit == pytest.approx(limit)
     line = failure.line()
     assert line.startswith(f"FAIL {name} e1: ")
-    assert f"measured {measured:g}" in line and f"limit {limit:g}" in line
+    assert f"measured {stored:.4g}" in line and f"limit {limit:g}" in line
     assert "e0" not in line
-
-
-async def test_fewer_than_two_points_on_a_decode_axis_fails(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
-) -> None:
-    doc = fleet_doc()
-    async with open_sim_fleet(parse_fleet(doc)) as sim:
-        live = await identities(parse_fleet(doc), sim.transport)
-        profiles = [
-            sim_profile("e0", live["e0"]),
-            # No cells in the sidecar: the domain counts, and its KV axis is one point.
-            sim_profile("e1", live["e1"], kv_tokens=(5000.0, 5000.0)),
-        ]
-        # e0's kept cells all ran one stream: one active count, three KV sizes.
-        cells = {"e0": [(1.0, 1000.0), (1.0, 2000.0), (1.0, 4000.0)]}
-        doc["profiles"] = {"path": str(write_pair(tmp_path / "p.json", profiles, cells=cells))}
-        report = await run_check(doc, transport=sim.transport)
-    got = {(r.name, r.engine): r for r in report.failures}
-    assert set(got) == {("decode.points.active", "e0"), ("decode.points.kv_tokens", "e1")}
-    e0, e1 = got["decode.points.active", "e0"], got["decode.points.kv_tokens", "e1"]
-    assert (e0.measured, e0.limit, e0.detail["counted_from"]) == (1, 2, "samples")
-    assert (e1.measured, e1.limit, e1.detail["counted_from"]) == (1, 2, "domain")
-    assert [r.measured for r in report.named("decode.points.kv_tokens") if r.engine == "e0"] == [3]
+    assert not [r for r in report.failures if r.engine == "e0"]
 
 
 async def test_a_fit_limit_above_the_movement_margin_fails(

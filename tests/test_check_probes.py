@@ -52,7 +52,7 @@ async def test_every_role_permitted_pair_is_probed_with_its_time(
         ("e1", "d0"),
     ]
     report = await checked(doc, tmp_path)
-    assert report.ok, report.lines()
+    assert report.ok, [r.line() for r in report.failures]
     assert pairs(report) == {"p0->e1": True, "p0->d0": True, "e1->d0": True}
     for r in report.named("kv_transfer"):
         assert r.detail["stage"] == "done" and r.detail["prefill_s"] > 0

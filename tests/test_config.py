@@ -442,6 +442,7 @@ def test_defaults_match_the_plan() -> None:
         "max_decode_cv_mape": 0.13,
     }
     assert data["controller"] == {"slo": {"ttft_s": None, "tpot_s": None}, "admission": "wait",
+                                  "pricing": "point",
                                   "reactive": {"enabled": False, "movement_margin": 0.10,
                                                "interval_s": 10.0, "deployment_record": None},
                                   "prompt_tokens": "auto"}  # fmt: skip

@@ -19,7 +19,7 @@ from narwhal.profile.progress import Progress
 from narwhal.profile.store import pair_paths
 from narwhal.testing.ports import free_port
 
-SWEEP = ["--prefill-lens", "16,128,512", "--decode-input-lens", "32,128",
+SWEEP = ["--prefill-lens", "16,64,128,512", "--decode-input-lens", "32,128",
          "--decode-concurrency", "1,2"]  # fmt: skip
 MODEL = {
     "prefill": {"a": 0.02, "b": 5e-5, "c": 0.0},
@@ -121,7 +121,7 @@ def test_profile_against_narwhal_sim_writes_a_pair(
                 "--decode-concurrency",
                 "1,2",
             ],
-            "prefill-lens needs at least 3 distinct values",
+            "prefill-lens needs at least 4 distinct values",
         ),
         (["--prefill-lens", "a,b"], "expected comma-separated integers"),
         ([*SWEEP, "--repeats", "0"], "repeats must be at least 1"),

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 import numpy as np
 import pytest
 
 from narwhal.profile.fit import (
+    Band,
     DecodePoint,
+    Intervals,
     TTFTFit,
+    bootstrap_ttft,
     decode_fit_problem,
     fit_decode,
     fit_ttft,
+    interval_rejection,
     median_by_length,
+    nonneg_lstsq,
     tpot_kv_limit,
     ttft_rejection,
 )
@@ -47,9 +53,10 @@ def test_ttft_fit_is_non_negative_where_free_least_squares_is_not() -> None:
     assert all(fit.predict(n) <= fit.predict(n + 1) for n in range(0, 5000, 250))
 
 
-def test_ttft_fit_needs_three_lengths() -> None:
-    with pytest.raises(ValueError, match="at least 3"):
-        fit_ttft({100: 0.01, 200: 0.02})
+def test_ttft_fit_needs_four_lengths() -> None:
+    # Three lengths leave a leave-one-length-out fold two points for three coefficients.
+    with pytest.raises(ValueError, match="at least 4"):
+        fit_ttft({100: 0.01, 200: 0.02, 300: 0.03})
 
 
 def test_median_is_taken_per_exact_length() -> None:
@@ -71,6 +78,115 @@ def test_bounds_are_inclusive_limits() -> None:
     assert ttft_rejection(_fit_with([0.2, 0.2])) is None
     assert ttft_rejection(_fit_with([0.5, 0.0, 0.0, 0.1])) is None
     assert ttft_rejection(_fit_with([0.1, 0.1]), max_mean_error=0.05) is not None
+
+
+TRUE = (0.02, 5e-5, 2e-8)
+LENGTHS = (128, 512, 1024, 2048)
+
+
+def _truth(n: float) -> float:
+    a, b, c = TRUE
+    return a + b * n + c * n * n
+
+
+def _repeats(noise: float, per_length: int, seed: int = 1) -> list[tuple[int, float]]:
+    rng = np.random.default_rng(seed)
+    return [(n, _truth(n) * float(np.exp(rng.normal(0, noise))))
+            for n in LENGTHS for _ in range(per_length)]  # fmt: skip
+
+
+def test_leave_one_length_out_predicts_each_length_without_it_and_gates_the_interior() -> None:
+    medians = {128: 0.030, 512: 0.060, 1024: 0.080, 2048: 0.180}
+    fit = fit_ttft(medians)
+    for i, n in enumerate(fit.lengths):
+        rest = {k: v for k, v in medians.items() if k != n}
+        x = np.array([[1.0, k, k * k] for k in sorted(rest)])
+        coef = nonneg_lstsq(x, np.array([rest[k] for k in sorted(rest)]))
+        held = float(coef @ np.array([1.0, n, n * n]))
+        assert fit.loo_predicted[i] == pytest.approx(held)
+        assert fit.loo_errors[i] == pytest.approx(abs(held - medians[n]) / medians[n])
+    interior = fit.loo_errors[1:-1]
+    assert fit.loo_mean_error == pytest.approx(sum(interior) / 2)
+    assert fit.loo_worst_error == max(interior)
+    assert fit.loo_worst_length == fit.lengths[1 + interior.index(max(interior))]
+    points = fit.as_dict()["points"]
+    assert [p["loo_kind"] for p in points] == ["extrapolation", "interpolation",
+                                               "interpolation", "extrapolation"]  # fmt: skip
+
+
+def test_the_leave_one_length_out_bounds_reject_on_their_own() -> None:
+    base = _fit_with([0.0, 0.0, 0.0, 0.0])
+    worse = attrs.evolve(base, loo_errors=(9.0, 0.3, 0.3, 9.0), loo_mean_error=0.3,
+                         loo_worst_error=0.3)  # fmt: skip
+    reason = ttft_rejection(worse)
+    assert reason is not None and "leave-one-length-out mean error 30.0%" in reason
+    assert "worst" not in reason
+    worst = attrs.evolve(base, loo_errors=(0.0, 0.6, 0.0, 0.0), loo_mean_error=0.1,
+                         loo_worst_error=0.6)  # fmt: skip
+    reason = ttft_rejection(worst)
+    assert reason is not None and "leave-one-length-out worst error 60.0% (at 200 tokens)" in reason
+    assert "mean" not in reason
+    edge = attrs.evolve(base, loo_errors=(0.0, 0.5, 0.2, 0.0), loo_mean_error=0.2,
+                        loo_worst_error=0.5)  # fmt: skip
+    assert ttft_rejection(edge) is None
+
+
+def test_ttft_intervals_cover_the_truth_and_narrow_with_more_repeats() -> None:
+    wide = bootstrap_ttft(r := _repeats(0.05, 3), fit_ttft(median_by_length(r)))
+    narrow = bootstrap_ttft(r := _repeats(0.05, 15), fit_ttft(median_by_length(r)))
+    for iv in (wide, narrow):
+        assert [p["length"] for p, _ in iv.predictions] == list(LENGTHS)
+        for point, band in iv.predictions:
+            assert band.low <= _truth(point["length"]) <= band.high
+            assert band.low <= band.value <= band.high
+        for key, truth in zip("abc", TRUE, strict=True):
+            assert iv.coefficients[key].low <= truth <= iv.coefficients[key].high
+        widths = [b.relative_half_width for _, b in iv.predictions]
+        assert iv.worst_half_width == max(widths)
+        assert iv.mean_half_width == pytest.approx(sum(widths) / len(widths))
+        assert iv.upper_factor == max(b.high / b.value for _, b in iv.predictions) > 1
+    assert (wide.min_samples, narrow.min_samples) == (3, 15)
+    assert narrow.mean_half_width < 0.6 * wide.mean_half_width
+    # Seeded: the same samples give the same intervals.
+    r = _repeats(0.05, 3)
+    assert bootstrap_ttft(r, fit_ttft(median_by_length(r))) == wide
+    assert wide.as_dict()["mean_half_width"] == wide.mean_half_width
+
+
+def test_one_stalled_repeat_does_not_span_its_lengths_interval() -> None:
+    r = _repeats(0.02, 5)
+    stalled = list(r)
+    stalled[15] = (2048, r[15][1] * 3.0)  # one of the five at 2048 took three times as long
+    iv = bootstrap_ttft(stalled, fit_ttft(median_by_length(stalled)))
+    assert iv.worst_half_width < 0.5 and interval_rejection(iv) is None
+
+
+def _intervals(widths: list[float], samples: int = 5) -> Intervals:
+    bands = tuple(({"length": float(n)}, Band(1.0, 1.0 - w, 1.0 + w))
+                  for n, w in zip(LENGTHS, widths, strict=False))  # fmt: skip
+    return Intervals({}, bands, samples)
+
+
+def test_the_interval_bounds_and_the_repeats_rule_reject_on_their_own() -> None:
+    assert interval_rejection(_intervals([0.2, 0.2, 0.2, 0.2])) is None
+    assert interval_rejection(_intervals([0.5, 0.05, 0.05, 0.1])) is None
+    mean = interval_rejection(_intervals([0.25, 0.25, 0.25, 0.25]))
+    assert mean is not None and "mean prediction-interval half-width 25.0%" in mean
+    assert "widest" not in mean and "repeat" in mean  # the advice: more --repeats
+    widest = interval_rejection(_intervals([0.6, 0.0, 0.0, 0.0]))
+    assert widest is not None and "widest prediction-interval half-width 60.0%" in widest
+    assert "mean prediction" not in widest
+    few = interval_rejection(_intervals([0.0, 0.0, 0.0, 0.0], samples=2))
+    assert few is not None and few.startswith("2 repeat(s) at a length cannot bound")
+    assert interval_rejection(_intervals([0.0] * 4, samples=3)) is None
+    assert interval_rejection(_intervals([0.3] * 4), max_mean_width=0.35) is None
+
+
+def test_a_band_measures_its_larger_side_relative_to_the_value() -> None:
+    assert Band(2.0, 1.0, 2.5).relative_half_width == 0.5
+    assert Band(2.0, 1.9, 3.0).relative_half_width == 0.5
+    assert Band(0.0, 0.0, 0.0).relative_half_width == 0.0
+    assert Band(0.0, 0.0, 1.0).relative_half_width == float("inf")
 
 
 def _grid(c0: float, c1: float, c2: float) -> list[DecodePoint]:
@@ -141,3 +257,122 @@ def test_tpot_derived_kv_limit() -> None:
     assert tpot_kv_limit(0.005, 0.001, 1e-6, tpot_s=0.02, active=5) == pytest.approx(10_000)
     assert tpot_kv_limit(0.005, 0.001, 0.0, tpot_s=0.02, active=5) is None
     assert tpot_kv_limit(0.005, 0.01, 1e-6, tpot_s=0.02, active=5) is None
+
+
+# ------------------------------------------------- what mutation testing asked for
+
+
+def test_the_bootstrap_is_the_documented_residual_bootstrap() -> None:
+    """An independent rendering of the documented method, draw for draw: ratios to the
+    curve, widened by sqrt(n / (n - 3)), medians of as many draws as repeats, percentile
+    bands at 2.5 / 97.5 of 200 seeded resamples."""
+    r = _repeats(0.05, 4, seed=3)
+    fit = fit_ttft(median_by_length(r))
+    iv = bootstrap_ttft(r, fit)
+    assert (iv.resamples, iv.level, iv.seed, iv.min_samples) == (200, 0.95, 16, 4)
+    ratios = np.array([s / fit.predict(n) for n, s in r])
+    ratios = 1.0 + (ratios - 1.0) * np.sqrt(len(ratios) / (len(ratios) - 3))
+    rng = np.random.default_rng(16)
+    x = np.array([[1.0, n, n * n] for n in LENGTHS])
+    coefs = np.array([
+        nonneg_lstsq(x, np.array([fit.predict(n) * np.median(rng.choice(ratios, size=4))
+                                  for n in LENGTHS]))
+        for _ in range(200)
+    ])  # fmt: skip
+    for i, key in enumerate("abc"):
+        low, high = np.percentile(coefs[:, i], [2.5, 97.5])
+        band = iv.coefficients[key]
+        assert band.value == (fit.a, fit.b, fit.c)[i]
+        assert (band.low, band.high) == pytest.approx((min(low, band.value), max(high, band.value)))
+    for i, (point, band) in enumerate(iv.predictions):
+        low, high = np.percentile(coefs @ x[i], [2.5, 97.5])
+        assert point == {"length": float(LENGTHS[i])}
+        assert (band.low, band.high) == pytest.approx((min(low, band.value), max(high, band.value)))
+
+
+def test_the_sidecar_forms_hold_every_figure() -> None:
+    fit = fit_ttft({128: 0.030, 512: 0.090, 1024: 0.080, 2048: 0.180})
+    assert fit.loo_errors[1] > fit.loo_errors[2]  # the worst interior error is the first
+    assert fit.loo_worst_error == fit.loo_errors[1] and fit.loo_worst_length == 512
+    doc = fit.as_dict()
+    assert doc == {
+        "model": "a + b*L + c*L^2",
+        "coefficients": {"a": fit.a, "b": fit.b, "c": fit.c},
+        "points": [
+            {"length": n, "median_s": m, "predicted_s": p, "error": e, "loo_predicted_s": lp,
+             "loo_error": le, "loo_kind": kind}
+            for n, m, p, e, lp, le, kind in zip(
+                fit.lengths, fit.medians, fit.predicted, fit.errors, fit.loo_predicted,
+                fit.loo_errors,
+                ("extrapolation", "interpolation", "interpolation", "extrapolation"),
+                strict=True)
+        ],
+        "mean_error": fit.mean_error,
+        "worst_error": fit.worst_error,
+        "loo_mean_error": fit.loo_mean_error,
+        "loo_worst_error": fit.loo_worst_error,
+    }  # fmt: skip
+    assert fit.medians == (0.030, 0.090, 0.080, 0.180)
+    iv = _intervals([0.1, 0.3, 0.2, 0.0], samples=4)
+    iv = attrs.evolve(iv, coefficients={"a": Band(1.0, 0.5, 2.0)})
+    assert iv.as_dict() == {
+        "method": "percentile bootstrap of the raw samples, refitted",
+        "resamples": 200, "level": 0.95, "seed": 16,
+        "coefficients": {"a": {"value": 1.0, "low": 0.5, "high": 2.0}},
+        "predictions": [{"length": float(n), "value": 1.0, "low": 1.0 - w, "high": 1.0 + w}
+                        for n, w in zip(LENGTHS, (0.1, 0.3, 0.2, 0.0), strict=True)],
+        "min_samples": 4, "upper_factor": 1.3, "mean_half_width": pytest.approx(0.15),
+        "worst_half_width": pytest.approx(0.3),
+    }  # fmt: skip
+
+
+def test_a_percentile_band_is_at_the_tails_of_its_level() -> None:
+    from narwhal.profile.fit import _band
+
+    draws = np.linspace(0.0, 2.0, 2001)
+    assert _band(1.0, draws, 0.95) == Band(1.0, pytest.approx(0.05), pytest.approx(1.95))
+    assert _band(1.0, draws, 0.5) == Band(1.0, pytest.approx(0.5), pytest.approx(1.5))
+    assert _band(3.0, draws, 0.95).high == 3.0  # the value is inside its band
+
+
+def test_rules_at_their_limits_and_their_messages() -> None:
+    assert interval_rejection(_intervals([0.25] * 4), max_mean_width=0.25) is None
+    both = interval_rejection(_intervals([0.6, 0.6, 0.6, 0.6], samples=2))
+    assert both == (
+        "2 repeat(s) at a length cannot bound its median (at least 3 are needed; raise "
+        "--repeats); mean prediction-interval half-width 60.0% is above the 20% bound; "
+        "widest prediction-interval half-width 60.0% is above the 50% bound (noisy samples: "
+        "measure again on a quieter host or with more --repeats)"
+    )
+    assert ttft_rejection(_fit_with([0.6, 0.6])) == (
+        "mean error 60.0% is above the 20% bound; worst-point error 60.0% (at 100 tokens) is "
+        "above the 50% bound"
+    )
+    two = [DecodePoint(n, kv, 0.01) for n, kv in ((1, 100), (1, 200), (4, 100), (4, 200))]
+    assert decode_fit_problem(two) is None  # two values on each axis are enough
+    same_active = [DecodePoint(4, kv, 0.01) for kv in (1, 2, 3, 4)]
+    assert decode_fit_problem(same_active) == (
+        "the usable cells measure only one active-request count; the fit needs two")
+    same_kv = [DecodePoint(n, 100, 0.01) for n in (1, 2, 3, 4)]
+    assert decode_fit_problem(same_kv) == (
+        "the usable cells measure only one resident-KV size; the fit needs two")
+    with pytest.raises(ValueError, match="only one resident-KV size"):
+        fit_decode(same_kv)
+    points = _grid(0.005, 0.001, 1e-7)
+    fit = fit_decode(points)
+    assert fit.points == tuple(points) and len(fit.predicted) == len(points)
+    assert tpot_kv_limit(0.01, 0.001, 1e-6, tpot_s=0.02, active=10) is None  # no room left
+    assert tpot_kv_limit(0.01, 0.001, 1e-6, tpot_s=0.03, active=10) == pytest.approx(10_000)
+
+
+def test_relative_least_squares_and_the_error_figure() -> None:
+    with pytest.raises(ValueError, match=r"^relative least squares needs positive observations$"):
+        nonneg_lstsq(np.array([[1.0, 1.0], [1.0, 2.0]]), np.array([0.0, 1.0]))
+    # A column of zeros (no KV measured) gets a zero coefficient, the rest are solved.
+    x = np.array([[1.0, 1.0, 0.0], [1.0, 2.0, 0.0], [1.0, 4.0, 0.0]])
+    coef = nonneg_lstsq(x, np.array([3.0, 5.0, 9.0]))
+    assert coef == pytest.approx([1.0, 2.0, 0.0])
+    from narwhal.profile.fit import mape
+
+    assert mape([1.1, 2.2, 2.0], [1.0, 2.0, 2.0]) == pytest.approx(0.2 / 3)
+    assert mape([], []) == 0.0

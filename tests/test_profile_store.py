@@ -18,7 +18,7 @@ from narwhal.profile.store import SAMPLES_KIND, SCHEMA_VERSION, pair_paths
 from narwhal.testing import open_sim_fleet
 from tests.profilekit import engine, fleet, profile, samples, settings, wait_for
 
-SMALL = {"prefill_lens": (128, 512, 1024), "decode_input_lens": (128, 512),
+SMALL = {"prefill_lens": (128, 256, 512, 1024), "decode_input_lens": (128, 512),
          "decode_concurrency": (1, 4), "decode_tokens": 16}  # fmt: skip
 
 
@@ -34,10 +34,10 @@ async def test_the_sidecar_holds_everything_measured(
     data = samples(run)
     assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == SAMPLES_KIND
     assert set(data["software"]) >= {"narwhal", "python", "numpy", "scipy"}
-    assert data["sweep"]["prefill_lens"] == [128, 512, 1024] and data["sweep"]["seed"] == 7
+    assert data["sweep"]["prefill_lens"] == [128, 256, 512, 1024] and data["sweep"]["seed"] == 7
     e0 = data["engines"]["e0"]
     assert e0["status"] == "ok" and e0["identity"] == attrs.asdict(live)
-    assert len(e0["prefill"]["repeats"]) == 9 and len(e0["prefill"]["medians"]) == 3
+    assert len(e0["prefill"]["repeats"]) == 12 and len(e0["prefill"]["medians"]) == 4
     assert e0["prefill"]["fit"]["model"] == "a + b*L + c*L^2"
     cells = e0["decode"]["cells"]
     assert len(cells) == 4 and all(c["intervals"] for c in cells)
@@ -98,7 +98,7 @@ async def test_an_engine_dying_mid_sweep_leaves_the_others_intact(
     data = samples(run)
     e1 = data["engines"]["e1"]
     assert e1["status"] == "failed" and "e1" in e1["reason"]
-    assert len(e1["prefill"]["repeats"]) == 9 and "fit" in e1["prefill"]  # its samples stay
+    assert len(e1["prefill"]["repeats"]) == 12 and "fit" in e1["prefill"]  # its samples stay
     for name in ("e0", "e2"):
         entry = data["engines"][name]
         assert entry["status"] == "ok" and len(entry["decode"]["cells"]) == 4

@@ -132,7 +132,7 @@ async def test_a_small_context_limit_drops_lengths_and_cells_and_says_so(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     config = fleet(engine("e0", 8101, max_model_len=1100))
-    s = settings(tmp_path, prefill_lens=(128, 512, 1099, 1100, 2048),
+    s = settings(tmp_path, prefill_lens=(128, 256, 512, 1099, 1100, 2048),
                  decode_input_lens=(128, 256, 1090), decode_concurrency=(1, 2, 4),
                  decode_tokens=16)  # fmt: skip
     async with open_sim_fleet(config) as sim:
@@ -140,7 +140,7 @@ async def test_a_small_context_limit_drops_lengths_and_cells_and_says_so(
     assert run.ok
     record = samples(run)["engines"]["e0"]
     assert record["engine"]["max_model_len"] == 1100
-    assert record["prefill"]["effective_lens"] == [128, 512, 1099]
+    assert record["prefill"]["effective_lens"] == [128, 256, 512, 1099]
     assert [d["length"] for d in record["prefill"]["dropped_lens"]] == [1100, 2048]
     dropped = record["decode"]["dropped_cells"]
     assert [(d["input_len"], d["concurrency"]) for d in dropped] == [
@@ -266,15 +266,22 @@ async def test_a_stream_failing_identity_or_count_checks_rejects_its_cell(
     autojump_clock: trio.abc.Clock, tmp_path: Path, rewrite: Any, reason: str
 ) -> None:
     config = fleet(engine("e0", 8101))
-    async with open_sim_fleet(config) as sim:
-        transport = RewriteStreams(sim.transport, rewrite, which=0)  # the first cell's stream
-        run, out = await profile(config, transport, settings(tmp_path))
-    assert run.ok  # five cells remain for the fit
-    cells = samples(run)["engines"]["e0"]["decode"]["cells"]
-    assert (cells[0]["input_len"], cells[0]["concurrency"], cells[0]["kept"]) == (256, 1, False)
-    assert reason in cells[0]["reason"] and "rejected" in out
-    assert all(c["kept"] for c in cells[1:])
-    assert run.outcomes[0].profile is not None and run.outcomes[0].profile.decode.cells == 5
+    for accept in (False, True):
+        async with open_sim_fleet(config) as sim:
+            transport = RewriteStreams(sim.transport, rewrite, which=0)  # the first cell's stream
+            s = settings(tmp_path / str(accept), accept_rejected_cells=accept)
+            run, out = await profile(config, transport, s)
+        # Five cells remain for the fit, but a profile made without a cell says so and is
+        # not a success unless the operator accepts it.
+        outcome = run.outcomes[0]
+        assert outcome.status == "ok" and run.ok is accept
+        assert len(outcome.rejected_cells) == 1 and reason in outcome.rejected_cells[0]
+        assert ("--accept-rejected-cells" in out) is not accept
+        cells = samples(run)["engines"]["e0"]["decode"]["cells"]
+        assert (cells[0]["input_len"], cells[0]["concurrency"], cells[0]["kept"]) == (256, 1, False)
+        assert reason in cells[0]["reason"] and "rejected" in out
+        assert all(c["kept"] for c in cells[1:])
+        assert outcome.profile is not None and outcome.profile.decode_model.cells == 5
 
 
 async def test_a_cell_needs_enough_whole_cohort_intervals(

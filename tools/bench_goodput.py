@@ -112,7 +112,7 @@ def main() -> int:
         print("profiling the fleet (narwhal profile) ...", file=sys.stderr, flush=True)
         subprocess.run(
             narwhal("profile", "--fleet", str(router_doc(ports["least"], ports["a2"], "profile")),
-                    "--prefill-lens", "64,256,512", "--decode-input-lens", "128,512", "--decode-concurrency", "1,4,8",
+                    "--prefill-lens", "64,128,256,512", "--decode-input-lens", "128,512", "--decode-concurrency", "1,4,8",
                     "--repeats", "3", "--out", str(profiles), "--quiet"),
             check=True, capture_output=True,
         )  # fmt: skip

@@ -35,6 +35,8 @@ from narwhal.check.gate import (
     find_refit_original,
     gate_f,
     load_pair,
+    reprofile_hint,
+    verify_samples,
 )
 from narwhal.check.probes import pair_name, probe_pair, probe_transfers, role_pairs
 from narwhal.check.record import (
@@ -106,10 +108,12 @@ __all__ = [
     "probe_transfers",
     "read_identities",
     "record_matches",
+    "reprofile_hint",
     "role_pairs",
     "run_check",
     "simulate_split",
     "suggest_slo",
     "ttft_of",
+    "verify_samples",
     "write_record",
 ]

@@ -22,7 +22,7 @@ profile --out`` writes it.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,20 @@ from narwhal.check.results import CheckResult, ProfilePair
 from narwhal.config import FleetConfig
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
-from narwhal.profile.fit import DEFAULT_MAX_MEAN_ERROR, DEFAULT_MAX_WORST_ERROR
+from narwhal.profile.derive import derive_profile, profile_differences
+from narwhal.profile.fit import (
+    DEFAULT_MAX_MEAN_ERROR,
+    DEFAULT_MAX_WORST_ERROR,
+    MIN_INTERVAL_REPEATS,
+)
 from narwhal.profile.store import (
     SAMPLES_KIND,
     SCHEMA_VERSION,
+    DecodeModel,
     EngineProfile,
     Profiles,
+    TTFTCurve,
+    Uncertainty,
     file_sha256,
     load_profiles,
     read_json,
@@ -52,6 +60,8 @@ __all__ = [
     "find_refit_original",
     "gate_f",
     "load_pair",
+    "reprofile_hint",
+    "verify_samples",
 ]
 
 #: Distinct measured points each decode axis needs.
@@ -114,10 +124,39 @@ def _differences(live: EngineIdentity, profiled: EngineIdentity) -> dict[str, tu
     return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
 
+def reprofile_hint(
+    name: str, fleet_source: str | None, profiles_path: str | None, sweep: Mapping[str, Any] | None
+) -> str:
+    """The command that re-profiles one engine into the existing pair (it merges)."""
+    parts = [f"narwhal profile --fleet {fleet_source or 'FLEET'} --engines {name}"]
+    if profiles_path is not None:
+        parts.append(f"--out {profiles_path}")
+    options = (("prefill_lens", "--prefill-lens"), ("decode_input_lens", "--decode-input-lens"),
+               ("decode_concurrency", "--decode-concurrency"))  # fmt: skip
+    for key, flag in options:
+        values = sweep.get(key) if sweep is not None else None
+        if isinstance(values, list | tuple) and values:
+            parts.append(f"{flag} {','.join(str(v) for v in values)}")
+        else:
+            parts.append(f"{flag} ...")
+    return " ".join(parts)
+
+
+def _sweep_of(samples: Mapping[str, Any] | None, name: str) -> Mapping[str, Any] | None:
+    engines = samples.get("engines") if samples is not None else None
+    entry = engines.get(name) if isinstance(engines, Mapping) else None
+    sweep = entry.get("sweep") if isinstance(entry, Mapping) else None
+    if not isinstance(sweep, Mapping) and samples is not None:
+        sweep = samples.get("sweep")
+    return sweep if isinstance(sweep, Mapping) else None
+
+
 def _generation(
-    name: str, live: EngineIdentity | None, profile: EngineProfile, fleet_source: str | None
+    name: str,
+    live: EngineIdentity | None,
+    profile: EngineProfile,
+    hint: str,
 ) -> CheckResult:
-    fleet = fleet_source or "FLEET"
     if live is None:
         return CheckResult(
             name="gate_f.generation",
@@ -127,6 +166,27 @@ def _generation(
             limit=attrs.asdict(profile.identity),
             message=f"engine {name} is unreachable; its generation cannot be "
             "compared with its profile's",
+        )
+    unknown = [
+        who for who, ident in (("the running engine", live), ("its profile", profile.identity))
+        if ident.process_start_time is None
+    ]  # fmt: skip
+    if unknown:
+        # Two unknown start times are not equal generations: any restart would pass.
+        return CheckResult(
+            name="gate_f.generation",
+            engine=name,
+            ok=False,
+            measured=live.process_start_time,
+            limit=profile.identity.process_start_time,
+            message=f"engine {name}'s generation is unknown: {' and '.join(unknown)} "
+            f"{'report' if len(unknown) > 1 else 'reports'} no process_start_time_seconds "
+            "(Prometheus multiprocess mode, e.g. more "
+            "than one API server process, drops process_* metrics, and vLLM offers no other "
+            "per-boot identity over HTTP), so the profile cannot be bound to the process "
+            "running now; run the engine with a single API server process so that /metrics "
+            f"exports process_start_time_seconds, then re-profile it ({hint})",
+            detail={"live": attrs.asdict(live), "profiled": attrs.asdict(profile.identity)},
         )
     diff = _differences(live, profile.identity)
     if not diff:
@@ -141,8 +201,8 @@ def _generation(
     changes = ", ".join(f"{k} {v[1]!r} -> {v[0]!r}" for k, v in diff.items())
     message = (
         f"engine {name} is not the process its profile was measured on ({changes}); "
-        f"re-profile it (narwhal profile --fleet {fleet} --engines {name} ...) or, with "
-        "generation-bound samples of the running process, refit "
+        f"re-profile it ({hint}: the new sweep is merged into the pair, the other engines "
+        "kept) or, with generation-bound samples of the running process, refit "
         "(narwhal profile --refit-samples ... --out ...)"
     )
     return CheckResult(
@@ -154,6 +214,78 @@ def _generation(
         message=message,
         detail={"live": attrs.asdict(live), "profiled": attrs.asdict(profile.identity)},
     )
+
+
+#: Seconds a sweep may appear to start before its engine's process start (clock skew
+#: between the profiler's host and the engine's).
+CLOCK_SKEW_S = 60.0
+
+
+def verify_samples(
+    profiles: Profiles, samples: Mapping[str, Any], names: Sequence[str]
+) -> list[CheckResult]:
+    """Derive every named engine's profile again from the sidecar's raw samples and
+    compare it with ``profiles.json`` (coefficients, errors, intervals, domain,
+    capacity, identity); also that the sweep ran after the engine process started.
+    """
+    results: list[CheckResult] = []
+    engines = samples.get("engines")
+    for name in names:
+        profile = profiles.engines.get(name)
+        if profile is None:
+            continue
+        entry = engines.get(name) if isinstance(engines, Mapping) else None
+        problem: str | None = None
+        detail: dict[str, Any] = {}
+        if not isinstance(entry, Mapping):
+            problem = "the samples sidecar holds no entry for it"
+        elif entry.get("status") != "ok":
+            problem = f"its samples entry has status {entry.get('status')!r}, not 'ok'"
+        else:
+            try:
+                derived = derive_profile(entry, name)
+            except ConfigError as exc:
+                problem = f"its samples give no profile: {exc.reason} (at {exc.path} in the sidecar)"
+                detail["path"] = exc.path
+            else:
+                diffs = profile_differences(profile, derived)
+                if diffs:
+                    shown = "; ".join(f"{p} is {c!r} in profiles.json, the samples give {d!r}"
+                                      for p, c, d in diffs[:3])  # fmt: skip
+                    more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+                    problem = f"profiles.json does not match its samples: {shown}{more}"
+                    detail["differences"] = [{"path": p, "profiles": c, "samples": d}
+                                             for p, c, d in diffs]  # fmt: skip
+                else:
+                    problem = _sweep_before_start(entry, profile)
+        results.append(
+            CheckResult(
+                name="gate_f.samples",
+                engine=name,
+                ok=problem is None,
+                measured="recomputed" if problem is None else "differs",
+                limit="profiles.json as its raw samples give it",
+                message=f"engine {name}'s profile is what its raw samples give"
+                if problem is None
+                else f"engine {name}: {problem}; re-profile it",
+                detail=detail,
+            )
+        )
+    return results
+
+
+def _sweep_before_start(entry: Mapping[str, Any], profile: EngineProfile) -> str | None:
+    clock = entry.get("wall_clock")
+    started = clock.get("started_at") if isinstance(clock, Mapping) else None
+    finished = clock.get("finished_at") if isinstance(clock, Mapping) else None
+    if not isinstance(started, int | float) or not isinstance(finished, int | float):
+        return "its samples do not record when the sweep ran (wall_clock)"
+    born = profile.identity.process_start_time
+    if born is not None and started < born - CLOCK_SKEW_S:
+        return (f"the sweep started at {started:.0f} (Unix time), before the engine process "
+                f"it claims to measure started ({born:.0f}): the identity is not the one "
+                "measured")  # fmt: skip
+    return None
 
 
 def gate_f(
@@ -231,7 +363,9 @@ def gate_f(
                 message=f"engine {e.name} has an accepted profile",
             )
         )
-        results.append(_generation(e.name, identities.get(e.name), profile, fleet_source))
+        hint = reprofile_hint(e.name, fleet_source, os.fspath(path), _sweep_of(samples, e.name))
+        results.append(_generation(e.name, identities.get(e.name), profile, hint))
+    results += verify_samples(profiles, samples, [e.name for e in config.engines])
     return GateOutcome(results=tuple(results), profiles=profiles, samples=samples, pair=pair)
 
 
@@ -252,7 +386,7 @@ def axis_points(
             axis: len({c.get(axis) for c in cells if isinstance(c.get(axis), int | float)})
             for axis in ("active", "kv_tokens")
         }, "samples"
-    domain = profile.decode.domain
+    domain = profile.decode_model.domain
     return {
         "active": 1 if domain.active.min == domain.active.max else 2,
         "kv_tokens": 1 if domain.kv_tokens.min == domain.kv_tokens.max else 2,
@@ -260,7 +394,7 @@ def axis_points(
 
 
 def _limit(
-    name: str, engine: str, what: str, setting: str, value: float, limit: float
+    name: str, engine: str, what: str, setting: str, value: float, limit: float, **detail: Any
 ) -> CheckResult:
     ok = value <= limit
     verb = "within" if ok else "exceeds"
@@ -271,19 +405,123 @@ def _limit(
         measured=value,
         limit=limit,
         message=f"engine {engine}'s {what} {value:.2%} {verb} {setting} {limit:.2%}",
+        detail=detail,
     )
+
+
+def _missing(name: str, engine: str, what: str) -> CheckResult:
+    return CheckResult(name=name, engine=engine, ok=False, measured=None, limit="measured",
+                       message=f"engine {engine}'s profile has no {what} (written by an earlier "
+                               "profiler); re-profile it")  # fmt: skip
+
+
+def _bands(u: Uncertainty) -> str:
+    return ", ".join(f"{k} {b.value:.4g} [{b.low:.4g}, {b.high:.4g}]"
+                     for k, b in u.coefficients.items())  # fmt: skip
+
+
+def _prefill_limits(engine: str, t: TTFTCurve) -> list[CheckResult]:
+    bound = "the prefill bound"
+    results = [
+        _limit("prefill.mean_error", engine, "TTFT fit mean error", bound, t.mean_error,
+               DEFAULT_MAX_MEAN_ERROR),
+        _limit("prefill.worst_error", engine, "TTFT fit worst-point error", bound,
+               t.worst_error, DEFAULT_MAX_WORST_ERROR),
+    ]  # fmt: skip
+    if t.loo_mean_error is None or t.loo_worst_error is None:
+        results.append(_missing("prefill.loo_error", engine, "leave-one-length-out error"))
+    else:
+        results += [
+            _limit("prefill.loo_mean_error", engine, "leave-one-length-out TTFT mean error",
+                   bound, t.loo_mean_error, DEFAULT_MAX_MEAN_ERROR),
+            _limit("prefill.loo_worst_error", engine, "leave-one-length-out TTFT worst error",
+                   bound, t.loo_worst_error, DEFAULT_MAX_WORST_ERROR),
+        ]  # fmt: skip
+    return results + _prefill_intervals(engine, t.uncertainty)
+
+
+def _prefill_intervals(engine: str, u: Uncertainty | None) -> list[CheckResult]:
+    """The prefill bounds applied to the TTFT curve's prediction intervals at the swept
+    lengths (the mean and the widest relative half-width), and enough repeats at every
+    length for those intervals to mean something."""
+    if u is None or u.mean_half_width is None or u.min_samples is None:
+        return [_missing("prefill.interval", engine, "TTFT intervals")]
+    enough = u.min_samples >= MIN_INTERVAL_REPEATS
+    samples = CheckResult(
+        name="prefill.interval_samples", engine=engine, ok=enough, measured=u.min_samples,
+        limit=MIN_INTERVAL_REPEATS,
+        message=f"engine {engine}'s TTFT curve rests on at least {u.min_samples} repeat(s) per "
+                f"length" + ("" if enough else f", fewer than the {MIN_INTERVAL_REPEATS} an "
+                             "interval needs; re-profile it with more --repeats"),
+    )  # fmt: skip
+    return [
+        samples,
+        _interval("prefill.interval", engine, "mean TTFT", u, u.mean_half_width,
+                  "the prefill mean-error bound", DEFAULT_MAX_MEAN_ERROR),
+        _interval("prefill.interval_worst", engine, "widest TTFT", u, u.worst_half_width,
+                  "the prefill worst-point bound", DEFAULT_MAX_WORST_ERROR),
+    ]  # fmt: skip
+
+
+def _interval(
+    name: str, engine: str, what: str, u: Uncertainty, width: float, setting: str, limit: float
+) -> CheckResult:
+    """A prediction-interval width of a fit against ``limit``, its coefficients' bands shown."""
+    return _limit(
+        name, engine,
+        f"{what} prediction interval ({u.level:.0%}, relative half-width; coefficients "
+        f"{_bands(u)})",
+        setting, width, limit,
+        coefficients={k: attrs.asdict(b) for k, b in u.coefficients.items()},
+        upper_factor=u.upper_factor,
+    )  # fmt: skip
+
+
+def _decode_limits(config: FleetConfig, engine: str, d: DecodeModel) -> list[CheckResult]:
+    limits = config.profiles
+    results = [
+        _limit("decode.fit_mape", engine, "decode fit MAPE", "profiles.max_decode_fit_mape",
+               d.fit_mape, limits.max_decode_fit_mape),
+        _limit("decode.cv_mape", engine, "leave-one-cell-out decode MAPE",
+               "profiles.max_decode_cv_mape", d.cv_mape, limits.max_decode_cv_mape),
+    ]  # fmt: skip
+    u = d.uncertainty
+    if u is None:
+        results.append(_missing("decode.interval", engine, "TPOT intervals"))
+    else:
+        # A MAPE is a mean over the cells: so is the interval figure held to its limit.
+        results.append(_interval("decode.interval", engine, "mean TPOT", u,
+                                 u.mean_half_width if u.mean_half_width is not None
+                                 else u.worst_half_width,
+                                 "profiles.max_decode_cv_mape", limits.max_decode_cv_mape))  # fmt: skip
+    return results
 
 
 def check_fit_limits(
     config: FleetConfig, profiles: Profiles, samples: Mapping[str, Any] | None
 ) -> list[CheckResult]:
-    """The fit limits for every configured engine that has a profile."""
-    limits = config.profiles
+    """The fit limits for every configured engine that has a profile.
+
+    Prefill figures for every engine; decode figures for engines with the decode role
+    (a prefill-only engine has no decode sweep, and one that the fleet now lets decode
+    must be re-profiled with it).
+    """
     results: list[CheckResult] = []
     for e in config.engines:
         profile = profiles.engines.get(e.name)
         if profile is None:
             continue  # Gate F already failed it
+        results += _prefill_limits(e.name, profile.ttft)
+        if not e.can_decode:
+            continue
+        if profile.decode is None:
+            results.append(CheckResult(
+                name="decode.profile", engine=e.name, ok=False, measured="prefill only",
+                limit="a decode model",
+                message=f"engine {e.name} may decode in this fleet but was profiled for prefill "
+                        "only; re-profile it with its decode role",
+            ))  # fmt: skip
+            continue
         points, where = axis_points(profile, samples)
         for axis, count in points.items():
             ok = count >= MIN_AXIS_POINTS
@@ -300,41 +538,7 @@ def check_fit_limits(
                     + ("" if ok else "; extend --decode-concurrency / --decode-input-lens"),
                 )
             )
-        d, t = profile.decode, profile.ttft
-        results += [
-            _limit(
-                "decode.fit_mape",
-                e.name,
-                "decode fit MAPE",
-                "profiles.max_decode_fit_mape",
-                d.fit_mape,
-                limits.max_decode_fit_mape,
-            ),
-            _limit(
-                "decode.cv_mape",
-                e.name,
-                "leave-one-cell-out decode MAPE",
-                "profiles.max_decode_cv_mape",
-                d.cv_mape,
-                limits.max_decode_cv_mape,
-            ),
-            _limit(
-                "prefill.mean_error",
-                e.name,
-                "TTFT fit mean error",
-                "the prefill bound",
-                t.mean_error,
-                DEFAULT_MAX_MEAN_ERROR,
-            ),
-            _limit(
-                "prefill.worst_error",
-                e.name,
-                "TTFT fit worst-point error",
-                "the prefill bound",
-                t.worst_error,
-                DEFAULT_MAX_WORST_ERROR,
-            ),
-        ]
+        results += _decode_limits(config, e.name, profile.decode)
     return results
 
 

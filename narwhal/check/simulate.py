@@ -61,11 +61,11 @@ class _Consumer:
         return len(self.batch) + len(self.pending)
 
     def step_s(self) -> float:
-        d = self.profile.decode
+        d = self.profile.decode_model
         return d.c0 + d.c1 * len(self.batch) + d.c2 * self.kv
 
     def cost_of_joining(self, prompt: int) -> float:
-        d = self.profile.decode
+        d = self.profile.decode_model
         return d.c0 + d.c1 * (self.active + 1) + d.c2 * (self.kv + prompt)
 
 

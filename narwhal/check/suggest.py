@@ -240,12 +240,12 @@ def _decode_rate(p: EngineProfile, pressure: float, mean_out: float, resident: f
     Below 1 the pressure is the larger of the utilisation ``u`` and the KV fill; from 1
     on no steady state exists and it is ``u`` alone: by how much the load overruns.
     """
-    d = p.decode
+    d = p.decode_model
     k = d.c1 + d.c2 * resident
     by_step = pressure / (mean_out * k) if k > 0 else math.inf
     if pressure >= 1 and k > 0:
         return by_step
-    allowed = pressure * p.kv_capacity.tokens / resident  # active requests the KV allows
+    allowed = pressure * p.kv_limit.tokens / resident  # active requests the KV allows
     denominator = mean_out * (d.c0 + allowed * k)
     by_kv = allowed / denominator if denominator > 0 else math.inf
     return min(by_step, by_kv)
@@ -287,7 +287,7 @@ def _price(
     active: dict[str, float] = {}
     kv: dict[str, float] = {}
     for p in consumers:
-        d, lam = p.decode, d_rates[p.name]
+        d, lam = p.decode_model, d_rates[p.name]
         u = lam * mean_out * (d.c1 + d.c2 * resident)
         step = d.c0 / (1 - u) if u < 1 else None
         steps[p.name] = step
@@ -380,7 +380,7 @@ def _warnings(best: Pressures, profiles: Mapping[str, EngineProfile], m: _Moment
                 f"(measured up to {profiles[name].ttft.max_length})"
             )
     for name in best.consumers:
-        dom = profiles[name].decode.domain
+        dom = profiles[name].decode_model.domain
         if best.active[name] > dom.active.max or best.kv_tokens[name] > dom.kv_tokens.max:
             out.append(
                 f"{name}: {best.active[name]:.1f} active requests holding "
@@ -419,6 +419,8 @@ def suggest_slo(
 
     def speed(name: str) -> float:
         p = by_name[name]
+        if p.decode is None:  # prefill-only: the fastest decoder is never this one
+            return math.inf
         return p.decode.predict(1, m.resident) / max(p.ttft.predict(float(m.inputs.mean())), 1e-12)
 
     splits = _splits(config.engines, speed)
@@ -465,10 +467,10 @@ def suggest_slo(
     )
     warnings = _warnings(best, by_name, m)
     for name, peak in run.peak_kv.items():
-        if peak > by_name[name].kv_capacity.tokens:
+        if peak > by_name[name].kv_limit.tokens:
             warnings.append(
                 f"{name}: resident KV peaked at {peak} tokens in the simulation, "
-                f"above its capacity {by_name[name].kv_capacity.tokens}"
+                f"above its capacity {by_name[name].kv_limit.tokens}"
             )
     ttft = _summary(run.ttft_s)
     tpot = _summary(run.tpot_s) if len(run.tpot_s) else {}

@@ -21,6 +21,7 @@ from narwhal.errors import ConfigError
 from narwhal.profile.progress import Progress
 from narwhal.profile.refit import refit_pair
 from narwhal.profile.runner import ProfileRun, ProfileSettings, run_profile
+from narwhal.profile.stability import profile_repeatedly, stability_lines, stability_path
 
 __all__ = ["main"]
 
@@ -64,9 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         "write profiles.json with its profiles.samples.json sidecar.",
     )
     p.add_argument("--fleet", help="fleet document (default: the embedded simulated fleet)")
-    p.add_argument("--prefill-lens", type=_int_list, metavar="A,B,C",
-                   help="prompt lengths of the prefill sweep (at least three; include the "
-                        "longest production inputs)")  # fmt: skip
+    p.add_argument("--prefill-lens", type=_int_list, metavar="A,B,C,D",
+                   help="prompt lengths of the prefill sweep (at least four, for the "
+                        "leave-one-length-out check; include the longest production inputs)")  # fmt: skip
     p.add_argument("--decode-input-lens", type=_int_list, metavar="X,Y",
                    help="prompt lengths of the decode sweep (at least two)")  # fmt: skip
     p.add_argument("--decode-concurrency", type=_int_list, metavar="1,4,8",
@@ -87,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--refit-samples", metavar="SAMPLES",
                    help="refit the TTFT curves of this saved sidecar into a new pair at --out")  # fmt: skip
     p.add_argument("--seed", type=int, help="seed of the probe prompts (default: random)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the whole sweep N times to measure run-to-run stability: run 1 "
+                        "is the pair at --out, run k the pair <stem>.run<k>.json; the "
+                        "comparison goes to <stem>.stability.json (default 1)")  # fmt: skip
+    p.add_argument("--accept-rejected-cells", action="store_true",
+                   help="exit 0 although some decode cells were rejected (the profile is "
+                        "fitted without them either way)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--plot", action="store_true",
                    help="also write PNGs of the fits beside the pair (needs the [plot] extra)")  # fmt: skip
@@ -100,7 +108,13 @@ def _load(path: str | None) -> FleetConfig:
 def _report(run: ProfileRun, *, plot: bool = False) -> int:
     print(f"wrote {run.profiles_path} and {run.samples_path}")
     for o in run.outcomes:
-        print(f"  {o.name}: {o.status}" + (f": {o.reason}" if o.reason else ""))
+        text = f"  {o.name}: {o.status}" + (f": {o.reason}" if o.reason else "")
+        if o.rejected_cells:
+            text += f" ({len(o.rejected_cells)} decode cell(s) rejected: "
+            text += "; ".join(o.rejected_cells) + ")"
+            if not o.success:
+                text += "; pass --accept-rejected-cells to accept the profile"
+        print(text)
     if plot:
         from narwhal.plots import PlotUnavailable, plot_profile
 
@@ -110,6 +124,21 @@ def _report(run: ProfileRun, *, plot: bool = False) -> int:
         except PlotUnavailable as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
     return 0 if run.ok else 1
+
+
+def _repeated(config: FleetConfig, settings: ProfileSettings, repeat: int, progress: Progress,
+              source: str | None, *, plot: bool) -> int:  # fmt: skip
+    """``--repeat N``: N runs, each its own pair, then the stability report."""
+    runs, doc = trio.run(functools.partial(profile_repeatedly, config, settings, repeat,
+                                           progress=progress, config_source=source))  # fmt: skip
+    status = 0
+    for k, run in enumerate(runs, 1):
+        print(f"run {k} of {repeat}")
+        status = max(status, _report(run, plot=plot and k == 1))
+    print(f"run-to-run stability over {repeat} runs (wrote {stability_path(settings.out)}):")
+    for line in stability_lines(doc):
+        print(line)
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,12 +179,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out=args.out if args.out is not None else _DEFAULT_OUT,
                 overwrite=args.overwrite,
                 seed=args.seed,
+                accept_rejected_cells=args.accept_rejected_cells,
             )
         except ValueError as exc:
             raise _UsageError(str(exc)) from None
-        run = trio.run(functools.partial(run_profile, config, settings, progress=progress,
-                                         config_source=args.fleet))  # fmt: skip
-        return _report(run, plot=args.plot)
+        if args.repeat < 1:
+            raise _UsageError("--repeat must be at least 1")
+        if args.repeat == 1:
+            run = trio.run(functools.partial(run_profile, config, settings, progress=progress,
+                                             config_source=args.fleet))  # fmt: skip
+            return _report(run, plot=args.plot)
+        return _repeated(config, settings, args.repeat, progress, args.fleet, plot=args.plot)
     except (_UsageError, ConfigError) as exc:
         progress.close()
         print(f"{PROG}: error: {exc}", file=sys.stderr)

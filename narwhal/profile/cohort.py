@@ -24,7 +24,6 @@ which is what a mean step time corresponds to in a model linear in both.
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -34,6 +33,7 @@ import trio
 from narwhal.engines.client import EngineClient
 from narwhal.engines.sse import Chunk
 from narwhal.errors import EngineError, EngineTimeout
+from narwhal.profile.fit import cell_figures
 
 __all__ = [
     "CellResult",
@@ -206,6 +206,7 @@ class CellResult:
     kv_min: int | None
     kv_max: int | None
     engine_metrics: dict[str, Any]
+    saturation: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form kept in the sidecar."""
@@ -454,8 +455,10 @@ async def run_cell(
         metrics["in_window"] = during | {"inferred_active": active_then,
                                          "inferred_kv_tokens": kv_then}  # fmt: skip
 
+    saturation = _saturation(metrics.get("in_window"), concurrency)
     kept = reason is None and bool(intervals)
     kvs = [iv["kv_tokens"] for iv in intervals]
+    figures = cell_figures(intervals) if kept else None
     per_stream = _window_tpot(intervals)
     for row in streams:
         row["window_tpot_s"] = per_stream.get(row["stream"])
@@ -470,10 +473,28 @@ async def run_cell(
         intervals=tuple(intervals),
         outside=tuple(outside),
         streams=tuple(streams),
-        tpot_s=float(statistics.median(per_stream.values())) if kept else None,
-        active=float(statistics.fmean(iv["active"] for iv in intervals)) if kept else None,
-        kv_tokens=float(statistics.fmean(kvs)) if kept else None,
+        tpot_s=figures[0] if figures else None,
+        active=figures[1] if figures else None,
+        kv_tokens=figures[2] if figures else None,
         kv_min=min(kvs) if kept else None,
         kv_max=max(kvs) if kept else None,
         engine_metrics=metrics,
+        saturation=saturation,
     )
+
+
+def _saturation(in_window: Mapping[str, Any] | None, concurrency: int) -> str | None:
+    """Whether the engine's own gauges, read inside the window, contradict the cohort.
+
+    Near scheduler saturation (``max_num_seqs``, KV blocks) the engine queues streams
+    the client believes resident; the inferred load is then wrong. ``None`` when the
+    gauges agree or were not read.
+    """
+    if not in_window or "running" not in in_window:
+        return None
+    running, waiting = in_window["running"], in_window["waiting"]
+    inferred = in_window.get("inferred_active", concurrency)
+    if waiting > 0 or running < inferred:
+        return (f"near saturation: the engine reported {running} running and {waiting} waiting "
+                f"requests while the client inferred {inferred} active of {concurrency}")  # fmt: skip
+    return None

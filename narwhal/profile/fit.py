@@ -10,10 +10,40 @@ router pricing a longer prompt is never told it is cheaper. Both fits minimise
 Decode model: ``tpot = c0 + c1*active + c2*resident_kv_tokens`` with every coefficient
 non-negative (``scipy.optimize.nnls``), fitted to cell medians; leave-one-cell-out
 refits without each cell (non-negative as well) and predicts it.
+
+Out of sample: with three lengths a three-coefficient curve passes through the medians
+exactly, so its in-sample errors prove nothing. :func:`fit_ttft` therefore also fits
+the curve without each length and predicts that length (leave-one-length-out; at least
+:data:`MIN_PREFILL_LENGTHS` lengths, so every fold has three points for three
+coefficients). The acceptance bounds apply to the interior lengths' errors: there the
+held-out curve interpolates, as placement does inside the swept range. Holding out the
+shortest or the longest length extrapolates a quadratic from three points, which
+magnifies the measurement noise of its anchors (on a loaded host, 10 % noise in the
+medians gave 50-120 % endpoint errors for a curve whose in-sample error was 3 %); those
+errors are recorded per length and not gated (beyond the swept range placement prices
+at the curve's upper bound when told to, see below).
+
+Uncertainty: :func:`bootstrap_ttft` and :func:`bootstrap_decode` resample the raw
+measurements, refit, and give percentile intervals per coefficient and per prediction
+at the operating points (every swept length; every decode cell and the far corner of
+the decode domain). Prefill: a residual bootstrap; every repeat's ratio to the fitted
+curve is pooled over the lengths, and each resample draws, at every length, as many
+ratios as were measured there, scales the curve by their median and refits: an
+interval of the fitted curve (of medians), not of single requests, that one stalled
+request among a handful of repeats at one length cannot blow up (a per-length
+bootstrap of three or five repeats spans nearly their whole range). In simulation
+with 2-10 % noise and 3-5 repeats at four lengths the intervals covered the true
+coefficients and predictions 92-95 % of the time.
+Decode: the window intervals are drawn within each stream of each cell. The resampling
+is seeded, so the same samples give the same intervals, and a preflight can recompute
+them. :func:`interval_rejection` applies the prefill bounds to the TTFT intervals' mean
+and widest relative half-width over the swept lengths, and refuses intervals made from
+fewer than :data:`MIN_INTERVAL_REPEATS` repeats at a length.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
@@ -23,18 +53,28 @@ import numpy as np
 from scipy.optimize import nnls
 
 __all__ = [
+    "BOOTSTRAP_LEVEL",
+    "BOOTSTRAP_RESAMPLES",
+    "BOOTSTRAP_SEED",
     "DEFAULT_MAX_MEAN_ERROR",
     "DEFAULT_MAX_WORST_ERROR",
     "MIN_DECODE_CELLS",
+    "MIN_INTERVAL_REPEATS",
     "MIN_PREFILL_LENGTHS",
     "TPOT_MODEL",
     "TTFT_MODEL",
+    "Band",
     "DecodeFit",
     "DecodePoint",
+    "Intervals",
     "TTFTFit",
+    "bootstrap_decode",
+    "bootstrap_ttft",
+    "cell_figures",
     "decode_fit_problem",
     "fit_decode",
     "fit_ttft",
+    "interval_rejection",
     "mape",
     "median_by_length",
     "nonneg_lstsq",
@@ -47,8 +87,17 @@ TPOT_MODEL: Final = "c0 + c1*active + c2*resident_kv_tokens"
 #: The prefill validation bounds (the seed's section 4).
 DEFAULT_MAX_MEAN_ERROR: Final = 0.20
 DEFAULT_MAX_WORST_ERROR: Final = 0.50
-MIN_PREFILL_LENGTHS: Final = 3
+#: Lengths a TTFT fit needs: leave-one-length-out then fits three coefficients to three.
+MIN_PREFILL_LENGTHS: Final = 4
 MIN_DECODE_CELLS: Final = 4
+#: Bootstrap resamples, confidence level and seed (fixed: the same samples give the same
+#: intervals, so a preflight can recompute them).
+BOOTSTRAP_RESAMPLES: Final = 200
+BOOTSTRAP_LEVEL: Final = 0.95
+BOOTSTRAP_SEED: Final = 16
+#: Fewest repeats at every prefill length for its interval to mean anything (one repeat
+#: resamples to itself, two to their mean: a zero or arbitrary width).
+MIN_INTERVAL_REPEATS: Final = 3
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> np.ndarray:
@@ -100,6 +149,11 @@ class TTFTFit:
         errors: ``|predicted - median| / median`` at each length.
         mean_error: mean of ``errors``.
         worst_error: largest of ``errors``.
+        loo_predicted: each length predicted by the curve fitted without it.
+        loo_errors: relative errors of ``loo_predicted`` (at the shortest and the
+            longest length an extrapolation: recorded, not gated).
+        loo_mean_error, loo_worst_error: mean and largest of ``loo_errors`` at the
+            interior lengths, where the held-out curve interpolates (the gated figures).
     """
 
     a: float
@@ -111,6 +165,10 @@ class TTFTFit:
     errors: tuple[float, ...]
     mean_error: float
     worst_error: float
+    loo_predicted: tuple[float, ...] = ()
+    loo_errors: tuple[float, ...] = ()
+    loo_mean_error: float = 0.0
+    loo_worst_error: float = 0.0
 
     def predict(self, length: float) -> float:
         """The curve at ``length`` tokens, seconds."""
@@ -121,27 +179,47 @@ class TTFTFit:
         """The length with the largest error."""
         return self.lengths[int(np.argmax(self.errors))]
 
+    @property
+    def loo_worst_length(self) -> int:
+        """The interior length with the largest leave-one-length-out error."""
+        return self.lengths[1 + int(np.argmax(self.loo_errors[1:-1]))]
+
     def as_dict(self) -> dict[str, object]:
         """The JSON form kept in the sidecar."""
         return {
             "model": TTFT_MODEL,
             "coefficients": {"a": self.a, "b": self.b, "c": self.c},
             "points": [
-                {"length": n, "median_s": m, "predicted_s": p, "error": e}
-                for n, m, p, e in zip(
-                    self.lengths, self.medians, self.predicted, self.errors, strict=True
-                )
+                {"length": n, "median_s": m, "predicted_s": p, "error": e,
+                 "loo_predicted_s": lp, "loo_error": le,
+                 "loo_kind": "interpolation" if 0 < i < len(self.lengths) - 1
+                 else "extrapolation"}
+                for i, (n, m, p, e, lp, le) in enumerate(zip(
+                    self.lengths, self.medians, self.predicted, self.errors,
+                    self.loo_predicted, self.loo_errors, strict=True,
+                ))
             ],
             "mean_error": self.mean_error,
             "worst_error": self.worst_error,
+            "loo_mean_error": self.loo_mean_error,
+            "loo_worst_error": self.loo_worst_error,
         }
 
 
+def _ttft_design(lengths: np.ndarray) -> np.ndarray:
+    return np.column_stack([np.ones_like(lengths), lengths, lengths * lengths])
+
+
+def _relative_errors(predicted: Sequence[float], observed: Sequence[float]) -> tuple[float, ...]:
+    return tuple(abs(p - y) / y for p, y in zip(predicted, observed, strict=True))
+
+
 def fit_ttft(medians: Mapping[int, float]) -> TTFTFit:
-    """Fit ``a + b*L + c*L**2`` (non-negative) to per-length median TTFTs.
+    """Fit ``a + b*L + c*L**2`` (non-negative) to per-length median TTFTs, and each
+    length out of sample (the curve fitted to the other lengths).
 
     Raises:
-        ValueError: fewer than three lengths, or a non-positive median.
+        ValueError: fewer than :data:`MIN_PREFILL_LENGTHS` lengths, or a non-positive median.
     """
     lengths = tuple(sorted(medians))
     if len(lengths) < MIN_PREFILL_LENGTHS:
@@ -149,21 +227,31 @@ def fit_ttft(medians: Mapping[int, float]) -> TTFTFit:
             f"a TTFT fit needs at least {MIN_PREFILL_LENGTHS} lengths, got {len(lengths)}"
         )
     ys = np.array([medians[n] for n in lengths], dtype=float)
-    ls = np.array(lengths, dtype=float)
-    x = np.column_stack([np.ones_like(ls), ls, ls * ls])
-    a, b, c = (float(v) for v in nonneg_lstsq(x, ys))
-    predicted = tuple(float(a + b * n + c * n * n) for n in ls)
-    errors = tuple(abs(p - y) / y for p, y in zip(predicted, ys.tolist(), strict=True))
+    x = _ttft_design(np.array(lengths, dtype=float))
+    coef = nonneg_lstsq(x, ys)
+    a, b, c = (float(v) for v in coef)
+    predicted = tuple(float(v) for v in x @ coef)
+    observed = ys.tolist()
+    errors = _relative_errors(predicted, observed)
+    loo: list[float] = []
+    for i in range(len(lengths)):
+        keep = np.arange(len(lengths)) != i
+        loo.append(float(x[i] @ nonneg_lstsq(x[keep], ys[keep])))
+    loo_errors = _relative_errors(loo, observed)
     return TTFTFit(
         a=a,
         b=b,
         c=c,
         lengths=lengths,
-        medians=tuple(float(y) for y in ys),
+        medians=tuple(observed),
         predicted=predicted,
         errors=errors,
         mean_error=float(statistics.fmean(errors)),
         worst_error=max(errors),
+        loo_predicted=tuple(loo),
+        loo_errors=loo_errors,
+        loo_mean_error=float(statistics.fmean(loo_errors[1:-1])),
+        loo_worst_error=max(loo_errors[1:-1]),
     )
 
 
@@ -173,7 +261,12 @@ def ttft_rejection(
     max_mean_error: float = DEFAULT_MAX_MEAN_ERROR,
     max_worst_error: float = DEFAULT_MAX_WORST_ERROR,
 ) -> str | None:
-    """Why a TTFT curve must be rejected (either bound exceeded), or None if it passes."""
+    """Why a TTFT curve must be rejected, or None if it passes.
+
+    Either bound exceeded, in sample or leave-one-length-out at the interior lengths (a
+    curve through the medians that cannot predict a length it did not see is no curve
+    to price with).
+    """
     reasons = []
     if fit.mean_error > max_mean_error:
         reasons.append(f"mean error {fit.mean_error:.1%} is above the {max_mean_error:.0%} bound")
@@ -182,7 +275,164 @@ def ttft_rejection(
             f"worst-point error {fit.worst_error:.1%} (at {fit.worst_length} tokens) is above "
             f"the {max_worst_error:.0%} bound"
         )
+    if fit.loo_errors and fit.loo_mean_error > max_mean_error:
+        reasons.append(f"leave-one-length-out mean error {fit.loo_mean_error:.1%} (interior "
+                       f"lengths) is above the {max_mean_error:.0%} bound")  # fmt: skip
+    if fit.loo_errors and fit.loo_worst_error > max_worst_error:
+        reasons.append(
+            f"leave-one-length-out worst error {fit.loo_worst_error:.1%} (at "
+            f"{fit.loo_worst_length} tokens) is above the {max_worst_error:.0%} bound"
+        )
     return "; ".join(reasons) if reasons else None
+
+
+def interval_rejection(
+    intervals: Intervals,
+    *,
+    max_mean_width: float = DEFAULT_MAX_MEAN_ERROR,
+    max_worst_width: float = DEFAULT_MAX_WORST_ERROR,
+    min_samples: int = MIN_INTERVAL_REPEATS,
+) -> str | None:
+    """Why a TTFT curve's intervals show it is not known well enough, or None.
+
+    The prefill bounds applied to the relative half-width of the curve's prediction
+    interval at the swept lengths (their mean and the widest), and at least
+    ``min_samples`` repeats at every length (fewer give no interval worth the name).
+    """
+    reasons = []
+    if intervals.min_samples < min_samples:
+        reasons.append(f"{intervals.min_samples} repeat(s) at a length cannot bound its median "
+                       f"(at least {min_samples} are needed; raise --repeats)")  # fmt: skip
+    if intervals.mean_half_width > max_mean_width:
+        reasons.append(f"mean prediction-interval half-width {intervals.mean_half_width:.1%} is "
+                       f"above the {max_mean_width:.0%} bound")  # fmt: skip
+    if intervals.worst_half_width > max_worst_width:
+        reasons.append(f"widest prediction-interval half-width {intervals.worst_half_width:.1%} "
+                       f"is above the {max_worst_width:.0%} bound")  # fmt: skip
+    if reasons:
+        reasons[-1] += " (noisy samples: measure again on a quieter host or with more --repeats)"
+    return "; ".join(reasons) if reasons else None
+
+
+# ------------------------------------------------------------------ intervals
+
+
+@attrs.frozen
+class Band:
+    """A point estimate and its percentile interval."""
+
+    value: float
+    low: float
+    high: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"value": self.value, "low": self.low, "high": self.high}
+
+    @property
+    def relative_half_width(self) -> float:
+        """The larger distance from the value to an end, relative to the value."""
+        if self.value <= 0:
+            return 0.0 if self.high <= 0 else math.inf
+        return max(self.high - self.value, self.value - self.low) / self.value
+
+
+@attrs.frozen
+class Intervals:
+    """Bootstrap intervals of one fit.
+
+    Attributes:
+        coefficients: per coefficient name.
+        predictions: ``(operating point, band)``; the point is ``{"length": L}`` or
+            ``{"active": a, "kv_tokens": k}``.
+        min_samples: the fewest raw samples behind one operating point's figure
+            (repeats at a length; intervals of a decode cell).
+        resamples, level, seed: how they were made.
+    """
+
+    coefficients: dict[str, Band]
+    predictions: tuple[tuple[dict[str, float], Band], ...]
+    min_samples: int
+    resamples: int = BOOTSTRAP_RESAMPLES
+    level: float = BOOTSTRAP_LEVEL
+    seed: int = BOOTSTRAP_SEED
+
+    @property
+    def upper_factor(self) -> float:
+        """The largest ``high / value`` over the operating points (>= 1): a conservative
+        price is the point prediction times this."""
+        ratios = [b.high / b.value for _, b in self.predictions if b.value > 0]
+        return max([1.0, *ratios])
+
+    @property
+    def worst_half_width(self) -> float:
+        """The largest relative half-width of a prediction interval."""
+        return max((b.relative_half_width for _, b in self.predictions), default=0.0)
+
+    @property
+    def mean_half_width(self) -> float:
+        """The mean relative half-width of the prediction intervals."""
+        widths = [b.relative_half_width for _, b in self.predictions]
+        return float(statistics.fmean(widths)) if widths else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "method": "percentile bootstrap of the raw samples, refitted",
+            "resamples": self.resamples,
+            "level": self.level,
+            "seed": self.seed,
+            "coefficients": {k: b.as_dict() for k, b in self.coefficients.items()},
+            "predictions": [p | b.as_dict() for p, b in self.predictions],
+            "min_samples": self.min_samples,
+            "upper_factor": self.upper_factor,
+            "mean_half_width": self.mean_half_width,
+            "worst_half_width": self.worst_half_width,
+        }
+
+
+def _band(value: float, draws: np.ndarray, level: float) -> Band:
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    # The point estimate is inside its interval by construction (a percentile interval
+    # of a skewed statistic can miss it).
+    return Band(float(value), float(min(low, value)), float(max(high, value)))
+
+
+def bootstrap_ttft(
+    repeats: Sequence[tuple[int, float]],
+    fit: TTFTFit,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    level: float = BOOTSTRAP_LEVEL,
+    seed: int = BOOTSTRAP_SEED,
+) -> Intervals:
+    """Intervals of the TTFT coefficients and of the curve at every swept length.
+
+    A residual bootstrap: every repeat's ratio to the fitted curve at its length is
+    pooled over the lengths (widened for the fit's three degrees of freedom); each
+    resample draws, at every length, as many ratios as were measured there (with
+    replacement), scales the curve at that length by their median and refits.
+    """
+    counts = [sum(1 for length, _ in repeats if length == n) for n in fit.lengths]
+    ratios = np.array([s / fit.predict(length) for length, s in repeats if length in fit.lengths],
+                      dtype=float)  # fmt: skip
+    # Residuals of a fit are smaller than the noise they estimate (the fit took three
+    # degrees of freedom): the usual correction widens them by sqrt(n / (n - 3)).
+    if len(ratios) > 3:
+        ratios = 1.0 + (ratios - 1.0) * math.sqrt(len(ratios) / (len(ratios) - 3))
+    rng = np.random.default_rng(seed)
+    x = _ttft_design(np.array(fit.lengths, dtype=float))
+    coefs = np.empty((resamples, 3))
+    for r in range(resamples):
+        ys = np.array([p * float(np.median(rng.choice(ratios, size=k)))
+                       for p, k in zip(fit.predicted, counts, strict=True)])  # fmt: skip
+        coefs[r] = nonneg_lstsq(x, ys)
+    point = np.array([fit.a, fit.b, fit.c])
+    coefficients = {k: _band(point[i], coefs[:, i], level) for i, k in enumerate("abc")}
+    predictions = tuple(
+        ({"length": float(n)}, _band(fit.predict(n), coefs @ x[i], level))
+        for i, n in enumerate(fit.lengths)
+    )
+    return Intervals(coefficients, predictions, min(counts), resamples, level, seed)
 
 
 # ------------------------------------------------------------------ decode
@@ -314,6 +564,78 @@ def fit_decode(points: Sequence[DecodePoint]) -> DecodeFit:
         kv_min=min(p.kv_tokens for p in points),
         kv_max=max(p.kv_tokens for p in points),
     )
+
+
+def cell_figures(intervals: Sequence[Mapping[str, float]]) -> tuple[float, float, float]:
+    """A decode cell's ``(tpot_s, active, kv_tokens)`` from its window's intervals.
+
+    TPOT is the median over streams of each stream's mean interval inside the window
+    (the measurement contract's ``(last - first) / (n - 1)`` restricted to it); the
+    load is the mean of the inferred active count and resident KV over the intervals.
+
+    Raises:
+        ValueError: no intervals.
+    """
+    if not intervals:
+        raise ValueError("a decode cell needs at least one interval")
+    spans: dict[int, list[float]] = {}
+    for iv in intervals:
+        spans.setdefault(int(iv["stream"]), []).append(float(iv["seconds"]))
+    per_stream = [sum(g) / len(g) for _, g in sorted(spans.items())]
+    return (
+        float(statistics.median(per_stream)),
+        float(statistics.fmean(float(iv["active"]) for iv in intervals)),
+        float(statistics.fmean(float(iv["kv_tokens"]) for iv in intervals)),
+    )
+
+
+def bootstrap_decode(
+    cells: Sequence[Sequence[Mapping[str, float]]],
+    fit: DecodeFit,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    level: float = BOOTSTRAP_LEVEL,
+    seed: int = BOOTSTRAP_SEED,
+) -> Intervals:
+    """Intervals of the decode coefficients and of TPOT at every cell and at the far
+    corner of the domain (most active requests with the most resident KV).
+
+    ``cells`` are the fitted cells' window intervals, in the order of ``fit.points``.
+    Each resample draws, in every cell, window positions with replacement and takes
+    every stream's intervals at those positions (as many as it had), recomputes each
+    cell's figures (:func:`cell_figures`) and refits.
+    """
+    rng = np.random.default_rng(seed)
+    rows = [
+        [np.array([[iv["seconds"], iv["active"], iv["kv_tokens"]] for iv in cell
+                   if iv["stream"] == stream], dtype=float)
+         for stream in sorted({iv["stream"] for iv in cell})]
+        for cell in cells
+    ]  # fmt: skip
+    coefs = np.empty((resamples, 3))
+    for r in range(resamples):
+        xs, ys = [], []
+        for streams in rows:
+            # One draw of window positions for every stream of the cell: the streams
+            # step together (one engine step gives each its next token), so the i-th
+            # intervals of two streams are one step's time and share its noise;
+            # drawing them independently would understate the variance.
+            u = rng.random(max(len(s) for s in streams))
+            drawn = [s[(u[: len(s)] * len(s)).astype(int)] for s in streams]
+            tpot = float(np.median([d[:, 0].mean() for d in drawn]))
+            stacked = np.vstack(drawn)
+            xs.append([1.0, stacked[:, 1].mean(), stacked[:, 2].mean()])
+            ys.append(tpot)
+        coefs[r] = nonneg_lstsq(np.array(xs), np.array(ys))
+    point = np.array([fit.c0, fit.c1, fit.c2])
+    coefficients = {k: _band(point[i], coefs[:, i], level) for i, k in enumerate(("c0", "c1", "c2"))}
+    operating = [(p.active, p.kv_tokens) for p in fit.points] + [(fit.active_max, fit.kv_max)]
+    predictions = tuple(
+        ({"active": a, "kv_tokens": k}, _band(fit.predict(a, k), coefs @ np.array([1.0, a, k]), level))
+        for a, k in operating
+    )  # fmt: skip
+    return Intervals(coefficients, predictions, min(len(c) for c in cells), resamples, level,
+                     seed)  # fmt: skip
 
 
 def tpot_kv_limit(c0: float, c1: float, c2: float, *, tpot_s: float, active: float) -> float | None:

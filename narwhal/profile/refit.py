@@ -11,7 +11,6 @@ request to sweep the current engine processes afresh.
 from __future__ import annotations
 
 import copy
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,12 +21,11 @@ import attrs
 from narwhal.config import FleetConfig, converter, parse_as
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
+from narwhal.profile.derive import derive_ttft, prefill_repeats, ttft_curve
 from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
     DEFAULT_MAX_WORST_ERROR,
-    fit_ttft,
     median_by_length,
-    ttft_rejection,
 )
 from narwhal.profile.progress import Progress
 from narwhal.profile.runner import (
@@ -37,7 +35,6 @@ from narwhal.profile.runner import (
     now_iso,
     select_engines,
     software_identity,
-    ttft_curve,
     write_pair,
 )
 from narwhal.profile.store import (
@@ -59,21 +56,10 @@ def _refuse(message: str, source: str, path: str = "$") -> ConfigError:
 
 
 def _repeats(entry: Mapping[str, Any], name: str, source: str) -> list[tuple[int, float]]:
-    prefill = entry.get("prefill")
-    repeats = prefill.get("repeats") if isinstance(prefill, Mapping) else None
-    where = f"$.engines.{name}.prefill.repeats"
-    if not isinstance(repeats, list) or not repeats:
-        raise _refuse(f"the samples hold no prefill repeats for engine {name!r}", source, where)
-    out: list[tuple[int, float]] = []
-    for i, r in enumerate(repeats):
-        length = r.get("length") if isinstance(r, Mapping) else None
-        seconds = r.get("ttft_s") if isinstance(r, Mapping) else None
-        if (type(length) is not int or not isinstance(seconds, int | float)
-                or isinstance(seconds, bool) or not math.isfinite(seconds) or seconds <= 0):  # fmt: skip
-            raise ConfigError("expected {length: int, ttft_s: number > 0}", path=f"{where}[{i}]",
-                              source=source)  # fmt: skip
-        out.append((length, float(seconds)))
-    return out
+    try:
+        return prefill_repeats(entry, f"$.engines.{name}")
+    except ConfigError as exc:
+        raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path or "$") from None
 
 
 def _bound_snapshot(entry: Any, engine_url: str, name: str, source: str) -> EngineProfile:
@@ -160,7 +146,8 @@ def refit_pair(
     for e in selected:
         entry = new["engines"][e.name]
         medians = median_by_length(repeats[e.name])
-        fit = fit_ttft(medians)
+        derived = derive_ttft(repeats[e.name])
+        fit = derived.fit
         prefill = entry["prefill"]
         prefill["fit_before_refit"] = prefill.get("fit")
         prefill["medians"] = [
@@ -169,8 +156,9 @@ def refit_pair(
             for n, m in medians.items()
         ]  # fmt: skip
         prefill["fit"] = fit.as_dict()
-        rejection = ttft_rejection(fit, max_mean_error=max_mean_error,
-                                   max_worst_error=max_worst_error)  # fmt: skip
+        prefill["intervals"] = derived.intervals.as_dict()
+        rejection = derived.rejection(max_mean_error=max_mean_error,
+                                      max_worst_error=max_worst_error)  # fmt: skip
         if rejection is not None:
             prefill["rejection"] = rejection
             entry.update(status="rejected", reason=f"refitted TTFT curve rejected: {rejection}")
@@ -178,7 +166,7 @@ def refit_pair(
             outcomes.append(EngineOutcome(e.name, "rejected", entry["reason"]))
             progress.warn(e.name, entry["reason"])
             continue
-        profile = attrs.evolve(snapshots[e.name], ttft=ttft_curve(fit))
+        profile = attrs.evolve(snapshots[e.name], ttft=ttft_curve(derived))
         entry.update(status="ok", reason=None, profile=converter.unstructure(profile))
         outcomes.append(EngineOutcome(e.name, "ok", None, profile))
         progress.line(e.name, f"refitted TTFT = {fit.a:.4g} + {fit.b:.4g}*L + {fit.c:.4g}*L^2 s "

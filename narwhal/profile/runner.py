@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import secrets
+import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from datetime import UTC, datetime
@@ -23,39 +24,40 @@ from typing import Any, Literal
 
 import attrs
 import httpx
+import trio
 
 from narwhal import __version__
 from narwhal.config import EngineConfig, FleetConfig, converter
 from narwhal.engines.client import EngineClient
 from narwhal.errors import ConfigError, EngineError
 from narwhal.profile.cohort import StreamLimits
+from narwhal.profile.derive import (
+    decode_cells,
+    derive_decode,
+    derive_profile,
+    derive_ttft,
+    kv_capacity,
+    prefill_repeats,
+)
 from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
     DEFAULT_MAX_WORST_ERROR,
-    DecodeFit,
+    MIN_PREFILL_LENGTHS,
     DecodePoint,
-    TTFTFit,
     decode_fit_problem,
-    fit_decode,
-    fit_ttft,
-    tpot_kv_limit,
-    ttft_rejection,
 )
 from narwhal.profile.progress import Progress
 from narwhal.profile.store import (
     PROFILES_KIND,
     SAMPLES_KIND,
     SCHEMA_VERSION,
-    DecodeAxis,
-    DecodeDomain,
-    DecodeModel,
     EngineProfile,
-    KVCapacity,
     Profiles,
     SamplesRef,
-    TTFTCurve,
     file_sha256,
+    load_profiles,
     pair_paths,
+    read_json,
     write_json,
 )
 from narwhal.profile.sweep import (
@@ -75,11 +77,9 @@ __all__ = [
     "ProfileRun",
     "ProfileSettings",
     "check_output",
-    "kv_capacity",
     "run_profile",
     "select_engines",
     "software_identity",
-    "ttft_curve",
 ]
 
 Status = Literal["ok", "rejected", "failed"]
@@ -108,7 +108,8 @@ class ProfileSettings:
     """What to sweep and where to write (the CLI's options).
 
     Attributes:
-        prefill_lens: prompt lengths of the prefill sweep (at least three).
+        prefill_lens: prompt lengths of the prefill sweep (at least four: every
+            leave-one-length-out fold keeps three for the three coefficients).
         decode_input_lens: prompt lengths of the decode sweep (at least two).
         decode_concurrency: streams per decode cell (at least two values).
         repeats: measured prefill requests per length.
@@ -120,10 +121,12 @@ class ProfileSettings:
         overwrite: replace an existing pair.
         max_mean_error / max_worst_error: TTFT fit bounds.
         seed: seed of the prompts (None: random, recorded in the sidecar).
+        accept_rejected_cells: an engine some of whose decode cells were rejected still
+            counts as a success (the rejected cells stay listed in the sidecar).
     """
 
     prefill_lens: tuple[int, ...] = attrs.field(
-        converter=tuple, validator=_lens(3, "prefill-lens", CODE_TOKENS)
+        converter=tuple, validator=_lens(MIN_PREFILL_LENGTHS, "prefill-lens", CODE_TOKENS)
     )
     decode_input_lens: tuple[int, ...] = attrs.field(
         converter=tuple, validator=_lens(2, "decode-input-lens", CODE_TOKENS)
@@ -141,16 +144,30 @@ class ProfileSettings:
     max_mean_error: float = DEFAULT_MAX_MEAN_ERROR
     max_worst_error: float = DEFAULT_MAX_WORST_ERROR
     seed: int | None = None
+    accept_rejected_cells: bool = False
 
 
 @attrs.frozen
 class EngineOutcome:
-    """How one engine's profiling ended."""
+    """How one engine's profiling ended.
+
+    Attributes:
+        rejected_cells: decode cells measured but rejected, with the reason (the profile
+            was fitted without them).
+        accepted: whether the outcome counts as a success (``ok`` and either no rejected
+            cells or ``accept_rejected_cells``).
+    """
 
     name: str
     status: Status
     reason: str | None = None
     profile: EngineProfile | None = None
+    rejected_cells: tuple[str, ...] = ()
+    accepted: bool | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.accepted if self.accepted is not None else self.status == "ok"
 
 
 @attrs.frozen
@@ -163,7 +180,7 @@ class ProfileRun:
 
     @property
     def ok(self) -> bool:
-        return all(o.status == "ok" for o in self.outcomes)
+        return all(o.success for o in self.outcomes)
 
 
 def software_identity() -> dict[str, str]:
@@ -212,46 +229,34 @@ def check_output(out: str | os.PathLike[str], *, overwrite: bool) -> tuple[Path,
     return profiles, samples
 
 
-def ttft_curve(fit: TTFTFit) -> TTFTCurve:
-    """The stored form of an accepted TTFT fit."""
-    return TTFTCurve(a=fit.a, b=fit.b, c=fit.c, min_length=fit.lengths[0],
-                     max_length=fit.lengths[-1], mean_error=fit.mean_error,
-                     worst_error=fit.worst_error)  # fmt: skip
+#: How the sidecar's ``wall_clock`` stamps are taken.
+SWEEP_CLOCK = "Unix seconds: the wall clock read once, advanced by the run's own clock"
+_EPOCH: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("narwhal_sweep_epoch")
 
 
-def kv_capacity(
-    facts: EngineFacts, fit: DecodeFit, *, measured_kv_max: int, tpot_target_s: float | None
-) -> KVCapacity:
-    """The engine's KV constraint: physical when reported, else derived from TPOT."""
-    if facts.kv_cache_size_tokens is not None:
-        return KVCapacity(source="physical", tokens=facts.kv_cache_size_tokens,
-                          basis="vllm:cache_config_info kv_cache_size_tokens")  # fmt: skip
-    if tpot_target_s is not None:
-        limit = tpot_kv_limit(fit.c0, fit.c1, fit.c2, tpot_s=tpot_target_s, active=fit.active_max)
-        if limit is not None:
-            return KVCapacity(source="tpot", tokens=int(limit), tpot_s=tpot_target_s,
-                              active=fit.active_max,
-                              basis="resident KV at which the decode fit reaches the TPOT "
-                                    "target with the most active requests measured")  # fmt: skip
-    return KVCapacity(source="tpot", tokens=measured_kv_max,
-                      basis="largest resident KV measured with every stream meeting its "
-                            "checks (no TPOT target or KV does not move TPOT)")  # fmt: skip
-
-
-def _decode_model(fit: DecodeFit) -> DecodeModel:
-    domain = DecodeDomain(active=DecodeAxis(min=fit.active_min, max=fit.active_max),
-                          kv_tokens=DecodeAxis(min=fit.kv_min, max=fit.kv_max))  # fmt: skip
-    return DecodeModel(c0=fit.c0, c1=fit.c1, c2=fit.c2, fit_mape=fit.fit_mape,
-                       cv_mape=fit.cv_mape, cells=len(fit.points), domain=domain)  # fmt: skip
+def sweep_clock() -> float:
+    """Unix time on the run's clock: the wall clock read at the first call of this
+    Trio run, advanced by Trio's clock since (monotonic in production, so a wall-clock
+    step during a sweep does not skew it; virtual in tests, where the simulated engines'
+    process start times follow virtual time too)."""
+    try:
+        epoch = _EPOCH.get()
+    except LookupError:
+        epoch = time.time() - trio.current_time()
+        _EPOCH.set(epoch)
+    return epoch + trio.current_time()
 
 
 class _EngineRun:
     """Profiles one engine, recording into its sidecar entry as it goes."""
 
     def __init__(self, client: EngineClient, config: FleetConfig, settings: ProfileSettings,
-                 record: dict[str, Any], seed: int, progress: Progress) -> None:  # fmt: skip
+                 record: dict[str, Any], seed: int, progress: Progress,
+                 roles: Sequence[str] = ("prefill", "decode")) -> None:  # fmt: skip
         self.client, self.config, self.settings = client, config, settings
         self.record, self.seed, self.progress = record, seed, progress
+        self.roles = tuple(roles)
+        self.rejected_cells: list[str] = []
 
     def warn(self, text: str) -> None:
         self.record["warnings"].append(text)
@@ -261,8 +266,13 @@ class _EngineRun:
         client, settings, record, name = self.client, self.settings, self.record, self.client.name
         timeouts = self.config.engine
         limit = timeouts.request_timeout_s
+        record["wall_clock"] = {"started_at": sweep_clock(), "clock": SWEEP_CLOCK}
         identity = await bounded(client, limit, "its identity", client.identity)
         record["identity"] = attrs.asdict(identity)
+        if identity.process_start_time is None:
+            self.warn("the engine exports no process_start_time_seconds (Prometheus multiprocess "
+                      "mode drops process_* metrics): its generation is unknown, and narwhal "
+                      "check will refuse to bind this profile to it")  # fmt: skip
         facts = await bounded(client, limit, "/tokenize and /metrics", probe_engine, client)
         record["engine"] = facts.as_dict()
         if facts.prefix_caching:
@@ -277,24 +287,57 @@ class _EngineRun:
 
         prefill: dict[str, Any] = {}
         record["prefill"] = prefill
-        medians = await prefill_sweep(
+        await prefill_sweep(
             client, facts, settings.prefill_lens, prefill, repeats=settings.repeats,
             warmup=settings.warmup, prompt=prompt, timeout_s=timeouts.request_timeout_s,
             progress=self.progress,
         )  # fmt: skip
-        tfit = fit_ttft(medians)
+        ttft = derive_ttft(prefill_repeats(record, f"$.engines.{name}"))
+        tfit = ttft.fit
         prefill["fit"] = tfit.as_dict()
-        rejection = ttft_rejection(tfit, max_mean_error=settings.max_mean_error,
+        prefill["intervals"] = ttft.intervals.as_dict()
+        rejection = ttft.rejection(max_mean_error=settings.max_mean_error,
                                    max_worst_error=settings.max_worst_error)  # fmt: skip
         if rejection is not None:
             prefill["rejection"] = rejection
             raise SweepRejected(f"TTFT fit rejected before decode profiling: {rejection}")
         self.progress.line(name, f"prefill fit: TTFT = {tfit.a:.4g} + {tfit.b:.4g}*L + "
                                  f"{tfit.c:.4g}*L^2 s (mean error {tfit.mean_error:.1%}, "
-                                 f"worst {tfit.worst_error:.1%})")  # fmt: skip
+                                 f"worst {tfit.worst_error:.1%}; leave-one-length-out mean "
+                                 f"{tfit.loo_mean_error:.1%}, worst {tfit.loo_worst_error:.1%})")  # fmt: skip
 
+        if "decode" in self.roles:
+            await self._decode(facts, prompt)
+        else:
+            record["decode"] = {"skipped": "the engine's roles do not include decode"}
+            self.progress.line(name, "decode: skipped (prefill-only engine)")
+
+        after = await bounded(client, limit, "its identity", client.identity)
+        record["identity_after"] = attrs.asdict(after)
+        record["wall_clock"]["finished_at"] = sweep_clock()
+        if after != identity:
+            raise EngineError(f"engine {name} changed generation during the sweep "
+                              f"({identity} -> {after}); its samples span two processes",
+                              engine=name, leg="profile")  # fmt: skip
+        # The profile is derived from the recorded samples, exactly as narwhal check
+        # derives it again: one path from raw data to figures.
+        try:
+            profile = derive_profile(record, name)
+        except ConfigError as exc:
+            raise SweepRejected(f"the samples give no profile: {exc}") from None
+        record["profile"] = converter.unstructure(profile)
+        return profile
+
+    async def _decode(self, facts: EngineFacts, prompt: PromptFactory) -> None:
+        client, settings, record, name = self.client, self.settings, self.record, self.client.name
+        timeouts = self.config.engine
         decode: dict[str, Any] = {}
         record["decode"] = decode
+        concurrency = sorted(set(settings.decode_concurrency))
+        if len(concurrency) < 3 or concurrency[0] != 1:
+            self.warn(f"decode concurrency {','.join(map(str, concurrency))}: production "
+                      "calibration needs at least three concurrency points including 1 "
+                      "(the seed's rule)")  # fmt: skip
         limits = StreamLimits(first_token_s=timeouts.first_token_timeout_s,
                               between_tokens_s=timeouts.decode_read_timeout_s)  # fmt: skip
         kept = await decode_sweep(
@@ -303,14 +346,24 @@ class _EngineRun:
             prompt=prompt, limits=limits, progress=self.progress,
         )  # fmt: skip
         decode["cell_medians"] = cell_summary(decode["cells"])
+        rejected = [c for c in decode["cells"] if not c["kept"]]
+        if rejected:
+            self.rejected_cells = [f"input {c['input_len']} x {c['concurrency']} streams: "
+                                   f"{c['reason']}" for c in rejected]  # fmt: skip
+        for c in decode["cells"]:
+            if c.get("saturation"):
+                self.warn(f"decode cell input {c['input_len']} x {c['concurrency']} streams: "
+                          f"{c['saturation']}")  # fmt: skip
         points = [DecodePoint(c.active or 0.0, c.kv_tokens or 0.0, c.tpot_s or 0.0) for c in kept]
         problem = decode_fit_problem(points)
         if problem is not None:
             decode["rejection"] = problem
             raise SweepRejected(f"decode fit impossible: {problem}; select shorter "
                                 "--decode-input-lens or fewer streams")  # fmt: skip
-        dfit = fit_decode(points)
+        derived = derive_decode(decode_cells(record, f"$.engines.{name}"))
+        dfit = derived.fit
         decode["fit"] = dfit.as_dict()
+        decode["intervals"] = derived.intervals.as_dict()
         self.progress.line(name, f"decode fit: TPOT = {dfit.c0:.4g} + {dfit.c1:.4g}*active + "
                                  f"{dfit.c2:.4g}*kv s (fit MAPE {dfit.fit_mape:.1%}, "
                                  f"leave-one-cell-out {dfit.cv_mape:.1%})")  # fmt: skip
@@ -322,21 +375,14 @@ class _EngineRun:
             self.warn(f"leave-one-cell-out MAPE {dfit.cv_mape:.1%} exceeds "
                       f"profiles.max_decode_cv_mape {limits_cfg.max_decode_cv_mape:.1%}; "
                       "narwhal check will refuse it")  # fmt: skip
-
-        kv_max = max(c.kv_max or 0 for c in kept)
-        capacity = kv_capacity(facts, dfit, measured_kv_max=kv_max,
+        record["kv_capacity_inputs"] = {"tpot_target_s": self.config.controller.slo.tpot_s}
+        capacity = kv_capacity(facts.kv_cache_size_tokens, dfit, measured_kv_max=derived.kv_max,
                                tpot_target_s=self.config.controller.slo.tpot_s)  # fmt: skip
         record["kv_capacity"] = converter.unstructure(capacity)
-        after = await bounded(client, limit, "its identity", client.identity)
-        record["identity_after"] = attrs.asdict(after)
-        if after != identity:
-            raise EngineError(f"engine {name} changed generation during the sweep "
-                              f"({identity} -> {after}); its samples span two processes",
-                              engine=name, leg="profile")  # fmt: skip
-        profile = EngineProfile(name=name, identity=identity, ttft=ttft_curve(tfit),
-                                decode=_decode_model(dfit), kv_capacity=capacity)  # fmt: skip
-        record["profile"] = converter.unstructure(profile)
-        return profile
+        if capacity.source == "measured":
+            self.warn(f"KV capacity unknown: the engine reports no kv_cache_size_tokens and no "
+                      f"TPOT target bounds it; {capacity.tokens} tokens is only the largest "
+                      "resident KV measured (placement prices beyond it conservatively)")  # fmt: skip
 
 
 def _clients(
@@ -363,18 +409,23 @@ def _clients(
     return out
 
 
-def _samples_doc(config_source: str | None, settings: ProfileSettings, seed: int,
-                 engines: dict[str, Any], profiles_name: str) -> dict[str, Any]:  # fmt: skip
+def sweep_settings(settings: ProfileSettings, seed: int) -> dict[str, Any]:
+    """What was swept, as the sidecar records it (per run and per engine)."""
     sweep = attrs.asdict(settings) | {"seed": seed}
     for key in ("out", "overwrite", "engines"):
         sweep.pop(key)
+    return sweep
+
+
+def _samples_doc(config_source: str | None, settings: ProfileSettings, seed: int,
+                 engines: dict[str, Any], profiles_name: str) -> dict[str, Any]:  # fmt: skip
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": SAMPLES_KIND,
         "created_at": now_iso(),
         "software": software_identity(),
         "fleet": {"source": config_source, "engines": list(engines)},
-        "sweep": sweep | {"clock": "seconds on the profiler's monotonic clock"},
+        "sweep": sweep_settings(settings, seed) | {"clock": "seconds on the profiler's monotonic clock"},
         "profiles": profiles_name,
         "engines": engines,
     }
@@ -420,18 +471,36 @@ async def run_profile(
     """
     progress = progress if progress is not None else Progress()
     selected = select_engines(config, settings.engines)
-    profiles_path, samples_path = check_output(settings.out, overwrite=settings.overwrite)
+    profiles_path, samples_path = pair_paths(settings.out)
+    merging = (settings.engines is not None and not settings.overwrite
+               and (profiles_path.exists() or samples_path.exists()))  # fmt: skip
+    kept: dict[str, Any] = {}
+    kept_outcomes: list[EngineOutcome] = []
+    merged_from: dict[str, Any] | None = None
+    if merging:
+        kept, kept_outcomes, merged_from = _existing_pair(profiles_path, {e.name for e in selected})
+    else:
+        check_output(settings.out, overwrite=settings.overwrite)
     seed = settings.seed if settings.seed is not None else secrets.randbits(32)
-    records: dict[str, Any] = {}
+    records: dict[str, Any] = dict(kept)
     outcomes: list[EngineOutcome] = []
+
+    def samples_doc() -> dict[str, Any]:
+        doc = _samples_doc(config_source, settings, seed, records, profiles_path.name)
+        if merged_from is not None:
+            doc["merged"] = merged_from
+        return doc
+
     async with AsyncExitStack() as stack:
         clients = _clients(stack, config, selected, transport)
         for i, e in enumerate(selected, 1):
             record: dict[str, Any] = {"name": e.name, "url": e.url, "roles": list(e.roles),
-                                      "status": "running", "reason": None, "warnings": []}  # fmt: skip
+                                      "status": "running", "reason": None, "warnings": [],
+                                      "sweep": sweep_settings(settings, seed + i)}  # fmt: skip
             records[e.name] = record
             progress.engine(e.name, i, len(selected), e.url)
-            run = _EngineRun(clients[e.name], config, settings, record, seed + i, progress)
+            run = _EngineRun(clients[e.name], config, settings, record, seed + i, progress,
+                             roles=e.roles)  # fmt: skip
             status: Status = "failed"
             reason: str | None = "interrupted"
             profile: EngineProfile | None = None
@@ -444,15 +513,56 @@ async def run_profile(
                 status, reason = "failed", str(exc)
             finally:
                 record["status"], record["reason"] = status, reason
+                record["rejected_cells"] = list(run.rejected_cells)
                 # Completed engines' data reaches the disk before the next engine starts.
-                write_json(samples_path, _samples_doc(config_source, settings, seed, records,
-                                                      profiles_path.name))  # fmt: skip
-            outcomes.append(EngineOutcome(e.name, status, reason, profile))
+                write_json(samples_path, samples_doc())
+            rejected = tuple(run.rejected_cells)
+            accepted = status == "ok" and (not rejected or settings.accept_rejected_cells)
+            outcomes.append(EngineOutcome(e.name, status, reason, profile, rejected, accepted))
             if reason is not None:
                 progress.warn(e.name, f"{status}: {reason}")
+            elif rejected:
+                progress.warn(e.name, f"profiled without {len(rejected)} rejected decode cell(s)"
+                              + ("" if settings.accept_rejected_cells
+                                 else "; pass --accept-rejected-cells to accept it"))  # fmt: skip
             else:
                 progress.line(e.name, "profiled")
     progress.close()
-    samples = _samples_doc(config_source, settings, seed, records, profiles_path.name)
-    write_pair(profiles_path, samples_path, samples, outcomes)
+    by_name = {o.name: o for o in [*kept_outcomes, *outcomes]}
+    ordered = [by_name[e.name] for e in config.engines if e.name in by_name]
+    ordered += [o for name, o in by_name.items() if name not in {e.name for e in config.engines}]
+    write_pair(profiles_path, samples_path, samples_doc(), ordered)
     return ProfileRun(profiles_path, samples_path, tuple(outcomes))
+
+
+def _existing_pair(
+    profiles_path: Path, replaced: set[str]
+) -> tuple[dict[str, Any], list[EngineOutcome], dict[str, Any]]:
+    """The entries and outcomes of an existing pair's engines that are not re-profiled.
+
+    Raises:
+        ConfigError: the existing pair does not load (mixed up, hand-edited sidecar).
+    """
+    existing = load_profiles(profiles_path)  # checks the sidecar's SHA-256
+    samples_path = profiles_path.with_name(existing.samples.path)
+    old = read_json(samples_path, "samples file")
+    entries = old.get("engines") if isinstance(old, dict) else None
+    if not isinstance(entries, dict):
+        raise ConfigError("the existing samples hold no engines; pass --overwrite to replace the "
+                          "pair", path="$.engines", source=str(samples_path))  # fmt: skip
+    kept = {name: entry for name, entry in entries.items() if name not in replaced}
+    outcomes = []
+    for name in kept:
+        profile = existing.engines.get(name)
+        why = existing.excluded.get(name)
+        status: Status = "ok" if profile is not None else "rejected"
+        outcomes.append(EngineOutcome(name, status, None if profile else why, profile))
+    merged = {
+        "previous": {"profiles_sha256": file_sha256(profiles_path),
+                     "samples_sha256": existing.samples.sha256,
+                     "created_at": existing.created_at},
+        "replaced": sorted(replaced),
+        "kept": sorted(kept),
+        "at": now_iso(),
+    }  # fmt: skip
+    return kept, outcomes, merged

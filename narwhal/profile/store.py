@@ -33,6 +33,7 @@ __all__ = [
     "PROFILES_KIND",
     "SAMPLES_KIND",
     "SCHEMA_VERSION",
+    "CoefficientBand",
     "DecodeAxis",
     "DecodeDomain",
     "DecodeModel",
@@ -41,6 +42,7 @@ __all__ = [
     "Profiles",
     "SamplesRef",
     "TTFTCurve",
+    "Uncertainty",
     "file_sha256",
     "load_profiles",
     "pair_paths",
@@ -67,6 +69,42 @@ def _equals(expected: str) -> Any:
 
 
 @attrs.frozen(kw_only=True)
+class CoefficientBand:
+    """A coefficient's value and its bootstrap interval."""
+
+    value: float
+    low: float
+    high: float
+
+
+@attrs.frozen(kw_only=True)
+class Uncertainty:
+    """A fit's bootstrap intervals, as placement and the preflight use them.
+
+    Attributes:
+        level: the intervals' confidence level.
+        resamples: bootstrap resamples.
+        coefficients: each coefficient's interval.
+        upper_factor: the largest ``upper bound / prediction`` over the operating points
+            (>= 1); conservative pricing multiplies predictions by it.
+        worst_half_width: the largest relative half-width of a prediction interval at
+            the operating points.
+        mean_half_width: their mean (None in profiles written before it was recorded).
+        min_samples: the fewest raw samples behind one operating point (repeats at a
+            prefill length; intervals of a decode cell).
+    """
+
+    level: float
+    resamples: int
+    coefficients: dict[str, CoefficientBand]
+    upper_factor: float = attrs.field(validator=_nonneg)
+    worst_half_width: float = attrs.field(validator=_nonneg)
+    mean_half_width: float | None = attrs.field(default=None,
+                                                validator=attrs.validators.optional(_nonneg))
+    min_samples: int | None = None
+
+
+@attrs.frozen(kw_only=True)
 class TTFTCurve:
     """TTFT in seconds for a prompt of L tokens: ``a + b*L + c*L**2``.
 
@@ -75,6 +113,9 @@ class TTFTCurve:
         a, b, c: non-negative coefficients.
         min_length, max_length: the measured lengths' range (the priced domain).
         mean_error, worst_error: relative errors of the curve at the per-length medians.
+        loo_mean_error, loo_worst_error: leave-one-length-out relative errors (None in
+            profiles written before they were measured; the preflight refuses those).
+        uncertainty: bootstrap intervals (None likewise).
     """
 
     model: str = attrs.field(default=TTFT_MODEL, validator=_equals(TTFT_MODEL))
@@ -85,10 +126,18 @@ class TTFTCurve:
     max_length: int
     mean_error: float = attrs.field(validator=_nonneg)
     worst_error: float = attrs.field(validator=_nonneg)
+    loo_mean_error: float | None = None
+    loo_worst_error: float | None = None
+    uncertainty: Uncertainty | None = None
 
     def predict(self, length: float) -> float:
         """TTFT in seconds for ``length`` prompt tokens."""
         return self.a + self.b * length + self.c * length * length
+
+    def predict_upper(self, length: float) -> float:
+        """The conservative TTFT: the prediction times the upper-bound factor."""
+        factor = self.uncertainty.upper_factor if self.uncertainty is not None else 1.0
+        return self.predict(length) * factor
 
 
 @attrs.frozen(kw_only=True)
@@ -124,6 +173,7 @@ class DecodeModel:
         cv_mape: leave-one-cell-out mean relative error.
         cells: cells fitted.
         domain: observed minimum and maximum of both axes.
+        uncertainty: bootstrap intervals (None in profiles written before them).
     """
 
     model: str = attrs.field(default=TPOT_MODEL, validator=_equals(TPOT_MODEL))
@@ -134,10 +184,16 @@ class DecodeModel:
     cv_mape: float = attrs.field(validator=_nonneg)
     cells: int
     domain: DecodeDomain
+    uncertainty: Uncertainty | None = None
 
     def predict(self, active: float, kv_tokens: float) -> float:
         """TPOT in seconds with ``active`` requests holding ``kv_tokens`` KV tokens."""
         return self.c0 + self.c1 * active + self.c2 * kv_tokens
+
+    @property
+    def upper_factor(self) -> float:
+        """The conservative factor on predictions (1 without intervals)."""
+        return self.uncertainty.upper_factor if self.uncertainty is not None else 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -145,15 +201,24 @@ class KVCapacity:
     """How many KV tokens the engine can hold, and where that figure comes from.
 
     Attributes:
-        source: ``physical`` (the engine's ``kv_cache_size_tokens``) or ``tpot``
-            (derived from the decode fit).
+        source: ``physical`` (the engine's ``kv_cache_size_tokens``: a hard limit),
+            ``tpot`` (the resident KV at which the decode fit reaches the TPOT target:
+            a limit of the SLO), or ``measured`` (neither was available: the largest
+            resident KV the sweep measured, which is the edge of the measured domain
+            and no capacity at all; placement prices beyond it conservatively instead
+            of excluding the engine).
         tokens: the limit.
         basis: how it was obtained, in words.
         tpot_s: the TPOT target it was derived for (``tpot`` with an SLO).
         active: the active-request count it was derived at (``tpot`` with an SLO).
     """
 
-    source: Literal["physical", "tpot"]
+    source: Literal["physical", "tpot", "measured"]
+
+    @property
+    def is_limit(self) -> bool:
+        """Whether ``tokens`` bounds what the engine may hold (not just what was measured)."""
+        return self.source != "measured"
     tokens: int
     basis: str
     tpot_s: float | None = None
@@ -162,21 +227,54 @@ class KVCapacity:
 
 @attrs.frozen(kw_only=True)
 class EngineProfile:
-    """One engine's accepted profile, bound to the generation it was measured on."""
+    """One engine's accepted profile, bound to the generation it was measured on.
+
+    A prefill-only engine (roles ``["prefill"]``) has no decode sweep: ``decode`` and
+    ``kv_capacity`` are None. A decode-only engine still has a TTFT curve: its prefill
+    sweep measures the prompt processing every decode request starts with when the
+    router decodes on the producer or recomputes a prompt (no transfer).
+    """
 
     name: str
     identity: EngineIdentity
     ttft: TTFTCurve
-    decode: DecodeModel
-    kv_capacity: KVCapacity
+    decode: DecodeModel | None = None
+    kv_capacity: KVCapacity | None = None
+    roles: tuple[str, ...] = ("prefill", "decode")
 
     def predict_ttft(self, length: float) -> float:
         """Predicted TTFT in seconds for a ``length``-token prompt."""
         return self.ttft.predict(length)
 
+    @property
+    def decode_model(self) -> DecodeModel:
+        """The decode model of an engine that decodes.
+
+        Raises:
+            ValueError: a prefill-only profile.
+        """
+        if self.decode is None:
+            raise ValueError(f"engine {self.name} was profiled for prefill only (no decode model)")
+        return self.decode
+
+    @property
+    def kv_limit(self) -> KVCapacity:
+        """The KV capacity of an engine that decodes.
+
+        Raises:
+            ValueError: a prefill-only profile.
+        """
+        if self.kv_capacity is None:
+            raise ValueError(f"engine {self.name} was profiled for prefill only (no KV capacity)")
+        return self.kv_capacity
+
     def predict_tpot(self, active: float, kv_tokens: float) -> float:
-        """Predicted TPOT in seconds with ``active`` requests and ``kv_tokens`` resident."""
-        return self.decode.predict(active, kv_tokens)
+        """Predicted TPOT in seconds with ``active`` requests and ``kv_tokens`` resident.
+
+        Raises:
+            ValueError: a prefill-only profile (no decode model).
+        """
+        return self.decode_model.predict(active, kv_tokens)
 
 
 @attrs.frozen(kw_only=True)

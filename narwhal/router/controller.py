@@ -123,11 +123,11 @@ class ReactiveController:
             service = len(services) / capacity  # mean service time of the pooled producers
             rho = rate / capacity
             ttft = math.inf if rho >= 1 else service * (1 + rho / (2 * (1 - rho)))
-        consumers = [n for n in decode if n in profiles]
+        consumers = [n for n in decode if n in profiles and profiles[n].decode is not None]
         if not consumers:
             tpot = math.inf
         else:
-            tpot = min(profiles[n].decode.c0 for n in consumers)
+            tpot = min(profiles[n].decode_model.c0 for n in consumers)
             for _ in range(50):  # Little's law as a fixed point
                 active = rate * output * tpot / len(consumers)
                 kv = active * (prompt + output / 2)

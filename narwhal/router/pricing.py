@@ -11,7 +11,12 @@ When the fleet names a profiles pair whose fits bind to the engines running now
   domain the fit is used as is; outside it the price is taken at the domain's edge and
   scaled up by how far the point lies beyond it (conservative), and counted;
 - the KV constraint: a consumer whose resident KV would pass its capacity is not a
-  candidate.
+  candidate, when that capacity is a limit (``physical`` or ``tpot``); a ``measured``
+  capacity is only the largest KV the sweep saw, the edge of the decode domain, and
+  beyond it the consumer is priced conservatively like any point outside the domain;
+- ``controller.pricing: upper`` prices every prediction at its bootstrap upper bound
+  (the profile's ``upper_factor``) instead of the point estimate;
+- an engine profiled for prefill only is never priced as a consumer.
 
 The pair with the most headroom against both SLOs wins (headroom = the smaller of
 ``1 - predicted/target`` over TTFT and TPOT). When no pair is predicted to meet them,
@@ -67,9 +72,11 @@ class PricedPlacement(Placement):
         admission: str,
         available: Callable[[str], bool] = lambda name: True,
         clock: Callable[[], float] = trio.current_time,
+        pricing: str = "point",
     ) -> None:
         super().__init__(prefill_engines, decode_engines, available=available)
         self.profiles = dict(profiles)
+        self.pricing = pricing
         self.slo = slo
         self.admission = admission
         self.clock = clock
@@ -92,18 +99,25 @@ class PricedPlacement(Placement):
     def quote_producer(self, name: str, prompt_tokens: int, elapsed_s: float = 0.0) -> Quote:
         """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
         profile = self.profiles[name]
-        own = profile.predict_ttft(prompt_tokens)
+        own = self._ttft(profile, prompt_tokens)
         predicted = elapsed_s + (self.prefill_work_s[name] + own) * self.ttft_correction[name]
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s))
 
+    def _ttft(self, profile: EngineProfile, prompt_tokens: int) -> float:
+        if self.pricing == "upper":
+            return profile.ttft.predict_upper(prompt_tokens)
+        return profile.predict_ttft(prompt_tokens)
+
     def quote_consumer(self, name: str, prompt_tokens: int, max_tokens: int) -> Quote | None:
         profile = self.profiles[name]
+        decode, capacity = profile.decode, profile.kv_capacity
+        if decode is None or capacity is None:
+            return None  # profiled for prefill only
         load = self.loads[name]
         active = load.decode_requests + 1
         kv = load.decode_kv_tokens + prompt_tokens + max_tokens
-        if kv > profile.kv_capacity.tokens:
+        if capacity.is_limit and kv > capacity.tokens:
             return None
-        decode = profile.decode
         domain = decode.domain
         inside = domain.contains(active, kv)
         if inside:
@@ -116,6 +130,8 @@ class PricedPlacement(Placement):
             # on each axis (never below the linear extrapolation).
             over = max(active / max(domain.active.max, 1e-9), 1.0) * max(kv / max(domain.kv_tokens.max, 1e-9), 1.0)
             predicted = max(decode.predict(active, kv), edge * over)
+        if self.pricing == "upper":
+            predicted *= decode.upper_factor
         predicted *= self.tpot_correction[name]
         return Quote(name, predicted, self._headroom(predicted, self.slo.tpot_s), out_of_domain=not inside)
 
@@ -164,7 +180,7 @@ class PricedPlacement(Placement):
 
     def _reserve(self, reservation: Reservation, prompt_tokens: int, p: Quote | None, c: Quote | None) -> Reservation:
         producer = reservation.producer
-        work = self.profiles[producer].predict_ttft(prompt_tokens) if producer in self.profiles else 0.0
+        work = self._ttft(self.profiles[producer], prompt_tokens) if producer in self.profiles else 0.0
         self.prefill_work_s[producer] += work
         reservation.on_release_prefill = lambda: self._release_work(producer, work)
         reservation.on_release_decode = self._capacity_changed

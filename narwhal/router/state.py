@@ -88,7 +88,7 @@ class RouterState:
             ctl = config.controller
             self.placement = PricedPlacement(
                 prefill, decode, profiles={}, slo=ctl.slo, admission=ctl.admission,
-                available=self.placeable, clock=clock,
+                available=self.placeable, clock=clock, pricing=ctl.pricing,
             )  # fmt: skip
         else:
             self.placement = Placement(prefill, decode, available=self.placeable)

@@ -42,7 +42,7 @@ STALL_LAG_S = 0.25
 #: The sweep: the tiny model's prompts stay short on two cores; three prefill lengths,
 #: two decode input lengths and three concurrencies are the fewest the fits accept.
 SWEEP = [
-    "--prefill-lens", "64,256,512",
+    "--prefill-lens", "64,128,256,512",
     "--decode-input-lens", "64,256",
     "--decode-concurrency", "1,2,4",
     "--repeats", "3",
@@ -86,9 +86,16 @@ def _round_up(value: float) -> float:
     return math.ceil(value * 100) / 100
 
 
+def _interval_width(engine: dict[str, Any]) -> float:
+    """The mean relative half-width of the decode model's prediction intervals (what
+    the check holds to ``profiles.max_decode_cv_mape``)."""
+    return float(engine["decode"]["uncertainty"]["mean_half_width"])
+
+
 def _worst_decode_error(profiles: dict[str, Any]) -> float:
     return max(
-        max(e["decode"]["fit_mape"], e["decode"]["cv_mape"]) for e in profiles["engines"].values()
+        max(e["decode"]["fit_mape"], e["decode"]["cv_mape"], _interval_width(e))
+        for e in profiles["engines"].values()
     )
 
 
@@ -156,12 +163,16 @@ def test_check_passes_gate_f_and_the_transfer_probe(
     profiles = _state["profile_doc"]
     fits = [profiles["engines"][n]["decode"]["fit_mape"] for n in ENGINES]
     cvs = [profiles["engines"][n]["decode"]["cv_mape"] for n in ENGINES]
-    print(f"decode fit_mape {fits}, cv_mape {cvs}")
-    assert max(fits) <= FIT_LIMIT_CEILING and max(cvs) <= FIT_LIMIT_CEILING, (fits, cvs)
+    widths = [_interval_width(profiles["engines"][n]) for n in ENGINES]
+    print(f"decode fit_mape {fits}, cv_mape {cvs}, mean TPOT interval half-width {widths}")
+    assert max(fits + cvs + widths) <= FIT_LIMIT_CEILING, (fits, cvs, widths)
     # Limits from the measurement, with headroom for the next check's noise-free reread
-    # (the fits do not change) and never tighter than the shipped defaults.
+    # (the fits do not change) and never tighter than the shipped defaults. The check
+    # holds the decode prediction intervals' mean half-width to the CV limit too.
+    # (The prefill bounds are the seed's and fixed: the profiler applies them itself,
+    # so an accepted profile passes them in the check.)
     fit_limit = max(0.05, _round_up(1.5 * max(fits)))
-    cv_limit = max(0.13, _round_up(1.5 * max(cvs)))
+    cv_limit = max(0.13, _round_up(1.5 * max(cvs + widths)))
     work = tmp_path_factory.mktemp("check")
     doc = _base_fleet(pair, work)
     doc["profiles"] = {
