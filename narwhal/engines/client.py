@@ -753,11 +753,16 @@ class EngineClient:
 
     async def health(self) -> bool:
         """Whether ``GET /health`` answers 200 (connection failures count as unhealthy)."""
+        return await self.unhealthy() is None
+
+    async def unhealthy(self) -> str | None:
+        """Why ``GET /health`` does not answer 200 (the connection error or the status);
+        None when it does."""
         try:
-            status, _, _ = await self._fetch("GET", "/health", None, leg="health")
-        except EngineError:
-            return False
-        return status == 200
+            status, reason, _ = await self._fetch("GET", "/health", None, leg="health")
+        except EngineError as exc:
+            return str(exc)
+        return None if status == 200 else f"engine {self.name} /health answered HTTP {status} {reason}".rstrip()
 
 
 def _prompt_tokens(obj: Mapping[str, Any], choice: Mapping[str, Any]) -> int | None:

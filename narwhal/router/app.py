@@ -66,14 +66,8 @@ class RouterApp:
             raise NotFound(f"no route for {request.method} {path}")
 
     async def _health(self, response: ResponseWriter) -> None:
-        state = self.state
-        engines = {
-            name: ("ejected" if st.ejected else "quarantined" if not state.breaker.available(name) else "ok")
-            for name, st in state.breaker.states.items()
-        }
-        ready = state.ready()
-        body = {"status": "ready" if ready else "unavailable", "engines": engines}
-        await response.respond(200 if ready else 503, _JSON, _json(body))
+        body = self.state.health(detail=False)
+        await response.respond(200 if body["status"] == "ready" else 503, _JSON, _json(body))
 
     async def _models(self, response: ResponseWriter) -> None:
         data = []

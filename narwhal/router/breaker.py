@@ -113,13 +113,26 @@ class Breaker:
             st.quarantined_until = now + self.quarantine_s
             self._emit(engine, "quarantined", detail)
         if st.streak >= self.eject_after:
-            st.ejected = True
-            st.ejected_at = now
-            st.probes = 0
-            st.origin_producer = origin_producer if origin_producer != engine else None
-            st.next_probe_at = now + self.probe_interval_s
-            self._emit(engine, "ejected", detail)
-            self._wakeup.set()
+            self._eject(engine, detail, origin_producer if origin_producer != engine else None)
+
+    def eject(self, engine: str, detail: str) -> None:
+        """Take ``engine`` out of placement now (it failed the start-up probe); a
+        readmission probe brings it back."""
+        st = self.states[engine]
+        st.last_error = detail
+        if not st.ejected:
+            self._eject(engine, detail, None)
+
+    def _eject(self, engine: str, detail: str, origin_producer: str | None) -> None:
+        st = self.states[engine]
+        now = self._clock()
+        st.ejected = True
+        st.ejected_at = now
+        st.probes = 0
+        st.origin_producer = origin_producer
+        st.next_probe_at = now + self.probe_interval_s
+        self._emit(engine, "ejected", detail)
+        self._wakeup.set()
 
     def due_probes(self) -> list[str]:
         now = self._clock()

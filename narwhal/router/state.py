@@ -122,10 +122,40 @@ class RouterState:
 
     def ready(self) -> bool:
         """At least one engine can prefill and one can decode."""
+        return self.unready_reason() is None
+
+    def engine_state(self, name: str) -> str:
+        """``ok``, ``quarantined`` or ``ejected`` (out until a readmission probe succeeds)."""
+        if self.breaker.states[name].ejected:
+            return "ejected"
+        return "ok" if self.breaker.available(name) else "quarantined"
+
+    def health(self, *, detail: bool) -> dict[str, Any]:
+        """The ``/health`` body: ready or not (and why), each engine's state; with
+        ``detail`` (the admin surface) each engine's URL and last error too."""
+        reason = self.unready_reason()
+        engines: dict[str, Any] = {}
+        for name, engine in self.engines.items():
+            st = self.engine_state(name)
+            if detail:
+                last = self.breaker.states[name].last_error
+                engines[name] = {"state": st, "url": engine.url, "error": last if st != "ok" else None}
+            else:
+                engines[name] = st
+        body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable"}
+        if reason is not None:
+            body["reason"] = reason
+        body["engines"] = engines
+        return body
+
+    def unready_reason(self) -> str | None:
+        """Why the router cannot serve now (None: it can)."""
         avail = self.breaker.available
-        return any(avail(n) for n in self.placement.prefill_engines) and any(
-            avail(n) for n in self.placement.decode_engines
-        )
+        missing = [
+            role for role, names in (("prefill", self.placement.prefill_engines), ("decode", self.placement.decode_engines))
+            if not any(avail(n) for n in names)
+        ]  # fmt: skip
+        return f"no engine can {' or '.join(missing)} now" if missing else None
 
     async def count_prompt(self, parsed_body: dict[str, Any], kind: RequestKind) -> PromptCount:
         """The prompt's length for placement: exact, or estimated (``controller.prompt_tokens``)."""
