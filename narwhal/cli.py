@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.resources
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
 from narwhal import __version__
-from narwhal.cmdline import CommandError, duration, guarded, port_number, positive_int
+from narwhal.cmdline import (
+    CommandError,
+    default_fleet_path,
+    duration,
+    guarded,
+    port_number,
+    positive_int,
+)
 from narwhal.config import FleetConfig, load_fleet
 from narwhal.errors import ConfigError
 from narwhal.logs import LEVELS, configure_logging
@@ -28,14 +33,9 @@ from narwhal.logs import LEVELS, configure_logging
 if TYPE_CHECKING:
     from narwhal.profile.store import Profiles
 
-__all__ = ["check_main", "main", "profile_main"]
+__all__ = ["check_main", "default_fleet_path", "main", "profile_main"]
 
 log = logging.getLogger("narwhal")
-
-
-def default_fleet_path() -> Path:
-    """The embedded default fleet document (simulated engines)."""
-    return Path(str(importlib.resources.files("narwhal").joinpath("data/fleet.sim.json")))
 
 
 def _load(path: str | None) -> FleetConfig:
@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _logging_options(pre, top=True)
         known = pre.parse_args(logging_argv)
         configure_logging(known.log_level, json_lines=known.log_json)
-        return delegated[rest[0]](rest[1:])
+        return guarded(f"narwhal {rest[0]}", functools.partial(delegated[rest[0]], rest[1:]))
     args = _parser().parse_args(argv)
     configure_logging(args.log_level, json_lines=args.log_json)
     return guarded(f"narwhal {args.command}", functools.partial(_run, args))

@@ -13,9 +13,11 @@ An interrupt (Ctrl-C) exits with status 130 and no traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import trio
@@ -23,7 +25,7 @@ import trio
 from narwhal.errors import ConfigError
 from narwhal.http.server import ListenError
 
-__all__ = ["CommandError", "describe", "duration", "guarded", "leaves", "port_number", "positive_int"]
+__all__ = ["CommandError", "default_fleet_path", "describe", "duration", "guarded", "leaves", "port_number", "positive_int"]
 
 INTERRUPTED = 130
 
@@ -34,6 +36,11 @@ class CommandError(Exception):
     def __init__(self, message: str, *, status: int = 1) -> None:
         super().__init__(message)
         self.status = status
+
+
+def default_fleet_path() -> Path:
+    """The embedded default fleet document (simulated engines), what ``--fleet`` defaults to."""
+    return Path(str(importlib.resources.files("narwhal").joinpath("data/fleet.sim.json")))
 
 
 def leaves(exc: BaseException) -> list[BaseException]:

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from narwhal import __version__
-from narwhal.cmdline import INTERRUPTED, CommandError
+from narwhal.cmdline import INTERRUPTED, CommandError, leaves
 from narwhal.config import EngineConfig, FleetConfig
 from narwhal.http.server import ListenError
 from narwhal.profile.store import Profiles
@@ -143,10 +143,13 @@ async def _open_sims(stack: contextlib.AsyncExitStack, sims: list[EngineConfig])
 
     try:
         await stack.enter_async_context(open_sim_fleet(sims, sockets=True))
-    except ListenError as exc:
+    except BaseException as exc:
+        failed = [e for e in leaves(exc) if isinstance(e, ListenError)]
+        if not failed:
+            raise
         by_port = {(e.host, e.port): e.name for e in sims}
-        name = by_port.get((exc.host, exc.port), "simulated engine")
-        raise CommandError(f"simulated engine {name}: {exc}") from exc
+        name = by_port.get((failed[0].host, failed[0].port), "?")
+        raise CommandError(f"simulated engine {name}: {failed[0]}") from exc
     log.info("started %d simulated engines: %s", len(sims), ", ".join(f"{e.name}@{e.url}" for e in sims))
 
 

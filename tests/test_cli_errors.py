@@ -142,3 +142,12 @@ def test_a_second_interrupt_stops_at_once_and_journals_the_request(tmp_path: Pat
     assert "narwhal serve: stopped at once on a second signal: 1 request(s) in flight ended as shutdown" in err
     [record] = [json.loads(x) for x in (tmp_path / "runs" / "journal.jsonl").read_text().splitlines()]
     assert record["terminal_class"] == "shutdown"
+
+
+def test_sim_names_the_engine_whose_port_is_held(tmp_path: Path, held_port: int) -> None:
+    doc = json.loads(sim_fleet(tmp_path).read_text())
+    doc["engines"][1]["url"] = f"http://127.0.0.1:{held_port}"
+    (tmp_path / "fleet.json").write_text(json.dumps(doc))
+    done = narwhal("sim", "--fleet", "fleet.json", cwd=tmp_path)
+    assert done.returncode == 1
+    assert one_line(done) == f"narwhal sim: simulated engine prefill-1: cannot listen on 127.0.0.1:{held_port}: address already in use"

@@ -119,7 +119,7 @@ def run_parser() -> argparse.ArgumentParser:
                    help="share of scored requests that must meet the targets (default 0.99)")
     s.add_argument("--late-after", type=duration, default=0.05,
                    help="a start later than this after schedule is a late start (default 50ms)")
-    s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    s.add_argument("--quiet", "--no-progress", dest="progress", action="store_false", help="no progress output")
     s.add_argument("--plot", action="store_true", help="also write TTFT/TPOT CDF PNGs (needs the [plot] extra)")
     return p
 

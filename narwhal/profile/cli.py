@@ -24,7 +24,7 @@ from narwhal.profile.runner import ProfileRun, ProfileSettings, run_profile
 
 __all__ = ["main"]
 
-PROG = "narwhal-profile"
+PROG = "narwhal profile"
 _SWEEP_OPTIONS = ("prefill_lens", "decode_input_lens", "decode_concurrency")
 _DEFAULT_OUT = "runs/profiles.json"
 
@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--refit-samples", metavar="SAMPLES",
                    help="refit the TTFT curves of this saved sidecar into a new pair at --out")  # fmt: skip
     p.add_argument("--seed", type=int, help="seed of the probe prompts (default: random)")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--quiet", "--no-progress", action="store_true", help="no progress output")
     p.add_argument("--plot", action="store_true",
                    help="also write PNGs of the fits beside the pair (needs the [plot] extra)")  # fmt: skip
     return p

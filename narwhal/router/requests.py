@@ -17,9 +17,11 @@ import attrs
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import BadRequest, NarwhalError, Unsupported
 
-__all__ = ["ParsedRequest", "ResponseAccumulator", "error_event", "parse_request"]
+__all__ = ["CHAT_ROLES", "ParsedRequest", "ResponseAccumulator", "error_event", "parse_request"]
 
 _DEFAULT_COMPLETION_TOKENS = 16
+#: The message roles the OpenAI chat API accepts.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: Deepest nesting of a body accepted: the stdlib's JSON codec recurses, so a deeper
 #: body would raise RecursionError on parsing or when forwarded to an engine.
 MAX_BODY_DEPTH = 64
@@ -110,6 +112,16 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
             raise BadRequest("'messages' must be a non-empty list", code="missing_field")
         if not all(isinstance(m, dict) for m in messages):
             raise BadRequest("each item of 'messages' must be an object", code="invalid_type")
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role is None:
+                raise BadRequest(f"'messages[{i}].role' is required", code="missing_field")
+            if role not in CHAT_ROLES:
+                raise BadRequest(
+                    f"invalid value for 'messages[{i}].role': {json.dumps(role)[:80]}; "
+                    f"supported values are {', '.join(repr(r) for r in CHAT_ROLES)}",
+                    code="invalid_value",
+                )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", code="invalid_type")
@@ -162,6 +174,31 @@ class ResponseAccumulator:
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.usage: dict[str, Any] | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.prompt_logprobs: Any = None
+        #: The engine's logprobs merged over the chunks (None: the client asked for none).
+        self.logprobs: dict[str, list[Any]] | None = None
+        self.system_fingerprint: str | None = None
+
+    def _add_prompt(self, holder: dict[str, Any]) -> None:
+        if self.prompt_token_ids is None and isinstance(holder.get("prompt_token_ids"), list):
+            self.prompt_token_ids = holder["prompt_token_ids"]
+        if self.prompt_logprobs is None and holder.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = holder["prompt_logprobs"]
+
+    def _add_logprobs(self, part: Any) -> None:
+        """Merge one chunk's ``logprobs``: chat's ``content`` (and ``refusal``) lists, or
+        completions' parallel ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
+        ``text_offset`` lists (vLLM's offsets count from the start of the text)."""
+        if not isinstance(part, dict):
+            return
+        merged = self.logprobs if self.logprobs is not None else {}
+        for key, value in part.items():
+            if isinstance(value, list):
+                merged.setdefault(key, []).extend(value)
+            else:
+                merged.setdefault(key, [])
+        self.logprobs = merged
 
     def add(self, data: dict[str, Any] | None) -> None:
         if not data:
@@ -169,10 +206,17 @@ class ResponseAccumulator:
         usage = data.get("usage")
         if usage:
             self.usage = usage
+        fingerprint = data.get("system_fingerprint")
+        if isinstance(fingerprint, str):
+            self.system_fingerprint = fingerprint
+        self._add_prompt(data)  # chat: on the response
         for choice in data.get("choices") or ():
             ids = choice.get("token_ids")
             if ids:
                 self.token_ids.extend(ids)
+            self._add_prompt(choice)  # completions: on the choice
+            if choice.get("logprobs") is not None:
+                self._add_logprobs(choice["logprobs"])
             if self.parsed.kind == "chat":
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
@@ -201,7 +245,7 @@ class ResponseAccumulator:
             choice = {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": self.logprobs,
                 "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason,
             }
@@ -211,15 +255,13 @@ class ResponseAccumulator:
             choice = {
                 "index": 0,
                 "text": "".join(self.text),
-                "logprobs": None,
+                "logprobs": self.logprobs,
                 "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason,
             }
             obj = "text_completion"
             rid = f"cmpl-{self.request_id}"
-        if self.parsed.return_token_ids:
-            choice["token_ids"] = list(self.token_ids)
-        return {
+        answer: dict[str, Any] = {
             "id": rid,
             "object": obj,
             "created": created,
@@ -227,3 +269,13 @@ class ResponseAccumulator:
             "choices": [choice],
             "usage": usage,
         }
+        # vLLM's places: on the choice for completions, on the response for chat.
+        prompt_holder = answer if self.parsed.kind == "chat" else choice
+        if self.prompt_logprobs is not None:
+            prompt_holder["prompt_logprobs"] = self.prompt_logprobs
+        if self.parsed.return_token_ids:
+            choice["token_ids"] = list(self.token_ids)
+            prompt_holder["prompt_token_ids"] = self.prompt_token_ids
+        if self.system_fingerprint is not None:
+            answer["system_fingerprint"] = self.system_fingerprint
+        return answer

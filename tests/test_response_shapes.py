@@ -1,0 +1,93 @@
+"""OpenAI/vLLM-exact answers: the non-streamed body relays what the engine sent
+(logprobs, prompt ids when asked, the system fingerprint); chat roles are validated."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+
+from narwhal.errors import BadRequest
+from narwhal.router.requests import CHAT_ROLES, ResponseAccumulator, parse_request
+
+from .routerkit import open_stack
+
+
+def _chunk(text: str, logprobs: Any, **extra: Any) -> dict[str, Any]:
+    return {"id": "cmpl-x", "object": "text_completion", "choices": [
+        {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": extra.pop("finish", None),
+         "stop_reason": None, "token_ids": extra.pop("ids", [1]), **extra}]}  # fmt: skip
+
+
+def test_completion_logprobs_are_merged_over_the_chunks() -> None:
+    parsed = parse_request(json.dumps({"prompt": "hi", "max_tokens": 2, "logprobs": 1}).encode(), "completions")
+    acc = ResponseAccumulator(parsed, "r1", "m")
+    first = {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5}], "text_offset": [0]}
+    second = {"tokens": ["bc"], "token_logprobs": [-1.25], "top_logprobs": [{"bc": -1.25}], "text_offset": [1]}
+    acc.add(_chunk("a", first, prompt_token_ids=[7, 8]))
+    acc.add(_chunk("bc", second, finish="length"))
+    [choice] = acc.body(2)["choices"]
+    assert choice["logprobs"] == {
+        "tokens": ["a", "bc"], "token_logprobs": [-0.5, -1.25],
+        "top_logprobs": [{"a": -0.5}, {"bc": -1.25}], "text_offset": [0, 1],
+    }  # fmt: skip
+    assert choice["text"] == "abc"
+    assert "token_ids" not in choice and "prompt_token_ids" not in choice  # not asked
+
+
+def test_chat_logprobs_and_prompt_ids_in_vllm_places() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "return_token_ids": True}
+    acc = ResponseAccumulator(parse_request(json.dumps(body).encode(), "chat"), "r2", "m")
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    acc.add({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}],
+             "prompt_token_ids": [5, 6, 7], "system_fingerprint": "vllm-0.32.0"})  # fmt: skip
+    acc.add({"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry]}, "token_ids": [97]}]})
+    acc.add({"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry]},
+                          "token_ids": [97], "finish_reason": "length"}]})  # fmt: skip
+    out = acc.body(3)
+    [choice] = out["choices"]
+    assert choice["logprobs"] == {"content": [entry, entry]}
+    assert choice["message"]["content"] == "aa" and choice["token_ids"] == [97, 97]
+    assert out["prompt_token_ids"] == [5, 6, 7] and "prompt_token_ids" not in choice
+    assert out["system_fingerprint"] == "vllm-0.32.0"
+
+
+def test_without_logprobs_the_answer_says_null() -> None:
+    acc = ResponseAccumulator(parse_request(b'{"prompt": "hi"}', "completions"), "r3", "m")
+    acc.add(_chunk("a", None, finish="length"))
+    assert acc.body(1)["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("role", CHAT_ROLES)
+def test_every_openai_role_is_accepted(role: str) -> None:
+    parse_request(json.dumps({"messages": [{"role": role, "content": "x"}]}).encode(), "chat")
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "text"),
+    [
+        ({"role": "wizard", "content": "x"}, "invalid_value", "invalid value for 'messages[1].role': \"wizard\""),
+        ({"role": 3, "content": "x"}, "invalid_value", "invalid value for 'messages[1].role': 3"),
+        ({"content": "x"}, "missing_field", "'messages[1].role' is required"),
+    ],
+)
+def test_a_bad_role_is_refused_naming_the_message(message: dict[str, Any], code: str, text: str) -> None:
+    body = {"messages": [{"role": "user", "content": "ok"}, message]}
+    with pytest.raises(BadRequest) as err:
+        parse_request(json.dumps(body).encode(), "chat")
+    assert err.value.code == code and str(err.value).startswith(text)
+
+
+async def test_prompt_token_ids_only_when_the_client_asks(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        plain = (await stack.complete({"prompt": "a b c", "max_tokens": 3})).json()
+        asked = (await stack.complete({"prompt": "a b c", "max_tokens": 3, "return_token_ids": True})).json()
+        chat = await stack.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 3, "return_token_ids": True})  # fmt: skip
+    assert "prompt_token_ids" not in plain["choices"][0] and "token_ids" not in plain["choices"][0]
+    choice = asked["choices"][0]
+    assert len(choice["token_ids"]) == 3
+    assert isinstance(choice["prompt_token_ids"], list) and choice["prompt_token_ids"]
+    assert isinstance(chat.json()["prompt_token_ids"], list) and chat.json()["prompt_token_ids"]
