@@ -178,12 +178,18 @@ def _serve_config(args: argparse.Namespace) -> FleetConfig:
     return config
 
 
+def _admin_port(args: argparse.Namespace, config: FleetConfig) -> int:
+    return config.server.admin_port if args.admin_port is None else int(args.admin_port)
+
+
 def _worker_argv(args: argparse.Namespace, config: FleetConfig) -> Callable[[int], list[str]]:
-    admin_base = config.server.admin_port if args.admin_port is None else args.admin_port
+    from narwhal import serving
+
+    ports = serving.worker_admin_ports(_admin_port(args, config), args.workers)
 
     def argv(i: int) -> list[str]:
         cmd = ["--log-level", args.log_level, *(["--log-json"] if args.log_json else [])]
-        cmd += ["serve", "--worker-of", str(args.workers), "--admin-port", str(admin_base + i if admin_base else 0)]
+        cmd += ["serve", "--worker-of", str(args.workers), "--admin-port", str(ports[i])]
         for flag, value in (("--fleet", args.fleet), ("--profiles", args.profiles), ("--host", args.host)):
             if value:
                 cmd += [flag, value]
@@ -201,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
         config = _serve_config(args)
         profiles = _preflight(config)
         if args.workers > 1:
-            trio.run(serving.run_workers, config, args.workers, _worker_argv(args, config))
+            trio.run(serving.run_workers, config, args.workers, _worker_argv(args, config), _admin_port(args, config))
         elif args.worker_of:
             # A worker of --workers: shared port, engine load read from the engines.
             server = attrs.evolve(config.server, engine_load_poll_s=config.server.engine_load_poll_s or 1.0)

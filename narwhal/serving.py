@@ -209,9 +209,20 @@ async def run_serve(
     await _with_stop(body)
 
 
-async def run_workers(config: FleetConfig, workers: int, worker_argv: Callable[[int], list[str]]) -> None:
+def worker_admin_ports(admin_port: int, workers: int) -> list[int]:
+    """The admin ports of ``--workers``' workers: the ``workers`` ports after
+    ``admin_port`` (which serves them combined); 0 each when ``admin_port`` is 0."""
+    return [admin_port + 1 + i if admin_port else 0 for i in range(workers)]
+
+
+async def run_workers(
+    config: FleetConfig, workers: int, worker_argv: Callable[[int], list[str]], admin_port: int
+) -> None:
     """``--workers N``: N router processes on one port (SO_REUSEPORT); this process runs
-    the simulated engines (if any), supervises the workers and forwards the signals."""
+    the simulated engines (if any), supervises the workers, forwards the signals and
+    serves their admin surfaces combined on ``admin_port``."""
+    from narwhal.http.server import HTTPServer
+    from narwhal.router.fanin import WorkersAdminApp
 
     async def body(stop: Stop) -> None:
         sims = [e for e in config.engines if e.sim is not None]
@@ -220,6 +231,17 @@ async def run_workers(config: FleetConfig, workers: int, worker_argv: Callable[[
                 sims = await _split_sims(sims, config.engine.connect_timeout_s)
             if sims:
                 await _open_sims(stack, sims)
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            admin_server: HTTPServer | None = None
+            if admin_port:
+                host = config.server.admin_host
+                urls = [f"http://{_url_host(host)}:{p}" for p in worker_admin_ports(admin_port, workers)]
+                admin_server = HTTPServer(WorkersAdminApp(urls), server_name="narwhal-admin")
+                where = "admin port (--admin-port, server.admin_port)"
+                await _listen(nursery, admin_server.serve_tcp, host, admin_port, where)
+                log.info("admin endpoints of the %d workers, combined, on http://%s:%d", workers, host, admin_port)
+            else:
+                log.warning("admin_port 0 with --workers: each worker has its own admin port, none combined")
             procs = []
             try:
                 for i in range(workers):
@@ -237,8 +259,19 @@ async def run_workers(config: FleetConfig, workers: int, worker_argv: Callable[[
             finally:
                 with trio.CancelScope(shield=True):
                     await _stop_workers(procs, stop, config.server.shutdown_grace_s + 10)
+                    if admin_server is not None:
+                        await admin_server.shutdown(0)
 
     await _with_stop(body)
+
+
+def _url_host(host: str) -> str:
+    """A listen address as a URL host: the wildcard as loopback, IPv6 in brackets."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 async def _exited(proc: trio.Process, stop: Stop) -> None:
