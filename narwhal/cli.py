@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -148,9 +149,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--profiles", metavar="P", help="price placement by this profiles.json (overrides the document's profiles.path)"
     )
+    serve.add_argument(
+        "--api-key", action="append", metavar="KEY",
+        help="a bearer key clients must present, added to server.api_keys (repeatable; also the "
+        "NARWHAL_API_KEY environment variable, which other users cannot read in ps)",
+    )  # fmt: skip
     serve.add_argument("--host", help="listen address (default: server.host)")
     serve.add_argument("--port", type=port_number, help="listen port, 0-65535 (default: server.port)")
     serve.add_argument("--admin-port", type=port_number, help="admin (metrics, events) port (default: server.admin_port)")
+    serve.add_argument(
+        "--metrics-on-api-port", action="store_true",
+        help="also answer GET /metrics on the router port, as vLLM does (behind --api-key when keys are set)",
+    )  # fmt: skip
     serve.add_argument("--workers", type=positive_int, default=1, help="router processes sharing the port (SO_REUSEPORT)")
     serve.add_argument("--worker-of", type=int, default=0, help=argparse.SUPPRESS)
     sim = add("sim")
@@ -169,6 +179,11 @@ def _serve_config(args: argparse.Namespace) -> FleetConfig:
     config = _load(args.fleet)
     if args.profiles is not None:
         config = attrs.evolve(config, profiles=attrs.evolve(config.profiles, path=args.profiles))
+    keys = [*(args.api_key or ()), *filter(None, [os.environ.get("NARWHAL_API_KEY")])]
+    if keys:
+        if any(not k.strip() for k in keys):
+            raise CommandError("an API key is empty (--api-key, NARWHAL_API_KEY)", status=2)
+        config = attrs.evolve(config, server=attrs.evolve(config.server, api_keys=(*config.server.api_keys, *keys)))
     port = config.server.port if args.port is None else args.port
     admin = config.server.admin_port if args.admin_port is None else args.admin_port
     if port and port == admin and args.workers == 1:
@@ -193,6 +208,10 @@ def _worker_argv(args: argparse.Namespace, config: FleetConfig) -> Callable[[int
         for flag, value in (("--fleet", args.fleet), ("--profiles", args.profiles), ("--host", args.host)):
             if value:
                 cmd += [flag, value]
+        for key in args.api_key or ():
+            cmd += ["--api-key", key]
+        if args.metrics_on_api_port:
+            cmd.append("--metrics-on-api-port")
         if args.port is not None:
             cmd += ["--port", str(args.port)]
         return cmd
@@ -216,10 +235,14 @@ def _run(args: argparse.Namespace) -> int:
                 functools.partial(
                     serving.run_serve, config, args.host, args.port, args.admin_port,
                     reuse_port=True, start_sims=False, profiles=profiles,
+                    metrics_on_api_port=args.metrics_on_api_port,
                 )
             )  # fmt: skip
         else:
-            run = functools.partial(serving.run_serve, config, args.host, args.port, args.admin_port, profiles=profiles)
+            run = functools.partial(
+                serving.run_serve, config, args.host, args.port, args.admin_port,
+                profiles=profiles, metrics_on_api_port=args.metrics_on_api_port,
+            )  # fmt: skip
             trio.run(run)
     elif args.command == "sim":
         trio.run(serving.run_sim, _load(args.fleet))

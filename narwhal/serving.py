@@ -162,6 +162,7 @@ async def run_serve(
     reuse_port: bool = False,
     start_sims: bool = True,
     profiles: Profiles | None = None,
+    metrics_on_api_port: bool = False,
 ) -> None:
     """``narwhal serve`` (one process, or one worker of ``--workers``) until signalled."""
 
@@ -174,7 +175,9 @@ async def run_serve(
                 sims = await _split_sims(sims, config.engine.connect_timeout_s)
             if sims:
                 await _open_sims(stack, sims)
-            router = await stack.enter_async_context(open_router(config, profiles=profiles))
+            router = await stack.enter_async_context(
+                open_router(config, profiles=profiles, metrics_on_api_port=metrics_on_api_port)
+            )
             nursery = await stack.enter_async_context(trio.open_nursery())
             bound = await _listen(
                 nursery, router.serve_tcp, host, port, "router port (--port, server.port)", reuse_port=reuse_port

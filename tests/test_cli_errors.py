@@ -151,3 +151,27 @@ def test_sim_names_the_engine_whose_port_is_held(tmp_path: Path, held_port: int)
     done = narwhal("sim", "--fleet", "fleet.json", cwd=tmp_path)
     assert done.returncode == 1
     assert one_line(done) == f"narwhal sim: simulated engine prefill-1: cannot listen on 127.0.0.1:{held_port}: address already in use"
+
+
+def test_serve_api_key_and_metrics_on_the_api_port(tmp_path: Path) -> None:
+    port = free_port()
+    fleet = sim_fleet(tmp_path, sims=False)
+    argv = ["serve", "--fleet", str(fleet), "--port", str(port), "--api-key", "k-1", "--metrics-on-api-port"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", *argv],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        assert "narwhal serving on" in proc.stdout.readline()
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(url, timeout=10).status_code == 401
+        assert httpx.get(url, headers={"authorization": "Bearer k-1"}, timeout=10).status_code == 200
+        metrics = f"http://127.0.0.1:{port}/metrics"
+        assert httpx.get(metrics, timeout=10).status_code == 401
+        scraped = httpx.get(metrics, headers={"authorization": "Bearer k-1"}, timeout=10)
+        assert scraped.status_code == 200 and "narwhal_ready 0.0" in scraped.text  # no engine is up
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0

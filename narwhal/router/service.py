@@ -94,6 +94,7 @@ async def open_router(
     transport: httpx.AsyncBaseTransport | None = None,
     journal: Journal | None = None,
     profiles: Profiles | None = None,
+    metrics_on_api_port: bool = False,
 ) -> AsyncIterator[Router]:
     """Start a router's background tasks; on exit drain, flush the journal, close clients.
 
@@ -104,12 +105,16 @@ async def open_router(
         journal: a journal to use instead of the one ``config.journal`` names.
         profiles: a profiles pair that passed Gate F: placement is priced by it for
             every engine whose profile binds to the generation running now.
+        metrics_on_api_port: also answer ``GET /metrics`` on the OpenAI listener.
     """
     state = RouterState(config, transport=transport, journal=journal, profiles=profiles)
     limits = server_limits(config)
-    server = HTTPServer(RouterApp(state), limits, server_name="narwhal")
+    app = RouterApp(state)
+    server = HTTPServer(app, limits, server_name="narwhal")
     events = EventHub()
     metrics = RouterMetrics(state, events)
+    if metrics_on_api_port:
+        app.metrics = metrics.exposition
     state.journal.add_listener(events.on_record)
     state.breaker.add_listener(events.on_transition)
     admin = HTTPServer(AdminApp(state, metrics, events), limits, server_name="narwhal-admin")

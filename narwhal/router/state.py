@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import attrs
@@ -11,7 +12,7 @@ import httpx
 import trio
 
 from narwhal.config import EngineConfig, FleetConfig
-from narwhal.engines.client import EngineClient, Tokenized
+from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import EngineError, Refused
 from narwhal.profile.store import Profiles
@@ -241,8 +242,7 @@ class RouterState:
             if live != profile.identity:
                 placement.profiles.pop(name, None)
                 placement.unbound[name] = (
-                    "profile bound to another engine generation (started "
-                    f"{profile.identity.process_start_time}, running {live.process_start_time}): "
+                    f"profile bound to another engine generation ({_generation_change(profile.identity, live)}): "
                     "re-profile or refit"
                 )
                 return
@@ -260,3 +260,22 @@ class RouterState:
         for client in self.clients.values():
             with trio.move_on_after(5, shield=True):
                 await client.aclose()
+
+
+def _when(ts: float | None) -> str:
+    """An engine's process start time as a UTC date (epoch seconds mean nothing to a reader)."""
+    if ts is None:
+        return "unknown"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _generation_change(profiled: EngineIdentity, live: EngineIdentity) -> str:
+    """What differs between the profiled engine and the one running now."""
+    changes = [
+        f"{field} {getattr(profiled, field)!r} -> {getattr(live, field)!r}"
+        for field in ("url", "model", "version", "max_model_len")
+        if getattr(profiled, field) != getattr(live, field)
+    ]
+    if profiled.process_start_time != live.process_start_time:
+        changes.append(f"started {_when(profiled.process_start_time)}, running since {_when(live.process_start_time)}")
+    return "; ".join(changes)
