@@ -91,3 +91,50 @@ async def test_prompt_token_ids_only_when_the_client_asks(autojump_clock: trio.a
     assert len(choice["token_ids"]) == 3
     assert isinstance(choice["prompt_token_ids"], list) and choice["prompt_token_ids"]
     assert isinstance(chat.json()["prompt_token_ids"], list) and chat.json()["prompt_token_ids"]
+
+
+async def test_one_response_id_and_token_ids_only_when_asked_in_a_stream(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        plain_status, plain = await stack.stream({"prompt": "a b c", "max_tokens": 4})
+        async with stack.client.stream(
+            "POST", "/v1/completions", headers={"x-request-id": "client-rid-7"},
+            json={"prompt": "a b c", "max_tokens": 4, "stream": True, "return_token_ids": True},
+        ) as resp:  # fmt: skip
+            assert resp.headers["x-request-id"] == "client-rid-7"
+            asked = [json.loads(line[6:]) for line in [x async for x in resp.aiter_lines()]
+                     if line.startswith("data: {")]  # fmt: skip
+        chat_status, chat = await stack.stream(
+            {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 3}, path="/v1/chat/completions"
+        )
+        whole = await stack.complete({"prompt": "a b c", "max_tokens": 2}, headers={"x-request-id": "client-rid-8"})
+    assert plain_status == chat_status == 200
+    chunks = [e for e in plain if isinstance(e, dict)]
+    assert chunks and all("token_ids" not in c and "prompt_token_ids" not in c for e in chunks for c in e["choices"])
+    assert len({e["id"] for e in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    assert "-d" not in chunks[0]["id"]  # not the decode leg's id
+    assert {e["id"] for e in asked} == {"cmpl-client-rid-7"}
+    assert sum(len(c["token_ids"]) for e in asked for c in e["choices"]) == 4
+    assert isinstance(asked[0]["choices"][0]["prompt_token_ids"], list)
+    chat_chunks = [e for e in chat if isinstance(e, dict)]
+    assert len({e["id"] for e in chat_chunks}) == 1 and chat_chunks[0]["id"].startswith("chatcmpl-")
+    assert all("prompt_token_ids" not in e for e in chat_chunks)
+    assert whole.json()["id"] == "cmpl-client-rid-8" and whole.headers["x-request-id"] == "client-rid-8"
+
+
+def test_shaping_real_vllm_events_keeps_them_valid_json() -> None:
+    from pathlib import Path
+
+    from narwhal.router.requests import StreamShaper
+
+    recorded = (Path(__file__).parent.parent / "fixtures" / "completions-stream-token-ids.sse").read_bytes()
+    events = [e + b"\n\n" for e in recorded.split(b"\n\n") if e.startswith(b"data: {")]
+    parsed = parse_request(b'{"prompt": "x", "stream": true}', "completions")
+    shaped = [json.loads(StreamShaper(parsed, "rid-1")(e)[6:]) for e in events]
+    assert {s["id"] for s in shaped} == {"cmpl-rid-1"}
+    assert all(set(c) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+               for s in shaped for c in s["choices"])  # fmt: skip
+    assert shaped[-1]["usage"]["completion_tokens"] == 20
+    asked = parse_request(b'{"prompt": "x", "stream": true, "return_token_ids": true}', "completions")
+    kept = [json.loads(StreamShaper(asked, "rid-2")(e)[6:]) for e in events]
+    assert kept[0]["choices"][0]["prompt_token_ids"] == [86, 516, 692, 1415, 1336, 369, 80, 644, 90]
+    assert sum(len(c["token_ids"]) for k in kept for c in k["choices"]) == 20

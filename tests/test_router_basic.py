@@ -18,7 +18,7 @@ async def test_streamed_completion_and_journal(autojump_clock: trio.abc.Clock) -
     async with open_stack() as stack:
         t0 = trio.current_time()
         status, events = await stack.stream(
-            {"model": "sim-llama", "prompt": PROMPT, "max_tokens": 8}
+            {"model": "sim-llama", "prompt": PROMPT, "max_tokens": 8, "return_token_ids": True}
         )
         assert status == 200
         assert events[-1] == "[DONE]"
@@ -58,7 +58,7 @@ async def test_chat_streaming_and_not(autojump_clock: trio.abc.Clock) -> None:
     async with open_stack() as stack:
         messages = [{"role": "user", "content": "tell me a story"}]
         status, events = await stack.stream(
-            {"messages": messages, "max_tokens": 4}, path="/v1/chat/completions"
+            {"messages": messages, "max_tokens": 4, "return_token_ids": True}, path="/v1/chat/completions"
         )
         assert status == 200 and events[-1] == "[DONE]"
         ids = [t for e in events[:-1] for c in e.get("choices", []) for t in (c.get("token_ids") or [])]

@@ -59,7 +59,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_streams_tokens_and_done(served: tuple[str, Path, str]) -> None:
     url, _, _ = served
-    body = json.dumps({"model": "sim-llama", "prompt": "hello narwhal", "max_tokens": 8, "stream": True})
+    body = json.dumps(
+        {"model": "sim-llama", "prompt": "hello narwhal", "max_tokens": 8, "stream": True, "return_token_ids": True}
+    )
     out = subprocess.run(
         ["curl", "-sS", "-N", "--max-time", "30", f"{url}/v1/completions",
          "-H", "content-type: application/json", "-d", body],

@@ -50,7 +50,13 @@ from narwhal.errors import (
 from narwhal.http.server import Request, ResponseWriter
 from narwhal.router.journal import AttemptRecord, RequestRecord
 from narwhal.router.placement import Reservation
-from narwhal.router.requests import ParsedRequest, ResponseAccumulator, error_event, parse_request
+from narwhal.router.requests import (
+    ParsedRequest,
+    ResponseAccumulator,
+    StreamShaper,
+    error_event,
+    parse_request,
+)
 from narwhal.router.state import PromptCount, RouterState
 
 __all__ = ["RequestLifecycle", "terminal_class_for"]
@@ -363,6 +369,7 @@ class RequestLifecycle:
         first_token_deadline = clock() + cfg.first_token_timeout_s
         scope = trio.CancelScope(deadline=min(handoff_deadline, first_token_deadline))
         acc = None if parsed.stream else ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+        shape = StreamShaper(parsed, self.request_id)
         forward_meta = parsed.include_usage
         respond = self.response
         tokens = 0
@@ -400,7 +407,7 @@ class RequestLifecycle:
                             if acc is not None:
                                 acc.add(chunk.data)
                             else:
-                                out.append(chunk.raw)
+                                out.append(shape(chunk.raw))
                             if tokens == n and n:
                                 self.visible = True
                                 self.record.first_byte_s = clock() - self.arrival
@@ -415,7 +422,7 @@ class RequestLifecycle:
                         elif acc is not None:
                             acc.add(chunk.data)
                         elif forward_meta or not _is_usage(chunk.data):
-                            (out if self.committed else held).append(chunk.raw)  # held: e.g. chat's role delta
+                            (out if self.committed else held).append(shape(chunk.raw))  # held: e.g. role delta
                         if stream.buffered:
                             continue  # more of this burst already arrived
                         # The end of a burst: one write for everything that arrived together,

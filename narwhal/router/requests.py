@@ -9,6 +9,7 @@ the decode stream's chunks.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -17,7 +18,7 @@ import attrs
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import BadRequest, NarwhalError, Unsupported
 
-__all__ = ["CHAT_ROLES", "ParsedRequest", "ResponseAccumulator", "error_event", "parse_request"]
+__all__ = ["CHAT_ROLES", "ParsedRequest", "ResponseAccumulator", "StreamShaper", "error_event", "parse_request"]
 
 _DEFAULT_COMPLETION_TOKENS = 16
 #: The message roles the OpenAI chat API accepts.
@@ -250,7 +251,6 @@ class ResponseAccumulator:
                 "stop_reason": self.stop_reason,
             }
             obj = "chat.completion"
-            rid = f"chatcmpl-{self.request_id}"
         else:
             choice = {
                 "index": 0,
@@ -260,9 +260,8 @@ class ResponseAccumulator:
                 "stop_reason": self.stop_reason,
             }
             obj = "text_completion"
-            rid = f"cmpl-{self.request_id}"
         answer: dict[str, Any] = {
-            "id": rid,
+            "id": response_id(self.parsed, self.request_id),
             "object": obj,
             "created": created,
             "model": self.model,
@@ -279,3 +278,64 @@ class ResponseAccumulator:
         if self.system_fingerprint is not None:
             answer["system_fingerprint"] = self.system_fingerprint
         return answer
+
+
+#: An event's response id: vLLM serialises it as the first key of every chunk.
+_EVENT_ID = re.compile(rb'^data: \{\s*"id"\s*:\s*"(?:[^"\\]|\\.)*"')
+_COMPACT_ID = b'data: {"id":"'
+_COMPACT_IDS = (b',"prompt_token_ids":', b',"token_ids":')
+#: The token ids the router asks the consumer for (to count output), and the prompt's.
+_TOKEN_IDS = re.compile(rb'\s*,\s*"(?:prompt_)?token_ids"\s*:\s*(?:null|\[[\d,\s]*\])')
+
+
+def response_id(parsed: ParsedRequest, request_id: str) -> str:
+    """The id of the answer to ``request_id``: the same in every stream chunk and in a
+    non-streamed body (the ``x-request-id`` header carries ``request_id``), as vLLM."""
+    return ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + request_id
+
+
+class StreamShaper:
+    """The consumer's SSE events as the client's: each chunk carries the router's
+    response id (not the decode leg's), and the token ids the router asked the engine
+    for go only to a client that asked for them (``return_token_ids``)."""
+
+    def __init__(self, parsed: ParsedRequest, request_id: str) -> None:
+        self._id = b'data: {"id":' + json.dumps(response_id(parsed, request_id)).encode()
+        self._strip_ids = not parsed.return_token_ids
+
+    def _replace_id(self, _: re.Match[bytes]) -> bytes:
+        return self._id
+
+    def __call__(self, raw: bytes) -> bytes:
+        # Per token, so the compact form vLLM writes is cut by hand; the patterns
+        # handle any other spacing.
+        if raw.startswith(_COMPACT_ID):
+            end = raw.find(b'"', len(_COMPACT_ID))
+            if end > 0 and raw[end - 1] != 0x5C:  # no escaped quote inside the id
+                raw = self._id + raw[end + 1 :]
+            else:
+                raw = _EVENT_ID.sub(self._replace_id, raw, count=1)
+        else:
+            raw = _EVENT_ID.sub(self._replace_id, raw, count=1)
+        if self._strip_ids and b"token_ids" in raw:
+            for key in _COMPACT_IDS:
+                raw = _cut(raw, key)
+            if b"token_ids" in raw:
+                raw = _TOKEN_IDS.sub(b"", raw)
+        return raw
+
+
+def _cut(raw: bytes, key: bytes) -> bytes:
+    """``raw`` without the compact member ``key`` (``,"token_ids":``) and its value
+    (null or a list of ints); as is when the value is anything else."""
+    i = raw.find(key)
+    if i < 0:
+        return raw
+    j = i + len(key)
+    if raw.startswith(b"null", j):
+        return raw[:i] + raw[j + 4 :]
+    if raw.startswith(b"[", j):
+        end = raw.find(b"]", j)
+        if end > 0:
+            return raw[:i] + raw[end + 1 :]
+    return raw
