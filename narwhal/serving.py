@@ -93,7 +93,8 @@ def _port_free(host: str, port: int) -> bool:
 
 
 async def _serves(engine: EngineConfig, timeout_s: float) -> bool:
-    """Whether ``engine``'s URL answers as that simulated engine (its model, its version)."""
+    """Whether ``engine``'s URL answers as that simulated engine (its model, version and
+    max_model_len)."""
     from narwhal.engines.client import EngineClient
     from narwhal.errors import EngineError
 
@@ -104,7 +105,8 @@ async def _serves(engine: EngineConfig, timeout_s: float) -> bool:
                 ident = await client.identity()
     except (EngineError, trio.TooSlowError):
         return False
-    return ident.model == engine.sim.model and ident.version == engine.sim.version
+    sim = engine.sim
+    return (ident.model, ident.version, ident.max_model_len) == (sim.model, sim.version, sim.max_model_len)
 
 
 async def _split_sims(sims: list[EngineConfig], timeout_s: float) -> list[EngineConfig]:

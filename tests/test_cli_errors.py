@@ -175,3 +175,37 @@ def test_serve_api_key_and_metrics_on_the_api_port(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+def test_serve_attaches_to_the_engines_narwhal_sim_runs(tmp_path: Path) -> None:
+    fleet = sim_fleet(tmp_path)
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "sim", "--fleet", str(fleet)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV,
+    )  # fmt: skip
+    port = free_port()
+    serve = None
+    try:
+        assert sim.stdout is not None
+        assert all(sim.stdout.readline().startswith("simulated engine ") for _ in range(4))
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "narwhal", "serve", "--fleet", str(fleet), "--port", str(port)],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+        )  # fmt: skip
+        assert serve.stdout is not None
+        lines = []
+        for line in serve.stdout:
+            lines.append(line)
+            if line.startswith("narwhal serving on"):
+                break
+        assert any("attached to the simulated engines already running" in x for x in lines), lines
+        assert not any("started 4 simulated engines" in x for x in lines)
+        assert "NOT READY" not in lines[-1]
+        done = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "a b", "max_tokens": 2}, timeout=30)
+        assert done.status_code == 200
+    finally:
+        for proc in (serve, sim):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.communicate(timeout=30)
+    assert serve is not None and serve.returncode == 0 and sim.returncode == 0
