@@ -3,14 +3,22 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
 import pytest
 import trio
 
-from narwhal.errors import BadRequest
-from narwhal.router.requests import CHAT_ROLES, ResponseAccumulator, parse_request
+from narwhal import errors
+from narwhal.errors import BadRequest, EngineHTTPError, NarwhalError
+from narwhal.http import connection
+from narwhal.router.requests import (
+    CHAT_ROLES,
+    ResponseAccumulator,
+    error_event,
+    parse_request,
+)
 
 from .routerkit import open_stack
 
@@ -138,3 +146,38 @@ def test_shaping_real_vllm_events_keeps_them_valid_json() -> None:
     kept = [json.loads(StreamShaper(asked, "rid-2")(e)[6:]) for e in events]
     assert kept[0]["choices"][0]["prompt_token_ids"] == [86, 516, 692, 1415, 1336, 369, 80, 644, 90]
     assert sum(len(c["token_ids"]) for k in kept for c in k["choices"]) == 20
+
+
+def _error_classes(base: type[NarwhalError] = NarwhalError) -> list[type[NarwhalError]]:
+    found = [base]
+    for sub in base.__subclasses__():
+        found += _error_classes(sub)
+    return found
+
+
+def _instance(cls: type[NarwhalError]) -> NarwhalError:
+    """One of each error, built from its own signature (a new class needs no entry here)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    args = ["boom" for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self" and p.default is p.empty]
+    kwargs = {p.name: 500 for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    return cls(*args, **kwargs)
+
+
+def test_every_error_body_has_openais_code_a_string_or_null() -> None:
+    # OpenAI's error objects carry ``code`` as a string ("context_length_exceeded",
+    # "model_not_found", "invalid_api_key") or null; the status is the status line's.
+    classes = _error_classes()
+    assert {c.__name__ for c in classes} >= set(errors.__all__)
+    bodies = [_instance(cls).to_body() for cls in classes]
+    for status in (400, 404, 422, 500, 503):
+        for detail in ("bad token id", "This model's maximum context length is 64 tokens. However, ..."):
+            bodies.append(EngineHTTPError("x", upstream_status=status, detail=detail).to_body())
+    bodies += [json.loads(error_event(_instance(cls)).removeprefix(b"data: ")) for cls in classes]
+    bodies += [json.loads(b) for b in (connection._INTERNAL_ERROR_BODY, *connection._PROTOCOL_ERROR_BODIES.values())]
+    for body in bodies:
+        assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+        assert body["error"]["code"] is None or isinstance(body["error"]["code"], str), body
+    assert EngineHTTPError("x", upstream_status=400, detail="maximum context length").to_body()["error"]["code"] == (
+        "context_length_exceeded"
+    )
+

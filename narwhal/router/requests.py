@@ -157,9 +157,7 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
 
 def error_event(err: NarwhalError) -> bytes:
     """The terminal SSE event for a failure after HTTP 200 was committed."""
-    body = err.to_body()
-    body["error"]["code"] = err.http_status
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json.dumps(err.to_body(), separators=(",", ":")).encode() + b"\n\n"
 
 
 class ResponseAccumulator:
