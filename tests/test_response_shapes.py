@@ -16,6 +16,7 @@ from narwhal.http import connection
 from narwhal.router.requests import (
     CHAT_ROLES,
     ResponseAccumulator,
+    engine_context_length,
     error_event,
     parse_request,
 )
@@ -181,3 +182,29 @@ def test_every_error_body_has_openais_code_a_string_or_null() -> None:
         "context_length_exceeded"
     )
 
+
+@pytest.mark.parametrize(
+    ("detail", "status", "known", "message"),
+    [
+        # vLLM's wordings (older and newer) for the prefill leg's one-token request.
+        ("This model's maximum context length is 4096 tokens. However, you requested 5001 tokens "
+         "(5000 in the messages, 1 in the completion). Please reduce the length of the messages or "
+         "completion.", 400, None, "has 5000 prompt tokens and asks for 7 output tokens"),
+        ("This model's maximum context length is 4096 tokens. However, your request has 4100 input "
+         "tokens. Please reduce the length of the input messages.", 400, None, "has 4100 prompt tokens"),
+        # No count in the message: the router's exact count, else the engine's own words.
+        ("This model's maximum context length is 4096 tokens.", 400, 4096, "has 4096 prompt tokens"),
+        ("This model's maximum context length is 4096 tokens.", 400, None, None),
+        ("token id 99999 is out of vocabulary", 400, 10, None),
+        ("This model's maximum context length is 4096 tokens.", 503, 4096, None),  # not the client's fault
+    ],
+)  # fmt: skip
+def test_an_engines_context_400_reads_as_the_routers(detail: str, status: int, known: int | None, message: str | None) -> None:
+    parsed = parse_request(json.dumps({"prompt": "hi", "max_tokens": 7}).encode(), "completions")
+    over = engine_context_length(EngineHTTPError("x", upstream_status=status, detail=detail), parsed, known)
+    if message is None:
+        assert over is None
+    else:
+        assert over is not None and over.code == "context_length_exceeded"
+        assert str(over).startswith("this model's maximum context length is 4096 tokens; the request ")
+        assert message in str(over) and str(over).endswith("asks for 7 output tokens")

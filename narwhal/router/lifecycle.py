@@ -35,7 +35,6 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult, RequestKind
 from narwhal.errors import (
     ClientError,
-    ContextLengthExceeded,
     DeadlineExceeded,
     EngineError,
     EngineTimeout,
@@ -54,6 +53,8 @@ from narwhal.router.requests import (
     ParsedRequest,
     ResponseAccumulator,
     StreamShaper,
+    context_length_exceeded,
+    engine_context_length,
     error_event,
     parse_request,
 )
@@ -222,10 +223,7 @@ class RequestLifecycle:
         record.requested_output_len = self.max_tokens
         # An estimate is not grounds for refusing: the engines check the exact length.
         if tok.exact and max_model_len is not None and tok.count + self.max_tokens > max_model_len:
-            raise ContextLengthExceeded(
-                f"this model's maximum context length is {max_model_len} tokens; the request has "
-                f"{tok.count} prompt tokens and asks for {self.max_tokens} output tokens"
-            )
+            raise context_length_exceeded(max_model_len, tok.count, self.max_tokens)
         state.retry_budget.note_request()
         max_attempts = state.config.recovery.max_attempts
         tried: set[str] = set()
@@ -244,6 +242,10 @@ class RequestLifecycle:
                 if err.engine:
                     tried.add(err.engine)
                 if not self._may_retry(err, n, max_attempts):
+                    # An engine's 400 for an over-long prompt reads as the router's own.
+                    over = engine_context_length(err, parsed, record.prompt_tokens)
+                    if over is not None:
+                        raise over from err
                     raise
 
     def _may_retry(self, err: EngineError, n: int, max_attempts: int) -> bool:
@@ -338,10 +340,7 @@ class RequestLifecycle:
                     self.max_tokens = parsed.output_limit(counted, limit)
                     self.record.requested_output_len = self.max_tokens
                 elif limit is not None and counted + self.max_tokens > limit:
-                    raise ContextLengthExceeded(
-                        f"this model's maximum context length is {limit} tokens; the request has "
-                        f"{counted} prompt tokens and asks for {self.max_tokens} output tokens"
-                    )
+                    raise context_length_exceeded(limit, counted, self.max_tokens)
         attempt.ttft_s = prefill_done - self.arrival
         self.record.ttft_s = attempt.ttft_s
         # The producer's client validated the descriptor against the producer's

@@ -16,9 +16,25 @@ from typing import Any
 import attrs
 
 from narwhal.engines.connector import RequestKind
-from narwhal.errors import BadRequest, NarwhalError, Unsupported
+from narwhal.errors import (
+    BadRequest,
+    ContextLengthExceeded,
+    EngineError,
+    EngineHTTPError,
+    NarwhalError,
+    Unsupported,
+)
 
-__all__ = ["CHAT_ROLES", "ParsedRequest", "ResponseAccumulator", "StreamShaper", "error_event", "parse_request"]
+__all__ = [
+    "CHAT_ROLES",
+    "ParsedRequest",
+    "ResponseAccumulator",
+    "StreamShaper",
+    "context_length_exceeded",
+    "engine_context_length",
+    "error_event",
+    "parse_request",
+]
 
 _DEFAULT_COMPLETION_TOKENS = 16
 #: The message roles the OpenAI chat API accepts.
@@ -153,6 +169,44 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
         return_token_ids=bool(body.get("return_token_ids")),
         max_tokens=max_tokens,
     )
+
+
+#: vLLM's 400 for a prompt (plus output) over max_model_len: the limit, and the prompt's
+#: length in either of its wordings ("... (P in the messages, M in the completion)",
+#: "... your request has P input tokens ...").
+_ENGINE_LIMIT = re.compile(r"maximum context length is (\d+) tokens")
+_ENGINE_PROMPT = re.compile(r"(\d+) in the messages|has (\d+) input tokens")
+
+
+def context_length_exceeded(max_model_len: int, prompt_tokens: int, max_tokens: int) -> ContextLengthExceeded:
+    """The one message for a prompt plus the client's output over ``max_model_len``,
+    whichever check finds it (the router's own count or an engine's 400)."""
+    return ContextLengthExceeded(
+        f"this model's maximum context length is {max_model_len} tokens; the request has "
+        f"{prompt_tokens} prompt tokens and asks for {max_tokens} output tokens"
+    )
+
+
+def engine_context_length(
+    err: EngineError, parsed: ParsedRequest, prompt_tokens: int | None
+) -> ContextLengthExceeded | None:
+    """An engine's 400 for an over-long prompt, as :func:`context_length_exceeded` says it.
+
+    The prefill leg asks the producer for one token, so its 400 counts one output token;
+    the client asked for its own ``max_tokens`` (or the engines' default). The prompt's
+    length is the engine's when its message gives it, else ``prompt_tokens`` (an exact
+    count, or None). None when ``err`` is no such 400.
+    """
+    detail = err.detail if isinstance(err, EngineHTTPError) and err.client_fault else None
+    limit = _ENGINE_LIMIT.search(detail) if detail else None
+    if detail is None or limit is None:
+        return None
+    found = _ENGINE_PROMPT.search(detail)
+    count = int(found.group(1) or found.group(2)) if found else prompt_tokens
+    if count is None:
+        return None
+    max_model_len = int(limit.group(1))
+    return context_length_exceeded(max_model_len, count, parsed.output_limit(count, max_model_len))
 
 
 def error_event(err: NarwhalError) -> bytes:
