@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Final, Self
 from urllib.parse import urlsplit
@@ -63,7 +64,7 @@ from narwhal.errors import (
     StreamClosed,
 )
 
-__all__ = ["DecodeStream", "EngineClient", "EngineIdentity", "Tokenized"]
+__all__ = ["DecodeStream", "EngineClient", "EngineIdentity", "Tokenized", "start_date"]
 
 _PATHS: Final[Mapping[str, str]] = {
     "completions": "/v1/completions",
@@ -96,6 +97,13 @@ class EngineIdentity:
     version: str | None
     max_model_len: int | None
     process_start_time: float | None
+
+
+def start_date(ts: float | None) -> str:
+    """An engine's process start time (epoch seconds) as a UTC date, as lines show it."""
+    if ts is None:
+        return "unknown"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 import attrs
@@ -12,7 +11,7 @@ import httpx
 import trio
 
 from narwhal.config import EngineConfig, FleetConfig
-from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized
+from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import EngineError, Refused
 from narwhal.profile.store import Profiles
@@ -262,13 +261,6 @@ class RouterState:
                 await client.aclose()
 
 
-def _when(ts: float | None) -> str:
-    """An engine's process start time as a UTC date (epoch seconds mean nothing to a reader)."""
-    if ts is None:
-        return "unknown"
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
 def _generation_change(profiled: EngineIdentity, live: EngineIdentity) -> str:
     """What differs between the profiled engine and the one running now."""
     changes = [
@@ -277,5 +269,6 @@ def _generation_change(profiled: EngineIdentity, live: EngineIdentity) -> str:
         if getattr(profiled, field) != getattr(live, field)
     ]
     if profiled.process_start_time != live.process_start_time:
-        changes.append(f"started {_when(profiled.process_start_time)}, running since {_when(live.process_start_time)}")
+        started, running = start_date(profiled.process_start_time), start_date(live.process_start_time)
+        changes.append(f"started {started}, running since {running}")
     return "; ".join(changes)
