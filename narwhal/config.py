@@ -9,6 +9,7 @@ their own object and the structuring walk re-bases it, so a class built by hand 
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -719,10 +720,17 @@ def _errors(exc: BaseException, path: str) -> list[tuple[str, str]]:
     if isinstance(exc, ForbiddenExtraKeysError):
         keys = sorted(exc.extra_fields)
         noun = "unknown key" if len(keys) == 1 else "unknown keys"
-        return [(f"{noun} " + ", ".join(repr(k) for k in keys), path)]
+        return [(f"{noun} " + ", ".join(_did_you_mean(k, exc.cl) for k in keys), path)]
     if isinstance(exc, ConfigError):
         return [(exc.reason, path + exc.path[1:])]
     return [(f"invalid value ({exc})", path)]
+
+
+def _did_you_mean(key: str, cl: type) -> str:
+    """``'key'``, with the closest known key of ``cl`` when one is close (a typo)."""
+    known = [f.name for f in attrs.fields(cl)] if attrs.has(cl) else []
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
 def parse_as(cl: type[T], obj: Any, *, source: str | None = None) -> T:

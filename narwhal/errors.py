@@ -97,14 +97,10 @@ class NarwhalError(Exception):
         return self.message
 
     def to_body(self) -> dict[str, Any]:
-        """The OpenAI error shape ``{"error": {"message", "type", "code"}}``."""
-        return {
-            "error": {
-                "message": self.public_message,
-                "type": self.error_type,
-                "code": self.code if self.code is not None else self.http_status,
-            }
-        }
+        """The OpenAI error shape ``{"error": {"message", "type", "code"}}``; ``code`` is
+        OpenAI's: a string naming the error (``context_length_exceeded``) or None, never
+        the HTTP status (that is the response's status line)."""
+        return {"error": {"message": self.public_message, "type": self.error_type, "code": self.code}}
 
 
 class ConfigError(NarwhalError):

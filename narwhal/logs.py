@@ -11,8 +11,11 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["JSONFormatter", "configure_logging"]
+__all__ = ["LEVELS", "JSONFormatter", "configure_logging"]
 
+#: The levels ``--log-level`` accepts.
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_CHATTY = ("httpx", "httpcore", "trio-websocket")
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
 
@@ -40,4 +43,11 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = False) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r} (one of {', '.join(s.lower() for s in LEVELS)})")
+    root.setLevel(numeric)
+    # The HTTP client libraries log one INFO line per request (bench sends thousands,
+    # top and the router poll engines): only at DEBUG do they speak below WARNING.
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(logging.NOTSET if numeric <= logging.DEBUG else logging.WARNING)

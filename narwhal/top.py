@@ -19,7 +19,12 @@ import httpx
 import trio
 import trio_websocket
 
+from narwhal.cmdline import CommandError, leaves
+
 __all__ = ["TopView", "run_top"]
+
+
+_LOST = (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed)
 
 
 def _p(values: Sequence[float], q: float) -> float | None:
@@ -92,11 +97,42 @@ class TopView:
 async def run_top(admin_url: str, *, once_after_s: float | None = None, out: TextIO = sys.stdout) -> None:
     """Follow a router's admin surface and redraw the view (or print it once)."""
     base = admin_url.rstrip("/")
-    async with httpx.AsyncClient(timeout=10) as client:
-        fleet = (await client.get(f"{base}/fleet")).raise_for_status().json()
+    fleet = await _fleet(base)
     view = TopView(fleet)
     ws_url = "ws" + base[len("http"):] + "/events"
     tty = out.isatty()
+    try:
+        await _follow(ws_url, view, once_after_s=once_after_s, out=out, tty=tty)
+    except BaseException as exc:
+        found = leaves(exc)
+        if not all(isinstance(e, _LOST) for e in found):
+            raise
+        raise CommandError(f"lost the router's event stream at {ws_url} ({found[0]!r}): has the router stopped?") from exc
+    if once_after_s is not None:
+        out.write(view.render())
+        out.flush()
+
+
+async def _fleet(base: str) -> dict[str, Any]:
+    """``GET /fleet`` of the admin surface at ``base``; a CommandError naming it when that fails."""
+    hint = "is narwhal serve running, and is this its admin port (server.admin_port)?"
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            resp = await client.get(f"{base}/fleet")
+    except httpx.TransportError as exc:
+        raise CommandError(f"no router admin surface answers at {base} ({exc or type(exc).__name__}): {hint}") from exc
+    try:
+        fleet = resp.json() if resp.status_code == 200 else None
+    except ValueError:
+        fleet = None
+    if not isinstance(fleet, dict) or not isinstance(fleet.get("engines"), list):
+        raise CommandError(f"{base}/fleet answered HTTP {resp.status_code} without a fleet view: {hint}")
+    return fleet
+
+
+async def _follow(
+    ws_url: str, view: TopView, *, once_after_s: float | None, out: TextIO, tty: bool
+) -> None:
     async with trio_websocket.open_websocket_url(ws_url) as ws:
         with trio.move_on_after(math.inf if once_after_s is None else once_after_s):
             last = 0.0
@@ -108,6 +144,3 @@ async def run_top(admin_url: str, *, once_after_s: float | None = None, out: Tex
                     last = now
                     out.write(("\x1b[H\x1b[2J" if tty else "") + view.render())
                     out.flush()
-    if once_after_s is not None:
-        out.write(view.render())
-        out.flush()

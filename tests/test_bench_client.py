@@ -109,7 +109,7 @@ async def test_refused_and_failed_requests_stay_in_the_denominator(autojump_cloc
     assert sorted(classes[1:4]) == ["ok", "refused", "refused"]
     failed = run.records[0]
     assert failed.status == 200 and failed.output_len == 3 and not failed.done
-    assert failed.error is not None and failed.error["code"] == 500 and "d0" in failed.error["message"]
+    assert failed.error is not None and failed.error["type"] == "engine_error" and "d0" in failed.error["message"]
     refused = [r for r in run.records if r.terminal_class == "refused"]
     assert all(r.status == 503 and r.error and r.error["message"] for r in refused)
     assert all(r.scored for r in run.records)

@@ -14,6 +14,8 @@ import pytest
 
 from narwhal.testing.ports import free_port
 
+from .clikit import sim_fleet
+
 
 def _bench(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -23,24 +25,10 @@ def _bench(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _fleet(tmp_path: Path) -> Path:
-    """The embedded simulated fleet on free ports (other test sessions may hold the defaults)."""
-    from narwhal.cli import default_fleet_path
-
-    doc = json.loads(default_fleet_path().read_text())
-    for engine in doc["engines"]:
-        engine["url"] = f"http://127.0.0.1:{free_port()}"
-        engine["connector"]["kv_port"] = free_port()
-    doc["journal"]["path"] = str(tmp_path / "runs" / "journal.jsonl")
-    path = tmp_path / "fleet.json"
-    path.write_text(json.dumps(doc))
-    return path
-
-
 def test_serve_then_bench_then_join(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "narwhal", "serve", "--fleet", str(_fleet(tmp_path)), "--port", str(port)],
+        [sys.executable, "-m", "narwhal", "serve", "--fleet", str(sim_fleet(tmp_path)), "--port", str(port)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -108,6 +108,26 @@ async def test_an_invalid_fleet_document_is_one_failure_line_with_its_path(
     assert "@ $.engines[1].url" in failure and "(measured $.engines[1].url;" in failure
 
 
+async def test_profiles_given_on_the_command_line_replace_the_documents(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with fleet_file(tmp_path, fleet_doc()) as (sim, file):
+        doc = json.loads(file.read_text())
+        pair = doc.pop("profiles")["path"]
+        bare = tmp_path / "bare.json"
+        bare.write_text(json.dumps(doc))
+        code, out, _ = await run(["--fleet", str(bare)], sim)
+        assert code == 1 and "FAIL gate_f.profiles fleet: profiles.path is not set" in out
+        code, out, err = await run(["--fleet", str(bare), "--profiles", pair], sim)
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0] == f"narwhal check: fleet {bare} with profiles.path {pair}"
+
+
+def test_the_fleet_defaults_to_the_embedded_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--suggest-slo", "--workload", "w.json"]) == 2  # reads the fleet first
+    assert "profiles.path is not set" in capsys.readouterr().err
+
+
 async def test_record_is_written_for_a_pass_and_refused_for_a_failure(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
@@ -134,7 +154,7 @@ async def test_record_is_written_for_a_pass_and_refused_for_a_failure(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "the following arguments are required: --fleet"),
+        (["--fleet", "f.json", "--profiles", "p.json", "--record", "d"], "--record keeps the fleet document as it is"),
         (["--fleet", "f.json", "--suggest-slo"], "--suggest-slo needs --workload"),
         (["--fleet", "f.json", "--workload", "w.json"], "--workload goes with --suggest-slo"),
         (

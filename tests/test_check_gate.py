@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import attrs
 import pytest
 import trio
 
-from narwhal.check import CheckReport, CheckResult, check_margin, run_check
+from narwhal.check import CheckReport, CheckResult, check_margin, check_stable, run_check
 from narwhal.config import parse_fleet, unstructure_fleet
+from narwhal.engines import EngineIdentity
 from narwhal.testing import open_sim_fleet
 from tests import profilekit
 from tests.checkkit import LIMIT_S, fleet_doc, identities, sim_profile, write_pair
@@ -64,6 +66,36 @@ async def test_gate_f_passes_on_a_fresh_profile_and_fails_after_a_restart(
     assert failure.measured["process_start_time"] != failure.limit["process_start_time"]
     line = failure.line()
     assert line.startswith("FAIL gate_f.generation e0: ") and "measured" in line and "limit" in line
+    # Start times read as dates, in the message and the measured / limit values alike.
+    assert len(re.findall(r"process_start_time '\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC'", line)) == 1
+    assert len(re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", line)) == 4, line
+    assert not re.search(r"\d{6,}\.\d", line), line
+    raw = failure.detail["live"]["process_start_time"], failure.detail["profiled"]["process_start_time"]
+    assert all(isinstance(t, float) for t in raw)  # the JSON keeps the numbers
+
+
+def test_generation_stable_prints_start_times_as_dates() -> None:
+    def identity(start: float) -> EngineIdentity:
+        return EngineIdentity(url="http://e0:8000", model="m", version="1", max_model_len=64, process_start_time=start)
+
+    same, restarted, gone = check_stable(
+        {"a": identity(1718000000.12), "b": identity(1718000000.12), "c": identity(1718000000.12)},
+        {"a": identity(1718000000.12), "b": identity(1718003600.54), "c": None},
+    )
+    assert same.ok and same.line() == (
+        "ok   generation.stable a: engine a ran one generation throughout the check "
+        "(measured 2024-06-10 06:13:20 UTC; limit 2024-06-10 06:13:20 UTC)"
+    )
+    assert not restarted.ok and restarted.line() == (
+        "FAIL generation.stable b: engine b restarted or went away during the check "
+        "(started 2024-06-10 06:13:20 UTC -> 2024-06-10 07:13:20 UTC) "
+        "(measured 2024-06-10 07:13:20 UTC; limit 2024-06-10 06:13:20 UTC)"
+    )
+    assert restarted.detail == {"process_start_time": [1718000000.12, 1718003600.54]}
+    assert gone.line() == (
+        "FAIL generation.stable c: engine c restarted or went away during the check "
+        "(started 2024-06-10 06:13:20 UTC -> unreachable) (measured null; limit 2024-06-10 06:13:20 UTC)"
+    )
 
 
 @pytest.mark.parametrize(

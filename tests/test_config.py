@@ -101,6 +101,8 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
     ("unknown-top-level", fleet(foo=1), "unknown key 'foo' @ $"),
     ("unknown-keys", fleet(foo=1, bar=2), "unknown keys 'bar', 'foo' @ $"),
     ("unknown-in-section", fleet(engine={"foo": 1}), "unknown key 'foo' @ $.engine"),
+    ("typo-in-section", fleet(engine={"first_token_timout_s": 1}),
+     "unknown key 'first_token_timout_s' (did you mean 'first_token_timeout_s'?) @ $.engine"),
     ("unknown-in-engine", fleet(prefill(colour="red"), decode()),
      "unknown key 'colour' @ $.engines[0]"),
     ("unknown-deep", fleet(prefill(), decode(sim={"prefill": {"d": 1.0}})),

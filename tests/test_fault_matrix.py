@@ -122,7 +122,8 @@ class Case:
         fault: the fault.
         status: client status before commit (both modes), or the plain status when
             ``event`` is set.
-        event: code of the streaming client's terminal event (committed 200), or None.
+        event: ``type`` of the streaming client's terminal event (committed 200), or
+            None; its ``code`` is OpenAI's (a string or null), never a status.
         klass: the journal's terminal class.
         culprit: the engine the breaker must count the fault against (None: no one).
         elapsed: the exact virtual time the request takes, when it is a timeout.
@@ -138,7 +139,7 @@ class Case:
     status: int
     klass: str
     culprit: str | None
-    event: int | None = None
+    event: str | None = None
     elapsed: float | None = None
     message: str | None = None
     sections: dict[str, Any] = attrs.field(factory=dict)
@@ -221,14 +222,14 @@ CASES = [
             fault=FaultSpec(kind="error_in_stream", on="decode", status=503, message="overloaded"), message="overloaded"),
     _decode("restart", 502, "decode_failed"),
     # Decode after the first token: a committed stream ends with a terminal event.
-    _decode("close_before_done", 502, "decode_failed", leg="decode-after-token", event=502,
+    _decode("close_before_done", 502, "decode_failed", leg="decode-after-token", event="engine_error",
             fault=FaultSpec(kind="close_before_done", **_AFTER)),  # type: ignore[arg-type]
-    _decode("silence_after", 504, "silence_timeout", leg="decode-after-token", event=504,
+    _decode("silence_after", 504, "silence_timeout", leg="decode-after-token", event="timeout_error",
             fault=FaultSpec(kind="silence_after", **_AFTER),  # type: ignore[arg-type]
             elapsed=PREFILL_S + 2 * STEP_S + SILENCE_S, message="engine went silent between tokens"),
-    _decode("error_in_stream", 503, "decode_failed", leg="decode-after-token", event=503,
+    _decode("error_in_stream", 503, "decode_failed", leg="decode-after-token", event="engine_error",
             fault=FaultSpec(kind="error_in_stream", status=503, **_AFTER)),  # type: ignore[arg-type]
-    _decode("restart", 502, "decode_failed", leg="decode-after-token", event=502,
+    _decode("restart", 502, "decode_failed", leg="decode-after-token", event="engine_error",
             fault=FaultSpec(kind="restart", **_AFTER)),  # type: ignore[arg-type]
 ]
 
@@ -269,7 +270,8 @@ async def test_fault(autojump_clock: trio.abc.Clock, case: Case, mode: str) -> N
         if mode == "stream" and case.event is not None:
             assert reply.status == 200
             assert reply.tokens == 2 and not reply.done
-            assert reply.error is not None and reply.error["code"] == case.event
+            assert reply.error is not None and reply.error["type"] == case.event
+            assert reply.error["code"] is None
         else:
             assert reply.status == case.status
             assert reply.error is not None

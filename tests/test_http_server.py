@@ -30,7 +30,7 @@ LIMITS = ServerLimits(
     body_timeout_s=7.0,
     keepalive_timeout_s=11.0,
 )
-INTERNAL_ERROR = {"error": {"message": "internal error", "type": "internal_error", "code": 500}}
+INTERNAL_ERROR = {"error": {"message": "internal error", "type": "internal_error", "code": None}}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -261,7 +261,7 @@ async def test_slow_headers_get_408(autojump_clock: object) -> None:
         assert trio.current_time() - t0 == LIMITS.header_timeout_s
     assert statuses(raw) == [408]
     assert b"connection: close" in raw.lower()
-    assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == 408
+    assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"] == {"message": "request timed out", "type": "invalid_request_error", "code": None}
 
 
 async def test_slow_headers_after_idle_keepalive_get_408(autojump_clock: object) -> None:
@@ -360,7 +360,7 @@ async def test_garbage_gets_400(autojump_clock: object, garbage: bytes) -> None:
     assert statuses(raw) == [400]
     assert b"connection: close" in raw.lower()
     assert json.loads(raw.partition(b"\r\n\r\n")[2]) == {
-        "error": {"message": "malformed HTTP request", "type": "invalid_request_error", "code": 400}
+        "error": {"message": "malformed HTTP request", "type": "invalid_request_error", "code": None}
     }
 
 

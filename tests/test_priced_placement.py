@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import pytest
@@ -120,7 +121,11 @@ async def test_an_engine_whose_profile_does_not_bind_is_placed_by_load(autojump_
         await stack.engine("d-fast").restart()
         await stack.router.state.bind_profiles()
         assert "d-fast" not in placement.profiles  # type: ignore[attr-defined]
-        assert "re-profile or refit" in placement.unbound["d-fast"]  # type: ignore[attr-defined]
+        reason = placement.unbound["d-fast"]  # type: ignore[attr-defined]
+        assert "re-profile or refit" in reason
+        # Start times as dates, not epoch seconds.
+        date = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
+        assert re.search(f"started {date}, running since {date}", reason), reason
 
 
 async def test_sim_profiles_bind(autojump_clock: trio.abc.Clock) -> None:

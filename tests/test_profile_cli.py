@@ -145,7 +145,7 @@ def test_usage_errors_exit_2_with_one_line(
     assert main(argv) == 2
     assert not (tmp_path / "runs").exists()
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1 and err.startswith("narwhal-profile: error: ")
+    assert message in err and err.count("\n") == 1 and err.startswith("narwhal profile: error: ")
 
 
 def test_an_unbound_sample_file_is_refused(

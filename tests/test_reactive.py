@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from .routerkit import engine, fleet_doc, open_stack
@@ -80,3 +83,15 @@ async def test_corrections_follow_observed_latency(autojump_clock: trio.abc.Cloc
         for i in range(20):
             await stack.complete({"prompt": " ".join(f"c{i}w{j}" for j in range(100)), "max_tokens": 2})
         assert placement.ttft_correction["p0"] > 1.5  # type: ignore[attr-defined]
+
+
+async def test_decisions_go_beside_the_journal_in_use_not_into_the_working_directory(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with open_stack(dual_fleet(0.10), priced=True) as stack:  # a journal without a file
+        controller = stack.router.controller
+        assert controller is not None and controller.decisions_path is None
+        await _load(stack, rate=4.0, seconds=5.0, prompt_words=20, output=20)
+        assert controller.decisions
+    assert os.listdir(tmp_path) == []

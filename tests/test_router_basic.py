@@ -18,7 +18,7 @@ async def test_streamed_completion_and_journal(autojump_clock: trio.abc.Clock) -
     async with open_stack() as stack:
         t0 = trio.current_time()
         status, events = await stack.stream(
-            {"model": "sim-llama", "prompt": PROMPT, "max_tokens": 8}
+            {"model": "sim-llama", "prompt": PROMPT, "max_tokens": 8, "return_token_ids": True}
         )
         assert status == 200
         assert events[-1] == "[DONE]"
@@ -58,7 +58,7 @@ async def test_chat_streaming_and_not(autojump_clock: trio.abc.Clock) -> None:
     async with open_stack() as stack:
         messages = [{"role": "user", "content": "tell me a story"}]
         status, events = await stack.stream(
-            {"messages": messages, "max_tokens": 4}, path="/v1/chat/completions"
+            {"messages": messages, "max_tokens": 4, "return_token_ids": True}, path="/v1/chat/completions"
         )
         assert status == 200 and events[-1] == "[DONE]"
         ids = [t for e in events[:-1] for c in e.get("choices", []) for t in (c.get("token_ids") or [])]
@@ -125,6 +125,46 @@ async def test_estimated_prompt_over_context_is_the_producers_400(autojump_clock
     assert [r["terminal_class"] for r in stack.records] == ["invalid_request"] * 2
     assert [r["status"] for r in stack.records] == [400, 400]
     assert stack.records[0]["prompt_tokens"] == 60
+
+
+async def test_context_length_message_is_the_same_whichever_check_fires(autojump_clock: trio.abc.Clock) -> None:
+    # Three checks can refuse a prompt over max_model_len: the router's exact count before
+    # any engine work, its check of the producer's count after the prefill leg, and the
+    # producer's own 400 (the prefill leg asks it for one token). All three count the
+    # client's max_tokens and say it in one message.
+    def doc(**controller: str) -> dict[str, object]:
+        engines = (engine("p0", 8101, ["prefill"], max_model_len=64), engine("d0", 8102, ["decode"], max_model_len=64))
+        return fleet_doc(*engines, controller=controller) if controller else fleet_doc(*engines)
+
+    def expected(prompt: int, output: int) -> str:
+        return (
+            f"this model's maximum context length is 64 tokens; the request has {prompt} prompt tokens "
+            f"and asks for {output} output tokens"
+        )
+
+    seen: dict[str, list[dict[str, object]]] = {}
+    for name, fleet in (("exact", doc(prompt_tokens="tokenize")), ("estimated", doc())):
+        async with open_stack(fleet) as stack:
+            bodies = []
+            for words, max_tokens in ((60, 5), (70, 5), (64, 1)):
+                resp = await stack.complete({"prompt": " ".join(["x"] * words), "max_tokens": max_tokens})
+                assert resp.status_code == 400, (name, resp.text)
+                bodies.append(resp.json())
+            # Chat without max_tokens: the output vLLM would default to.
+            messages = [{"role": "user", "content": " ".join(["x"] * 80)}]
+            resp = await stack.client.post("/v1/chat/completions", json={"messages": messages})
+            assert resp.status_code == 400, (name, resp.text)
+            bodies.append(resp.json())
+        assert [r["terminal_class"] for r in stack.records] == ["invalid_request"] * 4
+        seen[name] = bodies
+    assert seen["estimated"] == seen["exact"]
+    chat_prompt = seen["exact"][3]["error"]["message"].split("has ")[1].split(" ")[0]  # the chat template's count
+    assert [b["error"] for b in seen["exact"]] == [
+        {"message": expected(60, 5), "type": "invalid_request_error", "code": "context_length_exceeded"},
+        {"message": expected(70, 5), "type": "invalid_request_error", "code": "context_length_exceeded"},
+        {"message": expected(64, 1), "type": "invalid_request_error", "code": "context_length_exceeded"},
+        {"message": expected(int(chat_prompt), 1), "type": "invalid_request_error", "code": "context_length_exceeded"},
+    ]
 
 
 async def test_estimated_prompt_lengths_learn_the_engines_counts(autojump_clock: trio.abc.Clock) -> None:

@@ -1,4 +1,4 @@
-"""End to end over loopback: ``narwhal serve`` on its embedded default fleet."""
+"""End to end over loopback: ``narwhal serve`` on the embedded default fleet (on free ports)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 
 from narwhal.testing.ports import free_port
 
+from .clikit import sim_fleet
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
@@ -22,7 +24,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     port = free_port()
     admin_port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "narwhal", "serve", "--port", str(port), "--admin-port", str(admin_port)],
+        [sys.executable, "-m", "narwhal", "serve", "--fleet", str(sim_fleet(workdir)),
+         "--port", str(port), "--admin-port", str(admin_port)],
         cwd=workdir,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -56,7 +59,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_streams_tokens_and_done(served: tuple[str, Path, str]) -> None:
     url, _, _ = served
-    body = json.dumps({"model": "sim-llama", "prompt": "hello narwhal", "max_tokens": 8, "stream": True})
+    body = json.dumps(
+        {"model": "sim-llama", "prompt": "hello narwhal", "max_tokens": 8, "stream": True, "return_token_ids": True}
+    )
     out = subprocess.run(
         ["curl", "-sS", "-N", "--max-time", "30", f"{url}/v1/completions",
          "-H", "content-type: application/json", "-d", body],

@@ -49,7 +49,7 @@ def _check(outcome: Outcome, record: dict[str, Any], completes: bool) -> str:
     elif outcome.status == 200:  # streaming when the grace period ran out
         assert outcome.complete and not outcome.done, outcome
         assert outcome.tokens > 0 and outcome.error is not None
-        assert outcome.error["code"] == 503 and outcome.error["message"] == "router shutting down"
+        assert outcome.error["type"] == "service_unavailable" and outcome.error["message"] == "router shutting down"
         assert klass == "shutdown" and record["status"] == 200
     else:  # no token yet when the grace period ran out
         assert outcome.status == 503 and outcome.complete, outcome

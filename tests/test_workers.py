@@ -45,8 +45,18 @@ async def test_placement_counts_load_the_engines_report(autojump_clock: trio.abc
             assert [r["consumer"] for r in stack.records] == ["d1", "d1", "d1"]
 
 
-def test_workers_share_one_port(tmp_path: Path) -> None:
-    admin = free_port_run(2)
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        data: bytes = resp.read()
+        return data
+
+
+def _requests_total(text: str) -> float:
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("narwhal_requests_total{"))
+
+
+def test_workers_share_one_port_and_one_admin_surface(tmp_path: Path) -> None:
+    admin = free_port_run(3)  # the combined surface, then one per worker
     port, p_port, d_port = (free_port() for _ in range(3))
     doc = {
         "server": {"host": "127.0.0.1", "port": port, "admin_port": admin},
@@ -66,36 +76,66 @@ def test_workers_share_one_port(tmp_path: Path) -> None:
         [sys.executable, "-m", "narwhal", "serve", "--fleet", str(fleet), "--workers", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    combined = f"http://127.0.0.1:{admin}"
     try:
         deadline = time.monotonic() + 60
-        ready = 0
-        while ready < 2 and time.monotonic() < deadline:
-            ready = 0
-            for a in (admin, admin + 1):
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{a}/health", timeout=2):
-                        ready += 1
-                except OSError:
-                    pass
+        health: dict[str, object] = {}
+        while time.monotonic() < deadline:
+            try:
+                health = json.loads(_get(f"{combined}/health"))
+            except OSError:
+                health = {}
+            workers = health.get("workers")
+            if isinstance(workers, list) and all(w.get("status") == "ready" for w in workers):
+                break
             time.sleep(0.1)
-        assert ready == 2, "workers did not come up"
+        assert health.get("status") == "ready" and len(health["workers"]) == 2, health  # type: ignore[arg-type]
         body = json.dumps({"prompt": "a b c", "max_tokens": 3}).encode()
         for _ in range(40):  # a fresh connection each: the kernel spreads them
             req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                          headers={"content-type": "application/json", "connection": "close"})
             with urllib.request.urlopen(req, timeout=30) as resp:
                 assert resp.status == 200
-        served = []
-        for a in (admin, admin + 1):
-            with urllib.request.urlopen(f"http://127.0.0.1:{a}/metrics", timeout=5) as resp:
-                text = resp.read().decode()
-            line = next(ln for ln in text.splitlines() if ln.startswith("narwhal_requests_total{"))
-            served.append(float(line.rsplit(" ", 1)[1]))
-        assert sum(served) == 40
-        assert all(n > 0 for n in served)
+        served = [_requests_total(_get(f"http://127.0.0.1:{a}/metrics").decode()) for a in (admin + 1, admin + 2)]
+        assert sum(served) == 40 and all(n > 0 for n in served)
+        # The combined surface: the workers' counts summed, one fleet view.
+        text = _get(f"{combined}/metrics").decode()
+        assert _requests_total(text) == 40
+        assert "narwhal_workers_up 2.0" in text
+        view = json.loads(_get(f"{combined}/fleet"))
+        assert view["workers"] == 2 and [e["name"] for e in view["engines"]] == ["p", "d"]
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     lines = (tmp_path / "journal.jsonl").read_text().splitlines()
     assert len(lines) == 40
+
+
+def test_expositions_combine_by_sum_except_the_state_gauges() -> None:
+    from narwhal.router.fanin import combine_expositions, combine_fleets
+
+    def worker(requests: int, breaker: int, bucket: int) -> str:
+        return (
+            "# HELP narwhal_requests_total Requests.\n# TYPE narwhal_requests_total counter\n"
+            f'narwhal_requests_total{{route="completions",terminal_class="ok"}} {requests}\n'
+            "# HELP narwhal_breaker_state Breaker state.\n# TYPE narwhal_breaker_state gauge\n"
+            f'narwhal_breaker_state{{engine="d0"}} {breaker}\n'
+            "# HELP narwhal_ttft_seconds TTFT.\n# TYPE narwhal_ttft_seconds histogram\n"
+            f'narwhal_ttft_seconds_bucket{{le="0.1"}} {bucket}\nnarwhal_ttft_seconds_bucket{{le="+Inf"}} {requests}\n'
+            f"narwhal_ttft_seconds_count {requests}\nnarwhal_ttft_seconds_sum {requests * 0.05}\n"
+        )
+
+    text = combine_expositions([worker(3, 0, 1), worker(5, 2, 4)]).decode()
+    assert 'narwhal_requests_total{route="completions",terminal_class="ok"} 8.0' in text
+    assert 'narwhal_breaker_state{engine="d0"} 2.0' in text  # the worst worker's view
+    assert 'narwhal_ttft_seconds_bucket{le="0.1"} 5.0' in text and "narwhal_ttft_seconds_count 8.0" in text
+    assert "narwhal_workers_up 2.0" in text
+    fleets = [
+        {"engines": [{"name": "d0", "breaker": "ok", "in_flight": 1, "streak": 0}], "in_flight": 1, "slo": {}},
+        {"engines": [{"name": "d0", "breaker": "quarantined", "in_flight": 2, "streak": 1}], "in_flight": 2, "slo": {}},
+    ]
+    view = combine_fleets(fleets)
+    assert view["in_flight"] == 3 and view["workers"] == 2
+    assert view["engines"] == [{"name": "d0", "breaker": "quarantined", "in_flight": 3, "streak": 1,
+                                "reserved_prefill_tokens": 0, "reserved_decode_requests": 0}]  # fmt: skip

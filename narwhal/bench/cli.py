@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import signal
 import sys
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from narwhal.bench.workload import (
     build_schedule,
     load_trace,
 )
+from narwhal.cmdline import duration, positive_int
 from narwhal.errors import ConfigError
 
 __all__ = ["UsageError", "main", "run_async"]
@@ -57,23 +57,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _seconds(text: str) -> float:
-    """``0.5``, ``0.5s`` or ``500ms`` in seconds."""
-    raw = text.strip().lower()
-    scale = 1.0
-    if raw.endswith("ms"):
-        raw, scale = raw[:-2], 1e-3
-    elif raw.endswith("s"):
-        raw = raw[:-1]
-    try:
-        value = float(raw) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (0.5, 0.5s or 500ms)") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive duration")
-    return value
-
-
 def _rate(text: str) -> float:
     try:
         value = float(text)
@@ -81,16 +64,6 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a rate (requests/s, or inf)") from None
     if not value > 0:
         raise argparse.ArgumentTypeError("the rate must be > 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return value
 
 
@@ -122,8 +95,8 @@ def run_parser() -> argparse.ArgumentParser:
     w.add_argument("--rate", type=_rate, help="requests per second (inf: all at once)")
     w.add_argument("--arrival", choices=ARRIVALS, help="arrival process (default poisson)")
     w.add_argument("--burstiness", type=float, help="gamma shape: 1 is Poisson, < 1 burstier (gamma only)")
-    w.add_argument("--duration", type=_seconds, help="schedule requests starting within this time")
-    w.add_argument("--num-requests", type=_positive_int, help="number of requests (with --trace: the first N)")
+    w.add_argument("--duration", type=duration, help="schedule requests starting within this time")
+    w.add_argument("--num-requests", type=positive_int, help="number of requests (with --trace: the first N)")
     w.add_argument("--input-len", type=_length, help="prompt tokens: N, uniform:LO:HI, normal:M:S, lognormal:M:S (default 128)")
     w.add_argument("--output-len", type=_length, help="output tokens, same forms (default 128)")
     w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompts (default 0)")
@@ -131,8 +104,8 @@ def run_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("requests")
     r.add_argument("--api", choices=("completions", "chat"), default="completions", help="endpoint (default completions)")
     r.add_argument("--model", help="model name (default: the first of GET /v1/models)")
-    r.add_argument("--concurrency", type=_positive_int, help="most requests in flight; later ones wait (lag)")
-    r.add_argument("--request-timeout", type=_seconds, default=600.0, help="per-request limit (default 600s)")
+    r.add_argument("--concurrency", type=positive_int, help="most requests in flight; later ones wait (lag)")
+    r.add_argument("--request-timeout", type=duration, default=600.0, help="per-request limit (default 600s)")
     r.add_argument("--warmup", type=int, default=0, help="first N requests are not scored")
     r.add_argument("--prompt-format", choices=("text", "ids"), default="text",
                    help="text: words (exact on the simulator); ids: token ids (exact anywhere, completions only)")
@@ -140,13 +113,13 @@ def run_parser() -> argparse.ArgumentParser:
                    help="do not send ignore_eos (outputs may end before the requested length)")
     r.add_argument("--api-key", help="sent as Authorization: Bearer")
     s = p.add_argument_group("report")
-    s.add_argument("--slo-ttft", type=_seconds, help="TTFT target, e.g. 500ms")
-    s.add_argument("--slo-tpot", type=_seconds, help="TPOT target, e.g. 50ms")
+    s.add_argument("--slo-ttft", type=duration, help="TTFT target, e.g. 500ms")
+    s.add_argument("--slo-tpot", type=duration, help="TPOT target, e.g. 50ms")
     s.add_argument("--slo-attainment", type=_fraction, default=0.99,
                    help="share of scored requests that must meet the targets (default 0.99)")
-    s.add_argument("--late-after", type=_seconds, default=0.05,
+    s.add_argument("--late-after", type=duration, default=0.05,
                    help="a start later than this after schedule is a late start (default 50ms)")
-    s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    s.add_argument("--quiet", "--no-progress", dest="progress", action="store_false", help="no progress output")
     s.add_argument("--plot", action="store_true", help="also write TTFT/TPOT CDF PNGs (needs the [plot] extra)")
     return p
 

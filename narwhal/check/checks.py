@@ -30,7 +30,7 @@ from narwhal.check.gate import check_fit_limits, check_margin, find_refit_origin
 from narwhal.check.probes import probe_transfers
 from narwhal.check.results import CheckReport, CheckResult, ProfilePair
 from narwhal.config import FleetConfig, parse_fleet, unstructure_fleet
-from narwhal.engines.client import EngineClient, EngineIdentity
+from narwhal.engines.client import EngineClient, EngineIdentity, start_date
 from narwhal.errors import ConfigError, EngineError
 from narwhal.profile.store import Profiles
 
@@ -264,21 +264,23 @@ def check_stable(
             continue
         last = after.get(name)
         ok = last == first
+        started = start_date(first.process_start_time)
+        now = start_date(last.process_start_time) if last else None
         message = (
             f"engine {name} ran one generation throughout the check"
             if ok
             else f"engine {name} restarted or went away during the check "
-            f"(process_start_time {first.process_start_time} -> "
-            f"{last.process_start_time if last else 'unreachable'})"
+            f"(started {started} -> {now or 'unreachable'})"
         )
         results.append(
             CheckResult(
                 name="generation.stable",
                 engine=name,
                 ok=ok,
-                measured=last.process_start_time if last else None,
-                limit=first.process_start_time,
+                measured=now,
+                limit=started,
                 message=message,
+                detail={"process_start_time": [first.process_start_time, last.process_start_time if last else None]},
             )
         )
     return results

@@ -2,8 +2,8 @@
 
 Usage::
 
-    narwhal check --fleet F [--json] [--record DIR]
-    narwhal check --fleet F --suggest-slo --workload W [--json]
+    narwhal check [--fleet F] [--profiles P] [--json] [--record DIR]
+    narwhal check [--fleet F] [--profiles P] --suggest-slo --workload W [--json]
 
 Exit status: 0 when every check passes (``--suggest-slo``: the workload can be held),
 1 when a check fails (or the workload cannot be held, or a record is refused), 2 on a
@@ -23,14 +23,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+import attrs
 import httpx
 import trio
 
-from narwhal.check.checks import run_check
+from narwhal.check.checks import FleetInput, run_check
 from narwhal.check.gate import load_pair
 from narwhal.check.record import RecordError, write_record
 from narwhal.check.results import CheckReport
 from narwhal.check.suggest import SLOSuggestion, load_workload, suggest_slo
+from narwhal.cmdline import default_fleet_path
 from narwhal.config import FleetConfig, load_fleet
 from narwhal.errors import ConfigError
 
@@ -55,7 +57,13 @@ def _parser() -> argparse.ArgumentParser:
         "contract, profiles (Gate F, fit limits) and KV transfers; or suggest the "
         "SLO targets it can hold for a workload.",
     )
-    p.add_argument("--fleet", required=True, help="the fleet document")
+    p.add_argument("--fleet", help="the fleet document (default: the embedded simulated fleet)")
+    p.add_argument(
+        "--profiles",
+        metavar="P",
+        help="check with this profiles.json instead of the document's profiles.path "
+        "(to record a deployment, name the pair in the document)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument(
         "--record",
@@ -88,7 +96,25 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         raise _UsageError("--workload goes with --suggest-slo")
     if args.suggest_slo and args.record is not None:
         raise _UsageError("--record retains a preflight; it does not go with --suggest-slo")
+    if args.profiles is not None and args.record is not None:
+        raise _UsageError("--record keeps the fleet document as it is: set profiles.path in it instead of --profiles")
+    if args.fleet is None:
+        args.fleet = str(default_fleet_path())
     return args
+
+
+def _fleet_input(args: argparse.Namespace) -> FleetInput:
+    """The fleet document to check: its file, or (``--profiles``) its JSON with profiles.path set."""
+    if args.profiles is None:
+        return str(args.fleet)
+    try:
+        document = json.loads(Path(args.fleet).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return str(args.fleet)  # the check reports why it does not load
+    if not isinstance(document, dict) or not isinstance(document.get("profiles", {}), dict):
+        return str(args.fleet)
+    document["profiles"] = {**document.get("profiles", {}), "path": args.profiles}
+    return document
 
 
 class _Exit(Exception):
@@ -111,7 +137,9 @@ def _render_check(report: CheckReport, out: TextIO) -> None:
 async def _check(
     args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None, out: TextIO, err: TextIO
 ) -> int:
-    report = await run_check(args.fleet, transport=transport)
+    report = await run_check(_fleet_input(args), transport=transport)
+    if args.profiles is not None and report.source is None:
+        report = attrs.evolve(report, source=f"{args.fleet} with profiles.path {args.profiles}")
     record: dict[str, object] | None = None
     if args.record is not None:
         try:
@@ -191,6 +219,8 @@ def _render_suggestion(s: SLOSuggestion, config: FleetConfig, out: TextIO) -> No
 
 def _suggest(args: argparse.Namespace, out: TextIO) -> int:
     config = load_fleet(args.fleet)
+    if args.profiles is not None:
+        config = attrs.evolve(config, profiles=attrs.evolve(config.profiles, path=args.profiles))
     if config.profiles.path is None:
         raise ConfigError(
             "profiles.path is not set; profile the fleet first (narwhal profile)",

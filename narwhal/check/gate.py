@@ -30,7 +30,7 @@ import attrs
 
 from narwhal.check.results import CheckResult, ProfilePair
 from narwhal.config import FleetConfig
-from narwhal.engines.client import EngineIdentity
+from narwhal.engines.client import EngineIdentity, start_date
 from narwhal.errors import ConfigError
 from narwhal.profile.derive import derive_profile, profile_differences
 from narwhal.profile.fit import (
@@ -120,8 +120,12 @@ def _pair_result(ok: bool, message: str, measured: Any, limit: Any, **detail: An
 
 
 def _differences(live: EngineIdentity, profiled: EngineIdentity) -> dict[str, tuple[Any, Any]]:
+    """The fields that differ, live / profiled; process start times as dates."""
     a, b = attrs.asdict(live), attrs.asdict(profiled)
-    return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+    diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+    if "process_start_time" in diff:
+        diff["process_start_time"] = (start_date(live.process_start_time), start_date(profiled.process_start_time))
+    return diff
 
 
 def reprofile_hint(
@@ -194,8 +198,8 @@ def _generation(
             name="gate_f.generation",
             engine=name,
             ok=True,
-            measured=live.process_start_time,
-            limit=profile.identity.process_start_time,
+            measured=start_date(live.process_start_time),
+            limit=start_date(profile.identity.process_start_time),
             message=f"engine {name} runs the generation its profile was measured on",
         )
     changes = ", ".join(f"{k} {v[1]!r} -> {v[0]!r}" for k, v in diff.items())

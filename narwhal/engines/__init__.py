@@ -7,7 +7,7 @@ public names of its modules.
 
 from __future__ import annotations
 
-from narwhal.engines.client import DecodeStream, EngineClient, EngineIdentity, Tokenized
+from narwhal.engines.client import DecodeStream, EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import (
     CONNECTOR_MISMATCH,
     ENDPOINT_MISMATCH,
@@ -87,6 +87,7 @@ __all__ = [
     "parse_prometheus",
     "prefill_request_params",
     "scan_token_event",
+    "start_date",
     "strip_transfer_params",
     "sum_samples",
     "validate_descriptor",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Final, Self
 from urllib.parse import urlsplit
@@ -64,7 +65,7 @@ from narwhal.errors import (
     StreamClosed,
 )
 
-__all__ = ["DecodeStream", "EngineClient", "EngineIdentity", "Tokenized"]
+__all__ = ["DecodeStream", "EngineClient", "EngineIdentity", "Tokenized", "start_date"]
 
 _PATHS: Final[Mapping[str, str]] = {
     "completions": "/v1/completions",
@@ -97,6 +98,13 @@ class EngineIdentity:
     version: str | None
     max_model_len: int | None
     process_start_time: float | None
+
+
+def start_date(ts: float | None) -> str:
+    """An engine's process start time (epoch seconds) as a UTC date, as lines show it."""
+    if ts is None:
+        return "unknown"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
@@ -758,11 +766,16 @@ class EngineClient:
 
     async def health(self) -> bool:
         """Whether ``GET /health`` answers 200 (connection failures count as unhealthy)."""
+        return await self.unhealthy() is None
+
+    async def unhealthy(self) -> str | None:
+        """Why ``GET /health`` does not answer 200 (the connection error or the status);
+        None when it does."""
         try:
-            status, _, _ = await self._fetch("GET", "/health", None, leg="health")
-        except EngineError:
-            return False
-        return status == 200
+            status, reason, _ = await self._fetch("GET", "/health", None, leg="health")
+        except EngineError as exc:
+            return str(exc)
+        return None if status == 200 else f"engine {self.name} /health answered HTTP {status} {reason}".rstrip()
 
 
 def _prompt_tokens(obj: Mapping[str, Any], choice: Mapping[str, Any]) -> int | None:

@@ -61,18 +61,19 @@ _OWN_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 _UNSAFE = re.compile(r"[\r\n\x00]")
 
 
-def _error_body(message: str, error_type: str, code: int) -> bytes:
-    doc = {"error": {"message": message, "type": error_type, "code": code}}
+def _error_body(message: str, error_type: str) -> bytes:
+    """An OpenAI error body: its ``code`` is null here (the status line says the rest)."""
+    doc = {"error": {"message": message, "type": error_type, "code": None}}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-_INTERNAL_ERROR_BODY = _error_body("internal error", "internal_error", 500)
+_INTERNAL_ERROR_BODY = _error_body("internal error", "internal_error")
 _PROTOCOL_ERROR_BODIES = {
-    400: _error_body("malformed HTTP request", "invalid_request_error", 400),
-    408: _error_body("request timed out", "invalid_request_error", 408),
-    413: _error_body("request body too large", "invalid_request_error", 413),
-    431: _error_body("request header fields too large", "invalid_request_error", 431),
-    501: _error_body("not implemented", "not_implemented_error", 501),
+    400: _error_body("malformed HTTP request", "invalid_request_error"),
+    408: _error_body("request timed out", "invalid_request_error"),
+    413: _error_body("request body too large", "invalid_request_error"),
+    431: _error_body("request header fields too large", "invalid_request_error"),
+    501: _error_body("not implemented", "not_implemented_error"),
 }
 _REASONS = {status.value: status.phrase.encode("ascii") for status in http.HTTPStatus}
 
@@ -552,7 +553,7 @@ class Connection:
         if body is None:
             status = status if 400 <= status <= 599 else 400
             phrase = _REASONS.get(status, b"error").decode()
-            body = _error_body(phrase.lower(), "invalid_request_error", status)
+            body = _error_body(phrase.lower(), "invalid_request_error")
         await self.send_error(status, body)
 
     async def send_error(

@@ -19,9 +19,22 @@ from narwhal.http.connection import Connection
 from narwhal.http.delayed import DelayedCalls
 from narwhal.http.messages import Handler, Request, ResponseWriter, ServerLimits
 
-__all__ = ["HTTPServer", "Handler", "Request", "ResponseWriter", "ServerLimits"]
+__all__ = ["HTTPServer", "Handler", "ListenError", "Request", "ResponseWriter", "ServerLimits"]
 
 logger = logging.getLogger("narwhal.http")
+
+
+class ListenError(OSError):
+    """A server cannot listen on its address; the message names it (``host:port``)."""
+
+    def __init__(self, host: str, port: int, cause: OSError) -> None:
+        reason = (cause.strerror or str(cause)).lower()
+        super().__init__(cause.errno, f"cannot listen on {host}:{port}: {reason}")
+        self.host = host
+        self.port = port
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class HTTPServer:
@@ -105,10 +118,13 @@ class HTTPServer:
         With ``reuse_port`` several processes listen on the same port (SO_REUSEPORT)
         and the kernel spreads connections among them.
         """
-        if reuse_port:
-            listeners = [await _reuse_port_listener(host, port)]
-        else:
-            listeners = await trio.open_tcp_listeners(port, host=host)
+        try:
+            if reuse_port:
+                listeners = [await _reuse_port_listener(host, port)]
+            else:
+                listeners = await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:
+            raise ListenError(host, port, exc) from exc
         addresses = []
         for listener in listeners:
             name = listener.socket.getsockname()

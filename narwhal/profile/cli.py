@@ -25,7 +25,7 @@ from narwhal.profile.stability import profile_repeatedly, stability_lines, stabi
 
 __all__ = ["main"]
 
-PROG = "narwhal-profile"
+PROG = "narwhal profile"
 _SWEEP_OPTIONS = ("prefill_lens", "decode_input_lens", "decode_concurrency")
 _DEFAULT_OUT = "runs/profiles.json"
 
@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-rejected-cells", action="store_true",
                    help="exit 0 although some decode cells were rejected (the profile is "
                         "fitted without them either way)")  # fmt: skip
-    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--quiet", "--no-progress", action="store_true", help="no progress output")
     p.add_argument("--plot", action="store_true",
                    help="also write PNGs of the fits beside the pair (needs the [plot] extra)")  # fmt: skip
     return p

@@ -39,9 +39,9 @@ class AdminApp:
         elif request.path == "/fleet":
             await response.respond(200, (("content-type", "application/json"),), json.dumps(self.fleet()).encode())
         elif request.path == "/health":
-            ready = self.state.ready()
-            body = json.dumps({"status": "ready" if ready else "unavailable"}).encode()
-            await response.respond(200 if ready else 503, (("content-type", "application/json"),), body)
+            health = self.state.health(detail=True)
+            body = json.dumps(health).encode()
+            await response.respond(200 if health["status"] == "ready" else 503, (("content-type", "application/json"),), body)
         else:
             raise NotFound(f"no route for GET {request.path}")
 
@@ -57,7 +57,7 @@ class AdminApp:
                     "name": e.name,
                     "url": e.url,
                     "roles": list(e.roles),
-                    "breaker": state.breaker.status(e.name),
+                    "breaker": state.engine_state(e.name),
                     "streak": st.streak,
                     "in_flight": state.in_flight_by_engine[e.name],
                     "reserved_prefill_tokens": load.prefill_tokens,

@@ -2,7 +2,7 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming and not),
 ``GET /v1/models``, ``GET /health`` (200 only when an engine can prefill and one can
-decode). Errors use the OpenAI shape ``{"error": {"message", "type", "code"}}``.
+decode), and ``GET /metrics`` when the router is asked to serve it here too. Errors use the OpenAI shape ``{"error": {"message", "type", "code"}}``.
 """
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ from __future__ import annotations
 import hmac
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import MethodNotAllowed, NotFound, Unauthorized
 from narwhal.http.server import Request, ResponseWriter
 from narwhal.router.lifecycle import RequestLifecycle
+from narwhal.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from narwhal.router.state import RouterState
 
 __all__ = ["RouterApp"]
@@ -33,6 +35,9 @@ class RouterApp:
 
     def __init__(self, state: RouterState) -> None:
         self.state = state
+        #: Serve ``GET /metrics`` here too (as vLLM does on its API port): the
+        #: exposition, or None for the admin listener only.
+        self.metrics: Callable[[], bytes] | None = None
         self._keys = [k.encode() for k in state.config.server.api_keys]
         self._created = int(time.time())
 
@@ -59,6 +64,9 @@ class RouterApp:
             return
         if path == "/health":
             await self._health(response)
+        elif path == "/metrics" and self.metrics is not None:
+            self._authorize(request)
+            await response.respond(200, (("content-type", METRICS_CONTENT_TYPE),), self.metrics())
         elif path == "/v1/models":
             self._authorize(request)
             await self._models(response)
@@ -66,13 +74,8 @@ class RouterApp:
             raise NotFound(f"no route for {request.method} {path}")
 
     async def _health(self, response: ResponseWriter) -> None:
-        state = self.state
-        engines = {
-            name: state.breaker.status(name) for name in state.breaker.states
-        }
-        ready = state.ready()
-        body = {"status": "ready" if ready else "unavailable", "engines": engines}
-        await response.respond(200 if ready else 503, _JSON, _json(body))
+        body = self.state.health(detail=False)
+        await response.respond(200 if body["status"] == "ready" else 503, _JSON, _json(body))
 
     async def _models(self, response: ResponseWriter) -> None:
         data = []

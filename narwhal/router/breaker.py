@@ -204,18 +204,32 @@ class Breaker:
             self._emit(engine, "quarantined", detail)
         if st.streak >= self.eject_after or st.trial:
             # On trial one failure is enough: the probe did not tell the truth.
-            st.ejected = True
-            st.trial = False
-            st.ejected_at = now
-            st.probes = 0
-            st.origin_producer = origin_producer if origin_producer != engine else None
-            st.failed_leg = leg
-            st.next_probe_at = now + self.probe_interval_s
-            self._emit(engine, "ejected", detail)
-            if self._last_of_a_role(engine, now):
-                st.held = True
-                self._emit(engine, "held", "every engine of its role is out (whole wave): kept in placement")
-            self._wakeup.set()
+            self._eject(engine, detail, origin_producer if origin_producer != engine else None, leg=leg, hold=True)
+
+    def eject(self, engine: str, detail: str) -> None:
+        """Take ``engine`` out of placement now (it failed the start-up probe); a
+        readmission probe brings it back. It is never held as its role's last capacity:
+        nothing it has served shows that it works."""
+        st = self.states[engine]
+        st.last_error = detail
+        if not st.ejected:
+            self._eject(engine, detail, None, leg=None, hold=False)
+
+    def _eject(self, engine: str, detail: str, origin_producer: str | None, *, leg: str | None, hold: bool) -> None:
+        st = self.states[engine]
+        now = self._clock()
+        st.ejected = True
+        st.trial = False
+        st.ejected_at = now
+        st.probes = 0
+        st.origin_producer = origin_producer
+        st.failed_leg = leg
+        st.next_probe_at = now + self.probe_interval_s
+        self._emit(engine, "ejected", detail)
+        if hold and self._last_of_a_role(engine, now):
+            st.held = True
+            self._emit(engine, "held", "every engine of its role is out (whole wave): kept in placement")
+        self._wakeup.set()
 
     # ------------------------------------------------------------------ probes
 

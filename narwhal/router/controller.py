@@ -25,6 +25,7 @@ import collections
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,10 @@ class ReactiveController:
         publish: Callable[[dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = trio.current_time,
         window_s: float | None = None,
+        journal_path: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``journal_path``: the journal the router writes (its decisions go beside it, in
+        ``<journal>.controller.jsonl``); None: no decisions file."""
         self.config = config
         self.placement = placement
         self.publish = publish
@@ -67,8 +71,7 @@ class ReactiveController:
         self._apply_roles()
         self._arrivals: collections.deque[tuple[float, int, int]] = collections.deque()
         self.decisions: list[dict[str, Any]] = []
-        path = config.journal.path
-        self.decisions_path = Path(path).with_suffix(".controller.jsonl") if path else None
+        self.decisions_path = Path(journal_path).with_suffix(".controller.jsonl") if journal_path else None
 
     # ------------------------------------------------------------ observations
 

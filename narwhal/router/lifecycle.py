@@ -42,7 +42,6 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult, RequestKind
 from narwhal.errors import (
     ClientError,
-    ContextLengthExceeded,
     DeadlineExceeded,
     EngineError,
     EngineTimeout,
@@ -57,7 +56,15 @@ from narwhal.errors import (
 from narwhal.http.server import Request, ResponseWriter
 from narwhal.router.journal import AttemptRecord, RequestRecord
 from narwhal.router.placement import Reservation
-from narwhal.router.requests import ParsedRequest, ResponseAccumulator, error_event, parse_request
+from narwhal.router.requests import (
+    ParsedRequest,
+    ResponseAccumulator,
+    StreamShaper,
+    context_length_exceeded,
+    engine_context_length,
+    error_event,
+    parse_request,
+)
 from narwhal.router.state import PromptCount, RouterState
 
 __all__ = ["RequestLifecycle", "terminal_class_for"]
@@ -231,10 +238,7 @@ class RequestLifecycle:
         record.requested_output_len = self.max_tokens
         # An estimate is not grounds for refusing: the engines check the exact length.
         if tok.exact and max_model_len is not None and tok.count + self.max_tokens > max_model_len:
-            raise ContextLengthExceeded(
-                f"this model's maximum context length is {max_model_len} tokens; the request has "
-                f"{tok.count} prompt tokens and asks for {self.max_tokens} output tokens"
-            )
+            raise context_length_exceeded(max_model_len, tok.count, self.max_tokens)
         state.retry_budget.note_request()
         max_attempts = state.config.recovery.max_attempts
         tried: set[str] = set()
@@ -257,6 +261,10 @@ class RequestLifecycle:
                 if err.engine:
                     tried.add(err.engine)
                 if not self._may_retry(err, n, max_attempts):
+                    # An engine's 400 for an over-long prompt reads as the router's own.
+                    over = engine_context_length(err, parsed, record.prompt_tokens)
+                    if over is not None:
+                        raise over from err
                     raise
 
     def _may_retry(self, err: EngineError, n: int, max_attempts: int) -> bool:
@@ -357,10 +365,7 @@ class RequestLifecycle:
                     self.max_tokens = parsed.output_limit(counted, limit)
                     self.record.requested_output_len = self.max_tokens
                 elif limit is not None and counted + self.max_tokens > limit:
-                    raise ContextLengthExceeded(
-                        f"this model's maximum context length is {limit} tokens; the request has "
-                        f"{counted} prompt tokens and asks for {self.max_tokens} output tokens"
-                    )
+                    raise context_length_exceeded(limit, counted, self.max_tokens)
         attempt.ttft_s = prefill_done - self.arrival
         self.record.ttft_s = attempt.ttft_s
         # The producer's client validated the descriptor against the producer's
@@ -392,6 +397,7 @@ class RequestLifecycle:
         first_token_deadline = clock() + cfg.first_token_timeout_s
         scope = trio.CancelScope(deadline=min(handoff_deadline, first_token_deadline))
         acc = None if parsed.stream else ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+        shape = StreamShaper(parsed, self.request_id)
         forward_meta = parsed.include_usage
         respond = self.response
         tokens = 0
@@ -429,7 +435,7 @@ class RequestLifecycle:
                             if acc is not None:
                                 acc.add(chunk.data)
                             else:
-                                out.append(chunk.raw)
+                                out.append(shape(chunk.raw))
                             if tokens == n and n:
                                 self.visible = True
                                 self.record.first_byte_s = clock() - self.arrival
@@ -446,7 +452,7 @@ class RequestLifecycle:
                         elif acc is not None:
                             acc.add(chunk.data)
                         elif forward_meta or not _is_usage(chunk.data):
-                            (out if self.committed else held).append(chunk.raw)  # held: e.g. chat's role delta
+                            (out if self.committed else held).append(shape(chunk.raw))  # held: e.g. role delta
                         if stream.buffered:
                             continue  # more of this burst already arrived
                         # The end of a burst: one write for everything that arrived together,

@@ -1,4 +1,9 @@
-"""Readmission probes for ejected engines.
+"""Start-up probes of every engine, and readmission probes for ejected engines.
+
+At start every engine's ``GET /health`` is asked once, concurrently, each within
+``engine.connect_timeout_s``; an engine that does not answer 200 is named (by URL) in
+the log and ejected, so that placement skips it and ``/health`` tells the truth, until
+a readmission probe finds it serving.
 
 An ejected engine returns to placement only when an inference probe succeeds:
 
@@ -36,7 +41,7 @@ from narwhal.engines.connector import validate_descriptor
 from narwhal.errors import NarwhalError
 from narwhal.router.state import RouterState
 
-__all__ = ["PROBE_TOKENS", "probe_engine", "run_probes"]
+__all__ = ["PROBE_TOKENS", "probe_at_start", "probe_engine", "run_probes"]
 
 #: Tokens a decode probe streams: enough to cross the first-token and between-chunk
 #: bounds that eject consumers.
@@ -214,3 +219,30 @@ async def run_probes(state: RouterState, *, task_status: trio.TaskStatus[None] =
             )
             with trio.move_on_at(deadline):
                 await breaker.wait_for_change()
+
+
+async def probe_at_start(state: RouterState) -> dict[str, str]:
+    """Ask every engine's ``/health`` once; eject and return those that do not answer 200
+    (name: why)."""
+    down: dict[str, str] = {}
+    timeout = state.config.engine.connect_timeout_s
+
+    async def one(name: str) -> None:
+        why: str | None = f"no answer to GET /health within {timeout:g} s (engine.connect_timeout_s)"
+        with trio.move_on_after(timeout):
+            why = await state.clients[name].unhealthy()
+        if why is not None:
+            down[name] = why
+
+    async with trio.open_nursery() as nursery:
+        for name in state.engines:
+            nursery.start_soon(one, name)
+    interval = state.config.recovery.probe_interval_s
+    for name in state.engines:  # in the document's order
+        if name in down:
+            log.warning(
+                "engine %s at %s is unreachable (%s): out of placement until a readmission probe "
+                "finds it serving (every %g s)", name, state.engines[name].url, down[name], interval,
+            )  # fmt: skip
+            state.breaker.eject(name, down[name])
+    return {name: down[name] for name in state.engines if name in down}

@@ -9,17 +9,36 @@ the decode stream's chunks.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
 import attrs
 
 from narwhal.engines.connector import RequestKind
-from narwhal.errors import BadRequest, NarwhalError, Unsupported
+from narwhal.errors import (
+    BadRequest,
+    ContextLengthExceeded,
+    EngineError,
+    EngineHTTPError,
+    NarwhalError,
+    Unsupported,
+)
 
-__all__ = ["ParsedRequest", "ResponseAccumulator", "error_event", "parse_request"]
+__all__ = [
+    "CHAT_ROLES",
+    "ParsedRequest",
+    "ResponseAccumulator",
+    "StreamShaper",
+    "context_length_exceeded",
+    "engine_context_length",
+    "error_event",
+    "parse_request",
+]
 
 _DEFAULT_COMPLETION_TOKENS = 16
+#: The message roles the OpenAI chat API accepts.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: Deepest nesting of a body accepted: the stdlib's JSON codec recurses, so a deeper
 #: body would raise RecursionError on parsing or when forwarded to an engine.
 MAX_BODY_DEPTH = 64
@@ -110,6 +129,16 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
             raise BadRequest("'messages' must be a non-empty list", code="missing_field")
         if not all(isinstance(m, dict) for m in messages):
             raise BadRequest("each item of 'messages' must be an object", code="invalid_type")
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role is None:
+                raise BadRequest(f"'messages[{i}].role' is required", code="missing_field")
+            if role not in CHAT_ROLES:
+                raise BadRequest(
+                    f"invalid value for 'messages[{i}].role': {json.dumps(role)[:80]}; "
+                    f"supported values are {', '.join(repr(r) for r in CHAT_ROLES)}",
+                    code="invalid_value",
+                )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", code="invalid_type")
@@ -142,11 +171,47 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     )
 
 
+#: vLLM's 400 for a prompt (plus output) over max_model_len: the limit, and the prompt's
+#: length in either of its wordings ("... (P in the messages, M in the completion)",
+#: "... your request has P input tokens ...").
+_ENGINE_LIMIT = re.compile(r"maximum context length is (\d+) tokens")
+_ENGINE_PROMPT = re.compile(r"(\d+) in the messages|has (\d+) input tokens")
+
+
+def context_length_exceeded(max_model_len: int, prompt_tokens: int, max_tokens: int) -> ContextLengthExceeded:
+    """The one message for a prompt plus the client's output over ``max_model_len``,
+    whichever check finds it (the router's own count or an engine's 400)."""
+    return ContextLengthExceeded(
+        f"this model's maximum context length is {max_model_len} tokens; the request has "
+        f"{prompt_tokens} prompt tokens and asks for {max_tokens} output tokens"
+    )
+
+
+def engine_context_length(
+    err: EngineError, parsed: ParsedRequest, prompt_tokens: int | None
+) -> ContextLengthExceeded | None:
+    """An engine's 400 for an over-long prompt, as :func:`context_length_exceeded` says it.
+
+    The prefill leg asks the producer for one token, so its 400 counts one output token;
+    the client asked for its own ``max_tokens`` (or the engines' default). The prompt's
+    length is the engine's when its message gives it, else ``prompt_tokens`` (an exact
+    count, or None). None when ``err`` is no such 400.
+    """
+    detail = err.detail if isinstance(err, EngineHTTPError) and err.client_fault else None
+    limit = _ENGINE_LIMIT.search(detail) if detail else None
+    if detail is None or limit is None:
+        return None
+    found = _ENGINE_PROMPT.search(detail)
+    count = int(found.group(1) or found.group(2)) if found else prompt_tokens
+    if count is None:
+        return None
+    max_model_len = int(limit.group(1))
+    return context_length_exceeded(max_model_len, count, parsed.output_limit(count, max_model_len))
+
+
 def error_event(err: NarwhalError) -> bytes:
     """The terminal SSE event for a failure after HTTP 200 was committed."""
-    body = err.to_body()
-    body["error"]["code"] = err.http_status
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json.dumps(err.to_body(), separators=(",", ":")).encode() + b"\n\n"
 
 
 class ResponseAccumulator:
@@ -162,6 +227,31 @@ class ResponseAccumulator:
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.usage: dict[str, Any] | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.prompt_logprobs: Any = None
+        #: The engine's logprobs merged over the chunks (None: the client asked for none).
+        self.logprobs: dict[str, list[Any]] | None = None
+        self.system_fingerprint: str | None = None
+
+    def _add_prompt(self, holder: dict[str, Any]) -> None:
+        if self.prompt_token_ids is None and isinstance(holder.get("prompt_token_ids"), list):
+            self.prompt_token_ids = holder["prompt_token_ids"]
+        if self.prompt_logprobs is None and holder.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = holder["prompt_logprobs"]
+
+    def _add_logprobs(self, part: Any) -> None:
+        """Merge one chunk's ``logprobs``: chat's ``content`` (and ``refusal``) lists, or
+        completions' parallel ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
+        ``text_offset`` lists (vLLM's offsets count from the start of the text)."""
+        if not isinstance(part, dict):
+            return
+        merged = self.logprobs if self.logprobs is not None else {}
+        for key, value in part.items():
+            if isinstance(value, list):
+                merged.setdefault(key, []).extend(value)
+            else:
+                merged.setdefault(key, [])
+        self.logprobs = merged
 
     def add(self, data: dict[str, Any] | None) -> None:
         if not data:
@@ -169,10 +259,17 @@ class ResponseAccumulator:
         usage = data.get("usage")
         if usage:
             self.usage = usage
+        fingerprint = data.get("system_fingerprint")
+        if isinstance(fingerprint, str):
+            self.system_fingerprint = fingerprint
+        self._add_prompt(data)  # chat: on the response
         for choice in data.get("choices") or ():
             ids = choice.get("token_ids")
             if ids:
                 self.token_ids.extend(ids)
+            self._add_prompt(choice)  # completions: on the choice
+            if choice.get("logprobs") is not None:
+                self._add_logprobs(choice["logprobs"])
             if self.parsed.kind == "chat":
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
@@ -201,29 +298,96 @@ class ResponseAccumulator:
             choice = {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": self.logprobs,
                 "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason,
             }
             obj = "chat.completion"
-            rid = f"chatcmpl-{self.request_id}"
         else:
             choice = {
                 "index": 0,
                 "text": "".join(self.text),
-                "logprobs": None,
+                "logprobs": self.logprobs,
                 "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason,
             }
             obj = "text_completion"
-            rid = f"cmpl-{self.request_id}"
-        if self.parsed.return_token_ids:
-            choice["token_ids"] = list(self.token_ids)
-        return {
-            "id": rid,
+        answer: dict[str, Any] = {
+            "id": response_id(self.parsed, self.request_id),
             "object": obj,
             "created": created,
             "model": self.model,
             "choices": [choice],
             "usage": usage,
         }
+        # vLLM's places: on the choice for completions, on the response for chat.
+        prompt_holder = answer if self.parsed.kind == "chat" else choice
+        if self.prompt_logprobs is not None:
+            prompt_holder["prompt_logprobs"] = self.prompt_logprobs
+        if self.parsed.return_token_ids:
+            choice["token_ids"] = list(self.token_ids)
+            prompt_holder["prompt_token_ids"] = self.prompt_token_ids
+        if self.system_fingerprint is not None:
+            answer["system_fingerprint"] = self.system_fingerprint
+        return answer
+
+
+#: An event's response id: vLLM serialises it as the first key of every chunk.
+_EVENT_ID = re.compile(rb'^data: \{\s*"id"\s*:\s*"(?:[^"\\]|\\.)*"')
+_COMPACT_ID = b'data: {"id":"'
+_COMPACT_IDS = (b',"prompt_token_ids":', b',"token_ids":')
+#: The token ids the router asks the consumer for (to count output), and the prompt's.
+_TOKEN_IDS = re.compile(rb'\s*,\s*"(?:prompt_)?token_ids"\s*:\s*(?:null|\[[\d,\s]*\])')
+
+
+def response_id(parsed: ParsedRequest, request_id: str) -> str:
+    """The id of the answer to ``request_id``: the same in every stream chunk and in a
+    non-streamed body (the ``x-request-id`` header carries ``request_id``), as vLLM."""
+    return ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + request_id
+
+
+class StreamShaper:
+    """The consumer's SSE events as the client's: each chunk carries the router's
+    response id (not the decode leg's), and the token ids the router asked the engine
+    for go only to a client that asked for them (``return_token_ids``)."""
+
+    def __init__(self, parsed: ParsedRequest, request_id: str) -> None:
+        self._id = b'data: {"id":' + json.dumps(response_id(parsed, request_id)).encode()
+        self._strip_ids = not parsed.return_token_ids
+
+    def _replace_id(self, _: re.Match[bytes]) -> bytes:
+        return self._id
+
+    def __call__(self, raw: bytes) -> bytes:
+        # Per token, so the compact form vLLM writes is cut by hand; the patterns
+        # handle any other spacing.
+        if raw.startswith(_COMPACT_ID):
+            end = raw.find(b'"', len(_COMPACT_ID))
+            if end > 0 and raw[end - 1] != 0x5C:  # no escaped quote inside the id
+                raw = self._id + raw[end + 1 :]
+            else:
+                raw = _EVENT_ID.sub(self._replace_id, raw, count=1)
+        else:
+            raw = _EVENT_ID.sub(self._replace_id, raw, count=1)
+        if self._strip_ids and b"token_ids" in raw:
+            for key in _COMPACT_IDS:
+                raw = _cut(raw, key)
+            if b"token_ids" in raw:
+                raw = _TOKEN_IDS.sub(b"", raw)
+        return raw
+
+
+def _cut(raw: bytes, key: bytes) -> bytes:
+    """``raw`` without the compact member ``key`` (``,"token_ids":``) and its value
+    (null or a list of ints); as is when the value is anything else."""
+    i = raw.find(key)
+    if i < 0:
+        return raw
+    j = i + len(key)
+    if raw.startswith(b"null", j):
+        return raw[:i] + raw[j + 4 :]
+    if raw.startswith(b"[", j):
+        end = raw.find(b"]", j)
+        if end > 0:
+            return raw[:i] + raw[end + 1 :]
+    return raw

@@ -20,7 +20,7 @@ from narwhal.router.journal import Journal
 from narwhal.router.loadpoll import poll_engine_load
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pricing import PricedPlacement
-from narwhal.router.probe import run_probes
+from narwhal.router.probe import probe_at_start, run_probes
 from narwhal.router.state import RouterState
 
 __all__ = ["Router", "open_router"]
@@ -94,6 +94,7 @@ async def open_router(
     transport: httpx.AsyncBaseTransport | None = None,
     journal: Journal | None = None,
     profiles: Profiles | None = None,
+    metrics_on_api_port: bool = False,
 ) -> AsyncIterator[Router]:
     """Start a router's background tasks; on exit drain, flush the journal, close clients.
 
@@ -104,12 +105,16 @@ async def open_router(
         journal: a journal to use instead of the one ``config.journal`` names.
         profiles: a profiles pair that passed Gate F: placement is priced by it for
             every engine whose profile binds to the generation running now.
+        metrics_on_api_port: also answer ``GET /metrics`` on the OpenAI listener.
     """
     state = RouterState(config, transport=transport, journal=journal, profiles=profiles)
     limits = server_limits(config)
-    server = HTTPServer(RouterApp(state), limits, server_name="narwhal")
+    app = RouterApp(state)
+    server = HTTPServer(app, limits, server_name="narwhal")
     events = EventHub()
     metrics = RouterMetrics(state, events)
+    if metrics_on_api_port:
+        app.metrics = metrics.exposition
     state.journal.add_listener(events.on_record)
     state.breaker.add_listener(events.on_transition)
     admin = HTTPServer(AdminApp(state, metrics, events), limits, server_name="narwhal-admin")
@@ -117,13 +122,18 @@ async def open_router(
         async with trio.open_nursery() as nursery:
             await nursery.start(state.journal.run)
             await nursery.start(run_probes, state)
+            await probe_at_start(state)
+            if not state.ready():
+                log.warning("not ready: %s (GET /health answers 503 until it is)", state.unready_reason())
             if config.server.engine_load_poll_s > 0:
                 await nursery.start(poll_engine_load, state, config.server.engine_load_poll_s)
             await state.refresh_models()
             await state.bind_profiles()
             controller = None
             if config.controller.reactive.enabled and isinstance(state.placement, PricedPlacement):
-                controller = ReactiveController(config, state.placement, publish=events.publish, clock=state.clock)
+                controller = ReactiveController(
+                    config, state.placement, publish=events.publish, clock=state.clock, journal_path=state.journal.path
+                )
                 state.journal.add_listener(controller.on_record)
                 await nursery.start(controller.run)
             router = Router(state, server, admin, metrics, events)

@@ -11,7 +11,7 @@ import httpx
 import trio
 
 from narwhal.config import EngineConfig, FleetConfig
-from narwhal.engines.client import EngineClient, Tokenized
+from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import EngineError, Refused
 from narwhal.profile.store import Profiles
@@ -131,10 +131,40 @@ class RouterState:
 
     def ready(self) -> bool:
         """At least one engine can prefill and one can decode."""
+        return self.unready_reason() is None
+
+    def engine_state(self, name: str) -> str:
+        """``ok``, ``quarantined`` or ``ejected`` (out until a readmission probe succeeds)."""
+        if self.breaker.states[name].ejected:
+            return "ejected"
+        return "ok" if self.breaker.available(name) else "quarantined"
+
+    def health(self, *, detail: bool) -> dict[str, Any]:
+        """The ``/health`` body: ready or not (and why), each engine's state; with
+        ``detail`` (the admin surface) each engine's URL and last error too."""
+        reason = self.unready_reason()
+        engines: dict[str, Any] = {}
+        for name, engine in self.engines.items():
+            st = self.engine_state(name)
+            if detail:
+                last = self.breaker.states[name].last_error
+                engines[name] = {"state": st, "url": engine.url, "error": last if st != "ok" else None}
+            else:
+                engines[name] = st
+        body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable"}
+        if reason is not None:
+            body["reason"] = reason
+        body["engines"] = engines
+        return body
+
+    def unready_reason(self) -> str | None:
+        """Why the router cannot serve now (None: it can)."""
         avail = self.breaker.available
-        return any(avail(n) for n in self.placement.prefill_engines) and any(
-            avail(n) for n in self.placement.decode_engines
-        )
+        missing = [
+            role for role, names in (("prefill", self.placement.prefill_engines), ("decode", self.placement.decode_engines))
+            if not any(avail(n) for n in names)
+        ]  # fmt: skip
+        return f"no engine can {' or '.join(missing)} now" if missing else None
 
     async def count_prompt(self, parsed_body: dict[str, Any], kind: RequestKind) -> PromptCount:
         """The prompt's length for placement: exact, or estimated (``controller.prompt_tokens``)."""
@@ -220,8 +250,7 @@ class RouterState:
             if live != profile.identity:
                 placement.profiles.pop(name, None)
                 placement.unbound[name] = (
-                    "profile bound to another engine generation (started "
-                    f"{profile.identity.process_start_time}, running {live.process_start_time}): "
+                    f"profile bound to another engine generation ({_generation_change(profile.identity, live)}): "
                     "re-profile or refit"
                 )
                 return
@@ -239,3 +268,16 @@ class RouterState:
         for client in self.clients.values():
             with trio.move_on_after(5, shield=True):
                 await client.aclose()
+
+
+def _generation_change(profiled: EngineIdentity, live: EngineIdentity) -> str:
+    """What differs between the profiled engine and the one running now."""
+    changes = [
+        f"{field} {getattr(profiled, field)!r} -> {getattr(live, field)!r}"
+        for field in ("url", "model", "version", "max_model_len")
+        if getattr(profiled, field) != getattr(live, field)
+    ]
+    if profiled.process_start_time != live.process_start_time:
+        started, running = start_date(profiled.process_start_time), start_date(live.process_start_time)
+        changes.append(f"started {started}, running since {running}")
+    return "; ".join(changes)

@@ -1,0 +1,182 @@
+"""One admin surface for ``narwhal serve --workers N``: the workers' own, combined.
+
+Each worker is a whole router with its own admin listener (on loopback); the
+supervisor serves this app on ``server.admin_port`` so that an operator, a Prometheus
+scrape and ``narwhal top`` see one router:
+
+- ``/metrics``: every worker's exposition, samples with the same name and labels
+  summed (counters, histogram buckets, sums and counts, in-flight and reservation
+  gauges all add up); ``narwhal_breaker_state`` and ``narwhal_ready`` take the worst
+  and the best worker respectively, and ``narwhal_workers_up`` counts the workers
+  that answered. A worker that does not answer is left out (and not counted up).
+- ``/fleet``: engines merged by name (load summed, the worst breaker state).
+- ``/health``: ready when a worker is ready; each worker's own answer alongside.
+- ``/events``: the workers' live events, interleaved on one WebSocket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import httpx
+import trio
+import trio_websocket
+from prometheus_client import generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from narwhal.errors import BadRequest, MethodNotAllowed, NotFound
+from narwhal.http.server import Request, ResponseWriter
+from narwhal.router.metrics import CONTENT_TYPE
+
+__all__ = ["WorkersAdminApp", "combine_expositions", "combine_fleets"]
+
+log = logging.getLogger("narwhal.router.fanin")
+
+_JSON = (("content-type", "application/json"),)
+_BREAKER_ORDER = {"ok": 0, "quarantined": 1, "ejected": 2}
+#: Gauges whose workers' values do not add up: how they combine instead.
+_COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max}
+
+
+class _Fixed(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.metrics
+
+
+def combine_expositions(texts: Sequence[str]) -> bytes:
+    """Prometheus text expositions of several routers as one (see the module docstring)."""
+    families: dict[str, Metric] = {}
+    values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            combine = _COMBINE.get(family.name)
+            for sample in family.samples:
+                key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                if key not in values:
+                    values[key] = sample.value
+                elif sample.name.endswith("_created"):
+                    values[key] = min(values[key], sample.value)
+                elif combine is not None:
+                    values[key] = combine(values[key], sample.value)
+                else:
+                    values[key] += sample.value
+    for (family_name, sample_name, labels), value in values.items():
+        families[family_name].add_sample(sample_name, dict(labels), value)
+    up = Metric("narwhal_workers_up", "Router workers that answered this scrape.", "gauge")
+    up.add_sample("narwhal_workers_up", {}, float(len(texts)))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed([*families.values(), up]))
+    return generate_latest(registry)
+
+
+def combine_fleets(fleets: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' ``/fleet`` views as one: per engine, load summed, the worst breaker."""
+    engines: dict[str, dict[str, Any]] = {}
+    for fleet in fleets:
+        for e in fleet.get("engines", ()):
+            seen = engines.get(e["name"])
+            if seen is None:
+                engines[e["name"]] = dict(e)
+                continue
+            for key in ("in_flight", "reserved_prefill_tokens", "reserved_decode_requests"):
+                seen[key] = seen.get(key, 0) + e.get(key, 0)
+            seen["streak"] = max(seen.get("streak", 0), e.get("streak", 0))
+            if _BREAKER_ORDER.get(e.get("breaker", "ok"), 0) > _BREAKER_ORDER.get(seen.get("breaker", "ok"), 0):
+                seen["breaker"] = e["breaker"]
+    return {
+        "engines": list(engines.values()),
+        "slo": fleets[0].get("slo") if fleets else {},
+        "in_flight": sum(f.get("in_flight", 0) for f in fleets),
+        "workers": len(fleets),
+    }
+
+
+class WorkersAdminApp:
+    """The supervisor's admin handler: the workers' admin surfaces at ``urls``, combined."""
+
+    def __init__(self, urls: Sequence[str], *, timeout_s: float = 5.0) -> None:
+        self.urls = list(urls)
+        self.timeout_s = timeout_s
+
+    async def _gather(self, path: str) -> list[httpx.Response | None]:
+        answers: list[httpx.Response | None] = [None] * len(self.urls)
+
+        async def one(i: int, client: httpx.AsyncClient) -> None:
+            try:
+                answers[i] = await client.get(f"{self.urls[i]}{path}")
+            except httpx.HTTPError as exc:
+                log.warning("worker admin %s%s did not answer: %s", self.urls[i], path, exc)
+
+        async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False) as client:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(self.urls)):
+                    nursery.start_soon(one, i, client)
+        return answers
+
+    async def __call__(self, request: Request, response: ResponseWriter) -> None:
+        if request.method != "GET":
+            raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
+        if request.path == "/metrics":
+            texts = [a.text for a in await self._gather("/metrics") if a is not None and a.status_code == 200]
+            await response.respond(200, (("content-type", CONTENT_TYPE),), combine_expositions(texts))
+        elif request.path == "/fleet":
+            fleets = [a.json() for a in await self._gather("/fleet") if a is not None and a.status_code == 200]
+            if not fleets:
+                await response.respond(503, _JSON, json.dumps({"error": "no worker answered"}).encode())
+                return
+            await response.respond(200, _JSON, json.dumps(combine_fleets(fleets)).encode())
+        elif request.path == "/health":
+            health = await self._gather("/health")
+            workers = [a.json() if a is not None else {"status": "unreachable"} for a in health]
+            ready = any(w.get("status") == "ready" for w in workers)
+            body = {"status": "ready" if ready else "unavailable", "workers": workers}
+            await response.respond(200 if ready else 503, _JSON, json.dumps(body).encode())
+        elif request.path == "/events":
+            await self._events(request, response)
+        else:
+            raise NotFound(f"no route for GET {request.path}")
+
+    async def _events(self, request: Request, response: ResponseWriter) -> None:
+        if (request.header("upgrade") or "").lower() != "websocket":
+            raise BadRequest("/events is a WebSocket endpoint (send Upgrade: websocket)")
+        stream = await response.upgrade()
+        async with trio.open_nursery() as nursery:
+            ws_request = await trio_websocket.wrap_server_stream(nursery, stream)
+            ws = await ws_request.accept()
+            send_lock = trio.Lock()
+
+            async def relay(url: str) -> None:
+                try:
+                    async with trio_websocket.open_websocket_url("ws" + url[len("http"):] + "/events") as worker:
+                        while True:
+                            message = await worker.get_message()
+                            async with send_lock:
+                                await ws.send_message(message)
+                except (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
+                    log.info("event relay from %s ended: %r", url, exc)
+                nursery.cancel_scope.cancel()  # a worker gone: the client reconnects
+
+            async def until_closed() -> None:
+                try:
+                    while True:
+                        await ws.get_message()
+                except trio_websocket.ConnectionClosed:
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(until_closed)
+            for url in self.urls:
+                nursery.start_soon(relay, url)
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.move_on_after(1, shield=True):
+                    await ws.aclose()

@@ -1,0 +1,210 @@
+"""OpenAI/vLLM-exact answers: the non-streamed body relays what the engine sent
+(logprobs, prompt ids when asked, the system fingerprint); chat roles are validated."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+import pytest
+import trio
+
+from narwhal import errors
+from narwhal.errors import BadRequest, EngineHTTPError, NarwhalError
+from narwhal.http import connection
+from narwhal.router.requests import (
+    CHAT_ROLES,
+    ResponseAccumulator,
+    engine_context_length,
+    error_event,
+    parse_request,
+)
+
+from .routerkit import open_stack
+
+
+def _chunk(text: str, logprobs: Any, **extra: Any) -> dict[str, Any]:
+    return {"id": "cmpl-x", "object": "text_completion", "choices": [
+        {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": extra.pop("finish", None),
+         "stop_reason": None, "token_ids": extra.pop("ids", [1]), **extra}]}  # fmt: skip
+
+
+def test_completion_logprobs_are_merged_over_the_chunks() -> None:
+    parsed = parse_request(json.dumps({"prompt": "hi", "max_tokens": 2, "logprobs": 1}).encode(), "completions")
+    acc = ResponseAccumulator(parsed, "r1", "m")
+    first = {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5}], "text_offset": [0]}
+    second = {"tokens": ["bc"], "token_logprobs": [-1.25], "top_logprobs": [{"bc": -1.25}], "text_offset": [1]}
+    acc.add(_chunk("a", first, prompt_token_ids=[7, 8]))
+    acc.add(_chunk("bc", second, finish="length"))
+    [choice] = acc.body(2)["choices"]
+    assert choice["logprobs"] == {
+        "tokens": ["a", "bc"], "token_logprobs": [-0.5, -1.25],
+        "top_logprobs": [{"a": -0.5}, {"bc": -1.25}], "text_offset": [0, 1],
+    }  # fmt: skip
+    assert choice["text"] == "abc"
+    assert "token_ids" not in choice and "prompt_token_ids" not in choice  # not asked
+
+
+def test_chat_logprobs_and_prompt_ids_in_vllm_places() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "return_token_ids": True}
+    acc = ResponseAccumulator(parse_request(json.dumps(body).encode(), "chat"), "r2", "m")
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    acc.add({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}],
+             "prompt_token_ids": [5, 6, 7], "system_fingerprint": "vllm-0.32.0"})  # fmt: skip
+    acc.add({"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry]}, "token_ids": [97]}]})
+    acc.add({"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry]},
+                          "token_ids": [97], "finish_reason": "length"}]})  # fmt: skip
+    out = acc.body(3)
+    [choice] = out["choices"]
+    assert choice["logprobs"] == {"content": [entry, entry]}
+    assert choice["message"]["content"] == "aa" and choice["token_ids"] == [97, 97]
+    assert out["prompt_token_ids"] == [5, 6, 7] and "prompt_token_ids" not in choice
+    assert out["system_fingerprint"] == "vllm-0.32.0"
+
+
+def test_without_logprobs_the_answer_says_null() -> None:
+    acc = ResponseAccumulator(parse_request(b'{"prompt": "hi"}', "completions"), "r3", "m")
+    acc.add(_chunk("a", None, finish="length"))
+    assert acc.body(1)["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("role", CHAT_ROLES)
+def test_every_openai_role_is_accepted(role: str) -> None:
+    parse_request(json.dumps({"messages": [{"role": role, "content": "x"}]}).encode(), "chat")
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "text"),
+    [
+        ({"role": "wizard", "content": "x"}, "invalid_value", "invalid value for 'messages[1].role': \"wizard\""),
+        ({"role": 3, "content": "x"}, "invalid_value", "invalid value for 'messages[1].role': 3"),
+        ({"content": "x"}, "missing_field", "'messages[1].role' is required"),
+    ],
+)
+def test_a_bad_role_is_refused_naming_the_message(message: dict[str, Any], code: str, text: str) -> None:
+    body = {"messages": [{"role": "user", "content": "ok"}, message]}
+    with pytest.raises(BadRequest) as err:
+        parse_request(json.dumps(body).encode(), "chat")
+    assert err.value.code == code and str(err.value).startswith(text)
+
+
+async def test_prompt_token_ids_only_when_the_client_asks(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        plain = (await stack.complete({"prompt": "a b c", "max_tokens": 3})).json()
+        asked = (await stack.complete({"prompt": "a b c", "max_tokens": 3, "return_token_ids": True})).json()
+        chat = await stack.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 3, "return_token_ids": True})  # fmt: skip
+    assert "prompt_token_ids" not in plain["choices"][0] and "token_ids" not in plain["choices"][0]
+    choice = asked["choices"][0]
+    assert len(choice["token_ids"]) == 3
+    assert isinstance(choice["prompt_token_ids"], list) and choice["prompt_token_ids"]
+    assert isinstance(chat.json()["prompt_token_ids"], list) and chat.json()["prompt_token_ids"]
+
+
+async def test_one_response_id_and_token_ids_only_when_asked_in_a_stream(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        plain_status, plain = await stack.stream({"prompt": "a b c", "max_tokens": 4})
+        async with stack.client.stream(
+            "POST", "/v1/completions", headers={"x-request-id": "client-rid-7"},
+            json={"prompt": "a b c", "max_tokens": 4, "stream": True, "return_token_ids": True},
+        ) as resp:  # fmt: skip
+            assert resp.headers["x-request-id"] == "client-rid-7"
+            asked = [json.loads(line[6:]) for line in [x async for x in resp.aiter_lines()]
+                     if line.startswith("data: {")]  # fmt: skip
+        chat_status, chat = await stack.stream(
+            {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 3}, path="/v1/chat/completions"
+        )
+        whole = await stack.complete({"prompt": "a b c", "max_tokens": 2}, headers={"x-request-id": "client-rid-8"})
+    assert plain_status == chat_status == 200
+    chunks = [e for e in plain if isinstance(e, dict)]
+    assert chunks and all("token_ids" not in c and "prompt_token_ids" not in c for e in chunks for c in e["choices"])
+    assert len({e["id"] for e in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    assert "-d" not in chunks[0]["id"]  # not the decode leg's id
+    assert {e["id"] for e in asked} == {"cmpl-client-rid-7"}
+    assert sum(len(c["token_ids"]) for e in asked for c in e["choices"]) == 4
+    assert isinstance(asked[0]["choices"][0]["prompt_token_ids"], list)
+    chat_chunks = [e for e in chat if isinstance(e, dict)]
+    assert len({e["id"] for e in chat_chunks}) == 1 and chat_chunks[0]["id"].startswith("chatcmpl-")
+    assert all("prompt_token_ids" not in e for e in chat_chunks)
+    assert whole.json()["id"] == "cmpl-client-rid-8" and whole.headers["x-request-id"] == "client-rid-8"
+
+
+def test_shaping_real_vllm_events_keeps_them_valid_json() -> None:
+    from pathlib import Path
+
+    from narwhal.router.requests import StreamShaper
+
+    recorded = (Path(__file__).parent.parent / "fixtures" / "completions-stream-token-ids.sse").read_bytes()
+    events = [e + b"\n\n" for e in recorded.split(b"\n\n") if e.startswith(b"data: {")]
+    parsed = parse_request(b'{"prompt": "x", "stream": true}', "completions")
+    shaped = [json.loads(StreamShaper(parsed, "rid-1")(e)[6:]) for e in events]
+    assert {s["id"] for s in shaped} == {"cmpl-rid-1"}
+    assert all(set(c) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+               for s in shaped for c in s["choices"])  # fmt: skip
+    assert shaped[-1]["usage"]["completion_tokens"] == 20
+    asked = parse_request(b'{"prompt": "x", "stream": true, "return_token_ids": true}', "completions")
+    kept = [json.loads(StreamShaper(asked, "rid-2")(e)[6:]) for e in events]
+    assert kept[0]["choices"][0]["prompt_token_ids"] == [86, 516, 692, 1415, 1336, 369, 80, 644, 90]
+    assert sum(len(c["token_ids"]) for k in kept for c in k["choices"]) == 20
+
+
+def _error_classes(base: type[NarwhalError] = NarwhalError) -> list[type[NarwhalError]]:
+    found = [base]
+    for sub in base.__subclasses__():
+        found += _error_classes(sub)
+    return found
+
+
+def _instance(cls: type[NarwhalError]) -> NarwhalError:
+    """One of each error, built from its own signature (a new class needs no entry here)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    args = ["boom" for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self" and p.default is p.empty]
+    kwargs = {p.name: 500 for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    return cls(*args, **kwargs)
+
+
+def test_every_error_body_has_openais_code_a_string_or_null() -> None:
+    # OpenAI's error objects carry ``code`` as a string ("context_length_exceeded",
+    # "model_not_found", "invalid_api_key") or null; the status is the status line's.
+    classes = _error_classes()
+    assert {c.__name__ for c in classes} >= set(errors.__all__)
+    bodies = [_instance(cls).to_body() for cls in classes]
+    for status in (400, 404, 422, 500, 503):
+        for detail in ("bad token id", "This model's maximum context length is 64 tokens. However, ..."):
+            bodies.append(EngineHTTPError("x", upstream_status=status, detail=detail).to_body())
+    bodies += [json.loads(error_event(_instance(cls)).removeprefix(b"data: ")) for cls in classes]
+    bodies += [json.loads(b) for b in (connection._INTERNAL_ERROR_BODY, *connection._PROTOCOL_ERROR_BODIES.values())]
+    for body in bodies:
+        assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+        assert body["error"]["code"] is None or isinstance(body["error"]["code"], str), body
+    assert EngineHTTPError("x", upstream_status=400, detail="maximum context length").to_body()["error"]["code"] == (
+        "context_length_exceeded"
+    )
+
+
+@pytest.mark.parametrize(
+    ("detail", "status", "known", "message"),
+    [
+        # vLLM's wordings (older and newer) for the prefill leg's one-token request.
+        ("This model's maximum context length is 4096 tokens. However, you requested 5001 tokens "
+         "(5000 in the messages, 1 in the completion). Please reduce the length of the messages or "
+         "completion.", 400, None, "has 5000 prompt tokens and asks for 7 output tokens"),
+        ("This model's maximum context length is 4096 tokens. However, your request has 4100 input "
+         "tokens. Please reduce the length of the input messages.", 400, None, "has 4100 prompt tokens"),
+        # No count in the message: the router's exact count, else the engine's own words.
+        ("This model's maximum context length is 4096 tokens.", 400, 4096, "has 4096 prompt tokens"),
+        ("This model's maximum context length is 4096 tokens.", 400, None, None),
+        ("token id 99999 is out of vocabulary", 400, 10, None),
+        ("This model's maximum context length is 4096 tokens.", 503, 4096, None),  # not the client's fault
+    ],
+)  # fmt: skip
+def test_an_engines_context_400_reads_as_the_routers(detail: str, status: int, known: int | None, message: str | None) -> None:
+    parsed = parse_request(json.dumps({"prompt": "hi", "max_tokens": 7}).encode(), "completions")
+    over = engine_context_length(EngineHTTPError("x", upstream_status=status, detail=detail), parsed, known)
+    if message is None:
+        assert over is None
+    else:
+        assert over is not None and over.code == "context_length_exceeded"
+        assert str(over).startswith("this model's maximum context length is 4096 tokens; the request ")
+        assert message in str(over) and str(over).endswith("asks for 7 output tokens")
