@@ -288,6 +288,8 @@ class SimConfig:
         transfer_s_per_token: Seconds to pull one KV token from a producer.
         handoff_ttl_s: Seconds a producer holds KV blocks for an unclaimed handoff.
         prefix_caching: Whether the engine reuses KV of a previously seen prompt prefix.
+        prompt_tokens_details: Whether usage reports ``prompt_tokens_details.cached_tokens``
+            (vLLM's ``--enable-prompt-tokens-details``).
         noise: Relative gaussian jitter (standard deviation) on every prefill and step.
         faults: Faults scripted from the start.
     """
@@ -304,6 +306,7 @@ class SimConfig:
     transfer_s_per_token: float = attrs.field(default=2e-07, validator=_non_negative)
     handoff_ttl_s: float = attrs.field(default=480.0, validator=_positive)
     prefix_caching: bool = False
+    prompt_tokens_details: bool = False
     noise: float = attrs.field(default=0.0, validator=_non_negative)
     faults: tuple[FaultSpec, ...] = attrs.field(default=(), converter=_fault_tuple)
 

@@ -188,6 +188,14 @@ class SimEngine:
         """The handoffs this producer holds, by request id."""
         return dict(self.scheduler.held)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache, as vLLM's ``/reset_prefix_cache`` does.
+
+        Returns:
+            False (and nothing dropped) while a request or a held handoff holds blocks.
+        """
+        return self.scheduler.reset_prefix_cache()
+
     def metrics_text(self) -> str:
         """The engine's ``/metrics`` page."""
         sched = self.scheduler
@@ -372,7 +380,8 @@ class SimEngine:
                 str(kv["remote_engine_id"]), str(kv["remote_request_id"]), kv["remote_block_ids"]
             )
             try:
-                delay = seq.prompt_len * self.sim.transfer_s_per_token
+                # Only the blocks this engine does not hold itself are pulled.
+                delay = (seq.prompt_len - seq.cached_tokens) * self.sim.transfer_s_per_token
                 await trio.sleep(delay + seq.params.extra_transfer_delay_s)
                 if seq.broken:
                     raise EngineRestarted("engine restarted")
@@ -387,8 +396,10 @@ class SimEngine:
             sched.metrics.nixl_failed_transfers += 1
             self.stats.failed_transfers += 1
             raise SimError(500, f"KV transfer failed: {exc}") from None
-        sched.metrics.prompt_tokens_by_source["external_kv_transfer"] += seq.prompt_len
-        self.stats.prompt_tokens["external_kv_transfer"] += seq.prompt_len
+        pulled = seq.prompt_len - seq.cached_tokens
+        for source, n in (("external_kv_transfer", pulled), ("local_cache_hit", seq.cached_tokens)):
+            sched.metrics.prompt_tokens_by_source[source] += n
+            self.stats.prompt_tokens[source] += n
         sched.metrics.xfer_time.observe(self.now() - start)
         self.stats.transfers += 1
         sched.join(seq)
