@@ -30,7 +30,7 @@ from narwhal.errors import ConfigError
 __all__ = [
     "FAULT_KINDS", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
     "EngineContract", "EngineTimeouts", "FaultSpec", "FleetConfig", "HandoffConfig",
-    "JournalConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
+    "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
     "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "converter",
     "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "unstructure_fleet",
 ]  # fmt: skip
@@ -87,6 +87,14 @@ def _host_port(url: str) -> tuple[str, int] | None:
     return (host, port) if parts.path in ("", "/") and not parts.query + parts.fragment else None
 
 
+_ZMQ_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):([0-9]{1,5})")
+
+
+def _zmq_endpoint(v: Any) -> bool:
+    m = _ZMQ_TCP.fullmatch(v) if isinstance(v, str) else None
+    return m is not None and m.group(1) != "*" and 1 <= int(m.group(2)) <= 65535
+
+
 def _one_of(choices: Iterable[str]) -> str:
     return "expected one of " + ", ".join(repr(c) for c in choices)
 
@@ -105,6 +113,7 @@ _url = _rule(lambda v: isinstance(v, str) and _host_port(v) is not None,
              "expected an http(s)://host:port URL")  # fmt: skip
 _name = _rule(lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None,
               "expected a name of letters, digits, '.', '_' and '-'")  # fmt: skip
+_zmq = _rule(_zmq_endpoint, "expected a tcp://host:port ZeroMQ endpoint (a host, not '*')")
 _opt = attrs.validators.optional
 
 
@@ -210,6 +219,26 @@ class ConnectorConfig:
     type: str = attrs.field(default="NixlConnector", validator=_text)
     kv_host: str = attrs.field(validator=_text)
     kv_port: int = attrs.field(validator=_port)
+
+
+@attrs.frozen(kw_only=True)
+class KVEventsConfig:
+    """Where an engine publishes its KV-cache events (vLLM's ``--kv-events-config``).
+
+    The router subscribes to know exactly which prompt blocks the engine holds; a
+    simulated engine publishes there.
+
+    Attributes:
+        endpoint: The ZeroMQ PUB endpoint, ``tcp://host:port`` (vLLM's ``endpoint``
+            with the engine's host in place of ``*``).
+        replay_endpoint: The ROUTER endpoint that replays missed batches; null means a
+            gap in the sequence numbers drops what is known of the engine's cache.
+        topic: The topic the engine publishes under.
+    """
+
+    endpoint: str = attrs.field(validator=_zmq)
+    replay_endpoint: str | None = attrs.field(default=None, validator=_opt(_zmq))
+    topic: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -322,6 +351,7 @@ class EngineConfig:
         model: Model name to request; null uses the engine's only model.
         api_key: Bearer key sent to the engine; null sends none.
         connector: KV connector of the engine; needed for remote handoff.
+        kv_events: Where the engine publishes KV-cache events; null: none are read.
         sim: Run a simulated engine on ``url`` with these settings.
     """
 
@@ -331,6 +361,7 @@ class EngineConfig:
     model: str | None = attrs.field(default=None, validator=_opt(_text))
     api_key: str | None = None
     connector: ConnectorConfig | None = None
+    kv_events: KVEventsConfig | None = None
     sim: SimConfig | None = None
 
     @property

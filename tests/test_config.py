@@ -326,7 +326,8 @@ def _full_document() -> dict[str, Any]:
     """A document in which every section and every nested object is present."""
     faults = [{"kind": "malformed_descriptor", "variant": "wrong_endpoint", "times": 2}]
     doc = fleet(
-        prefill(model="m", api_key="secret", sim={"faults": faults}),
+        prefill(model="m", api_key="secret", sim={"faults": faults},
+                kv_events={"endpoint": "tcp://127.0.0.1:5557"}),
         decode(),
         server={"api_keys": ["k"]},
         engine_contract={"version": "0.32.0"},

@@ -29,8 +29,10 @@ from typing import Any, Final
 import trio
 
 from narwhal.config import EngineConfig, FaultSpec, SimConfig
+from narwhal.engines.kvevents import KVEvent
 from narwhal.testing.faults import FaultPlan, Faults, Leg
 from narwhal.testing.kvfabric import Handoff, KVFabric, TransferError
+from narwhal.testing.kvpublisher import SimKVPublisher
 from narwhal.testing.metrics import MetricsSnapshot, render_metrics
 from narwhal.testing.scheduler import (
     EngineRestarted,
@@ -122,6 +124,8 @@ class SimEngine:
         self._sched_scope: trio.CancelScope | None = None
         self._down = 0
         self._abort_connections: Callable[[], None] | None = None
+        #: The KV-event publisher while the engine runs with ``kv_events`` configured.
+        self.kv_publisher: SimKVPublisher | None = None
         self.scheduler = self._new_generation()
 
     # ------------------------------------------------------------ identity and time
@@ -159,8 +163,15 @@ class SimEngine:
         self.engine_id = str(uuid.UUID(int=self._id_rng.getrandbits(128), version=4))
         start = round(self.wall_time(), 2)
         self.process_start_time = max(start, self.process_start_time + 0.01)
+        if self.kv_publisher is not None:
+            self.kv_publisher.restart()
         return Scheduler(self.sim, clock=self._clock, noise_rng=self._noise_rng, stats=self.stats,
-                         engine_id=self.engine_id, describe=self._descriptor)  # fmt: skip
+                         engine_id=self.engine_id, describe=self._descriptor,
+                         publish=self._publish_kv_events)  # fmt: skip
+
+    def _publish_kv_events(self, events: list[KVEvent]) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(events)
 
     def attach(self, *, abort_connections: Callable[[], None] | None = None) -> None:
         """Hook into the transport: how to drop every open connection (engine death)."""
@@ -271,6 +282,10 @@ class SimEngine:
             if kv is not None:
                 self.fabric.register(kv[0], kv[1], self)
             try:
+                if self.config.kv_events is not None:
+                    self.kv_publisher = SimKVPublisher(self.config.kv_events, wall_time=self.wall_time)
+                    self.kv_publisher.bind()
+                    nursery.start_soon(self.kv_publisher.serve_replay)
                 task_status.started()
                 while True:
                     with trio.CancelScope() as scope:
@@ -280,6 +295,9 @@ class SimEngine:
                 if kv is not None:
                     self.fabric.unregister(kv[0], kv[1], self)
                 self.scheduler.break_all()
+                if self.kv_publisher is not None:
+                    self.kv_publisher.close()
+                    self.kv_publisher = None
                 self._nursery = self._sched_scope = None
 
     def trigger_restart(self, downtime_s: float = 0.0) -> None:
