@@ -532,6 +532,10 @@ class ControllerConfig:
             (the engine refuses over-long prompts); ``auto`` tokenizes when placement is
             priced by profiles and estimates otherwise. Token-id prompts are always
             counted exactly, and the journal always records the producer's count.
+        prefix_cache: ``auto`` keeps a view of the prefix cache of every engine that
+            reports ``enable_prefix_caching`` (exact from its ``kv_events``, else from
+            the prompts placed on it) and prices each producer's hit; ``off`` prices
+            every prefill as if nothing were cached and reads no KV events.
     """
 
     slo: SLOConfig = attrs.field(factory=SLOConfig)
@@ -542,6 +546,7 @@ class ControllerConfig:
         default="auto", validator=_member(_PROMPT_TOKENS)
     )
     reactive: ReactiveConfig = attrs.field(factory=ReactiveConfig)
+    prefix_cache: Literal["auto", "off"] = attrs.field(default="auto", validator=_member(("auto", "off")))
 
 
 @attrs.frozen(kw_only=True)

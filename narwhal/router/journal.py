@@ -60,6 +60,12 @@ class AttemptRecord:
         placement_wait_s: time spent waiting for a placement that meets the SLO.
         predicted_ttft_s: the producer's price (profile-priced placement only).
         predicted_tpot_s: the consumer's price (profile-priced placement only).
+        predicted_cached_tokens: the producer's prefix-cache hit the router's prefix
+            index predicted, in prompt tokens (None: no view of the producer's cache
+            or the prompt's token ids unknown).
+        cached_tokens: the producer's prefix-cache hit as its usage reported it
+            (``prompt_tokens_details.cached_tokens``; None when not reported, which
+            vLLM also does for a miss).
     """
 
     n: int
@@ -74,6 +80,8 @@ class AttemptRecord:
     placement_wait_s: float = 0.0
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    predicted_cached_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @attrs.define
