@@ -26,10 +26,9 @@ never match a plain prompt. This module does no I/O.
 
 from __future__ import annotations
 
-import hashlib
-import struct
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 from narwhal.engines.kvevents import (
@@ -54,6 +53,19 @@ def hit_limit(prompt_len: int, block_size: int) -> int:
 def _blocks(ids: Sequence[int], block_size: int, limit: int) -> Iterator[tuple[int, ...]]:
     for i in range(limit):
         yield tuple(ids[i * block_size : (i + 1) * block_size])
+
+
+def _walk(children: Mapping[_Link, object], ids: Sequence[int], block_size: int, limit: int) -> int:
+    """Leading blocks of ``ids`` found by following ``children`` from the root."""
+    parent: object = None
+    n = 0
+    for block in _blocks(ids, block_size, limit):
+        node = children.get((parent, block))
+        if node is None:
+            break
+        parent = node
+        n += 1
+    return n
 
 
 class CacheView(Protocol):
@@ -137,19 +149,13 @@ class EventView:
     def cached_blocks(self, ids: Sequence[int], limit: int) -> int:
         if self.block_size is None:
             return 0
-        parent: object = None
-        n = 0
-        for block in _blocks(ids, self.block_size, limit):
-            h = self._children.get((parent, block))
-            if h is None:
-                break
-            parent = h
-            n += 1
-        return n
+        return _walk(self._children, ids, self.block_size, limit)
 
 
 class PlacementView:
     """An engine's cache from the prompts placed on it (approximate, see the module docstring).
+
+    Blocks are chain links ``(parent block, tokens)`` numbered locally, kept in an LRU.
 
     Args:
         block_size: The engine's block size.
@@ -159,37 +165,38 @@ class PlacementView:
     def __init__(self, block_size: int, capacity_blocks: int) -> None:
         self.block_size = block_size
         self.capacity_blocks = max(capacity_blocks, 0)
-        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._children: dict[_Link, int] = {}
+        self._lru: OrderedDict[int, _Link] = OrderedDict()
+        self._next = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def clear(self) -> None:
+        self._children.clear()
         self._lru.clear()
-
-    def _keys(self, ids: Sequence[int], limit: int) -> Iterator[bytes]:
-        parent = b""
-        for block in _blocks(ids, self.block_size, limit):
-            parent = hashlib.blake2b(parent + struct.pack(f"<{len(block)}q", *block), digest_size=16).digest()
-            yield parent
 
     def record(self, ids: Sequence[int]) -> None:
         """The engine computed (or hit) ``ids``: its full blocks are now the most recent."""
-        keys = list(self._keys(ids, len(ids) // self.block_size))
+        nodes: list[int] = []
+        parent: object = None
+        for block in _blocks(ids, self.block_size, len(ids) // self.block_size):
+            link = (parent, block)
+            node = self._children.get(link)
+            if node is None:
+                node = self._children[link] = next(self._next)
+                self._lru[node] = link
+            nodes.append(node)
+            parent = node
         # Tail first, so that the head ends most recent and is evicted last.
-        for key in reversed(keys):
-            self._lru[key] = None
-            self._lru.move_to_end(key)
+        for node in reversed(nodes):
+            self._lru.move_to_end(node)
         while len(self._lru) > self.capacity_blocks:
-            self._lru.popitem(last=False)
+            _, link = self._lru.popitem(last=False)
+            del self._children[link]
 
     def cached_blocks(self, ids: Sequence[int], limit: int) -> int:
-        n = 0
-        for key in self._keys(ids, limit):
-            if key not in self._lru:
-                break
-            n += 1
-        return n
+        return _walk(self._children, ids, self.block_size, limit)
 
 
 class PrefixIndex:
