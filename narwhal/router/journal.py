@@ -64,8 +64,8 @@ class AttemptRecord:
             index predicted, in prompt tokens (None: no view of the producer's cache
             or the prompt's token ids unknown).
         cached_tokens: the producer's prefix-cache hit as its usage reported it
-            (``prompt_tokens_details.cached_tokens``; None when not reported, which
-            vLLM also does for a miss).
+            (``prompt_tokens_details.cached_tokens``, which vLLM sends with
+            ``--enable-prompt-tokens-details``; None when not reported).
     """
 
     n: int

@@ -336,12 +336,11 @@ class SimApp:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                 "completion_tokens": completion}  # fmt: skip
 
-    def _prompt_details(self, gen: Generation) -> dict[str, int] | None:
-        """``prompt_tokens_details`` as vLLM fills it: only when enabled and a hit."""
-        cached = gen.cached_tokens
-        if self.engine.sim.prompt_tokens_details and cached:
-            return {"cached_tokens": cached}
-        return None
+    def _prompt_details(self, gen: Generation) -> dict[str, int | None] | None:
+        """``prompt_tokens_details`` as vLLM 0.32 sends it when enabled (a miss included)."""
+        if not self.engine.sim.prompt_tokens_details:
+            return None
+        return {"cached_tokens": gen.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
 
     def _token_chunk(self, job: _Job, token: int, finish: str | None, first: bool) -> dict[str, Any]:
         ids = job.return_token_ids

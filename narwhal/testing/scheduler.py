@@ -340,10 +340,12 @@ class Scheduler:
         self.refresh()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop the prefix cache (vLLM's ``/reset_prefix_cache``); False while blocks are held."""
-        done = self.pool.reset()
-        self._wake.set()  # the loop publishes the event
-        return done
+        """Drop the prefix cache (vLLM's ``/reset_prefix_cache``); False while blocks are held.
+
+        As in vLLM, the ``AllBlocksCleared`` event goes out with the next scheduler step:
+        an idle engine publishes it when the next request arrives.
+        """
+        return self.pool.reset()
 
     # ------------------------------------------------------------ held handoffs
 
