@@ -252,3 +252,17 @@ def test_kv_events_config_accepts_hosts_and_ipv6() -> None:
                "kv_events": {"endpoint": endpoint, "replay_endpoint": endpoint, "topic": "kv"}}  # fmt: skip
         kv = parse_as(EngineConfig, doc).kv_events
         assert kv is not None and kv.endpoint == endpoint
+
+
+async def test_a_zeromq_error_drops_the_view_and_subscribes_again(autojump_clock: trio.abc.Clock) -> None:
+    import zmq
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx.term()  # every socket() now fails with ETERM
+    resets: list[str] = []
+    sub = KVEventSubscriber("tcp://127.0.0.1:1", on_batch=lambda s, b: None, on_reset=resets.append, context=ctx)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sub.run)
+        await trio.sleep(3.5)
+        nursery.cancel_scope.cancel()
+    assert len(resets) == 4 and all(r.startswith("ZeroMQ error") for r in resets)

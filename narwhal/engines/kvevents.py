@@ -303,13 +303,30 @@ class KVEventSubscriber:
         self._live_last: int | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Subscribe and deliver until cancelled."""
+        """Subscribe and deliver until cancelled.
+
+        A ZeroMQ error never ends it: what is known is dropped (``on_reset``) and the
+        subscription starts over after ``RETRY_S``, replaying from 0.
+        """
+        task_status.started()
+        while True:
+            try:
+                await self._subscribe()
+            except zmq.ZMQError as exc:
+                log.warning("KV events from %s: %s; subscribing again in %g s", self.endpoint, exc, self.RETRY_S)
+                self._reset(f"ZeroMQ error: {exc}")
+                self.expected = self._live_last = None
+                await trio.sleep(self.RETRY_S)
+
+    #: Seconds between a ZeroMQ error and the next subscription.
+    RETRY_S: Final = 1.0
+
+    async def _subscribe(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             sub.connect(self.endpoint)
-            task_status.started()
             await self._catch_up(0, "subscribed")
             while True:
                 frames = await recv_multipart(sub)
