@@ -31,7 +31,7 @@ from narwhal.errors import ConfigError
 __all__ = [
     "FAULT_KINDS", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
     "EngineContract", "EngineTimeouts", "FaultSpec", "FleetConfig", "HandoffConfig",
-    "JournalConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
+    "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
     "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "converter",
     "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "unstructure_fleet",
 ]  # fmt: skip
@@ -88,6 +88,14 @@ def _host_port(url: str) -> tuple[str, int] | None:
     return (host, port) if parts.path in ("", "/") and not parts.query + parts.fragment else None
 
 
+_ZMQ_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):([0-9]{1,5})")
+
+
+def _zmq_endpoint(v: Any) -> bool:
+    m = _ZMQ_TCP.fullmatch(v) if isinstance(v, str) else None
+    return m is not None and m.group(1) != "*" and 1 <= int(m.group(2)) <= 65535
+
+
 def _one_of(choices: Iterable[str]) -> str:
     return "expected one of " + ", ".join(repr(c) for c in choices)
 
@@ -106,6 +114,7 @@ _url = _rule(lambda v: isinstance(v, str) and _host_port(v) is not None,
              "expected an http(s)://host:port URL")  # fmt: skip
 _name = _rule(lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None,
               "expected a name of letters, digits, '.', '_' and '-'")  # fmt: skip
+_zmq = _rule(_zmq_endpoint, "expected a tcp://host:port ZeroMQ endpoint (a host, not '*')")
 _opt = attrs.validators.optional
 
 
@@ -214,6 +223,26 @@ class ConnectorConfig:
 
 
 @attrs.frozen(kw_only=True)
+class KVEventsConfig:
+    """Where an engine publishes its KV-cache events (vLLM's ``--kv-events-config``).
+
+    The router subscribes to know exactly which prompt blocks the engine holds; a
+    simulated engine publishes there.
+
+    Attributes:
+        endpoint: The ZeroMQ PUB endpoint, ``tcp://host:port`` (vLLM's ``endpoint``
+            with the engine's host in place of ``*``).
+        replay_endpoint: The ROUTER endpoint that replays missed batches; null means a
+            gap in the sequence numbers drops what is known of the engine's cache.
+        topic: The topic the engine publishes under.
+    """
+
+    endpoint: str = attrs.field(validator=_zmq)
+    replay_endpoint: str | None = attrs.field(default=None, validator=_opt(_zmq))
+    topic: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class SimPrefillModel:
     """Prefill latency of a simulated engine: ``a + b*L + c*L**2`` seconds for L tokens.
 
@@ -289,6 +318,8 @@ class SimConfig:
         transfer_s_per_token: Seconds to pull one KV token from a producer.
         handoff_ttl_s: Seconds a producer holds KV blocks for an unclaimed handoff.
         prefix_caching: Whether the engine reuses KV of a previously seen prompt prefix.
+        prompt_tokens_details: Whether usage reports ``prompt_tokens_details.cached_tokens``
+            (vLLM's ``--enable-prompt-tokens-details``).
         noise: Relative gaussian jitter (standard deviation) on every prefill and step.
         faults: Faults scripted from the start.
     """
@@ -305,6 +336,7 @@ class SimConfig:
     transfer_s_per_token: float = attrs.field(default=2e-07, validator=_non_negative)
     handoff_ttl_s: float = attrs.field(default=480.0, validator=_positive)
     prefix_caching: bool = False
+    prompt_tokens_details: bool = False
     noise: float = attrs.field(default=0.0, validator=_non_negative)
     faults: tuple[FaultSpec, ...] = attrs.field(default=(), converter=_fault_tuple)
 
@@ -320,6 +352,7 @@ class EngineConfig:
         model: Model name to request; null uses the engine's only model.
         api_key: Bearer key sent to the engine; null sends none.
         connector: KV connector of the engine; needed for remote handoff.
+        kv_events: Where the engine publishes KV-cache events; null: none are read.
         sim: Run a simulated engine on ``url`` with these settings.
     """
 
@@ -329,6 +362,7 @@ class EngineConfig:
     model: str | None = attrs.field(default=None, validator=_opt(_text))
     api_key: str | None = None
     connector: ConnectorConfig | None = None
+    kv_events: KVEventsConfig | None = None
     sim: SimConfig | None = None
 
     @property
@@ -503,6 +537,10 @@ class ControllerConfig:
         pricing: What a profile-priced placement prices with: ``point`` the fitted
             prediction, ``upper`` its bootstrap upper bound (the prediction times the
             profile's ``upper_factor``: conservative, fewer requests admitted per engine).
+        prefix_cache: ``auto`` keeps a view of the prefix cache of every engine that
+            reports ``enable_prefix_caching`` (exact from its ``kv_events``, else from
+            the prompts placed on it) and prices each producer's hit; ``off`` prices
+            every prefill as if nothing were cached and reads no KV events.
     """
 
     slo: SLOConfig = attrs.field(factory=SLOConfig)
@@ -516,6 +554,7 @@ class ControllerConfig:
         default="auto", validator=_member(_PROMPT_TOKENS)
     )
     reactive: ReactiveConfig = attrs.field(factory=ReactiveConfig)
+    prefix_cache: Literal["auto", "off"] = attrs.field(default="auto", validator=_member(("auto", "off")))
 
 
 @attrs.frozen(kw_only=True)

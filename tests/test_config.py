@@ -337,7 +337,8 @@ def _full_document() -> dict[str, Any]:
     """A document in which every section and every nested object is present."""
     faults = [{"kind": "malformed_descriptor", "variant": "wrong_endpoint", "times": 2}]
     doc = fleet(
-        prefill(model="m", api_key="secret", sim={"faults": faults}),
+        prefill(model="m", api_key="secret", sim={"faults": faults},
+                kv_events={"endpoint": "tcp://127.0.0.1:5557"}),
         decode(),
         server={"api_keys": ["k"]},
         engine_contract={"version": "0.32.0"},
@@ -447,7 +448,7 @@ def test_defaults_match_the_plan() -> None:
                                   "pricing": "point",
                                   "reactive": {"enabled": False, "movement_margin": 0.10,
                                                "interval_s": 10.0, "deployment_record": None},
-                                  "prompt_tokens": "auto"}  # fmt: skip
+                                  "prompt_tokens": "auto", "prefix_cache": "auto"}  # fmt: skip
     assert data["journal"] == {"path": "runs/journal.jsonl", "queue_size": 10000, "fsync": True}
     sim = unstructure_fleet(parse_fleet(fleet(prefill(), decode(sim={}))))["engines"][1]["sim"]
     assert sim == {
@@ -456,7 +457,7 @@ def test_defaults_match_the_plan() -> None:
         "decode": {"c0": 0.004, "c1": 0.0002, "c2": 2e-08},
         "kv_capacity_tokens": 262144, "block_size": 16, "max_num_seqs": 256,
         "transfer_s_per_token": 2e-07, "handoff_ttl_s": 480.0, "prefix_caching": False,
-        "noise": 0.0, "faults": [],
+        "prompt_tokens_details": False, "noise": 0.0, "faults": [],
     }  # fmt: skip
     assert unstructure_fleet(parse_fleet(with_faults({"kind": "restart"})))["engines"][1]["sim"][
         "faults"

@@ -66,6 +66,7 @@ def test_prefill_result_fields() -> None:
         "started_at",
         "completed_at",
         "prompt_tokens",
+        "cached_tokens",
         "transfer",
         "validated",
     ]

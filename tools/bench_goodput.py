@@ -16,6 +16,21 @@ times that attainment). Writes JSON, and a PNG of attainment against offered rat
 when matplotlib is installed (``pip install 'narwhal[plot]'``).
 
     python tools/bench_goodput.py --rates 4,8,12,16 --requests 200 --out runs/goodput.json
+
+``--workload shared-prefix`` runs the same fleet with prefix caching on and prompts
+that share prefixes: K prefixes (``--prefixes``) of P tokens (``--prefix-len``), chosen
+with Zipf (``--zipf-s``) or uniform popularity, each followed by 50-250 tokens of its
+own, against Narwhal hit-aware (the default), Narwhal hit-blind
+(``controller.prefix_cache: "off"``), Narwhal least-loaded and, when found,
+vllm-router ``round_robin`` and ``cache_aware``; the SLO is TTFT 500 ms / TPOT 50 ms.
+``--workload sessions`` sends multi-turn sessions instead: each turn repeats the
+session's history (a shared system prompt, the earlier turns and stand-ins for their
+answers) and adds 50-150 tokens; sessions start at the offered rate and a turn follows
+the previous one after an exponential think time of 1 s mean (open loop). Both report
+the producers' prefix-cache hit rate per router (``vllm:prefix_cache_hits`` over
+``vllm:prefix_cache_queries``) and the 503 count.
+
+    python tools/bench_goodput.py --workload shared-prefix --rates 2,4,6,8 --requests 200
 """
 
 from __future__ import annotations
@@ -23,18 +38,77 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from proctools import free_port, start, stop, wait_http
 
 SLO = {"ttft_ms": 150, "tpot_ms": 10}
+SHARED_SLO = {"ttft_ms": 500, "tpot_ms": 50}
 PROMPT = "uniform:150:250"
 OUTPUT = "uniform:20:60"
+
+
+def shared_prefix_trace(path: Path, *, rate: float, n: int, prefixes: int, prefix_len: int,
+                        zipf_s: float | None, seed: int, tag: str) -> None:  # fmt: skip
+    """A JSON-lines trace: Poisson arrivals, a popular prefix and a tail of its own each.
+
+    ``tag`` names the prefixes: another tag gives prefixes no engine has cached yet.
+    """
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** zipf_s if zipf_s else 1.0 for k in range(prefixes)]
+    heads = [" ".join(f"{tag}h{k}w{j}" for j in range(prefix_len)) for k in range(prefixes)]
+    t = 0.0
+    with path.open("w") as fh:
+        for i in range(n):
+            k = rng.choices(range(prefixes), weights)[0]
+            tail = " ".join(f"r{i}w{j}" for j in range(rng.randint(50, 250)))
+            fh.write(json.dumps({"offset_s": t, "prompt": f"{heads[k]} {tail}", "output_len": rng.randint(20, 60)}) + "\n")
+            t += rng.expovariate(rate)
+
+
+def sessions_trace(path: Path, *, rate: float, n: int, prefixes: int, prefix_len: int, turns: int,
+                   seed: int, tag: str) -> None:  # fmt: skip
+    """Multi-turn sessions: each turn repeats the session's history and adds to it."""
+    rng = random.Random(seed)
+    heads = [" ".join(f"{tag}h{k}w{j}" for j in range(prefix_len)) for k in range(prefixes)]
+    lines: list[tuple[float, str, int]] = []
+    start, s = 0.0, 0
+    while len(lines) < n:
+        history, t = heads[s % prefixes], start
+        for turn in range(turns):
+            user = " ".join(f"s{s}t{turn}u{j}" for j in range(rng.randint(50, 150)))
+            out = rng.randint(20, 60)
+            history = f"{history} {user}"
+            lines.append((t, history, out))
+            history += " " + " ".join(f"s{s}t{turn}a{j}" for j in range(out))  # a stand-in answer
+            t += rng.expovariate(1.0)
+        s += 1
+        start += rng.expovariate(rate)
+    lines.sort(key=lambda x: x[0])
+    with path.open("w") as fh:
+        for offset, prompt, out in lines[:n]:
+            fh.write(json.dumps({"offset_s": offset, "prompt": prompt, "output_len": out}) + "\n")
+
+
+def prefix_counters(urls: list[str]) -> tuple[float, float]:
+    """Summed ``vllm:prefix_cache_hits`` and ``_queries`` of the engines at ``urls``."""
+    hits = queries = 0.0
+    for url in urls:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        for name, value in re.findall(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} (\S+)$", text, re.M):
+            if name == "hits":
+                hits += float(value)
+            else:
+                queries += float(value)
+    return hits, queries
 
 
 
@@ -49,12 +123,13 @@ def narwhal(*args: str) -> list[str]:
     return [sys.executable, "-m", "narwhal", "--log-level", "WARNING", *args]
 
 
-def fleet(ports: dict[str, int]) -> list[dict[str, Any]]:
+def fleet(ports: dict[str, int], *, caching: bool = False) -> list[dict[str, Any]]:
     def eng(name: str, role: str, prefill: dict[str, float], decode: dict[str, float]) -> dict[str, Any]:
         return {
             "name": name, "url": f"http://127.0.0.1:{ports[name]}", "roles": [role], "model": "sim-llama",
             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports[name + "-kv"]},
-            "sim": {"model": "sim-llama", "prefill": prefill, "decode": decode, "noise": 0.01, "seed": len(name)},
+            "sim": {"model": "sim-llama", "prefill": prefill, "decode": decode, "noise": 0.01, "seed": len(name),
+                    "prefix_caching": caching, "prompt_tokens_details": caching},
         }  # fmt: skip
 
     fast_decode = {"c0": 0.004, "c1": 0.0002, "c2": 1e-7}
@@ -66,11 +141,13 @@ def fleet(ports: dict[str, int]) -> list[dict[str, Any]]:
     ]
 
 
-def bench(url: str, rate: float, n: int, out: Path) -> dict[str, Any]:
+def bench(url: str, rate: float, n: int, out: Path, *, slo: dict[str, int], trace: Path | None = None) -> dict[str, Any]:
+    workload = (["--trace", str(trace)] if trace is not None else
+                ["--rate", str(rate), "--input-len", PROMPT, "--output-len", OUTPUT])  # fmt: skip
     subprocess.run(
-        narwhal("bench", "--url", url, "--out", str(out), "--overwrite", "--rate", str(rate), "--num-requests",
-                str(n), "--input-len", PROMPT, "--output-len", OUTPUT, "--seed", "1", "--no-progress",
-                "--slo-ttft", f"{SLO['ttft_ms']}ms", "--slo-tpot", f"{SLO['tpot_ms']}ms", "--model", "sim-llama"),
+        narwhal("bench", "--url", url, "--out", str(out), "--overwrite", *workload, "--num-requests",
+                str(n), "--seed", "1", "--no-progress",
+                "--slo-ttft", f"{slo['ttft_ms']}ms", "--slo-tpot", f"{slo['tpot_ms']}ms", "--model", "sim-llama"),
         check=True, capture_output=True,
     )  # fmt: skip
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
@@ -83,13 +160,21 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="requests per rate and router")
     parser.add_argument("--out", default="runs/goodput.json")
     parser.add_argument("--vllm-router", help="path of the vllm-router executable")
+    parser.add_argument("--workload", choices=("uniform", "shared-prefix", "sessions"), default="uniform")
+    parser.add_argument("--prefixes", type=int, default=8, help="shared prefixes (shared-prefix, sessions)")
+    parser.add_argument("--prefix-len", type=int, default=1024, help="tokens per shared prefix")
+    parser.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of prefix popularity; 0: uniform")
+    parser.add_argument("--turns", type=int, default=4, help="turns per session (sessions)")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
+    shared = args.workload != "uniform"
+    slo_ms = SHARED_SLO if shared else SLO
     vr = args.vllm_router or shutil.which("vllm-router")
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-goodput-"))
     names = ["p-fast", "p-slow", "d-fast", "d-slow"]
-    ports = {k: free_port() for k in [*names, *(n + "-kv" for n in names), "priced", "least", "vr", "a1", "a2"]}
-    engines = fleet(ports)
+    ports = {k: free_port() for k in [*names, *(n + "-kv" for n in names), "priced", "least", "vr", "a1", "a2",
+                                      "blind", "a3", "vrc"]}  # fmt: skip
+    engines = fleet(ports, caching=shared)
     (tmp / "sim.json").write_text(json.dumps({"engines": engines}))
     plain = [{k: v for k, v in e.items() if k != "sim"} for e in engines]
     base = {"engines": plain, "engine": {"first_token_timeout_s": 30, "decode_read_timeout_s": 30}}
@@ -116,7 +201,7 @@ def main() -> int:
                     "--repeats", "3", "--out", str(profiles), "--quiet"),
             check=True, capture_output=True,
         )  # fmt: skip
-        slo = {"ttft_s": SLO["ttft_ms"] / 1000, "tpot_s": SLO["tpot_ms"] / 1000}
+        slo = {"ttft_s": slo_ms["ttft_ms"] / 1000, "tpot_s": slo_ms["tpot_ms"] / 1000}
         priced_doc = router_doc(ports["priced"], ports["a1"], "priced", profiles={"path": str(profiles)},
                                 controller={"slo": slo, "admission": "refuse"})  # fmt: skip
         least_doc = router_doc(ports["least"], ports["a2"], "least")
@@ -124,50 +209,89 @@ def main() -> int:
             "narwhal-priced": (priced_doc, ports["priced"]),
             "narwhal-least-loaded": (least_doc, ports["least"]),
         }
+        if shared:
+            blind_doc = router_doc(ports["blind"], ports["a3"], "blind", profiles={"path": str(profiles)},
+                                   controller={"slo": slo, "admission": "refuse", "prefix_cache": "off"})  # fmt: skip
+            targets = {"narwhal-hit-aware": targets.pop("narwhal-priced"),
+                       "narwhal-hit-blind": (blind_doc, ports["blind"]), **targets}  # fmt: skip
         for name, (doc, port) in targets.items():
             procs.append(start(narwhal("serve", "--fleet", str(doc)), tmp / f"{name}.log"))
             wait_http(f"http://127.0.0.1:{port}/health")
         urls = {name: f"http://127.0.0.1:{port}" for name, (_, port) in targets.items()}
-        if vr:
-            cmd = [vr, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
-                   "--port", str(ports["vr"]), "--prometheus-port", str(free_port())]  # fmt: skip
+        policies = {"vllm-router": ("round_robin", "vr")}
+        if shared:
+            policies = {"vllm-router-rr": ("round_robin", "vr"), "vllm-router-cache-aware": ("cache_aware", "vrc")}
+        for label, (policy, key) in policies.items() if vr else ():
+            cmd = [vr, "--vllm-pd-disaggregation", "--policy", policy, "--host", "127.0.0.1",
+                   "--port", str(ports[key]), "--prometheus-port", str(free_port())]  # fmt: skip
             for p in engines[:2]:
                 cmd += ["--prefill", p["url"]]
             for d in engines[2:]:
                 cmd += ["--decode", d["url"]]
-            procs.append(start(cmd, tmp / "vllm-router.log"))
-            wait_http(f"http://127.0.0.1:{ports['vr']}/health")
-            urls["vllm-router"] = f"http://127.0.0.1:{ports['vr']}"
+            procs.append(start(cmd, tmp / f"{label}.log"))
+            wait_http(f"http://127.0.0.1:{ports[key]}/health")
+            urls[label] = f"http://127.0.0.1:{ports[key]}"
+        producers = [e["url"] for e in engines[:2]]
         for rate in rates:
             for name, url in urls.items():
-                summary = bench(url, rate, args.requests, tmp / f"{name}-{rate:g}")
+                trace = None
+                if shared:
+                    # The same arrivals and prompts for every router; fresh prefixes per rate
+                    # and router, so that no run starts with another's cache.
+                    trace = tmp / f"{name}-{rate:g}.trace.jsonl"
+                    make = shared_prefix_trace if args.workload == "shared-prefix" else sessions_trace
+                    extra = {"zipf_s": args.zipf_s or None} if make is shared_prefix_trace else {"turns": args.turns}
+                    make(trace, rate=rate, n=args.requests, prefixes=args.prefixes, prefix_len=args.prefix_len,
+                         seed=int(rate * 1000), tag=f"{len(results.get(name, []))}{name.replace('-', '')}", **extra)
+                before = prefix_counters(producers) if shared else (0.0, 0.0)
+                summary = bench(url, rate, args.requests, tmp / f"{name}-{rate:g}", slo=slo_ms, trace=trace)
+                after = prefix_counters(producers) if shared else (0.0, 0.0)
+                queries = after[1] - before[1]
+                hit_rate = (after[0] - before[0]) / queries if queries else None
                 both = summary["attainment"]["both"]
+                by_class = summary["counts"]["by_class"]
                 results.setdefault(name, []).append(
                     {"rate": rate, "attainment": both["ratio"], "goodput_rps": summary["goodput_rps"],
-                     "by_class": summary["counts"]["by_class"]}
-                )
-                print(f"  {name:<22} rate {rate:>5g}/s  attainment {both['ratio']:.3f}", file=sys.stderr, flush=True)
+                     "by_class": by_class, "prefix_hit_rate": hit_rate}
+                )  # fmt: skip
+                hits = f"  hit rate {hit_rate:.3f}" if hit_rate is not None else ""
+                print(f"  {name:<24} rate {rate:>5g}/s  attainment {both['ratio']:.3f}{hits}  "
+                      f"refused {by_class.get('refused', 0)}", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         for proc in reversed(procs):
             stop(proc)
 
-    report: dict[str, Any] = {"slo": SLO, "prompt": PROMPT, "output": OUTPUT, "requests_per_point": args.requests,
-                              "machine": {"cpus": os.cpu_count()}, "routers": {}}  # fmt: skip
-    print(f"\nSLO: TTFT {SLO['ttft_ms']} ms, TPOT {SLO['tpot_ms']} ms; prompts {PROMPT}, outputs {OUTPUT}\n")
-    print(f"{'router':<22}" + "".join(f"{r:>9g}/s" for r in rates) + "   goodput@90%")
+    prompt = PROMPT if not shared else (
+        f"{args.workload}: {args.prefixes} prefixes of {args.prefix_len} tokens"
+        + (f", zipf s={args.zipf_s}" if args.workload == "shared-prefix" and args.zipf_s else "")
+        + (f", {args.turns} turns" if args.workload == "sessions" else ", tails uniform:50:250")
+    )
+    report: dict[str, Any] = {"slo": slo_ms, "workload": args.workload, "prompt": prompt, "output": OUTPUT,
+                              "requests_per_point": args.requests, "machine": {"cpus": os.cpu_count()},
+                              "routers": {}}  # fmt: skip
+    print(f"\nSLO: TTFT {slo_ms['ttft_ms']} ms, TPOT {slo_ms['tpot_ms']} ms; prompts {prompt}, outputs {OUTPUT}\n")
+    print(f"{'router':<26}" + "".join(f"{r:>9g}/s" for r in rates) + "   goodput@90%" + ("   hit rate   503s" if shared else ""))
     for name, points in results.items():
         ok = [p for p in points if p["attainment"] >= 0.9]
         goodput = max((p["rate"] * p["attainment"] for p in ok), default=0.0)
         report["routers"][name] = {"points": points, "goodput_at_90": goodput}
-        print(f"{name:<22}" + "".join(f"{p['attainment']:>11.3f}" for p in points) + f"   {goodput:.2f} req/s")
+        line = f"{name:<26}" + "".join(f"{p['attainment']:>11.3f}" for p in points) + f"   {goodput:.2f} req/s"
+        if shared:
+            rates_hit = [p["prefix_hit_rate"] for p in points if p["prefix_hit_rate"] is not None]
+            refused = sum(p["by_class"].get("refused", 0) for p in points)
+            line += f"   {sum(rates_hit) / len(rates_hit) if rates_hit else 0:.3f}   {refused}"
+        print(line)
     routers = report["routers"]
-    if "narwhal-priced" in routers:
-        g = routers["narwhal-priced"]["goodput_at_90"]
-        for other in ("narwhal-least-loaded", "vllm-router"):
+    lead = "narwhal-hit-aware" if shared else "narwhal-priced"
+    if lead in routers:
+        g = routers[lead]["goodput_at_90"]
+        others = ("narwhal-hit-blind", "narwhal-least-loaded", "vllm-router-rr", "vllm-router-cache-aware",
+                  "vllm-router")  # fmt: skip
+        for other in others:
             if other in routers and routers[other]["goodput_at_90"] > 0:
-                print(f"narwhal-priced / {other}: x{g / routers[other]['goodput_at_90']:.2f}")
+                print(f"{lead} / {other}: x{g / routers[other]['goodput_at_90']:.2f}")
             elif other in routers:
-                print(f"narwhal-priced / {other}: {other} never reached 90% attainment")
+                print(f"{lead} / {other}: {other} never reached 90% attainment")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -11,6 +11,10 @@ router's parts:
 - ``outside_router_s`` = client TTFT ``- first_byte_s``: what the router does not see
   (the network both ways, the router's own send, the client's receive).
 
+Where the router priced placement, the summary also gives, per producer, the error
+of its TTFT predictions against the journaled TTFT (``|predicted - observed| /
+observed``) and the prefix-cache hits it predicted beside those the producer reported.
+
 Journal lines of other clients are ignored; a journal line that is not JSON (a
 router killed mid-write) is counted and skipped; an id journaled twice is ambiguous
 and left out of the join.
@@ -70,7 +74,37 @@ class JoinResult:
                 "transfer_queue_s": dist("transfer_queue_s"),
                 "outside_router_s": dist("outside_router_s"),
             },
+            "prediction_by_producer": prediction_by_producer(both_ok),
         }
+
+
+def prediction_by_producer(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per producer: TTFT prediction error and predicted vs reported cached tokens."""
+    errors: dict[str, list[float]] = {}
+    cached: dict[str, list[int]] = {}
+    for r in rows:
+        producer, predicted, observed = r.get("producer"), r.get("predicted_ttft_s"), r.get("router_ttft_s")
+        if not isinstance(producer, str):
+            continue
+        if predicted is not None and observed:
+            errors.setdefault(producer, []).append(abs(predicted - observed) / observed)
+        if r.get("predicted_cached_tokens") is not None:
+            sums = cached.setdefault(producer, [0, 0, 0])
+            sums[0] += int(r["predicted_cached_tokens"])
+            reported = r.get("cached_tokens")
+            sums[1] += int(reported or 0)
+            # an engine that does not report its hits cannot contradict the prediction
+            sums[2] += reported is not None and int(r["predicted_cached_tokens"]) != int(reported)
+    out: dict[str, dict[str, Any]] = {}
+    for producer in sorted(set(errors) | set(cached)):
+        sums = cached.get(producer, [0, 0, 0])
+        out[producer] = {
+            "ttft_error": distribution(errors.get(producer, [])),
+            "cached_tokens_predicted": sums[0],
+            "cached_tokens_reported": sums[1],
+            "cached_mispredictions": sums[2],
+        }
+    return out
 
 
 def read_journal(path: str | os.PathLike[str], ids: Iterable[str]) -> tuple[dict[str, list[dict[str, Any]]], int]:
@@ -124,6 +158,8 @@ def join_row(rec: RequestResult, entry: Mapping[str, Any]) -> dict[str, Any]:
     first_byte = _number(entry.get("first_byte_s"))
     router_class = str(entry.get("terminal_class"))
     router_out = entry.get("output_len")
+    attempts = entry.get("attempts")
+    last = attempts[-1] if isinstance(attempts, list) and attempts and isinstance(attempts[-1], dict) else {}
     return {
         "request_id": rec.request_id,
         "client_class": rec.terminal_class,
@@ -145,6 +181,10 @@ def join_row(rec: RequestResult, entry: Mapping[str, Any]) -> dict[str, Any]:
         "producer": entry.get("producer"),
         "consumer": entry.get("consumer"),
         "router_error": entry.get("error"),
+        # The attempt that ran last is the one the outcome and the TTFT belong to.
+        "predicted_ttft_s": _number(last.get("predicted_ttft_s")),
+        "predicted_cached_tokens": last.get("predicted_cached_tokens"),
+        "cached_tokens": last.get("cached_tokens"),
     }
 
 
@@ -185,4 +225,14 @@ def render_join(summary: Mapping[str, Any]) -> str:
         dist = summary["parts_over_successes"][key]
         cells = [format_seconds(dist.get(k)) for k in ("mean", "p50", "p90", "p99", "max")]
         lines.append(f"  {label:<28}{dist['n']:>7}" + "".join(f"{c:>12}" for c in cells))
+    by_producer = summary.get("prediction_by_producer") or {}
+    if by_producer:
+        lines += ["", f"  {'prediction (successes)':<28}{'n':>7}{'TTFT err p50':>14}{'p90':>8}"
+                      f"{'cached predicted':>18}{'reported':>10}{'mispredicted':>14}"]  # fmt: skip
+        for producer, p in by_producer.items():
+            err = p["ttft_error"]
+            p50 = f"{err['p50'] * 100:.1f}%" if err.get("p50") is not None else "-"
+            p90 = f"{err['p90'] * 100:.1f}%" if err.get("p90") is not None else "-"
+            lines.append(f"  {producer:<28}{err['n']:>7}{p50:>14}{p90:>8}{p['cached_tokens_predicted']:>18}"
+                         f"{p['cached_tokens_reported']:>10}{p['cached_mispredictions']:>14}")  # fmt: skip
     return "\n".join(lines)

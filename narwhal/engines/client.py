@@ -511,6 +511,7 @@ class EngineClient:
                 started_at=started_at,
                 completed_at=completed_at,
                 prompt_tokens=_prompt_tokens(obj, first),
+                cached_tokens=_cached_tokens(obj),
                 transfer=False,
             )
         finish = first.get("finish_reason")
@@ -544,6 +545,7 @@ class EngineClient:
             started_at=started_at,
             completed_at=completed_at,
             prompt_tokens=_prompt_tokens(obj, first),
+            cached_tokens=_cached_tokens(obj),
             validated=True,
         )
 
@@ -786,6 +788,14 @@ def _prompt_tokens(obj: Mapping[str, Any], choice: Mapping[str, Any]) -> int | N
         ids = holder.get("prompt_token_ids")
         if isinstance(ids, list):
             return len(ids)
+    return None
+
+
+def _cached_tokens(obj: Mapping[str, Any]) -> int | None:
+    usage = obj.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if isinstance(details, dict) and type(details.get("cached_tokens")) is int:
+        return int(details["cached_tokens"])
     return None
 
 

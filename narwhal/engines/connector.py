@@ -364,6 +364,9 @@ class PrefillResult:
             handoff's age counts from here).
         completed_at: ``trio.current_time()`` when the producer's answer arrived.
         prompt_tokens: the prompt length the producer reported, when it did.
+        cached_tokens: prompt tokens the producer served from its prefix cache, when
+            its usage reported them (vLLM's ``--enable-prompt-tokens-details``; None
+            without it).
         transfer: whether the prefill asked for a KV handoff. A prefill run without
             one (``EngineClient.prefill(..., transfer=False)``, for a same-worker
             decode that relies on prefix caching) has an empty descriptor and no
@@ -385,6 +388,7 @@ class PrefillResult:
     started_at: float
     completed_at: float
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     transfer: bool = True
     validated: bool = attrs.field(default=False, eq=False)
 

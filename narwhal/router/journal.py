@@ -63,6 +63,12 @@ class AttemptRecord:
         deadline: the setting whose deadline ended the attempt, when one did
             (``engine.first_token_timeout_s``, ``handoff.max_age_s``, ...).
         held_by: the engine whose leg held the time when that deadline fired.
+        predicted_cached_tokens: the producer's prefix-cache hit the router's prefix
+            index predicted, in prompt tokens (None: no view of the producer's cache
+            or the prompt's token ids unknown).
+        cached_tokens: the producer's prefix-cache hit as its usage reported it
+            (``prompt_tokens_details.cached_tokens``, which vLLM sends with
+            ``--enable-prompt-tokens-details``; None when not reported).
     """
 
     n: int
@@ -79,6 +85,8 @@ class AttemptRecord:
     predicted_tpot_s: float | None = None
     deadline: str | None = None
     held_by: str | None = None
+    predicted_cached_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @attrs.define

@@ -285,14 +285,21 @@ class RequestLifecycle:
         if slo_ttft is not None:
             deadline = min(deadline, self.arrival + slo_ttft)
         placed_at = state.clock()
+        ids = self.prompt.ids if self.prompt is not None else None
+        prefix = state.prefix
+        cached = (lambda name: prefix.cached_tokens(name, ids)) if ids is not None and prefix.active else None
         try:
             reservation = await state.placement.acquire(
-                self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline, elapsed_s=placed_at - self.arrival
-            )
+                self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline,
+                elapsed_s=placed_at - self.arrival, cached=cached,
+            )  # fmt: skip
         finally:
             attempt.placement_wait_s = state.clock() - placed_at
         attempt.predicted_ttft_s = reservation.predicted_ttft_s
         attempt.predicted_tpot_s = reservation.predicted_tpot_s
+        attempt.predicted_cached_tokens = reservation.predicted_cached_tokens
+        if attempt.predicted_cached_tokens is None and cached is not None and prefix.enabled(reservation.producer):
+            attempt.predicted_cached_tokens = cached(reservation.producer)
         with reservation:
             attempt.producer = reservation.producer
             attempt.consumer = reservation.consumer
@@ -348,6 +355,13 @@ class RequestLifecycle:
             )
         prefill_done = state.clock()
         reservation.release_prefill()
+        attempt.cached_tokens = prefill.cached_tokens
+        ids = self.prompt.ids if self.prompt is not None else None
+        if ids is not None:
+            # Both engines now hold the prompt's blocks (a consumer caches what it pulls).
+            state.prefix.placed(reservation.producer, ids)
+            if not same_worker:
+                state.prefix.placed(reservation.consumer, ids)
         counted = prefill.prompt_tokens
         if counted is not None and counted > 0:
             prompt = self.prompt

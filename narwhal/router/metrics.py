@@ -30,6 +30,7 @@ _LATENCY_BUCKETS = (
 )
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 _BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "held": 3, "trial": 4}
+_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
 
 class _LiveState(Collector):
@@ -98,6 +99,14 @@ class _LiveState(Collector):
             for name in state.engines:
                 unbound.add_metric([name], 1 if name in placement.unbound else 0)
             yield unbound
+        views = GaugeMetricFamily(
+            "narwhal_prefix_index_blocks",
+            "Blocks in the router's view of each engine's prefix cache, by source (events or placements).",
+            labels=["engine", "source"],
+        )
+        for name, view in state.prefix.views.items():
+            views.add_metric([name, "events" if state.prefix.exact(name) else "placements"], len(view))
+        yield views
         ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
         ready.add_metric([], 1 if state.ready() else 0)
         yield ready
@@ -146,6 +155,17 @@ class RouterMetrics:
             "narwhal_breaker_transitions", "Breaker transitions by engine and event.", ["engine", "event"],
             registry=r,
         )
+        self.ttft_error = Histogram(
+            "narwhal_ttft_prediction_error_ratio",
+            "|predicted - observed| / observed router TTFT of priced attempts, by producer.",
+            ["engine"], buckets=_ERROR_BUCKETS, registry=r,
+        )
+        self.cached_tokens = Counter(
+            "narwhal_prefix_cached_tokens",
+            "Prompt tokens served by producers' prefix caches: as the router predicted them and "
+            "as the producers reported them (usage.prompt_tokens_details).",
+            ["engine", "source"], registry=r,
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
         r.register(_LiveState(state, events))
         state.journal.add_listener(self.on_record)
@@ -186,6 +206,14 @@ class RouterMetrics:
                 child(self.placements, producer, consumer).inc()
                 child(self.attempt_outcomes, producer, "prefill", attempt["outcome"]).inc()
                 child(self.attempt_outcomes, consumer, "decode", attempt["outcome"]).inc()
+            if not producer or attempt.get("ttft_s") is None:
+                continue  # the prefill did not complete: nothing to compare
+            predicted, observed = attempt.get("predicted_ttft_s"), attempt["ttft_s"]
+            if predicted is not None and observed > 0:
+                child(self.ttft_error, producer).observe(abs(predicted - observed) / observed)
+            if attempt.get("predicted_cached_tokens") is not None:
+                child(self.cached_tokens, producer, "predicted").inc(attempt["predicted_cached_tokens"])
+                child(self.cached_tokens, producer, "reported").inc(attempt.get("cached_tokens") or 0)
 
     def on_transition(self, transition: Transition) -> None:
         self.breaker_transitions.labels(transition.engine, transition.event).inc()

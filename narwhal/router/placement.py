@@ -58,6 +58,7 @@ class Reservation:
         "kv_tokens",
         "on_release_decode",
         "on_release_prefill",
+        "predicted_cached_tokens",
         "predicted_tpot_s",
         "predicted_ttft_s",
         "prefill_held",
@@ -78,6 +79,8 @@ class Reservation:
         self.on_release_decode: Callable[[], None] | None = None
         self.predicted_ttft_s: float | None = None
         self.predicted_tpot_s: float | None = None
+        #: The producer's prefix-cache hit that priced placement assumed, in tokens.
+        self.predicted_cached_tokens: int | None = None
         p = placement.loads[producer]
         p.prefill_requests += 1
         p.prefill_tokens += prompt_tokens
@@ -191,8 +194,9 @@ class Placement:
         avoid: frozenset[str] = frozenset(),
         deadline: float = math.inf,
         elapsed_s: float = 0.0,
+        cached: Callable[[str], int] | None = None,
     ) -> Reservation:
-        """Reserve a pair (least-loaded placement never waits).
+        """Reserve a pair (least-loaded placement never waits; it ignores ``cached``).
 
         Cancellation is honoured here, but it does not yield to the scheduler: the
         request's next step is engine I/O, which does (a pass of the run loop per

@@ -4,8 +4,14 @@ When the fleet names a profiles pair whose fits bind to the engines running now
 (Gate F), each candidate is priced from its profile:
 
 - producer: predicted TTFT = the predicted prefill time of the prompts already
-  reserved on it (they run before this one) + the fitted TTFT curve at this prompt's
-  length, times the engine's correction factor (reactive control keeps it);
+  reserved on it (they run before this one) + this prompt's own prefill, times the
+  engine's correction factor (reactive control keeps it). The own prefill is the
+  fitted TTFT curve at the prompt's length L; where the router's prefix index says
+  the producer holds the prompt's first k tokens, it is the curve's price of the
+  uncached part, ``ttft(L) - ttft(k) + ttft(0)``: for the fitted ``a + b*L + c*L**2``
+  that is ``a + b*(L-k) + c*(L**2 - k**2)``, the new tokens and the attention pairs
+  they add over the cached prefix (the reserved work of a request is its hit-aware
+  price too);
 - consumer: predicted TPOT with this request added (active + 1, resident KV + its
   prompt and output tokens), times its correction factor. Inside the profiled decode
   domain the fit is used as is; outside it the price is taken at the domain's edge and
@@ -51,12 +57,18 @@ log = logging.getLogger("narwhal.router.placement")
 
 @attrs.frozen
 class Quote:
-    """A candidate's price for one request."""
+    """A candidate's price for one request.
+
+    ``cached_tokens`` and ``own_s`` (a producer's predicted prefix-cache hit, None
+    when no prefix index was asked, and its own prefill time) are set on producer quotes.
+    """
 
     engine: str
     predicted_s: float
     headroom: float
     out_of_domain: bool = False
+    cached_tokens: int | None = None
+    own_s: float = 0.0
 
 
 class PricedPlacement(Placement):
@@ -96,12 +108,23 @@ class PricedPlacement(Placement):
             return -predicted  # no target: prefer the fastest
         return 1.0 - predicted / target
 
-    def quote_producer(self, name: str, prompt_tokens: int, elapsed_s: float = 0.0) -> Quote:
-        """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
+    def prefill_s(self, name: str, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Predicted prefill of a prompt whose first ``cached_tokens`` are cached there."""
         profile = self.profiles[name]
-        own = self._ttft(profile, prompt_tokens)
+        full = self._ttft(profile, prompt_tokens)
+        if cached_tokens <= 0:
+            return full
+        k = min(cached_tokens, prompt_tokens)
+        return max(full - self._ttft(profile, k) + self._ttft(profile, 0), 0.0)
+
+    def quote_producer(
+        self, name: str, prompt_tokens: int, elapsed_s: float = 0.0, cached_tokens: int | None = None
+    ) -> Quote:
+        """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
+        own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
         predicted = elapsed_s + (self.prefill_work_s[name] + own) * self.ttft_correction[name]
-        return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s))
+        return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s),
+                     cached_tokens=cached_tokens, own_s=own)  # fmt: skip
 
     def _ttft(self, profile: EngineProfile, prompt_tokens: int) -> float:
         if self.pricing == "upper":
@@ -142,14 +165,25 @@ class PricedPlacement(Placement):
         return [n for n in live if n not in avoid] or live
 
     def price(
-        self, prompt_tokens: int, max_tokens: int, avoid: frozenset[str], elapsed_s: float = 0.0
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        avoid: frozenset[str],
+        elapsed_s: float = 0.0,
+        cached: Callable[[str], int] | None = None,
     ) -> tuple[Quote, Quote] | None:
-        """The best (producer, consumer) quotes, or None when no priced pair exists."""
+        """The best (producer, consumer) quotes, or None when no priced pair exists.
+
+        ``cached`` says how many leading prompt tokens an engine holds (the prefix index).
+        """
         producers = self._priced_candidates(self.prefill_engines, avoid)
         consumers = self._priced_candidates(self.decode_engines, avoid)
         if not producers or not consumers:
             return None
-        p = max((self.quote_producer(n, prompt_tokens, elapsed_s) for n in producers), key=lambda q: q.headroom)
+        p = max(
+            (self.quote_producer(n, prompt_tokens, elapsed_s, cached(n) if cached else None) for n in producers),
+            key=lambda q: q.headroom,
+        )
         quotes = [q for n in consumers if (q := self.quote_consumer(n, prompt_tokens, max_tokens)) is not None]
         if not quotes:
             return None
@@ -157,14 +191,21 @@ class PricedPlacement(Placement):
         return p, c
 
     def choose(
-        self, prompt_tokens: int, max_tokens: int, *, avoid: frozenset[str] = frozenset(), elapsed_s: float = 0.0
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        *,
+        avoid: frozenset[str] = frozenset(),
+        elapsed_s: float = 0.0,
+        cached: Callable[[str], int] | None = None,
     ) -> Reservation:
         """Reserve the best pair now; raise ``_NoCapacity`` when none meets the SLO.
 
         ``elapsed_s`` is the time the request has spent in the router already (token
         counting, earlier placement waits): it counts against the TTFT target.
+        ``cached`` says how many leading prompt tokens an engine's cache holds.
         """
-        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s)
+        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s, cached)
         if quotes is None:
             self.counters["fallback"] += 1
             return self._reserve(super().choose(prompt_tokens, max_tokens, avoid=avoid), prompt_tokens, None, None)
@@ -180,7 +221,11 @@ class PricedPlacement(Placement):
 
     def _reserve(self, reservation: Reservation, prompt_tokens: int, p: Quote | None, c: Quote | None) -> Reservation:
         producer = reservation.producer
-        work = self._ttft(self.profiles[producer], prompt_tokens) if producer in self.profiles else 0.0
+        if p is not None:
+            work = p.own_s
+            reservation.predicted_cached_tokens = p.cached_tokens
+        else:
+            work = self._ttft(self.profiles[producer], prompt_tokens) if producer in self.profiles else 0.0
         self.prefill_work_s[producer] += work
         reservation.on_release_prefill = lambda: self._release_work(producer, work)
         reservation.on_release_decode = self._capacity_changed
@@ -204,20 +249,23 @@ class PricedPlacement(Placement):
         avoid: frozenset[str] = frozenset(),
         deadline: float = math.inf,
         elapsed_s: float = 0.0,
+        cached: Callable[[str], int] | None = None,
     ) -> Reservation:
         """Reserve a pair predicted to meet the SLO, waiting for capacity (admission ``wait``)."""
         waited = False
         start = self.clock()
         while True:
             try:
-                return self.choose(prompt_tokens, max_tokens, avoid=avoid, elapsed_s=elapsed_s + self.clock() - start)
+                return self.choose(prompt_tokens, max_tokens, avoid=avoid,
+                                   elapsed_s=elapsed_s + self.clock() - start, cached=cached)  # fmt: skip
             except _NoCapacity as miss:
                 slo_deadline = deadline
                 if self.admission == "refuse" or self.clock() >= slo_deadline:
+                    hit = miss.producer.cached_tokens
                     raise Refused(
                         f"no placement meets the SLO: predicted TTFT {miss.producer.predicted_s * 1000:.1f} ms "
-                        f"on {miss.producer.engine}, TPOT {miss.consumer.predicted_s * 1000:.1f} ms on "
-                        f"{miss.consumer.engine}",
+                        f"on {miss.producer.engine}{f' ({hit} prompt tokens cached there)' if hit else ''}, "
+                        f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}",
                         retry_after_s=1.0,
                     ) from None
                 if not waited:

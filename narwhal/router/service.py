@@ -19,6 +19,7 @@ from narwhal.router.events import EventHub
 from narwhal.router.journal import Journal
 from narwhal.router.loadpoll import poll_engine_load
 from narwhal.router.metrics import RouterMetrics
+from narwhal.router.prefixwatch import watch_prefix_caches
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import probe_at_start, run_probes
 from narwhal.router.state import RouterState
@@ -128,6 +129,8 @@ async def open_router(
             if config.server.engine_load_poll_s > 0:
                 await nursery.start(poll_engine_load, state, config.server.engine_load_poll_s)
             await state.refresh_models()
+            if config.controller.prefix_cache == "auto":
+                await nursery.start(watch_prefix_caches, state)
             await state.bind_profiles()
             controller = None
             if config.controller.reactive.enabled and isinstance(state.placement, PricedPlacement):

@@ -13,11 +13,13 @@ import trio
 from narwhal.config import EngineConfig, FleetConfig
 from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import RequestKind
+from narwhal.engines.kvevents import KVEventSubscriber
 from narwhal.errors import EngineError, Refused
 from narwhal.profile.store import Profiles
 from narwhal.router.breaker import Breaker
 from narwhal.router.journal import Journal
 from narwhal.router.placement import Placement
+from narwhal.router.prefix import PrefixIndex
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.promptlen import PromptLengths, prompt_size
 from narwhal.router.retry import RetryBudget
@@ -36,12 +38,14 @@ class PromptCount:
         max_model_len: the engine's context limit when a /tokenize answer gave it.
         exact: counted by token ids or /tokenize, not estimated.
         size: the prompt's UTF-8 size behind an estimate (0 when exact).
+        ids: the prompt's token ids, when known (token-id prompts, /tokenize).
     """
 
     count: int
     max_model_len: int | None
     exact: bool
     size: int = 0
+    ids: tuple[int, ...] | None = None
 
 
 class RouterState:
@@ -116,6 +120,9 @@ class RouterState:
             mode == "auto" and isinstance(self.placement, PricedPlacement)
         )
         self.prompt_lengths = PromptLengths()
+        #: What each engine's prefix cache holds (kept by ``watch_prefix_caches``).
+        self.prefix = PrefixIndex()
+        self.kv_subscribers: dict[str, KVEventSubscriber] = {}
 
     def placeable(self, name: str) -> bool:
         """Whether placement may use ``name`` now: the breaker lets it, and an engine on
@@ -170,10 +177,11 @@ class RouterState:
         """The prompt's length for placement: exact, or estimated (``controller.prompt_tokens``)."""
         prompt = parsed_body.get("prompt") if kind == "completions" else None
         if isinstance(prompt, list):  # token ids: counted here, exactly
-            return PromptCount(len(prompt), None, exact=True)
+            ids = tuple(prompt) if all(type(t) is int for t in prompt) else None
+            return PromptCount(len(prompt), None, exact=True, ids=ids)
         if self.exact_prompt_counts:
             tok = await self.tokenize(parsed_body, kind)
-            return PromptCount(tok.count, tok.max_model_len, exact=True)
+            return PromptCount(tok.count, tok.max_model_len, exact=True, ids=tok.ids)
         size = prompt_size(parsed_body, kind)
         return PromptCount(self.prompt_lengths.estimate(kind, size), None, exact=False, size=size)
 

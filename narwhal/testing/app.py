@@ -112,6 +112,7 @@ class SimApp:
             "/version": ("GET", self._version),
             "/load": ("GET", self._load),
             "/metrics": ("GET", self._metrics),
+            "/reset_prefix_cache": ("POST", self._reset_prefix_cache),
         }
 
     async def __call__(self, request: _Request, response: _Response) -> None:
@@ -153,6 +154,11 @@ class SimApp:
     async def _metrics(self, request: _Request, response: _Response) -> None:
         text = self.engine.metrics_text().encode()
         await response.respond(200, [("content-type", "text/plain; version=0.0.4; charset=utf-8")], text)
+
+    async def _reset_prefix_cache(self, request: _Request, response: _Response) -> None:
+        # vLLM (dev mode) answers 200 with an empty body; a refusal is only logged there.
+        self.engine.reset_prefix_cache()
+        await response.respond(200)
 
     async def _models(self, request: _Request, response: _Response) -> None:
         sim, created = self.engine.sim, int(self.engine.process_start_time)
@@ -330,6 +336,12 @@ class SimApp:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                 "completion_tokens": completion}  # fmt: skip
 
+    def _prompt_details(self, gen: Generation) -> dict[str, int | None] | None:
+        """``prompt_tokens_details`` as vLLM 0.32 sends it when enabled (a miss included)."""
+        if not self.engine.sim.prompt_tokens_details:
+            return None
+        return {"cached_tokens": gen.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+
     def _token_chunk(self, job: _Job, token: int, finish: str | None, first: bool) -> dict[str, Any]:
         ids = job.return_token_ids
         if job.kind == "completions":
@@ -365,6 +377,8 @@ class SimApp:
         await self._strike(job, faults, sent, silenced, response)
         if job.include_usage:
             usage = {**self._envelope(job), "choices": [], "usage": self._usage(job, sent)}
+            if (details := self._prompt_details(gen)) is not None:
+                usage["usage"]["prompt_tokens_details"] = details
             if job.kind == "completions":
                 usage["system_fingerprint"] = f"vllm-{self.engine.sim.version}-{self.engine.random_hex(8)}"
             await response.send(_event(usage))
@@ -416,7 +430,7 @@ class SimApp:
         text = decode(tokens)
         ids = job.return_token_ids
         prompt_ids = list(job.prompt_ids) if ids else None
-        usage = {**self._usage(job, len(tokens)), "prompt_tokens_details": None}
+        usage = {**self._usage(job, len(tokens)), "prompt_tokens_details": self._prompt_details(gen)}
         out: dict[str, Any] = {"id": job.response_id}
         if job.kind == "completions":
             out |= {"object": "text_completion", "created": int(self.engine.wall_time()),

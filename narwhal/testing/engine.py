@@ -29,8 +29,10 @@ from typing import Any, Final
 import trio
 
 from narwhal.config import EngineConfig, FaultSpec, SimConfig
+from narwhal.engines.kvevents import KVEvent
 from narwhal.testing.faults import FaultPlan, Faults, Leg
 from narwhal.testing.kvfabric import Handoff, KVFabric, TransferError
+from narwhal.testing.kvpublisher import SimKVPublisher
 from narwhal.testing.metrics import MetricsSnapshot, render_metrics
 from narwhal.testing.scheduler import (
     EngineRestarted,
@@ -124,6 +126,8 @@ class SimEngine:
         self._sched_scope: trio.CancelScope | None = None
         self._down = 0
         self._abort_connections: Callable[[], None] | None = None
+        #: The KV-event publisher while the engine runs with ``kv_events`` configured.
+        self.kv_publisher: SimKVPublisher | None = None
         self.scheduler = self._new_generation()
 
     # ------------------------------------------------------------ identity and time
@@ -161,8 +165,15 @@ class SimEngine:
         self.engine_id = str(uuid.UUID(int=self._id_rng.getrandbits(128), version=4))
         start = round(self.wall_time(), 2)
         self.process_start_time = max(start, self.process_start_time + 0.01)
+        if self.kv_publisher is not None:
+            self.kv_publisher.restart()
         return Scheduler(self.sim, clock=self._clock, noise_rng=self._noise_rng, stats=self.stats,
-                         engine_id=self.engine_id, describe=self._descriptor)  # fmt: skip
+                         engine_id=self.engine_id, describe=self._descriptor,
+                         publish=self._publish_kv_events)  # fmt: skip
+
+    def _publish_kv_events(self, events: list[KVEvent]) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(events)
 
     def attach(self, *, abort_connections: Callable[[], None] | None = None) -> None:
         """Hook into the transport: how to drop every open connection (engine death)."""
@@ -189,6 +200,14 @@ class SimEngine:
     def held_handoffs(self) -> dict[str, Handoff]:
         """The handoffs this producer holds, by request id."""
         return dict(self.scheduler.held)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache, as vLLM's ``/reset_prefix_cache`` does.
+
+        Returns:
+            False (and nothing dropped) while a request or a held handoff holds blocks.
+        """
+        return self.scheduler.reset_prefix_cache()
 
     def metrics_text(self) -> str:
         """The engine's ``/metrics`` page."""
@@ -267,6 +286,10 @@ class SimEngine:
             if kv is not None:
                 self.fabric.register(kv[0], kv[1], self)
             try:
+                if self.config.kv_events is not None:
+                    self.kv_publisher = SimKVPublisher(self.config.kv_events, wall_time=self.wall_time)
+                    self.kv_publisher.bind()
+                    nursery.start_soon(self.kv_publisher.serve_replay)
                 task_status.started()
                 while True:
                     with trio.CancelScope() as scope:
@@ -276,6 +299,9 @@ class SimEngine:
                 if kv is not None:
                     self.fabric.unregister(kv[0], kv[1], self)
                 self.scheduler.break_all()
+                if self.kv_publisher is not None:
+                    self.kv_publisher.close()
+                    self.kv_publisher = None
                 self._nursery = self._sched_scope = None
 
     def trigger_restart(self, downtime_s: float = 0.0) -> None:
@@ -376,7 +402,8 @@ class SimEngine:
                 str(kv["remote_engine_id"]), str(kv["remote_request_id"]), kv["remote_block_ids"]
             )
             try:
-                delay = seq.prompt_len * self.sim.transfer_s_per_token
+                # Only the blocks this engine does not hold itself are pulled.
+                delay = (seq.prompt_len - seq.cached_tokens) * self.sim.transfer_s_per_token
                 await trio.sleep(delay + seq.params.extra_transfer_delay_s)
                 if seq.broken:
                     raise EngineRestarted("engine restarted")
@@ -391,8 +418,10 @@ class SimEngine:
             sched.metrics.nixl_failed_transfers += 1
             self.stats.failed_transfers += 1
             raise SimError(500, f"KV transfer failed: {exc}") from None
-        sched.metrics.prompt_tokens_by_source["external_kv_transfer"] += seq.prompt_len
-        self.stats.prompt_tokens["external_kv_transfer"] += seq.prompt_len
+        pulled = seq.prompt_len - seq.cached_tokens
+        for source, n in (("external_kv_transfer", pulled), ("local_cache_hit", seq.cached_tokens)):
+            sched.metrics.prompt_tokens_by_source[source] += n
+            self.stats.prompt_tokens[source] += n
         sched.metrics.xfer_time.observe(self.now() - start)
         self.stats.transfers += 1
         sched.join(seq)

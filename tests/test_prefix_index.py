@@ -1,0 +1,141 @@
+"""The router's per-engine prefix index, exact from KV events and approximate from placements."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import trio
+
+from narwhal.engines.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from narwhal.router.prefix import EventView, PlacementView, PrefixIndex, hit_limit
+from tests.test_sim_engine import one_engine
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], bs: int = 2, **kw: Any) -> EventBatch:
+    return EventBatch(0.0, (BlockStored(block_hashes=tuple(hashes), parent_block_hash=parent,
+                                        token_ids=tuple(tokens), block_size=bs, **kw),))  # fmt: skip
+
+
+def test_hit_limit_leaves_the_last_token_to_compute() -> None:
+    assert [hit_limit(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 0, 0, 1, 1, 2]
+
+
+def test_event_view_follows_the_chain_by_tokens() -> None:
+    view = EventView(2)
+    view.apply(stored([11, 12], None, [1, 2, 3, 4]))
+    view.apply(stored([13], 12, [5, 6]))
+    assert view.cached_blocks([1, 2, 3, 4, 5, 6, 7], 3) == 3
+    assert view.cached_blocks([1, 2, 3, 4, 5, 6, 7], 2) == 2  # the limit holds
+    assert view.cached_blocks([1, 2, 9, 9, 5, 6, 7], 3) == 1  # a different middle block
+    assert view.cached_blocks([3, 4, 5, 6, 7], 2) == 0  # the same tokens at another position
+    view.apply(EventBatch(0.0, (BlockRemoved(block_hashes=(12,)),)))
+    assert view.cached_blocks([1, 2, 3, 4, 5, 6, 7], 3) == 1  # the chain breaks at the gap
+    view.apply(EventBatch(0.0, (AllBlocksCleared(),)))
+    assert len(view) == 0 and view.cached_blocks([1, 2, 3], 1) == 0
+
+
+def test_event_view_counts_copies_and_ignores_what_a_plain_prompt_cannot_hit() -> None:
+    view = EventView(2)
+    view.apply(stored([11], None, [1, 2]))
+    view.apply(stored([11], None, [1, 2]))  # vLLM caches identical blocks twice
+    view.apply(EventBatch(0.0, (BlockRemoved(block_hashes=(11,)),)))
+    assert view.cached_blocks([1, 2, 3], 1) == 1  # one copy is left
+    view.apply(stored([21], None, [7, 8], lora_name="adapter"))
+    view.apply(stored([22], None, [5, 6], extra_keys=(("salt",),)))
+    view.apply(stored([23], None, [9, 9, 9, 9], bs=4))  # another block size
+    assert view.cached_blocks([7, 8, 0], 1) == 0 and view.cached_blocks([5, 6, 0], 1) == 0
+    assert view.cached_blocks([9, 9, 0], 1) == 0 and view.ignored == 1
+    view.apply(EventBatch(0.0, (BlockRemoved(block_hashes=(21, 99)),)))  # unknown hashes are fine
+
+
+def test_placement_view_is_an_lru_of_chains() -> None:
+    view = PlacementView(2, capacity_blocks=4)
+    a, b, c = [1, 2, 3, 4, 0], [5, 6, 7, 8, 0], [9, 10, 11, 12, 0]
+    view.record(a)
+    view.record(b)
+    assert view.cached_blocks(a, 2) == 2 and view.cached_blocks(b, 2) == 2
+    view.record(a)  # a is the most recent again
+    view.record(c)  # evicts b, tail first
+    assert view.cached_blocks(b, 2) == 0 and view.cached_blocks(a, 2) == 2
+    view.record([1, 2, 13, 14])  # shares a's head
+    assert view.cached_blocks(a, 2) == 1  # a's tail went; the shared head stays
+    assert view.cached_blocks([1, 2, 13, 14, 0], 2) == 2
+
+
+def test_index_enables_per_engine_and_prices_only_those() -> None:
+    index = PrefixIndex()
+    ids = list(range(10))
+    index.placed("e0", ids)  # no view yet: nothing learnt
+    index.enable("e0", block_size=4, capacity_tokens=64, events=False)
+    index.enable("e1", block_size=2, capacity_tokens=64, events=True)
+    assert index.cached_tokens("e0", ids) == 0
+    index.placed("e0", ids)
+    assert index.cached_tokens("e0", ids) == 8 and index.cached_tokens("e2", ids) == 0
+    assert not index.exact("e0") and index.exact("e1")
+    index.enable("e0", block_size=4, capacity_tokens=128, events=False)  # kept, capacity updated
+    assert index.cached_tokens("e0", ids) == 8
+    index.apply("e1", stored([1], None, [0, 1]))
+    assert index.cached_tokens("e1", ids) == 2
+    index.reset("e1")
+    assert index.cached_tokens("e1", ids) == 0
+    index.disable("e0")
+    assert not index.enabled("e0") and index.cached_tokens("e0", ids) == 0
+    index.disable("e1")  # an event view is kept (events keep coming) but not priced
+    assert index.cached_tokens("e1", ids) == 0 and index.exact("e1")
+    index.apply("e1", stored([1], None, [0, 1]))
+    index.enable("e1", block_size=2, capacity_tokens=64, events=True)
+    assert index.cached_tokens("e1", ids) == 2
+
+
+def test_a_followed_engine_learns_its_block_size_from_events() -> None:
+    index = PrefixIndex()
+    index.follow("e0")
+    index.apply("e0", stored([1, 2], None, [5, 6, 7, 8]))
+    assert index.cached_tokens("e0", [5, 6, 7, 8, 9]) == 0  # not priced before it reports caching on
+    index.enable("e0", block_size=2, capacity_tokens=64, events=True)
+    assert index.cached_tokens("e0", [5, 6, 7, 8, 9]) == 4
+    index.enable("e0", block_size=4, capacity_tokens=64, events=True)  # another size: a new view
+    assert index.cached_tokens("e0", [5, 6, 7, 8, 9]) == 0
+
+
+def workload(seed: int, n: int) -> list[list[int]]:
+    """Prompts over a few shared prefixes, with unique tails, of varied lengths."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(300, 30000) for _ in range(rng.randrange(8, 120))] for _ in range(5)]
+    return [rng.choice(heads)[: rng.randrange(1, 121)] + [rng.randrange(300, 30000) for _ in range(rng.randrange(1, 40))]
+            for _ in range(n)]  # fmt: skip
+
+
+async def test_event_view_predicts_the_engines_hits_exactly(autojump_clock: trio.abc.Clock) -> None:
+    sim = {"prefix_caching": True, "prompt_tokens_details": True, "block_size": 8, "kv_capacity_tokens": 1024}
+    async with one_engine(**sim) as (_, engine, client):
+        index = PrefixIndex()
+        index.enable("e0", block_size=8, capacity_tokens=1024, events=True)
+        removed = []
+
+        def publish(events: list[Any]) -> None:
+            removed.extend(e for e in events if isinstance(e, BlockRemoved))
+            index.apply("e0", EventBatch(0.0, tuple(events)))
+
+        engine.scheduler.publish = publish
+        for ids in workload(1, 150):
+            predicted = index.cached_tokens("e0", ids)
+            r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 3})
+            details = r.json()["usage"]["prompt_tokens_details"]
+            assert predicted == (details["cached_tokens"] if details else 0)
+        assert engine.stats.prompt_tokens["local_cache_hit"] > 1000  # the workload does hit
+        assert engine.stats.requests == 150 and len(removed) > 100  # under eviction
+
+
+async def test_placement_view_agrees_with_a_lone_engine_until_eviction(autojump_clock: trio.abc.Clock) -> None:
+    sim = {"prefix_caching": True, "prompt_tokens_details": True, "block_size": 8}
+    async with one_engine(**sim) as (_, _e, client):
+        index = PrefixIndex()
+        index.enable("e0", block_size=8, capacity_tokens=262144, events=False)
+        for ids in workload(2, 100):
+            predicted = index.cached_tokens("e0", ids)
+            r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1})
+            index.placed("e0", ids)
+            details = r.json()["usage"]["prompt_tokens_details"]
+            assert predicted == (details["cached_tokens"] if details else 0)
