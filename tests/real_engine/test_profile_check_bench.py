@@ -37,18 +37,24 @@ from .kit import RealPair, RouterProcess, StallWatch
 pytestmark = pytest.mark.real_engine
 
 ENGINES = ("producer", "consumer")
-OUTPUT_LEN = 16
+#: Output tokens per bench request. A client-side TPOT is (last - first token) over
+#: ``OUTPUT_LEN - 1``: a scheduling hiccup of tens of ms in any relay (the engine's API
+#: server, the router, the bench client) moves it by that over the interval count, and
+#: a short stream often reaches the client whole. Measured on the loaded two-core box,
+#: client mean TPOT against the consumer's: 0.80-1.80x with 16 tokens (whole streams in
+#: one read), 0.89-1.03x with 64, 0.98-1.08x with 128 (seven runs, stalled ones too).
+OUTPUT_LEN = 128
 #: Bench client lag (s) beyond which a run met a machine stall (docs/real-engines.md).
 STALL_LAG_S = 0.25
 #: Bench runs before a test whose every run met a machine stall fails.
-BENCH_ATTEMPTS = 6
+BENCH_ATTEMPTS = 8
 BENCH_REQUESTS = 20
 #: The bench comparison's limits (:func:`test_bench_agrees_with_vllm_histograms`),
 #: from measured runs on the shared two-core machine (docs/real-engines.md).
 TPOT_TOLERANCE = 0.10
-ROUTER_SHARE_MAX_S = 0.250
-RESIDUAL_MAX_S = 0.080
-RESIDUAL_MAX_FRACTION = 0.20
+ROUTER_SHARE_MAX_S = 0.300
+RESIDUAL_MAX_S = 0.150
+RESIDUAL_MAX_FRACTION = 0.35
 #: The sweep: the tiny model's prompts stay short on two cores; three prefill lengths,
 #: two decode input lengths and three concurrencies are the fewest the fits accept.
 SWEEP = [
@@ -390,7 +396,7 @@ def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> No
     ``x-request-id``) stamps each request's placement wait, the end of its prefill leg
     (``ttft_s``) and its first decode output (``first_byte_s``).
 
-    - Accounting, exact: every request delivered the 16 tokens asked for, and the
+    - Accounting, exact: every request delivered the :data:`OUTPUT_LEN` tokens asked for, and the
       journal counted the same tokens as the client, request by request.
     - Causality: client latency less the wait is at least producer plus consumer
       end-to-end latency (less 1 ms: the stamps come from different processes).
@@ -401,7 +407,7 @@ def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> No
       at most :data:`RESIDUAL_MAX_S` and :data:`RESIDUAL_MAX_FRACTION` of the client's
       TTFT.
     - TPOT: the client's mean TPOT is within :data:`TPOT_TOLERANCE` of the consumer's
-      ``vllm:request_time_per_output_token_seconds`` (both first to last token over 15).
+      ``vllm:request_time_per_output_token_seconds`` (both first to last token over ``OUTPUT_LEN - 1``).
 
     A run is only judged on a healthy machine: one whose bench client sent a request,
     or whose test-side :class:`StallWatch` woke, more than :data:`STALL_LAG_S` late met
