@@ -336,6 +336,13 @@ def _timing_terms(run: _BenchRun) -> dict[str, float]:
     - ``residual``: the client's TTFT less the journal's ``first_byte_s``: what no source
       stamps, the client's request reaching the router and the first token's way out.
 
+    and the TPOTs, each first to last token over ``OUTPUT_LEN - 1``: ``consumer_tpot``
+    (vLLM's, stamped where the engine core makes the tokens), ``router_tpot`` (as the
+    router read them, after the engine's API server: from the journal's ``tpot_s``,
+    which starts at the prefill's completion, less the decode leg to the first token)
+    and ``client_tpot``; a client TPOT off the consumer's shows whether the lag built up
+    before the router (the engine's API server) or after it (router, bench client).
+
     They add up to ``client_ttft`` exactly; what is checked is that each is where it
     can be (each hop and the residual are not negative: every engine interval lies
     inside the router's, and the router's inside the client's) and how large the
@@ -363,6 +370,15 @@ def _timing_terms(run: _BenchRun) -> dict[str, float]:
         "producer_e2e": _engine_mean(run, "producer", "vllm:e2e_request_latency_seconds"),
         "consumer_e2e": _engine_mean(run, "consumer", "vllm:e2e_request_latency_seconds"),
         "client_tpot": _mean([r["tpot_s"] for r in scored]),
+        # The router's own first-to-last token span: its tpot_s runs from the prefill's
+        # completion, so less the decode leg up to the first token.
+        "router_tpot": _mean(
+            [
+                (rec["tpot_s"] * (OUTPUT_LEN - 1) - (rec["first_byte_s"] - rec["ttft_s"]))
+                / (OUTPUT_LEN - 1)
+                for rec in records
+            ]
+        ),
         "consumer_tpot": _engine_mean(
             run, "consumer", "vllm:request_time_per_output_token_seconds"
         ),
@@ -383,7 +399,8 @@ def _format_terms(t: dict[str, float]) -> str:
         f"{ms['placement_wait']:.1f}, prefill hop {ms['router_prefill_hop']:.1f}, decode hop "
         f"{ms['router_decode_hop']:.1f}) + residual {ms['residual']:.1f} "
         f"({t['residual'] / t['client_ttft']:.1%}); client TPOT {ms['client_tpot']:.2f} ms vs "
-        f"consumer {ms['consumer_tpot']:.2f} ms ({t['tpot_error']:+.1%})"
+        f"consumer {ms['consumer_tpot']:.2f} ms ({t['tpot_error']:+.1%}; as the router saw "
+        f"the tokens {ms['router_tpot']:.2f} ms)"
     )
 
 
