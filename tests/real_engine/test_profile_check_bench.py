@@ -50,9 +50,13 @@ STALL_LAG_S = 0.25
 BENCH_ATTEMPTS = 8
 BENCH_REQUESTS = 20
 #: The bench comparison's limits (:func:`test_bench_agrees_with_vllm_histograms`),
-#: from measured runs on the shared two-core machine (docs/real-engines.md).
+#: from measured runs on the shared two-core machine under other jobs' load (CPU
+#: pressure 95-99%; docs/real-engines.md). Runs no stall touched, 128 tokens: client
+#: TPOT -1.2% to +11.8% off the consumer's (one of nine over 10%); router share 40-355
+#: ms, 15-47% of the client's TTFT; residual 28-110 ms, 8-24%.
 TPOT_TOLERANCE = 0.10
-ROUTER_SHARE_MAX_S = 0.300
+ROUTER_SHARE_MAX_S = 0.500
+ROUTER_SHARE_MAX_FRACTION = 0.60
 RESIDUAL_MAX_S = 0.150
 RESIDUAL_MAX_FRACTION = 0.35
 #: The sweep: the tiny model's prompts stay short on two cores; three prefill lengths,
@@ -420,7 +424,8 @@ def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> No
     - TTFT, term by term (:func:`_timing_terms`): the client's mean TTFT is the
       producer's TTFT + the KV transfer + the consumer's first token + the router's
       share + a residual. The router's two hops and the residual are each at least
-      -1 ms; the router's share is at most :data:`ROUTER_SHARE_MAX_S`; the residual is
+      -1 ms; the router's share is at most :data:`ROUTER_SHARE_MAX_S` and
+      :data:`ROUTER_SHARE_MAX_FRACTION` of the client's TTFT; the residual is
       at most :data:`RESIDUAL_MAX_S` and :data:`RESIDUAL_MAX_FRACTION` of the client's
       TTFT.
     - TPOT: the client's mean TPOT is within :data:`TPOT_TOLERANCE` of the consumer's
@@ -473,6 +478,7 @@ def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> No
     for hop in ("router_prefill_hop", "router_decode_hop", "residual"):
         assert terms[hop] >= -0.001, f"{hop} negative: {report}"
     assert terms["router_share"] <= ROUTER_SHARE_MAX_S, report
+    assert terms["router_share"] <= ROUTER_SHARE_MAX_FRACTION * terms["client_ttft"], report
     assert terms["residual"] <= RESIDUAL_MAX_S, report
     assert terms["residual"] <= RESIDUAL_MAX_FRACTION * terms["client_ttft"], report
     assert abs(terms["tpot_error"]) <= TPOT_TOLERANCE, report
