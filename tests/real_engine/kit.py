@@ -28,6 +28,8 @@ from narwhal.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PAIR_SCRIPT = REPO / "tools" / "vllm-cpu" / "pair.py"
+#: In an engine's command line (``pair.py`` starts it with ``python -m`` this module).
+ENGINE_MARK = b"vllm.entrypoints.openai.api_server"
 MODEL = "tiny-llama"
 #: Generous: two vLLM servers and the router share two cores in CI, and the machine
 #: stalls for up to half a minute (a connect to a frozen router waits that long).
@@ -103,6 +105,23 @@ class RealPair:
         """SIGKILL one engine (its API server and engine core)."""
         self.dirty.add(role)
         self._pair("kill", role, timeout=300)
+
+    def kill_now(self, role: str) -> None:
+        """SIGKILL one engine's process group from this process, then :meth:`kill`.
+
+        :meth:`kill` runs ``pair.py``, whose start-up takes a second or more on a loaded
+        box; an engine on its own core streams hundreds of tokens meanwhile. The group
+        is the one ``pair.py`` recorded (each engine runs in its own session) and is
+        signalled only while its leader is still that engine's API server.
+        """
+        pid = self.state["engines"][role]["pid"]
+        try:
+            ours = ENGINE_MARK in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            ours = False
+        if ours:
+            os.killpg(pid, signal.SIGKILL)
+        self.kill(role)
 
     def restart(self, role: str) -> float:
         """Start a stopped engine again as it was; returns the seconds until healthy."""

