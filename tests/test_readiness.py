@@ -42,9 +42,11 @@ async def test_an_engine_that_comes_up_later_is_readmitted(autojump_clock: trio.
         await trio.sleep(3)
         resp = await stack.client.get("/health")
         assert resp.status_code == 200
-        assert resp.json() == {"status": "ready", "engines": {"p0": "ok", "d0": "ok"}}
+        # Readmitted half-open: on trial until a live request succeeds, then full weight.
+        assert resp.json() == {"status": "ready", "engines": {"p0": "ok", "d0": "trial"}}
         done = await stack.complete({"prompt": "hello", "max_tokens": 2})
         assert done.status_code == 200
+        assert (await stack.client.get("/health")).json()["engines"] == {"p0": "ok", "d0": "ok"}
 
 
 async def test_all_engines_up_at_start_is_ready(autojump_clock: trio.abc.Clock) -> None:
