@@ -343,10 +343,13 @@ def stream(
     request_id: str | None = None,
     on_event: Callable[[Streamed], None] | None = None,
 ) -> Streamed:
-    """POST a streaming request and read it to its end."""
+    """POST a streaming request (asking for token ids) and read it to its end."""
     headers = {"x-request-id": request_id} if request_id else {}
     started = time.monotonic()
-    with client.stream("POST", path, json={**body, "stream": True}, headers=headers) as response:
+    # Token ids are relayed only to a client that asks for them (as vLLM does), and
+    # every stream here is read by identified tokens.
+    payload = {"return_token_ids": True, **body, "stream": True}
+    with client.stream("POST", path, json=payload, headers=headers) as response:
         out = Streamed(status=response.status_code, headers=response.headers, started=started)
         if response.status_code != 200:
             response.read()
