@@ -194,6 +194,7 @@ async def test_concurrent_streams(router: RouterProcess) -> None:
             "max_tokens": 20 + i,
             "ignore_eos": True,
             "stream": True,
+            "return_token_ids": True,
         }
         ids = 0
         done = False
