@@ -76,7 +76,8 @@ def test_generation_stable_fails_for_an_engine_that_changed_or_went_away() -> No
     after = {"e0": _identity(process_start_time=1500.0), "e1": None, "e2": None}
     results = {r.engine: r for r in check_stable(before, after)}
     assert set(results) == {"e0", "e1"}  # an engine unreachable from the start is not judged
-    assert not results["e0"].ok and "1000.0 -> 1500.0" in results["e0"].message
+    assert not results["e0"].ok and results["e0"].detail["process_start_time"] == [1000.0, 1500.0]
+    assert "1970-01-01 00:16:40 UTC -> 1970-01-01 00:25:00 UTC" in results["e0"].message
     assert not results["e1"].ok and "unreachable" in results["e1"].message
     same = check_stable(before, {"e0": _identity(), "e1": _identity(url="http://e1.test:8102")})
     assert [r.ok for r in same] == [True, True]

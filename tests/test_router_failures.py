@@ -288,7 +288,7 @@ async def test_silence_bound_still_fires_without_any_bytes(autojump_clock: trio.
         t0 = trio.current_time()
         status, events = await stack.stream(BODY)
         elapsed = trio.current_time() - t0
-    assert status == 200 and events[-1]["error"]["code"] == 504
+    assert status == 200 and events[-1]["error"]["type"] == "timeout_error"
     assert elapsed == pytest.approx(PREFILL_S + SILENCE_S, abs=1e-6)
     assert stack.records[0]["attempts"][0]["deadline"] == "engine.decode_read_timeout_s"
 

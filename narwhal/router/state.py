@@ -141,10 +141,9 @@ class RouterState:
         return self.unready_reason() is None
 
     def engine_state(self, name: str) -> str:
-        """``ok``, ``quarantined`` or ``ejected`` (out until a readmission probe succeeds)."""
-        if self.breaker.states[name].ejected:
-            return "ejected"
-        return "ok" if self.breaker.available(name) else "quarantined"
+        """The breaker's word for the engine: ``ok``, ``trial``, ``quarantined``, ``held`` or
+        ``ejected`` (out until a readmission probe succeeds)."""
+        return self.breaker.status(name)
 
     def health(self, *, detail: bool) -> dict[str, Any]:
         """The ``/health`` body: ready or not (and why), each engine's state; with
