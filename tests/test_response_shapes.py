@@ -120,7 +120,7 @@ async def test_one_response_id_and_token_ids_only_when_asked_in_a_stream(autojum
     chunks = [e for e in plain if isinstance(e, dict)]
     assert chunks and all("token_ids" not in c and "prompt_token_ids" not in c for e in chunks for c in e["choices"])
     assert len({e["id"] for e in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
-    assert "-d" not in chunks[0]["id"]  # not the decode leg's id
+    assert not chunks[0]["id"].endswith("-d")  # not the decode leg's id (``<rid>-<n>-<x>-d``)
     assert {e["id"] for e in asked} == {"cmpl-client-rid-7"}
     assert sum(len(c["token_ids"]) for e in asked for c in e["choices"]) == 4
     assert isinstance(asked[0]["choices"][0]["prompt_token_ids"], list)
