@@ -99,12 +99,16 @@ def guarded(prog: str, body: Callable[[], int]) -> int:
         return INTERRUPTED
 
 
+def _whole(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0-65535 (0: the kernel picks one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    value = _whole(text, "a port number (0-65535)")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535)")
     return value
@@ -112,10 +116,7 @@ def port_number(text: str) -> int:
 
 def positive_int(text: str) -> int:
     """An argparse type: a whole number, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _whole(text, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return value

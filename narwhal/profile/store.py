@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import attrs
 
@@ -28,6 +28,8 @@ from narwhal.config import converter, parse_as
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
 from narwhal.profile.fit import TPOT_MODEL, TTFT_MODEL
+
+_T = TypeVar("_T")
 
 __all__ = [
     "PROFILES_KIND",
@@ -253,9 +255,7 @@ class EngineProfile:
         Raises:
             ValueError: a prefill-only profile.
         """
-        if self.decode is None:
-            raise ValueError(f"engine {self.name} was profiled for prefill only (no decode model)")
-        return self.decode
+        return _decoding(self.decode, self.name, "decode model")
 
     @property
     def kv_limit(self) -> KVCapacity:
@@ -264,9 +264,7 @@ class EngineProfile:
         Raises:
             ValueError: a prefill-only profile.
         """
-        if self.kv_capacity is None:
-            raise ValueError(f"engine {self.name} was profiled for prefill only (no KV capacity)")
-        return self.kv_capacity
+        return _decoding(self.kv_capacity, self.name, "KV capacity")
 
     def predict_tpot(self, active: float, kv_tokens: float) -> float:
         """Predicted TPOT in seconds with ``active`` requests and ``kv_tokens`` resident.
@@ -410,3 +408,10 @@ def load_profiles(path: str | os.PathLike[str], *, verify_samples: bool = True) 
                 source=source,
             )
     return profiles
+
+
+def _decoding(value: _T | None, engine: str, what: str) -> _T:
+    """A decode-side figure of a profile, or ValueError for a prefill-only one."""
+    if value is None:
+        raise ValueError(f"engine {engine} was profiled for prefill only (no {what})")
+    return value
