@@ -190,6 +190,10 @@ class ServerConfig:
         engine_load_poll_s: Seconds between reads of every engine's /metrics (running and
             waiting requests) that placement adds to its own reservations, so that several
             router processes share engine load; 0 turns it off (``--workers`` > 1 turns it on).
+        engine_urls_in_errors: Client error bodies about an engine name its URL as well as
+            its name (``engine d0 at http://10.0.0.5:8000 unreachable``). Off by default: an
+            engine's address is the operator's, not the client's; turn it on where the clients
+            are the operators (a development router; the embedded simulated fleet does).
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_text)
@@ -205,6 +209,7 @@ class ServerConfig:
     admin_host: str = attrs.field(default="127.0.0.1", validator=_text)
     admin_port: int = attrs.field(default=8001, validator=_bind_port)
     engine_load_poll_s: float = attrs.field(default=0.0, validator=_non_negative)
+    engine_urls_in_errors: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -288,6 +288,33 @@ async def test_engine_internals_stay_out_of_client_errors(autojump_clock: trio.a
     assert "d0.test" in stack.records[2]["error"]
 
 
+async def test_engine_urls_in_errors_names_the_url_when_asked(autojump_clock: trio.abc.Clock) -> None:
+    # The operator's opt-in (a development router): each engine fault's 502 names the
+    # engine's URL after its name; the engine's own error text still stays out.
+    leak = "Traceback: File /opt/vllm/engine.py password=hunter2"
+    doc = fleet_doc(recovery={"eject_after": 100}, server={"engine_urls_in_errors": True})
+    async with open_stack(doc) as stack:
+        urls = {e.name: e.url for e in stack.config.engines}
+        stack.engine("p0").inject(FaultSpec(kind="http_error", on="prefill", status=500, message=leak, times=1))
+        outs = [await post(stack, BODY, rid="url-0")]
+        stack.engine("d0").inject(FaultSpec(kind="refuse_connection", times=1))
+        outs.append(await post(stack, BODY, rid="url-1"))
+    assert [o.status for o in outs] == [502, 502]
+    messages = [o.error["message"] if o.error else "" for o in outs]
+    assert messages == [
+        f"engine p0 at {urls['p0']} answered HTTP 500", f"engine d0 at {urls['d0']} unreachable",
+    ]
+    assert not any("hunter2" in m for m in messages)
+
+
+def test_embedded_default_names_engine_urls_and_the_example_does_not() -> None:
+    from narwhal.config import load_default_fleet, load_fleet
+
+    assert load_default_fleet().server.engine_urls_in_errors is True
+    example = Path(__file__).resolve().parent.parent / "config" / "fleet.example.json"
+    assert load_fleet(example).server.engine_urls_in_errors is False
+
+
 async def test_prompt_text_never_logged_or_journaled(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -165,6 +165,8 @@ class EngineClient:
         http_client: an existing ``httpx.AsyncClient`` to share; it is not closed by
             :meth:`aclose`.
         connect_timeout_s: the connect timeout; nothing else times out here.
+        url_in_errors: the client's error bodies name the engine's URL after its name
+            (``engine d0 at http://host:port unreachable``); otherwise the name alone.
     """
 
     def __init__(
@@ -178,11 +180,14 @@ class EngineClient:
         transport: httpx.AsyncBaseTransport | None = None,
         http_client: httpx.AsyncClient | None = None,
         connect_timeout_s: float = 5.0,
+        url_in_errors: bool = False,
     ) -> None:
         if transport is not None and http_client is not None:
             raise ValueError("pass either transport or http_client, not both")
         self.url = url.rstrip("/")
         self.name = name if name is not None else self.url
+        #: How the client's error bodies name this engine.
+        self.public_name = f"{self.name} at {self.url}" if url_in_errors and self.name != self.url else self.name
         self.model = model
         self.connector = connector
         self.connect_timeout_s = connect_timeout_s
@@ -267,9 +272,11 @@ class EngineClient:
         """
         name = self.name
         detail = truncate(str(exc), 200) or type(exc).__name__
+        public_name = self.public_name
 
         def error(cls: type[EngineError], what: str) -> EngineError:
-            return cls(f"{what}: {detail}", engine=name, leg=leg, public=what)
+            public = what.replace(f"engine {name}", f"engine {public_name}", 1)
+            return cls(f"{what}: {detail}", engine=name, leg=leg, public=public)
 
         # Timeout-shaped faults are 504s (connect and pool timeouts included); a
         # refused or reset connection is a 502.
@@ -360,7 +367,7 @@ class EngineClient:
             engine=self.name,
             leg=leg,
             detail=message,
-            public=f"engine {self.name} answered HTTP {status}",
+            public=f"engine {self.public_name} answered HTTP {status}",
         )
 
     def _json_body(self, body: bytes, path: str, leg: str | None) -> dict[str, Any]:

@@ -114,6 +114,11 @@ class StreamOwner(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def public_name(self) -> str:
+        """How client error bodies name the engine (the name, or the name and URL)."""
+        ...
+
     def map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError: ...
 
 #: Bound on shielded cleanup (closing a response).
@@ -346,7 +351,7 @@ class DecodeStream:
                         f"engine {self.engine} sent a malformed stream event: {exc}",
                         engine=self.engine,
                         leg=self.leg,
-                        public=f"engine {self.engine} sent a malformed stream event",
+                        public=f"engine {self._owner.public_name} sent a malformed stream event",
                     ) from None
                 kind = chunk.kind
                 if kind == "token":
@@ -413,7 +418,7 @@ class DecodeStream:
                 f"engine {self.engine} sent an unusable event stream: {exc}",
                 engine=self.engine,
                 leg=self.leg,
-                public=f"engine {self.engine} sent an unusable event stream",
+                public=f"engine {self._owner.public_name} sent an unusable event stream",
             ) from None
 
     def _closed_error(self) -> StreamClosed:

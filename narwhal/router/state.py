@@ -72,6 +72,7 @@ class RouterState:
                 api_key=e.api_key,
                 transport=transport,
                 connect_timeout_s=config.engine.connect_timeout_s,
+                url_in_errors=config.server.engine_urls_in_errors,
             )
             for e in config.engines
         }
