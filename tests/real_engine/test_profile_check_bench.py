@@ -50,7 +50,7 @@ OUTPUT_LEN = 128
 #: Bench client lag (s) beyond which a run met a machine stall (docs/real-engines.md).
 STALL_LAG_S = 0.25
 #: Bench runs before a test whose every run met a machine stall fails.
-BENCH_ATTEMPTS = 8
+BENCH_ATTEMPTS = 5
 BENCH_REQUESTS = 20
 #: The bench comparison's limits (:func:`test_bench_agrees_with_vllm_histograms`),
 #: from measured runs on the shared two-core machine under other jobs' load (CPU
@@ -452,7 +452,9 @@ def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> No
     a machine stall (every process frozen); so did one in which a stall failed requests
     (each failure must still be in the journal, :func:`_check_failures_are_journaled`).
     Such a run is run again, up to :data:`BENCH_ATTEMPTS` runs; when every run stalled
-    the test skips, loudly, with each run's lag (the stalls' cause is still open).
+    the test fails with each run's lag: a stall that always happens is a defect (the
+    one found was the pair's engines in scheduler autogroups of their own; see
+    docs/real-engines.md), not weather.
     """
     # The profiled fleet when the steps before produced it (profile-priced placement);
     # the pair's own otherwise: the comparison does not need profiles.
@@ -476,13 +478,9 @@ def test_bench_agrees_with_vllm_histograms(pair: RealPair, tmp_path: Path) -> No
         stalls.append(f"run {attempt}: lag {lag:.2f} s, {counts['by_class']}")
         print(f"bench run {attempt} met a machine stall (lag {lag:.2f} s); running again")
     if run is None:
-        # Seen on a quiet two-core machine with the merged router: every run lagged
-        # 0.34-0.94 s, idle test thread included; the cause is not found yet, so the
-        # timing bounds are reported as not checked (loudly) rather than failed. The
-        # accounting and journal checks above ran on every run.
-        pytest.skip(
-            f"TIMING NOT CHECKED: every one of {BENCH_ATTEMPTS} bench runs met a machine "
-            f"stall (bench client or watch lag over {STALL_LAG_S} s): " + "; ".join(stalls)
+        pytest.fail(
+            f"every one of {BENCH_ATTEMPTS} bench runs met a machine stall (bench client or "
+            f"watch lag over {STALL_LAG_S} s): " + "; ".join(stalls)
         )
     scored = [r for r in run.results if not r["warmup"]]
     assert len(scored) == BENCH_REQUESTS, [r["request_id"] for r in run.results]

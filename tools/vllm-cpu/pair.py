@@ -230,7 +230,13 @@ class Pair:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=self.run_dir,
-                start_new_session=True,
+                # Its own process group (signalled as one), but the caller's session:
+                # a new session is a new scheduler autogroup, and the kernel then shares
+                # each CPU between the groups, not the tasks. An engine pinned to one core
+                # in a group of its own starves the caller's processes that land on that
+                # core (the bench client, the router, the tests' stall watch woke 0.3-1 s
+                # late while the engines served; docs/real-engines.md).
+                process_group=0,
             )
         spec["pid"] = proc.pid
         spec["launched_at"] = time.time()
