@@ -53,15 +53,17 @@ STALL_LAG_S = 0.25
 BENCH_ATTEMPTS = 5
 BENCH_REQUESTS = 20
 #: The bench comparison's limits (:func:`test_bench_agrees_with_vllm_histograms`),
-#: from measured runs on the shared two-core machine under other jobs' load (CPU
-#: pressure 95-99%; docs/real-engines.md). Runs no stall touched, 128 tokens: client
-#: TPOT -3.1% to +11.8% off the consumer's (one of eleven over 10%); router share 40-355
-#: ms, 15-47% of the client's TTFT; residual 28-110 ms, 6-24%.
-TPOT_TOLERANCE = 0.10
-ROUTER_SHARE_MAX_S = 0.500
-ROUTER_SHARE_MAX_FRACTION = 0.60
-RESIDUAL_MAX_S = 0.150
-RESIDUAL_MAX_FRACTION = 0.35
+#: from nine runs on the shared two-core machine after the pair's engines joined the
+#: caller's scheduler autogroup (docs/real-engines.md), four of them under other jobs'
+#: load (load average 14-20), 128 tokens: client TPOT -0.4% to +0.1% off the
+#: consumer's; router share 12.7-29.9 ms, 14-29% of the client's TTFT (52-163 ms);
+#: residual 3.2-11.6 ms, 5.0-8.6%. About three times the worst absolute figure, and
+#: half again the worst share.
+TPOT_TOLERANCE = 0.05
+ROUTER_SHARE_MAX_S = 0.100
+ROUTER_SHARE_MAX_FRACTION = 0.45
+RESIDUAL_MAX_S = 0.040
+RESIDUAL_MAX_FRACTION = 0.15
 #: The sweep: the tiny model's prompts stay short on two cores; three prefill lengths,
 #: two decode input lengths and three concurrencies are the fewest the fits accept.
 SWEEP = [
