@@ -250,10 +250,14 @@ async def run_workers(
             procs = []
             try:
                 for i in range(workers):
-                    # Their own session: a Ctrl-C at the terminal reaches this process
-                    # only, which forwards it (a second one then stops them at once).
+                    # Their own process group: a Ctrl-C at the terminal reaches this
+                    # process only, which forwards it (a second one then stops them at
+                    # once). This session, though: a session is a scheduler autogroup,
+                    # and N sessions would take N shares of the CPU from whatever else
+                    # runs on the machine (engines, a load generator) where one router
+                    # process takes one.
                     cmd = [sys.executable, "-m", "narwhal", *worker_argv(i)]
-                    procs.append(await trio.lowlevel.open_process(cmd, start_new_session=True))
+                    procs.append(await trio.lowlevel.open_process(cmd, process_group=0))
                 stop.started = True
                 print(f"narwhal: {workers} workers started", flush=True)
                 async with trio.open_nursery() as watch:

@@ -104,6 +104,15 @@ def test_workers_share_one_port_and_one_admin_surface(tmp_path: Path) -> None:
         assert "narwhal_workers_up 2.0" in text
         view = json.loads(_get(f"{combined}/fleet"))
         assert view["workers"] == 2 and [e["name"] for e in view["engines"]] == ["p", "d"]
+        # Each worker: a process group of its own (a terminal's Ctrl-C reaches the parent
+        # only), in the parent's session (one scheduler autogroup, as one process is).
+        workers = [
+            int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir()
+            for p in (task / "children").read_text().split()
+        ]
+        assert len(workers) == 2
+        for pid in workers:
+            assert os.getsid(pid) == os.getsid(proc.pid) and os.getpgid(pid) == pid != os.getpgid(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
