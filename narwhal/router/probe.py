@@ -55,8 +55,7 @@ class _Inconclusive(Exception):
 
 
 def _probe_body(state: RouterState, name: str, max_tokens: int) -> dict[str, Any]:
-    engine = state.engines[name]
-    model = engine.model or (engine.sim.model if engine.sim is not None else None) or state.default_model
+    model = state.engines[name].model or _learned_model(state, name) or state.default_model
     body: dict[str, Any] = {
         "prompt": f"narwhal readmission probe {secrets.token_hex(8)}",
         "max_tokens": max_tokens,
@@ -132,12 +131,21 @@ async def _fresh_handoff(state: RouterState, producer: str, body: dict[str, Any]
     return prefill
 
 
+def _learned_model(state: RouterState, name: str) -> str | None:
+    served = state.placement.models.get(name)
+    return min(served) if served else None
+
+
 def _probe_producer(state: RouterState, name: str) -> str | None:
-    """A producer in placement (not ``name``) for a decode-only engine's probe handoff."""
-    loads = state.placement.loads
+    """A producer in placement (not ``name``) of the engine's model for a decode-only
+    engine's probe handoff."""
+    placement = state.placement
+    loads = placement.loads
+    model = state.engines[name].model or _learned_model(state, name)
     candidates = [
-        n for n in state.placement.prefill_engines if n != name and state.breaker.available(n)
-    ]
+        n for n in placement.prefill_engines
+        if n != name and state.breaker.available(n) and placement.serves(n, model)
+    ]  # fmt: skip
     return min(candidates, key=lambda n: loads[n].prefill_tokens, default=None)
 
 
@@ -188,7 +196,9 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
         state.breaker.probe_failed(name, detail)
         return False
     state.breaker.readmit(name)
-    # A readmitted engine may be a new generation: it is priced only if its profile binds.
+    # A readmitted engine may be a new generation: its models are asked again (an engine
+    # unreachable at start is learned now), and it is priced only if its profile binds.
+    await state.refresh_models([name])
     await state.bind_profiles([name])
     return True
 
