@@ -215,3 +215,19 @@ async def test_the_admin_surface_shows_each_models_state_and_each_engines_model(
         assert {e["name"]: e["models"] for e in fleet["engines"]} == {
             name: [model] for model, pool in POOLS.items() for name in pool
         }
+
+
+def test_workers_combine_the_model_gauges_as_states_not_sums() -> None:
+    from narwhal.router.fanin import combine_expositions
+
+    def worker(ready: int) -> str:
+        return (
+            "# HELP narwhal_model_ready Ready.\n# TYPE narwhal_model_ready gauge\n"
+            f'narwhal_model_ready{{model="{A}"}} {ready}\n'
+            "# HELP narwhal_engine_model Served.\n# TYPE narwhal_engine_model gauge\n"
+            f'narwhal_engine_model{{engine="da0",model="{A}"}} 1\n'
+        )
+
+    text = combine_expositions([worker(1), worker(0), worker(1)]).decode()
+    assert f'narwhal_model_ready{{model="{A}"}} 1.0' in text
+    assert f'narwhal_engine_model{{engine="da0",model="{A}"}} 1.0' in text
