@@ -231,3 +231,29 @@ def test_workers_combine_the_model_gauges_as_states_not_sums() -> None:
     text = combine_expositions([worker(1), worker(0), worker(1)]).decode()
     assert f'narwhal_model_ready{{model="{A}"}} 1.0' in text
     assert f'narwhal_engine_model{{engine="da0",model="{A}"}} 1.0' in text
+
+
+async def test_an_engine_unreachable_at_start_is_learned_when_readmitted(autojump_clock: trio.abc.Clock) -> None:
+    """db1 declares no model and refuses connections at start: it is left out (among
+    several models its model could only be guessed) until a readmission probe finds it
+    serving and it tells its model."""
+    doc = two_models(recovery={"probe_interval_s": 5.0})
+    db1 = doc["engines"][5]
+    del db1["model"]
+    db1["sim"]["faults"] = [{"kind": "refuse_connection"}]
+    async with open_stack(doc) as stack:
+        state = stack.router.state
+        assert state.breaker.status("db1") == "ejected" and "db1" not in state.placement.models
+        assert not state.placement.serves("db1", B) and not state.placement.serves("db1", A)
+        stack.engine("db1").clear_faults()
+        await trio.sleep(6.0)  # a probe is due
+        assert state.breaker.status("db1") == "trial"
+        assert state.placement.models["db1"] == {B}
+        results: list[tuple[str, int, Any]] = []
+        async with trio.open_nursery() as nursery:
+            for i in range(1, 24, 2):
+                nursery.start_soon(one_request, stack, i, results)
+        assert [s for _, s, _ in results] == [200] * 12
+        assert "db1" in {r["consumer"] for r in stack.records}
+        for record in stack.records:
+            assert_in_pool(record)

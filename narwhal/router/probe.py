@@ -10,6 +10,9 @@ An ejected engine returns to placement only when an inference probe succeeds:
 - with ``engine_contract`` configured, the engine's lifecycle is validated first: its
   identity (version, model, max_model_len) and configured connector must match the
   contract; without it, ``GET /health`` must answer 200;
+- an engine whose model is not known yet (it declares none and was unreachable at
+  start) is asked for its ``/v1/models`` before the inference probe, and again after a
+  readmission (a new generation may serve another model);
 - then an inference probe replays the path that failed, each leg bounded by
   ``engine.first_token_timeout_s`` (and, after the first token, the silence between
   chunks by ``engine.decode_read_timeout_s``):
@@ -17,8 +20,8 @@ An ejected engine returns to placement only when an inference probe succeeds:
   - an engine ejected for a decode-leg failure (or one that only decodes) streams a
     decode of :data:`PROBE_TOKENS` tokens to its ``data: [DONE]``: after a crossed
     decode through a *fresh* handoff from the original producer; a decode-only engine
-    otherwise through a fresh handoff from a producer in placement; an engine that also
-    prefills, same-worker;
+    otherwise through a fresh handoff from a producer of its model in placement; an
+    engine that also prefills, same-worker;
   - an engine ejected for a prefill-leg failure prefills a one-token request (with a
     KV descriptor, validated, when it has a connector);
 
@@ -158,6 +161,10 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
     decode_path = engine.can_decode and (st.failed_leg == "decode" or not engine.can_prefill)
     try:
         await _check_lifecycle(state, name)
+        if name not in state.placement.models:
+            # Its model is not known yet (it declares none and was down at start): ask
+            # now, so that a decode probe's handoff comes from a producer of that model.
+            await state.refresh_models([name])
         if decode_path and origin is not None:
             # Crossed decode: a fresh handoff from the original producer.
             body = _probe_body(state, origin, PROBE_TOKENS)
