@@ -312,7 +312,8 @@ class SimConfig:
 
     Attributes:
         seed: Seed of the engine's random choices (noise, fault probabilities).
-        model: Model name the engine serves.
+        model: Model name the engine serves (and lists on ``/v1/models``); it answers
+            a request for another model with 404, as vLLM does.
         version: Version the engine reports on ``/version``.
         max_model_len: Context limit the engine reports and enforces.
         prefill: Prefill latency model.
@@ -354,7 +355,14 @@ class EngineConfig:
         name: Unique name used in journals, metrics and profiles.
         url: Base URL of the engine's OpenAI HTTP surface, ``http(s)://host:port``.
         roles: What the engine may do: ``prefill``, ``decode`` or both.
-        model: Model name to request; null uses the engine's only model.
+        model: The model the engine serves. The engines of one model are its pool: a
+            request is placed only on producers and consumers of the model it names, and
+            each model needs a producer and a consumer. A request that names no model is
+            served by the fleet's only model (400 when it serves several). Null: the
+            router learns the model from the engine's ``GET /v1/models`` (every model it
+            lists; a simulated engine lists its ``sim.model``, which must equal ``model``
+            when both are given), and until then places there only while the fleet serves
+            one model.
         api_key: Bearer key sent to the engine; null sends none.
         connector: KV connector of the engine; needed for remote handoff.
         kv_events: Where the engine publishes KV-cache events; null: none are read.
@@ -369,6 +377,11 @@ class EngineConfig:
     connector: ConnectorConfig | None = None
     kv_events: KVEventsConfig | None = None
     sim: SimConfig | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.model is not None and self.sim is not None and self.sim.model != self.model:
+            # The router would send one name and the simulated engine 404 it.
+            raise ConfigError(f"expected the engine's model {self.model!r}", path="$.sim.model")
 
     @property
     def can_prefill(self) -> bool:
@@ -467,7 +480,8 @@ class EngineContract:
 
     Attributes:
         version: Engine version (``/version``); null accepts any.
-        model: Served model name; null accepts any.
+        model: Served model name; null accepts any (keep it null when engines declare
+            several models).
         connector: KV connector class; null accepts any.
         max_model_len: Context limit (``/tokenize``); null accepts any.
     """
@@ -511,7 +525,8 @@ class ReactiveConfig:
     """Reactive role movement (``controller.reactive``).
 
     Attributes:
-        enabled: Whether the controller moves engines between roles.
+        enabled: Whether the controller moves engines between roles (a fleet of one
+            model only: its demand model pools every engine).
         movement_margin: Predicted relative gain a move must exceed.
         interval_s: Seconds between controller decisions.
         deployment_record: Directory of the passing preflight (``narwhal check --record``)
@@ -583,7 +598,8 @@ class FleetConfig:
 
     Attributes:
         server: The router's HTTP listener.
-        engines: The engines; names and urls unique, at least one prefill and one decode.
+        engines: The engines; names and urls unique, at least one prefill and one decode,
+            and so for each model the engines declare.
         engine: Deadlines of engine legs.
         handoff: The KV handoff.
         recovery: Failure handling.
@@ -621,11 +637,12 @@ class FleetConfig:
         for role in ROLES:
             if not any(role in e.roles for e in self.engines):
                 raise ConfigError(f"no engine has the {role} role", path="$.engines")
+        self._check_model_pools()
         for i, e in enumerate(self.engines):
             if (
                 e.can_prefill
                 and e.connector is None
-                and any(o.can_decode for o in self.engines if o is not e)
+                and any(o.can_decode for o in self.engines if o is not e and _same_pool(e, o))
             ):
                 message = "a prefill engine needs a connector when another engine can decode"
                 raise ConfigError(message, path=f"$.engines[{i}].connector")
@@ -643,6 +660,39 @@ class FleetConfig:
         if self.profiles.max_decode_fit_mape > margin:
             message = f"expected a number <= controller.reactive.movement_margin ({margin:g})"
             raise ConfigError(message, path="$.profiles.max_decode_fit_mape")
+        pinned = self.engine_contract.model if self.engine_contract is not None else None
+        other = next((e for e in self.engines if pinned is not None and e.model not in (None, pinned)), None)
+        if other is not None:
+            message = (
+                f"engine {other.name!r} declares model {other.model!r}: a contract that pins one model "
+                "fails every engine of another (leave it null when the fleet serves several)"
+            )
+            raise ConfigError(message, path="$.engine_contract.model")
+        if self.controller.reactive.enabled and len(self.models) > 1:
+            # Role movement prices one pool's demand; pooling several models' would move
+            # an engine of one model to relieve another's.
+            message = f"reactive role movement supports a fleet of one model (this one serves {_names(self.models)})"
+            raise ConfigError(message, path="$.controller.reactive.enabled")
+
+    def _check_model_pools(self) -> None:
+        """Every declared model has a producer and a consumer, unless engines that declare
+        no model (their ``/v1/models`` tells) might fill the role; ``narwhal check`` then
+        checks the live pools."""
+        undeclared = [e for e in self.engines if e.model is None]
+        for model in self.models:
+            pool = [e for e in self.engines if e.model == model]
+            for role in ROLES:
+                if not any(role in e.roles for e in [*pool, *undeclared]):
+                    raise ConfigError(
+                        f"model {model!r} has no engine with the {role} role "
+                        f"(its engines: {_names(e.name for e in pool)})",
+                        path=f"$.engines[{self.engines.index(pool[0])}].model",
+                    )
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models the engines declare (their ``model``), in document order."""
+        return tuple(dict.fromkeys(e.model for e in self.engines if e.model is not None))
 
     def engine_named(self, name: str) -> EngineConfig:
         """The engine called ``name`` (``engine`` is the timeouts section).
@@ -665,6 +715,15 @@ class FleetConfig:
     def decode_engines(self) -> tuple[EngineConfig, ...]:
         """Engines with the decode role, in document order."""
         return tuple(e for e in self.engines if e.can_decode)
+
+
+def _same_pool(a: EngineConfig, b: EngineConfig) -> bool:
+    """Whether two engines may serve one request: the same model, or one not declared."""
+    return a.model is None or b.model is None or a.model == b.model
+
+
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 # ------------------------------------------------------------------ the converter

@@ -22,10 +22,11 @@ def narwhal(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedP
     )
 
 
-def sim_fleet(directory: Path, *, sims: bool = True, admin_port: int = 0) -> Path:
-    """The embedded simulated fleet on free ports, its journal in ``directory``
-    (``sims=False``: no simulated engines, so nothing listens at the engines' URLs)."""
-    doc = json.loads(default_fleet_path().read_text())
+def sim_fleet(directory: Path, *, sims: bool = True, admin_port: int = 0, source: Path | None = None) -> Path:
+    """The embedded simulated fleet (or the one at ``source``) on free ports, its journal
+    in ``directory`` (``sims=False``: no simulated engines, so nothing listens at the
+    engines' URLs)."""
+    doc = json.loads((source or default_fleet_path()).read_text())
     for engine in doc["engines"]:
         engine["url"] = f"http://127.0.0.1:{free_port()}"
         engine["connector"]["kv_port"] = free_port()

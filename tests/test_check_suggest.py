@@ -227,6 +227,21 @@ def test_every_engine_needs_a_profile(tmp_path: Path) -> None:
         suggest_slo(config, load_pair(path)[0], workload(1.0, "10", "10"))
 
 
+def test_a_fleet_of_several_models_is_refused(tmp_path: Path) -> None:
+    """The workload is one model's: pricing every engine as one pool would mix models."""
+    names = ("pa", "da", "pb", "db")
+    path = write_pair(
+        tmp_path / "profiles.json", [sim_profile(n, identity_of(n, 8101 + i)) for i, n in enumerate(names)]
+    )
+    engines = [
+        engine(n, 8101 + i, ["prefill" if n[0] == "p" else "decode"], model=n[1]) | {"model": n[1]}
+        for i, n in enumerate(names)
+    ]
+    config = with_profiles(fleet_doc(*engines), path)
+    with pytest.raises(ConfigError, match=r"the engines serve several models \(a, b\) and the workload is one model's"):
+        suggest_slo(config, load_pair(path)[0], workload(1.0, "10", "10"))
+
+
 @pytest.mark.parametrize(
     ("data", "path"),
     [

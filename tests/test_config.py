@@ -190,6 +190,26 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "a prefill engine needs a connector when another engine can decode @ $.engines[0].connector"),
     ("both-roles-need-connector", fleet(decode(), prefill(roles=["prefill", "decode"], connector=None)),
      "a prefill engine needs a connector when another engine can decode @ $.engines[1].connector"),
+    # --- several models: each declared model is a pool with a producer and a consumer
+    ("model-without-decode",
+     fleet(prefill(model="a"), decode(model="a"),
+           prefill(name="p1", url="http://127.0.0.1:8103", connector=KV3, model="b")),
+     "model 'b' has no engine with the decode role (its engines: 'p1') @ $.engines[2].model"),
+    ("model-without-prefill",
+     fleet(prefill(model="a"), decode(model="b"), decode(name="d1", url="http://127.0.0.1:8103", connector=KV3, model="a")),
+     "model 'b' has no engine with the prefill role (its engines: 'd0') @ $.engines[1].model"),
+    ("sim-serves-another-model", fleet(prefill(), decode(model="a", sim={"model": "b"})),
+     "expected the engine's model 'a' @ $.engines[1].sim.model"),
+    ("contract-pins-one-of-several-models",
+     fleet(prefill(model="a"), decode(model="a"), prefill(name="p1", url="http://127.0.0.1:8103", connector=KV3,
+           roles=["prefill", "decode"], model="b"), engine_contract={"model": "a"}),
+     "engine 'p1' declares model 'b': a contract that pins one model fails every engine of another "
+     "(leave it null when the fleet serves several) @ $.engine_contract.model"),
+    ("reactive-with-several-models",
+     fleet(prefill(model="a"), decode(model="a"), prefill(name="p1", url="http://127.0.0.1:8103", connector=KV3,
+           roles=["prefill", "decode"], model="b"), controller={"reactive": {"enabled": True}}),
+     "reactive role movement supports a fleet of one model (this one serves 'a', 'b') "
+     "@ $.controller.reactive.enabled"),
     ("fit-limit-above-margin", fleet(profiles={"max_decode_fit_mape": 0.2}),
      "expected a number <= controller.reactive.movement_margin (0.1) "
      "@ $.profiles.max_decode_fit_mape"),
@@ -322,7 +342,7 @@ def test_example_fleet_is_a_real_vllm_pair() -> None:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["fleet.sim.json", "fleet.example.json"])
+@pytest.mark.parametrize("name", ["fleet.sim.json", "fleet.example.json", "fleet.two-models.sim.json"])
 def test_shipped_documents_round_trip(name: str) -> None:
     cfg = load_fleet(ROOT / "config" / name)
     data = unstructure_fleet(cfg)
@@ -337,7 +357,7 @@ def _full_document() -> dict[str, Any]:
     """A document in which every section and every nested object is present."""
     faults = [{"kind": "malformed_descriptor", "variant": "wrong_endpoint", "times": 2}]
     doc = fleet(
-        prefill(model="m", api_key="secret", sim={"faults": faults},
+        prefill(model="m", api_key="secret", sim={"faults": faults, "model": "m"},
                 kv_events={"endpoint": "tcp://127.0.0.1:5557"}),
         decode(),
         server={"api_keys": ["k"]},
@@ -493,3 +513,22 @@ def test_docstrings_document_every_field() -> None:
         assert "Attributes:" in doc, cl.__name__
         for field in attrs.fields(cl):
             assert f"\n        {field.name}: " in doc, f"{cl.__name__}.{field.name}"
+
+
+def test_each_model_is_a_pool_of_its_own() -> None:
+    """Engines that declare no model may fill either model's roles (their /v1/models
+    tells, and ``narwhal check`` checks the live pools); a prefill engine without a
+    connector is fine when every other consumer serves another model."""
+    kv4 = {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": 15604}
+    cfg = parse_fleet(fleet(prefill(model="a"), decode(model="a"),
+                            prefill(name="p1", url="http://127.0.0.1:8103", connector=KV3, model="b"),
+                            decode(name="d1", url="http://127.0.0.1:8104", connector=kv4)))  # fmt: skip
+    assert cfg.models == ("a", "b")
+    alone = parse_fleet(fleet(prefill(model="a"), decode(model="a"),
+                              prefill(name="b", url="http://127.0.0.1:8103", connector=DROP,
+                                      roles=["prefill", "decode"], model="b")))  # fmt: skip
+    assert [e.model for e in alone.engines] == ["a", "a", "b"]
+    with pytest.raises(ConfigError, match=r"needs a connector when another engine can decode @ \$.engines\[2\]"):
+        parse_fleet(fleet(prefill(model="a"), decode(model="a"),
+                          prefill(name="b", url="http://127.0.0.1:8103", connector=DROP,
+                                  roles=["prefill", "decode"])))  # fmt: skip

@@ -1,8 +1,8 @@
 """The preflight (``narwhal check``): is this fleet ready to serve, and what can it hold?
 
 :func:`run_check` checks the fleet document, every engine's reachability and the
-pinned engine contract, Gate F and the decode fit limits of the profile pair, and a
-KV transfer for every role-permitted (producer, consumer) pair; it returns a
+pinned engine contract, that every model has a reachable producer and consumer, Gate F and the decode fit limits of the profile pair, and a
+KV transfer for every role-permitted (producer, consumer) pair of one model; it returns a
 :class:`CheckReport` of :class:`CheckResult`\\ s. :func:`write_record` retains a
 passing report as a deployment record, :func:`load_record` reads one back verified,
 and :func:`record_matches` tells whether it was made for a given fleet document.
@@ -38,6 +38,7 @@ from narwhal.check.gate import (
     reprofile_hint,
     verify_samples,
 )
+from narwhal.check.pools import check_pools, engine_models
 from narwhal.check.probes import pair_name, probe_pair, probe_transfers, role_pairs
 from narwhal.check.record import (
     INDEX,
@@ -90,8 +91,10 @@ __all__ = [
     "check_contract",
     "check_fit_limits",
     "check_margin",
+    "check_pools",
     "check_stable",
     "decode_tier",
+    "engine_models",
     "find_refit_original",
     "fleet_sha256",
     "format_value",

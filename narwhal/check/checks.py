@@ -5,8 +5,9 @@ naming its JSON path, and nothing else runs); the fit limit is at most the movem
 margin; every engine answers its identity (concurrently, each within
 ``engine.first_token_timeout_s``); with ``engine_contract``, each identity matches it
 (version, model, max_model_len, and the connector type the fleet document gives the
-engine); Gate F and the fit limits (:mod:`narwhal.check.gate`); the KV transfer
-probes (:mod:`narwhal.check.probes`); and last, every engine still runs the generation
+engine); every model's pool has a reachable producer and consumer
+(:mod:`narwhal.check.pools`); Gate F and the fit limits (:mod:`narwhal.check.gate`);
+the KV transfer probes (:mod:`narwhal.check.probes`); and last, every engine still runs the generation
 it ran at the start (a restart during the check fails it).
 
 Every check is a function returning :class:`CheckResult`\\ s; none raises for what it
@@ -27,6 +28,7 @@ import httpx
 import trio
 
 from narwhal.check.gate import check_fit_limits, check_margin, find_refit_original, gate_f
+from narwhal.check.pools import check_pools
 from narwhal.check.probes import probe_transfers
 from narwhal.check.results import CheckReport, CheckResult, ProfilePair
 from narwhal.config import FleetConfig, parse_fleet, unstructure_fleet
@@ -346,6 +348,7 @@ async def run_check(
         identities, errors = await read_identities(clients, timeout_s)
         results += _reachable(config, identities, errors)
         results += check_contract(config, identities)
+        results += check_pools(config, identities)
         gate = gate_f(config, identities, fleet_source=source)
         results += gate.results
         original: ProfilePair | None = None

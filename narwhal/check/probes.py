@@ -1,7 +1,7 @@
 """KV transfer probes: one real handoff for every role-permitted (producer, consumer) pair.
 
 A pair is role-permitted when the producer has the ``prefill`` role, the consumer the
-``decode`` role, and they are different engines. Each probe runs, in order:
+``decode`` role, they are different engines, and they serve the same model. Each probe runs, in order:
 
 1. ``prefill``: a one-token, non-streaming prefill on the producer asking for a KV
    handoff (:meth:`~narwhal.engines.client.EngineClient.prefill`);
@@ -23,6 +23,7 @@ from typing import Any
 
 import trio
 
+from narwhal.check.pools import engine_models
 from narwhal.check.results import CheckResult
 from narwhal.config import EngineConfig, FleetConfig
 from narwhal.engines.client import EngineClient, EngineIdentity
@@ -34,14 +35,26 @@ __all__ = ["pair_name", "probe_pair", "probe_transfers", "role_pairs"]
 NAME = "kv_transfer"
 
 
-def role_pairs(config: FleetConfig) -> list[tuple[EngineConfig, EngineConfig]]:
-    """Every (producer, consumer) pair the roles permit, producer != consumer, in fleet order."""
+def role_pairs(
+    config: FleetConfig, models: Mapping[str, str | None] | None = None
+) -> list[tuple[EngineConfig, EngineConfig]]:
+    """Every (producer, consumer) pair the roles permit, producer != consumer, in fleet order.
+
+    With ``models`` (each engine's model, None where unknown), only pairs of one model:
+    a request is never placed across models, so no KV crosses them.
+    """
+    known = models or {}
+
+    def same(a: str, b: str) -> bool:
+        ma, mb = known.get(a), known.get(b)
+        return ma is None or mb is None or ma == mb
+
     return [
         (p, c)
         for p in config.engines
         if p.can_prefill
         for c in config.engines
-        if c.can_decode and c.name != p.name
+        if c.can_decode and c.name != p.name and same(p.name, c.name)
     ]
 
 
@@ -178,10 +191,11 @@ async def probe_transfers(
     clients: Mapping[str, EngineClient],
     identities: Mapping[str, EngineIdentity | None],
 ) -> list[CheckResult]:
-    """Probe every role-permitted pair; pairs with an unreachable engine are not probed."""
+    """Probe every role-permitted pair of one model; pairs with an unreachable engine are
+    not probed."""
     timeout_s = config.engine.first_token_timeout_s
     results: list[CheckResult] = []
-    for producer, consumer in role_pairs(config):
+    for producer, consumer in role_pairs(config, engine_models(config, identities)):
         down = [e.name for e in (producer, consumer) if identities.get(e.name) is None]
         if down:
             name = pair_name(producer.name, consumer.name)

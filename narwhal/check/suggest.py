@@ -405,8 +405,15 @@ def suggest_slo(
     """Price every split, pick the one with the smallest worse pressure, simulate it.
 
     Raises:
-        ConfigError: A configured engine has no accepted profile.
+        ConfigError: A configured engine has no accepted profile, or the engines declare
+            several models (the workload is one model's).
     """
+    if len(config.models) > 1:
+        raise ConfigError(
+            f"the engines serve several models ({', '.join(config.models)}) and the workload is one "
+            "model's: run it against a fleet document of that model's engines",
+            path="$.engines",
+        )
     missing = [e.name for e in config.engines if e.name not in profiles.engines]
     if missing:
         raise ConfigError(

@@ -57,6 +57,7 @@ class AdminApp:
                     "name": e.name,
                     "url": e.url,
                     "roles": list(e.roles),
+                    "models": sorted(state.placement.models.get(e.name, ())),
                     "breaker": state.engine_state(e.name),
                     "streak": st.streak,
                     "in_flight": state.in_flight_by_engine[e.name],

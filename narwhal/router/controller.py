@@ -166,7 +166,9 @@ class ReactiveController:
     def step(self) -> dict[str, Any] | None:
         """One control decision (None when there is no demand to judge by)."""
         rate, prompt, output = self.demand()
-        if rate == 0 or not self.dual:
+        if rate == 0 or not self.dual or len(self.placement.model_names()) > 1:
+            # Several models (learned from engines that declare none: a document that
+            # declares several is refused) have a demand each, which this model pools.
             return None
         current = self.predict(*self._assignment(self.role), rate, prompt, output)
         best: tuple[str, str, dict[str, float]] | None = None

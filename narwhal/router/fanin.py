@@ -40,7 +40,7 @@ log = logging.getLogger("narwhal.router.fanin")
 _JSON = (("content-type", "application/json"),)
 _BREAKER_ORDER = {"ok": 0, "quarantined": 1, "ejected": 2}
 #: Gauges whose workers' values do not add up: how they combine instead.
-_COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max}
+_COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max, "narwhal_model_ready": max, "narwhal_engine_model": max}
 
 
 class _Fixed(Collector):

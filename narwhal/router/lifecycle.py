@@ -49,7 +49,6 @@ from narwhal.errors import (
     HandoffExpired,
     InvalidDescriptor,
     NarwhalError,
-    NotFound,
     Refused,
     SilenceTimeout,
 )
@@ -226,10 +225,7 @@ class RequestLifecycle:
         parsed = self.parsed = parse_request(self.request.body, self.kind)
         record = self.record
         record.stream = parsed.stream
-        model = parsed.model or state.default_model
-        if parsed.model is not None and state.models and parsed.model not in state.models:
-            raise NotFound(f"model '{parsed.model}' does not exist", code="model_not_found")
-        record.model = model
+        model = record.model = state.model_of(parsed.model)
         tok = self.prompt = await state.count_prompt(parsed.body, self.kind)
         self.prompt_tokens = tok.count
         record.prompt_tokens = tok.count if tok.exact else None  # the producer's count, later
@@ -291,7 +287,7 @@ class RequestLifecycle:
         try:
             reservation = await state.placement.acquire(
                 self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline,
-                elapsed_s=placed_at - self.arrival, cached=cached,
+                elapsed_s=placed_at - self.arrival, cached=cached, model=self.record.model,
             )  # fmt: skip
         finally:
             attempt.placement_wait_s = state.clock() - placed_at
@@ -366,7 +362,7 @@ class RequestLifecycle:
         if counted is not None and counted > 0:
             prompt = self.prompt
             if prompt is not None and not prompt.exact:
-                state.prompt_lengths.observe(self.kind, prompt.size, counted)
+                state.prompt_lengths_for(self.record.model).observe(self.kind, prompt.size, counted)
             self.prompt_tokens = counted
             self.record.prompt_tokens = counted
             if prompt is not None and not prompt.exact:

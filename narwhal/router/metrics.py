@@ -110,6 +110,20 @@ class _LiveState(Collector):
         ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
         ready.add_metric([], 1 if state.ready() else 0)
         yield ready
+        serves = GaugeMetricFamily(
+            "narwhal_engine_model", "1 for each model an engine serves (declared or listed).", labels=["engine", "model"]
+        )
+        for name, served in placement.models.items():
+            for served_model in sorted(served):
+                serves.add_metric([name, served_model], 1)
+        yield serves
+        model_ready = GaugeMetricFamily(
+            "narwhal_model_ready", "1 when an engine of the model can prefill and one can decode.", labels=["model"]
+        )
+        for pool, reason in state.model_readiness().items():
+            if pool is not None:
+                model_ready.add_metric([pool], 1 if reason is None else 0)
+        yield model_ready
 
 
 class RouterMetrics:
@@ -120,6 +134,10 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "narwhal_requests", "Client requests by route and terminal class.", ["route", "terminal_class"], registry=r
+        )
+        self.model_requests = Counter(
+            "narwhal_model_requests", "Client requests by model and terminal class.", ["model", "terminal_class"],
+            registry=r,
         )
         self.ttft = Histogram(
             "narwhal_router_ttft_seconds", "Router TTFT: arrival to producer HTTP completion.",
@@ -184,6 +202,8 @@ class RouterMetrics:
         route = record["route"]
         klass = record["terminal_class"]
         child(self.requests, route, klass).inc()
+        if record.get("model"):  # set once the model is known to be served (bounded labels)
+            child(self.model_requests, record["model"], klass).inc()
         if klass == "refused":
             self.refusals.inc()
         if record.get("latency_s") is not None:

@@ -2,8 +2,10 @@
 
 Placement here is least reserved load: the producer with the fewest prompt tokens
 reserved for prefill, the consumer with the fewest decode reservations (then resident
-KV tokens). Engines the breaker keeps out (ejected, quarantined, on trial with a request
-already in flight) are skipped; engines
+KV tokens). Only engines that serve the request's model are candidates, producer and
+consumer alike (:meth:`Placement.serves`; :attr:`Placement.models` is the one index of
+which engine serves which model). Engines the breaker keeps out (ejected, quarantined,
+on trial with a request already in flight) are skipped; engines
 that failed an earlier attempt of the same request are avoided while others remain.
 When one engine is best for both roles, the request decodes on the same worker.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 import trio
@@ -134,6 +136,7 @@ class Placement:
         decode_engines: Sequence[str],
         *,
         available: Callable[[str], bool] = lambda name: True,
+        models: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         self.prefill_engines = list(prefill_engines)
         self.decode_engines = list(decode_engines)
@@ -143,6 +146,40 @@ class Placement:
         }
         self.open_reservations = 0
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        #: The models each engine serves (declared, or learned from its /v1/models);
+        #: an engine absent here is not known yet (see :meth:`serves`).
+        self.models: dict[str, frozenset[str]] = {}
+        self._several = False
+        for name, served in (models or {}).items():
+            self.set_models(name, served)
+
+    def set_models(self, name: str, served: Iterable[str]) -> None:
+        """Record the models engine ``name`` serves (an empty set: not known)."""
+        served = frozenset(served)
+        if served:
+            self.models[name] = served
+        else:
+            self.models.pop(name, None)
+        self._several = len(self.model_names()) > 1
+
+    def model_names(self) -> list[str]:
+        """Every model some engine serves, in the order the engines were recorded."""
+        return list(dict.fromkeys(m for served in self.models.values() for m in sorted(served)))
+
+    def serves(self, name: str, model: str | None) -> bool:
+        """Whether ``name`` may take a request for ``model`` (None: the fleet's only one).
+
+        An engine whose model is not known yet takes requests only while the fleet
+        serves one model at most; among several it could only be guessed.
+        """
+        served = self.models.get(name)
+        if served is None:
+            return not self._several
+        return model is None or model in served
+
+    def of_model(self, model: str | None) -> str:
+        """`` of model 'x'`` in a refusal, when the fleet serves several."""
+        return f" of model {model!r}" if self._several and model is not None else ""
 
     def idle(self, name: str) -> bool:
         """No reservation of this router holds the engine."""
@@ -150,9 +187,14 @@ class Placement:
         return load.prefill_requests == 0 and load.decode_requests == 0
 
     def _pick(
-        self, role: str, names: Iterable[str], avoid: frozenset[str], key: Callable[[str], tuple[int, ...]]
+        self,
+        role: str,
+        names: Iterable[str],
+        avoid: frozenset[str],
+        key: Callable[[str], tuple[int, ...]],
+        model: str | None = None,
     ) -> str | None:
-        live = [n for n in names if self.available(n)]
+        live = [n for n in names if self.available(n) and self.serves(n, model)]
         preferred = [n for n in live if n not in avoid] or live
         if not preferred:
             return None
@@ -161,17 +203,20 @@ class Placement:
         rotated = preferred[k:] + preferred[:k]
         return min(rotated, key=key)
 
-    def choose(self, prompt_tokens: int, max_tokens: int, *, avoid: frozenset[str] = frozenset()) -> Reservation:
-        """Reserve the best (producer, consumer) pair or raise :class:`Refused`."""
+    def choose(
+        self, prompt_tokens: int, max_tokens: int, *, avoid: frozenset[str] = frozenset(), model: str | None = None
+    ) -> Reservation:
+        """Reserve the best (producer, consumer) pair serving ``model`` or raise :class:`Refused`."""
         loads = self.loads
         producer = self._pick(
             "prefill",
             self.prefill_engines,
             avoid,
             lambda n: (loads[n].prefill_tokens, max(loads[n].prefill_requests, loads[n].engine_waiting)),
+            model,
         )
         if producer is None:
-            raise Refused("no engine available for prefill", retry_after_s=1.0)
+            raise Refused(f"no engine{self.of_model(model)} available for prefill", retry_after_s=1.0)
         consumer = self._pick(
             "decode",
             self.decode_engines,
@@ -181,9 +226,10 @@ class Placement:
                 max(loads[n].decode_requests, loads[n].engine_running + loads[n].engine_waiting),
                 loads[n].decode_kv_tokens,
             ),
+            model,
         )
         if consumer is None:
-            raise Refused("no engine available for decode", retry_after_s=1.0)
+            raise Refused(f"no engine{self.of_model(model)} available for decode", retry_after_s=1.0)
         return Reservation(self, producer, consumer, prompt_tokens, prompt_tokens + max_tokens)
 
     async def acquire(
@@ -195,12 +241,13 @@ class Placement:
         deadline: float = math.inf,
         elapsed_s: float = 0.0,
         cached: Callable[[str], int] | None = None,
+        model: str | None = None,
     ) -> Reservation:
-        """Reserve a pair (least-loaded placement never waits; it ignores ``cached``).
+        """Reserve a pair serving ``model`` (least-loaded placement never waits; it ignores ``cached``).
 
         Cancellation is honoured here, but it does not yield to the scheduler: the
         request's next step is engine I/O, which does (a pass of the run loop per
         request saved).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        return self.choose(prompt_tokens, max_tokens, avoid=avoid)
+        return self.choose(prompt_tokens, max_tokens, avoid=avoid, model=model)

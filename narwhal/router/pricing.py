@@ -30,6 +30,9 @@ The pair with the most headroom against both SLOs wins (headroom = the smaller o
 ``wait`` waits for capacity (a reservation released) until the TTFT target or the
 request deadline has passed, then refuses. The wait is part of the router TTFT.
 
+Candidates are the engines that serve the request's model (see :mod:`.placement`);
+pricing, waiting and the fallback below happen within that model's pool.
+
 An engine whose profile does not bind (a new generation, or no profile) is not
 priced: while any priced pair exists only priced engines are used; when none does,
 placement falls back to least reserved load over every available engine, and the
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 import trio
@@ -85,8 +88,9 @@ class PricedPlacement(Placement):
         available: Callable[[str], bool] = lambda name: True,
         clock: Callable[[], float] = trio.current_time,
         pricing: str = "point",
+        models: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
-        super().__init__(prefill_engines, decode_engines, available=available)
+        super().__init__(prefill_engines, decode_engines, available=available, models=models)
         self.profiles = dict(profiles)
         self.pricing = pricing
         self.slo = slo
@@ -160,8 +164,8 @@ class PricedPlacement(Placement):
 
     # ----------------------------------------------------------------- choosing
 
-    def _priced_candidates(self, names: Sequence[str], avoid: frozenset[str]) -> list[str]:
-        live = [n for n in names if self.available(n) and n in self.profiles]
+    def _priced_candidates(self, names: Sequence[str], avoid: frozenset[str], model: str | None) -> list[str]:
+        live = [n for n in names if self.available(n) and n in self.profiles and self.serves(n, model)]
         return [n for n in live if n not in avoid] or live
 
     def price(
@@ -171,13 +175,15 @@ class PricedPlacement(Placement):
         avoid: frozenset[str],
         elapsed_s: float = 0.0,
         cached: Callable[[str], int] | None = None,
+        model: str | None = None,
     ) -> tuple[Quote, Quote] | None:
-        """The best (producer, consumer) quotes, or None when no priced pair exists.
+        """The best (producer, consumer) quotes among engines serving ``model``, or None
+        when no priced pair exists.
 
         ``cached`` says how many leading prompt tokens an engine holds (the prefix index).
         """
-        producers = self._priced_candidates(self.prefill_engines, avoid)
-        consumers = self._priced_candidates(self.decode_engines, avoid)
+        producers = self._priced_candidates(self.prefill_engines, avoid, model)
+        consumers = self._priced_candidates(self.decode_engines, avoid, model)
         if not producers or not consumers:
             return None
         p = max(
@@ -198,17 +204,19 @@ class PricedPlacement(Placement):
         avoid: frozenset[str] = frozenset(),
         elapsed_s: float = 0.0,
         cached: Callable[[str], int] | None = None,
+        model: str | None = None,
     ) -> Reservation:
-        """Reserve the best pair now; raise ``_NoCapacity`` when none meets the SLO.
+        """Reserve the best pair serving ``model`` now; raise ``_NoCapacity`` when none meets the SLO.
 
         ``elapsed_s`` is the time the request has spent in the router already (token
         counting, earlier placement waits): it counts against the TTFT target.
         ``cached`` says how many leading prompt tokens an engine's cache holds.
         """
-        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s, cached)
+        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s, cached, model)
         if quotes is None:
             self.counters["fallback"] += 1
-            return self._reserve(super().choose(prompt_tokens, max_tokens, avoid=avoid), prompt_tokens, None, None)
+            reservation = super().choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
+            return self._reserve(reservation, prompt_tokens, None, None)
         p, c = quotes
         if min(p.headroom, c.headroom) < 0 and (self.slo.ttft_s is not None or self.slo.tpot_s is not None):
             self.counters["refused"] += 1
@@ -250,14 +258,16 @@ class PricedPlacement(Placement):
         deadline: float = math.inf,
         elapsed_s: float = 0.0,
         cached: Callable[[str], int] | None = None,
+        model: str | None = None,
     ) -> Reservation:
-        """Reserve a pair predicted to meet the SLO, waiting for capacity (admission ``wait``)."""
+        """Reserve a pair serving ``model`` predicted to meet the SLO, waiting for capacity
+        (admission ``wait``)."""
         waited = False
         start = self.clock()
         while True:
             try:
                 return self.choose(prompt_tokens, max_tokens, avoid=avoid,
-                                   elapsed_s=elapsed_s + self.clock() - start, cached=cached)  # fmt: skip
+                                   elapsed_s=elapsed_s + self.clock() - start, cached=cached, model=model)  # fmt: skip
             except _NoCapacity as miss:
                 slo_deadline = deadline
                 if self.admission == "refuse" or self.clock() >= slo_deadline:

@@ -10,6 +10,9 @@ An ejected engine returns to placement only when an inference probe succeeds:
 - with ``engine_contract`` configured, the engine's lifecycle is validated first: its
   identity (version, model, max_model_len) and configured connector must match the
   contract; without it, ``GET /health`` must answer 200;
+- an engine whose model is not known yet (it declares none and was unreachable at
+  start) is asked for its ``/v1/models`` before the inference probe, and again after a
+  readmission (a new generation may serve another model);
 - then an inference probe replays the path that failed, each leg bounded by
   ``engine.first_token_timeout_s`` (and, after the first token, the silence between
   chunks by ``engine.decode_read_timeout_s``):
@@ -17,8 +20,8 @@ An ejected engine returns to placement only when an inference probe succeeds:
   - an engine ejected for a decode-leg failure (or one that only decodes) streams a
     decode of :data:`PROBE_TOKENS` tokens to its ``data: [DONE]``: after a crossed
     decode through a *fresh* handoff from the original producer; a decode-only engine
-    otherwise through a fresh handoff from a producer in placement; an engine that also
-    prefills, same-worker;
+    otherwise through a fresh handoff from a producer of its model in placement; an
+    engine that also prefills, same-worker;
   - an engine ejected for a prefill-leg failure prefills a one-token request (with a
     KV descriptor, validated, when it has a connector);
 
@@ -55,8 +58,7 @@ class _Inconclusive(Exception):
 
 
 def _probe_body(state: RouterState, name: str, max_tokens: int) -> dict[str, Any]:
-    engine = state.engines[name]
-    model = engine.model or (engine.sim.model if engine.sim is not None else None) or state.default_model
+    model = state.engines[name].model or _learned_model(state, name) or state.default_model
     body: dict[str, Any] = {
         "prompt": f"narwhal readmission probe {secrets.token_hex(8)}",
         "max_tokens": max_tokens,
@@ -132,12 +134,21 @@ async def _fresh_handoff(state: RouterState, producer: str, body: dict[str, Any]
     return prefill
 
 
+def _learned_model(state: RouterState, name: str) -> str | None:
+    served = state.placement.models.get(name)
+    return min(served) if served else None
+
+
 def _probe_producer(state: RouterState, name: str) -> str | None:
-    """A producer in placement (not ``name``) for a decode-only engine's probe handoff."""
-    loads = state.placement.loads
+    """A producer in placement (not ``name``) of the engine's model for a decode-only
+    engine's probe handoff."""
+    placement = state.placement
+    loads = placement.loads
+    model = state.engines[name].model or _learned_model(state, name)
     candidates = [
-        n for n in state.placement.prefill_engines if n != name and state.breaker.available(n)
-    ]
+        n for n in placement.prefill_engines
+        if n != name and state.breaker.available(n) and placement.serves(n, model)
+    ]  # fmt: skip
     return min(candidates, key=lambda n: loads[n].prefill_tokens, default=None)
 
 
@@ -150,6 +161,10 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
     decode_path = engine.can_decode and (st.failed_leg == "decode" or not engine.can_prefill)
     try:
         await _check_lifecycle(state, name)
+        if name not in state.placement.models:
+            # Its model is not known yet (it declares none and was down at start): ask
+            # now, so that a decode probe's handoff comes from a producer of that model.
+            await state.refresh_models([name])
         if decode_path and origin is not None:
             # Crossed decode: a fresh handoff from the original producer.
             body = _probe_body(state, origin, PROBE_TOKENS)
@@ -188,7 +203,9 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
         state.breaker.probe_failed(name, detail)
         return False
     state.breaker.readmit(name)
-    # A readmitted engine may be a new generation: it is priced only if its profile binds.
+    # A readmitted engine may be a new generation: its models are asked again (an engine
+    # unreachable at start is learned now), and it is priced only if its profile binds.
+    await state.refresh_models([name])
     await state.bind_profiles([name])
     return True
 

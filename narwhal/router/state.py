@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -14,7 +14,7 @@ from narwhal.config import EngineConfig, FleetConfig
 from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import RequestKind
 from narwhal.engines.kvevents import KVEventSubscriber
-from narwhal.errors import EngineError, Refused
+from narwhal.errors import BadRequest, EngineError, NotFound, Refused
 from narwhal.profile.store import Profiles
 from narwhal.router.breaker import Breaker
 from narwhal.router.journal import Journal
@@ -89,14 +89,16 @@ class RouterState:
         )
         self.profiles = profiles
         self.placement: Placement
+        # What the document declares; engines that declare nothing are learned (refresh_models).
+        declared = {e.name: [e.model] for e in config.engines if e.model is not None}
         if profiles is not None:
             ctl = config.controller
             self.placement = PricedPlacement(
                 prefill, decode, profiles={}, slo=ctl.slo, admission=ctl.admission,
-                available=self.placeable, clock=clock, pricing=ctl.pricing,
+                available=self.placeable, clock=clock, pricing=ctl.pricing, models=declared,
             )  # fmt: skip
         else:
-            self.placement = Placement(prefill, decode, available=self.placeable)
+            self.placement = Placement(prefill, decode, available=self.placeable, models=declared)
         budget = rec.retry_budget
         self.retry_budget = RetryBudget(
             ratio=budget.ratio,
@@ -107,12 +109,11 @@ class RouterState:
         self.journal = journal if journal is not None else Journal(
             config.journal.path, queue_size=config.journal.queue_size, fsync=config.journal.fsync
         )
-        #: model name -> max_model_len, learned from the engines (config names first).
-        self.models: dict[str, int | None] = {}
-        for e in config.engines:
-            name = e.model or (e.sim.model if e.sim is not None else None)
-            if name:
-                self.models.setdefault(name, None)
+        #: model name -> max_model_len (the smallest its engines report; None until one
+        #: does): the models ``/v1/models`` lists, the document's first.
+        self.models: dict[str, int | None] = dict.fromkeys(self.placement.model_names())
+        #: engine name -> {model: max_model_len} from the engine's last /v1/models answer.
+        self._reported: dict[str, dict[str, int | None]] = {}
         self.in_flight = 0
         self.in_flight_by_engine: dict[str, int] = dict.fromkeys(self.engines, 0)
         mode = config.controller.prompt_tokens
@@ -121,6 +122,8 @@ class RouterState:
             mode == "auto" and isinstance(self.placement, PricedPlacement)
         )
         self.prompt_lengths = PromptLengths()
+        #: Per model when the fleet serves several: each has its own tokenizer.
+        self._prompt_lengths: dict[str, PromptLengths] = {}
         #: What each engine's prefix cache holds (kept by ``watch_prefix_caches``).
         self.prefix = PrefixIndex()
         self.kv_subscribers: dict[str, KVEventSubscriber] = {}
@@ -135,7 +138,29 @@ class RouterState:
 
     @property
     def default_model(self) -> str | None:
-        return next(iter(self.models), None)
+        """The model of a request that names none: the fleet's only one (None with several)."""
+        return next(iter(self.models)) if len(self.models) == 1 else None
+
+    def model_of(self, requested: str | None) -> str | None:
+        """The model a request is served by: its own, or the fleet's only one.
+
+        Raises:
+            NotFound: The fleet does not serve the model it names (the message lists them).
+            BadRequest: It names none and the fleet serves several.
+        """
+        models = self.models
+        if requested is None:
+            if len(models) > 1:
+                raise BadRequest(
+                    f"'model' is required: this router serves several models ({_listing(models)})",
+                    code="model_required",
+                )
+            return self.default_model
+        if models and requested not in models:
+            raise NotFound(
+                f"model '{requested}' does not exist (served: {_listing(models)})", code="model_not_found"
+            )
+        return requested
 
     def ready(self) -> bool:
         """At least one engine can prefill and one can decode."""
@@ -162,16 +187,33 @@ class RouterState:
         if reason is not None:
             body["reason"] = reason
         body["engines"] = engines
+        if len(self.models) > 1:  # the router is ready while any model is: say which are not
+            body["models"] = {m: "ready" if r is None else r for m, r in self.model_readiness().items()}
         return body
 
     def unready_reason(self) -> str | None:
-        """Why the router cannot serve now (None: it can)."""
+        """Why the router cannot serve now (None: it can serve at least one model)."""
+        reasons = self.model_readiness()
+        if any(r is None for r in reasons.values()):
+            return None
+        if len(reasons) == 1:
+            return next(iter(reasons.values()))
+        return "; ".join(f"model {m!r}: {r}" for m, r in reasons.items())
+
+    def model_readiness(self) -> dict[str | None, str | None]:
+        """Per model, why it cannot be served now (None: it can); one ``None`` key when the
+        fleet's model is not known yet."""
         avail = self.breaker.available
-        missing = [
-            role for role, names in (("prefill", self.placement.prefill_engines), ("decode", self.placement.decode_engines))
-            if not any(avail(n) for n in names)
-        ]  # fmt: skip
-        return f"no engine can {' or '.join(missing)} now" if missing else None
+        placement = self.placement
+        out: dict[str | None, str | None] = {}
+        models: list[str | None] = [*self.models] or [None]
+        for model in models:
+            missing = [
+                role for role, names in (("prefill", placement.prefill_engines), ("decode", placement.decode_engines))
+                if not any(avail(n) and placement.serves(n, model) for n in names)
+            ]  # fmt: skip
+            out[model] = f"no engine can {' or '.join(missing)} now" if missing else None
+        return out
 
     async def count_prompt(self, parsed_body: dict[str, Any], kind: RequestKind) -> PromptCount:
         """The prompt's length for placement: exact, or estimated (``controller.prompt_tokens``)."""
@@ -183,7 +225,14 @@ class RouterState:
             tok = await self.tokenize(parsed_body, kind)
             return PromptCount(tok.count, tok.max_model_len, exact=True, ids=tok.ids)
         size = prompt_size(parsed_body, kind)
-        return PromptCount(self.prompt_lengths.estimate(kind, size), None, exact=False, size=size)
+        estimate = self.prompt_lengths_for(parsed_body.get("model")).estimate(kind, size)
+        return PromptCount(estimate, None, exact=False, size=size)
+
+    def prompt_lengths_for(self, model: str | None) -> PromptLengths:
+        """The tokens-per-byte estimator of ``model``'s tokenizer (one per served model)."""
+        if model is None or len(self.models) <= 1:
+            return self.prompt_lengths
+        return self._prompt_lengths.setdefault(model, PromptLengths())
 
     async def tokenize(self, parsed_body: dict[str, Any], kind: RequestKind) -> Tokenized:
         """Count the prompt's tokens with a producer's ``/tokenize``.
@@ -191,14 +240,15 @@ class RouterState:
         The least-loaded available producer answers; when it fails with a transient
         engine fault the next one is asked (the failure counts towards its breaker).
         """
-        loads = self.placement.loads
+        placement = self.placement
+        loads = placement.loads
+        model = parsed_body.get("model")
         candidates = sorted(
-            (n for n in self.placement.prefill_engines if self.breaker.available(n)),
+            (n for n in placement.prefill_engines if self.breaker.available(n) and placement.serves(n, model)),
             key=lambda n: loads[n].prefill_tokens,
         )
         if not candidates:
-            raise Refused("no engine available for prefill", retry_after_s=1.0)
-        model = parsed_body.get("model")
+            raise Refused(f"no engine{placement.of_model(model)} available for prefill", retry_after_s=1.0)
         for i, name in enumerate(candidates):
             client = self.clients[name]
             try:
@@ -214,23 +264,45 @@ class RouterState:
                     raise
         raise AssertionError("unreachable")
 
-    async def refresh_models(self) -> None:
-        """Ask every engine for its models (best effort; failures leave config names)."""
+    async def refresh_models(self, names: Iterable[str] | None = None) -> None:
+        """Ask engines (default: every one) which models they serve, with each model's
+        ``max_model_len`` (best effort: an engine that does not answer keeps what is known).
 
-        async def one(client: EngineClient) -> None:
+        An engine serves its declared model and whatever it lists (served-model aliases,
+        adapters); one that declares none is placed by what it lists from now on.
+        """
+
+        async def one(name: str) -> None:
             try:
                 with trio.move_on_after(self.config.engine.connect_timeout_s):
-                    for m in await client.models():
-                        mid = m.get("id")
-                        if isinstance(mid, str):
-                            mml = m.get("max_model_len")
-                            self.models[mid] = mml if isinstance(mml, int) else self.models.get(mid)
+                    listed = await self.clients[name].models()
+                    self._reported[name] = {
+                        m["id"]: m.get("max_model_len") if type(m.get("max_model_len")) is int else None
+                        for m in listed
+                        if isinstance(m, dict) and isinstance(m.get("id"), str)
+                    }
             except Exception:
                 return
 
         async with trio.open_nursery() as nursery:
-            for client in self.clients.values():
-                nursery.start_soon(one, client)
+            for name in self.engines if names is None else names:
+                nursery.start_soon(one, name)
+        for name, engine in self.engines.items():
+            declared = engine.model
+            listed = self._reported.get(name, {})
+            if declared is not None and listed and declared not in listed:
+                log.warning(
+                    "engine %s is declared to serve model %r but lists %s", name, declared, _listing(listed)
+                )
+            self.placement.set_models(name, [*([declared] if declared else []), *listed])
+        lengths: dict[str, int | None] = dict.fromkeys(self.placement.model_names())
+        for name, listed in self._reported.items():
+            for model, mml in listed.items():
+                if model in lengths and self.placement.serves(name, model) and mml is not None:
+                    # A request may land on any engine of its model: the smallest limit holds.
+                    known = lengths[model]
+                    lengths[model] = mml if known is None else min(known, mml)
+        self.models = lengths
 
     async def bind_profiles(self, names: list[str] | None = None) -> dict[str, str]:
         """Price an engine only while its profile binds to the generation running now.
@@ -276,6 +348,10 @@ class RouterState:
         for client in self.clients.values():
             with trio.move_on_after(5, shield=True):
                 await client.aclose()
+
+
+def _listing(names: Iterable[str]) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def _generation_change(profiled: EngineIdentity, live: EngineIdentity) -> str:
