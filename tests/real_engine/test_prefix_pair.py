@@ -5,7 +5,8 @@ The pair runs with prefix caching, cached-token counts in usage and KV-cache eve
 ``--no-kv-events``). Its fleet document becomes one where both engines prefill (the
 producer prefill-only, the consumer prefill and decode, so a same-worker path exists),
 priced by a profile ``narwhal profile`` measures on the pair first: the router's
-placement is then hit-aware (docs/prefix-cache.md).
+placement is then hit-aware (docs/prefix-cache.md). The profile is measured again until
+the hit decides this module's placements under it (:func:`_hit_decides`).
 
 Every request's hit is predicted here too, from the token ids each engine has been
 sent (the engines' ``/tokenize``) and the block size: the engine's own count
@@ -26,6 +27,9 @@ In order, with the caches of both engines emptied first (``POST /reset_prefix_ca
 5. the producer is warmed with a longer shared prefix: a prompt sharing it is placed on
    the producer, and the consumer, holding the first ~1,000 tokens, pulls only the rest;
    its greedy answer is the one the producer gives alone.
+
+Then unique prompts sent to the producer directly evict a warmed prefix: the index
+follows the removals, and a prompt sharing the prefix is predicted and reported a miss.
 """
 
 from __future__ import annotations
