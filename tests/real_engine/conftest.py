@@ -26,11 +26,18 @@ import pytest
 
 from .kit import PAIR_SCRIPT, RealPair, RouterProcess
 
-_ORDER = ("test_serving", "test_transfer", "test_profile_check_bench", "test_faults")
+_ORDER = (
+    "test_serving",
+    "test_transfer",
+    "test_profile_check_bench",
+    "test_prefix_pair",
+    "test_faults",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Serving, transfer, profile/check/bench, then the faults that kill engines."""
+    """Serving, transfer, profile/check/bench, prefix placement, then the faults that
+    kill engines."""
 
     def rank(item: pytest.Item) -> int:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""

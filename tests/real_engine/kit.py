@@ -206,18 +206,24 @@ class StallWatch:
 
 
 class RouterProcess:
-    """``narwhal serve --fleet F`` on a free port, with its own journal."""
+    """``narwhal serve --fleet F`` on a free port, with its own journal.
 
-    def __init__(self, fleet: dict[str, Any], workdir: Path) -> None:
+    With ``admin=True`` the admin surface listens on a free port too, at
+    :attr:`admin_url` (else on an ephemeral port nobody reads).
+    """
+
+    def __init__(self, fleet: dict[str, Any], workdir: Path, *, admin: bool = False) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        admin_port = free_port() if admin else 0
+        self.admin_url = f"http://127.0.0.1:{admin_port}" if admin else None
         self.journal_path = workdir / "journal.jsonl"
         self.log_path = workdir / "serve.log"
         doc = copy.deepcopy(fleet)
         doc.setdefault("server", {})["port"] = self.port
-        doc["server"]["admin_port"] = 0
+        doc["server"]["admin_port"] = admin_port
         doc["journal"] = {"path": str(self.journal_path), "fsync": False}
         self.fleet_path = workdir / "fleet.json"
         self.fleet_path.write_text(json.dumps(doc, indent=2))
@@ -261,6 +267,13 @@ class RouterProcess:
             proc.kill()
             proc.wait()
             raise AssertionError(f"narwhal serve ignored SIGTERM:\n{self.log()}") from None
+
+    def admin_metrics(self) -> Metrics:
+        """One scrape of the router's admin ``/metrics`` (needs ``admin=True``)."""
+        assert self.admin_url is not None, "RouterProcess(..., admin=True) serves the admin surface"
+        response = httpx.get(f"{self.admin_url}/metrics", timeout=30)
+        response.raise_for_status()
+        return Metrics(parse_prometheus(response.text))
 
     def journal(self) -> list[dict[str, Any]]:
         try:

@@ -339,8 +339,40 @@ def progress_delay_env(delay_us: int) -> dict[str, str]:
     return {"PYTHONPATH": str(ENGINE_SITE), "NARWHAL_NIXL_PROGRESS_DELAY_US": str(delay_us)}
 
 
+#: The topic the engines publish their KV-cache events under.
+KV_EVENTS_TOPIC = "kv-events"
+
+
+def kv_events_args(ports: dict[str, int] | None) -> list[str]:
+    """Prefix caching, cached-token counts in usage and KV-cache events.
+
+    ``ports`` names the ZeroMQ PUB port and the replay (ROUTER) port the engine binds;
+    ``None`` adds nothing (vLLM's defaults: prefix caching on, no events, no
+    ``prompt_tokens_details`` in usage). vLLM binds its PUB socket only to a wildcard
+    endpoint and *connects* it to any other (``tcp://127.0.0.1:P`` would publish
+    nothing live: only the replay would answer), so the PUB endpoint is ``tcp://*:P``;
+    the replay socket is always bound, to loopback here.
+    """
+    if ports is None:
+        return []
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{ports['pub']}",
+        "replay_endpoint": f"tcp://127.0.0.1:{ports['replay']}",
+        "topic": KV_EVENTS_TOPIC,
+    }
+    return ["--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(events, separators=(",", ":"))]  # fmt: skip
+
+
 def engine_spec(
-    args: argparse.Namespace, role: str, port: int, kv_port: int, cpus: str
+    args: argparse.Namespace,
+    role: str,
+    port: int,
+    kv_port: int,
+    cpus: str,
+    events: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     python = str(Path(args.venv) / "bin" / "python")
     kv_config = {
@@ -364,6 +396,7 @@ def engine_spec(
         "--dtype", "float32",
         "--enforce-eager",
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
+        *kv_events_args(events),
     ]  # fmt: skip
     env = {
         # NIXL's UCX progress thread sleeps on its event descriptors instead of polling
@@ -379,6 +412,8 @@ def engine_spec(
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
+        # POST /reset_prefix_cache (and the other development endpoints) answer.
+        "VLLM_SERVER_DEV_MODE": "1",
     }
     for item in args.engine_env or ():
         key, sep, value = item.partition("=")
@@ -386,7 +421,7 @@ def engine_spec(
             raise SystemExit(f"pair: --engine-env wants KEY=VALUE, not {item!r}")
         env[key] = value
     return {"role": role, "port": port, "kv_port": kv_port, "cpus": cpus, "argv": argv,
-            "env": env, "log": f"{role}.log", "pid": None}  # fmt: skip
+            "env": env, "log": f"{role}.log", "pid": None, "kv_events": events}  # fmt: skip
 
 
 def handoff_check(pair: Pair) -> dict[str, Any]:
@@ -445,6 +480,12 @@ def write_fleet(pair: Pair, desc: dict[str, Any], version: str | None, lease_s: 
             "model": MODEL_NAME,
             "connector": connector,
         })  # fmt: skip
+        if spec.get("kv_events"):
+            engines[-1]["kv_events"] = {
+                "endpoint": f"tcp://127.0.0.1:{spec['kv_events']['pub']}",
+                "replay_endpoint": f"tcp://127.0.0.1:{spec['kv_events']['replay']}",
+                "topic": KV_EVENTS_TOPIC,
+            }
     max_age = float(max(lease_s // 2, 1))
     fleet = {
         "server": {"host": "127.0.0.1", "port": 8000},
@@ -486,6 +527,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     producer_cpus, consumer_cpus = args.cpus.split("/") if args.cpus else cpu_binding()
     ports = [args.producer_port or free_port(), args.consumer_port or free_port()]
     kv_ports = [args.producer_kv_port or free_port(), args.consumer_kv_port or free_port()]
+    events: list[dict[str, int] | None] = [None, None]
+    if args.kv_events:
+        events = [{"pub": free_port(), "replay": free_port()} for _ in ROLES]
     for log in ("producer.log", "consumer.log"):
         (run_dir / log).unlink(missing_ok=True)
     pair.state = {
@@ -493,8 +537,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         "model": str(Path(args.model).resolve()),
         "served_model_name": MODEL_NAME,
         "engines": {
-            "producer": engine_spec(args, "producer", ports[0], kv_ports[0], producer_cpus),
-            "consumer": engine_spec(args, "consumer", ports[1], kv_ports[1], consumer_cpus),
+            "producer": engine_spec(
+                args, "producer", ports[0], kv_ports[0], producer_cpus, events[0]
+            ),
+            "consumer": engine_spec(
+                args, "consumer", ports[1], kv_ports[1], consumer_cpus, events[1]
+            ),
         },
     }
     started = time.time()
@@ -576,7 +624,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="A vLLM CPU NixlConnector pair on loopback.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -629,6 +677,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="extra environment of both engines (repeatable), e.g. VLLM_LOGGING_LEVEL=DEBUG",
     )
+    start.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefix caching with cached-token counts in usage, and KV-cache events on "
+        "free loopback ports named in fleet.json's engines[].kv_events (default on; "
+        "--no-kv-events leaves vLLM's defaults: prefix caching without events)",
+    )
     for role in ROLES:
         start.add_argument(
             f"--{role}-port", type=int, default=0, help="HTTP port (default: a free one)"
@@ -649,6 +705,11 @@ def main(argv: list[str] | None = None) -> int:
     command("status", "show PIDs and health")
     for p in (start, stop, restart):
         p.add_argument("--grace", type=float, default=20.0, help="seconds between TERM and KILL")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "stop" and any(r not in ROLES for r in args.roles):
         parser.error(f"roles are {', '.join(ROLES)}")
