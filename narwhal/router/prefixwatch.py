@@ -24,25 +24,15 @@ from typing import Final
 import trio
 
 from narwhal.engines.kvevents import KVEventSubscriber
-from narwhal.engines.metrics import EngineMetrics
 from narwhal.errors import EngineError
 from narwhal.router.state import RouterState
 
-__all__ = ["PREFIX_REFRESH_S", "block_size_of", "watch_prefix_caches"]
+__all__ = ["PREFIX_REFRESH_S", "watch_prefix_caches"]
 
 log = logging.getLogger("narwhal.router.prefix")
 
 #: Seconds between two reads of an engine's cache configuration.
 PREFIX_REFRESH_S: Final = 10.0
-
-
-def block_size_of(metrics: EngineMetrics) -> int | None:
-    """The block size ``cache_config_info`` reports (the first core's), if any."""
-    for info in metrics.get("vllm:cache_config_info"):
-        raw = info.label("block_size")
-        if raw is not None and raw.isdigit() and int(raw) > 0:
-            return int(raw)
-    return None
 
 
 async def watch_prefix_caches(
@@ -62,7 +52,7 @@ async def watch_prefix_caches(
         try:
             with trio.move_on_after(state.config.engine.connect_timeout_s):
                 metrics = await state.clients[name].metrics()
-                block_size = block_size_of(metrics)
+                block_size = metrics.block_size
                 if metrics.prefix_caching is not True or block_size is None:
                     if index.enabled(name):
                         log.info("engine %s: prefix caching off; its prefix view is dropped", name)

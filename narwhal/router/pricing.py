@@ -8,10 +8,12 @@ When the fleet names a profiles pair whose fits bind to the engines running now
   engine's correction factor (reactive control keeps it). The own prefill is the
   fitted TTFT curve at the prompt's length L; where the router's prefix index says
   the producer holds the prompt's first k tokens, it is the curve's price of the
-  uncached part, ``ttft(L) - ttft(k) + ttft(0)``: for the fitted ``a + b*L + c*L**2``
-  that is ``a + b*(L-k) + c*(L**2 - k**2)``, the new tokens and the attention pairs
-  they add over the cached prefix (the reserved work of a request is its hit-aware
-  price too);
+  uncached part: the profile's cached-prefix model ``a + b*(L-k) + c*(L**2 - k**2) +
+  d*k`` where the profiler measured one (``narwhal profile``'s cached-prefix sweep),
+  else ``ttft(L) - ttft(k) + ttft(0)`` of the TTFT curve (for the fitted ``a + b*L +
+  c*L**2`` that is the same form with ``d = 0``: the new tokens and the attention pairs
+  they add over the cached prefix); never above the price of a miss (the reserved work
+  of a request is its hit-aware price too);
 - consumer: predicted TPOT with this request added (active + 1, resident KV + its
   prompt and output tokens), times its correction factor. Inside the profiled decode
   domain the fit is used as is; outside it the price is taken at the domain's edge and
@@ -109,13 +111,21 @@ class PricedPlacement(Placement):
         return 1.0 - predicted / target
 
     def prefill_s(self, name: str, prompt_tokens: int, cached_tokens: int = 0) -> float:
-        """Predicted prefill of a prompt whose first ``cached_tokens`` are cached there."""
+        """Predicted prefill of a prompt whose first ``cached_tokens`` are cached there:
+        the profile's measured cached-prefix model where it has one, else the TTFT
+        curve's price of the uncached part; never above the price of a miss."""
         profile = self.profiles[name]
         full = self._ttft(profile, prompt_tokens)
         if cached_tokens <= 0:
             return full
         k = min(cached_tokens, prompt_tokens)
-        return max(full - self._ttft(profile, k) + self._ttft(profile, 0), 0.0)
+        model = profile.cached_prefill
+        if model is not None:
+            hit = (model.predict_upper(prompt_tokens, k) if self.pricing == "upper"
+                   else model.predict(prompt_tokens, k))  # fmt: skip
+        else:
+            hit = full - self._ttft(profile, k) + self._ttft(profile, 0)
+        return min(max(hit, 0.0), full)
 
     def quote_producer(
         self, name: str, prompt_tokens: int, elapsed_s: float = 0.0, cached_tokens: int | None = None
