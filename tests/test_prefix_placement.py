@@ -218,6 +218,36 @@ async def test_admission_refuses_only_what_the_hit_aware_prediction_misses() -> 
             assert resp.status_code == 503, (resp.text, stack.records[-1])
 
 
+async def test_a_stopped_router_leaves_no_subscriber_task_or_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmq
+
+    from .test_kvevents import RecordingContext, live_tasks, until
+
+    ctx = RecordingContext()  # every ZeroMQ socket of the router and the simulated engines
+    monkeypatch.setattr(zmq.Context, "instance", classmethod(lambda cls, io_threads=1: ctx))
+    kv = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    dead = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    doc = fleet_doc(
+        {**engine("p0", 8101, ["prefill"], **CACHING), "kv_events": kv},
+        engine("d0", 8102, ["decode"], **CACHING),
+        controller={"slo": {"ttft_s": 0.5, "tpot_s": 0.05}},
+    )
+    # d0 is named with endpoints nobody serves: its subscriber's replays go unanswered.
+    doc["engines"][1]["kv_events"] = dead
+    with trio.fail_after(30):
+        async with open_stack(doc, priced=True) as stack:
+            state = stack.router.state
+            assert set(state.kv_subscribers) == {"p0", "d0"}
+            await stack.complete({"prompt": prompt("a"), "max_tokens": 2})
+            await until(lambda: state.kv_subscribers["p0"].delivered and state.kv_subscribers["d0"].replays)
+            assert live_tasks("KVEventSubscriber") and live_tasks("watch_prefix_caches")
+            assert any(s.type == zmq.DEALER for s in ctx.made)  # a replay's socket
+        assert not state.kv_subscribers
+        assert not live_tasks("KVEventSubscriber") and not live_tasks("watch_prefix_caches")
+    assert len(ctx.made) >= 4 and not ctx.open()
+    ctx.term()  # returns at once only when every socket of the context is closed
+
+
 def test_bench_join_reports_prediction_error_per_producer(tmp_path: Any) -> None:
     from narwhal.bench.journal import join_journal, render_join
     from narwhal.bench.records import RequestResult

@@ -13,7 +13,9 @@ block size and its capacity, and its ``process_start_time_seconds``:
 
 An engine with a ``kv_events`` endpoint has a :class:`KVEventSubscriber` for the
 router's lifetime, whose batches and resets go to the index. Unreachable engines keep
-their view as it was until they answer again.
+their view as it was until they answer again. Everything runs in one nursery: when the
+router stops, the subscribers' tasks end, each closes its sockets (the SUB socket and
+any replay DEALER) on the way out, and ``state.kv_subscribers`` is emptied.
 """
 
 from __future__ import annotations
@@ -74,23 +76,27 @@ async def watch_prefix_caches(
             for name in state.engines:
                 nursery.start_soon(refresh, name)
 
-    async with trio.open_nursery() as nursery:
-        for name, engine in state.engines.items():
-            kv = engine.kv_events
-            if kv is None:
-                continue
-            sub = KVEventSubscriber(
-                kv.endpoint,
-                replay_endpoint=kv.replay_endpoint,
-                topic=kv.topic,
-                on_batch=lambda _seq, batch, name=name: index.apply(name, batch),  # type: ignore[misc]
-                on_reset=lambda _why, name=name: index.reset(name),  # type: ignore[misc]
-            )
-            index.follow(name)
-            state.kv_subscribers[name] = sub
-            await nursery.start(sub.run)
-        await refresh_all()
-        task_status.started()
-        while True:
-            await trio.sleep(refresh_s)
+    try:
+        async with trio.open_nursery() as nursery:
+            for name, engine in state.engines.items():
+                kv = engine.kv_events
+                if kv is None:
+                    continue
+                sub = KVEventSubscriber(
+                    kv.endpoint,
+                    replay_endpoint=kv.replay_endpoint,
+                    topic=kv.topic,
+                    on_batch=lambda _seq, batch, name=name: index.apply(name, batch),  # type: ignore[misc]
+                    on_reset=lambda _why, name=name: index.reset(name),  # type: ignore[misc]
+                )
+                index.follow(name)
+                state.kv_subscribers[name] = sub
+                await nursery.start(sub.run)
             await refresh_all()
+            task_status.started()
+            while True:
+                await trio.sleep(refresh_s)
+                await refresh_all()
+    finally:
+        # The subscribers' tasks and sockets ended with the nursery; so does their listing.
+        state.kv_subscribers.clear()
