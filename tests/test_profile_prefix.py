@@ -16,6 +16,7 @@ from narwhal.check import CheckReport, run_check
 from narwhal.config import FleetConfig, SLOConfig, unstructure_fleet
 from narwhal.profile import ProfileRun
 from narwhal.profile.fit import cached_rejection, fit_cached
+from narwhal.profile.stability import engine_figures
 from narwhal.profile.store import load_profiles
 from narwhal.profile.sweep import plan_prefix_cells
 from narwhal.router.pricing import PricedPlacement
@@ -208,6 +209,11 @@ async def test_pricing_uses_the_cached_fit_and_the_formula_without_one(
                             pricing="upper")  # fmt: skip
     assert upper.prefill_s("e0", 1124, 1024) == pytest.approx(
         profile.cached_prefill.predict_upper(1124, 1024))
+    # `narwhal profile --repeat N` compares the model across runs too.
+    figures = engine_figures(profile, [256, 1024], [])
+    assert figures["prefix.d"] == profile.cached_prefill.d
+    assert figures["prefix_at.1024x512"] == profile.cached_prefill.predict(1024, 512)
+    assert "prefix.d" not in engine_figures(attrs.evolve(profile, cached_prefill=None), [256], [])
     costly = attrs.evolve(profile.cached_prefill, d=1.0)
     odd = PricedPlacement(["e0"], ["e0"], profiles={"e0": attrs.evolve(profile, cached_prefill=costly)},
                           slo=slo, admission="refuse")  # fmt: skip
