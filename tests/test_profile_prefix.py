@@ -165,11 +165,11 @@ async def test_check_recomputes_the_cached_model_and_refuses_an_edited_coefficie
         shown = {r.name for r in report.results if r.engine == "e0"}
         assert {"prefix.mean_error", "prefix.loo_worst_error", "prefix.interval"} <= shown
 
-        def halve_d(profiles: dict[str, Any]) -> None:
+        def halve_c(profiles: dict[str, Any]) -> None:
             model = profiles["engines"]["e0"]["cached_prefill"]
             model["c"] = model["c"] / 2
 
-        rewrite_pair(run.profiles_path, edit_profiles=halve_d)
+        rewrite_pair(run.profiles_path, edit_profiles=halve_c)
         report = await _check(doc, sim.transport)
         failures = [r for r in report.failures if r.name == "gate_f.samples"]
         assert failures and "cached_prefill.c" in failures[0].message
