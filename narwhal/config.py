@@ -249,17 +249,20 @@ class KVEventsConfig:
 
 @attrs.frozen(kw_only=True)
 class SimPrefillModel:
-    """Prefill latency of a simulated engine: ``a + b*L + c*L**2`` seconds for L tokens.
+    """Prefill latency of a simulated engine: ``a + b*L + c*L**2`` seconds for L tokens;
+    with the first k served from its prefix cache, ``a + b*(L-k) + c*(L**2 - k**2) + d*k``.
 
     Attributes:
         a: Fixed cost per prefill, seconds.
         b: Cost per prompt token, seconds.
         c: Cost per squared prompt token, seconds.
+        d: Cost per prompt token served from the prefix cache, seconds.
     """
 
     a: float = attrs.field(default=0.005, validator=_non_negative)
     b: float = attrs.field(default=2e-05, validator=_non_negative)
     c: float = attrs.field(default=0.0, validator=_non_negative)
+    d: float = attrs.field(default=0.0, validator=_non_negative)
 
 
 @attrs.frozen(kw_only=True)

@@ -105,8 +105,8 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "unknown key 'first_token_timout_s' (did you mean 'first_token_timeout_s'?) @ $.engine"),
     ("unknown-in-engine", fleet(prefill(colour="red"), decode()),
      "unknown key 'colour' @ $.engines[0]"),
-    ("unknown-deep", fleet(prefill(), decode(sim={"prefill": {"d": 1.0}})),
-     "unknown key 'd' @ $.engines[1].sim.prefill"),
+    ("unknown-deep", fleet(prefill(), decode(sim={"prefill": {"e": 1.0}})),
+     "unknown key 'e' @ $.engines[1].sim.prefill"),
     ("missing-url", fleet(prefill(url=DROP), decode()), "missing required key 'url' @ $.engines[0]"),
     ("missing-kv-port", fleet(prefill(connector={"kv_host": "127.0.0.1"}), decode()),
      "missing required key 'kv_port' @ $.engines[0].connector"),
@@ -473,7 +473,7 @@ def test_defaults_match_the_plan() -> None:
     sim = unstructure_fleet(parse_fleet(fleet(prefill(), decode(sim={}))))["engines"][1]["sim"]
     assert sim == {
         "seed": 0, "model": "sim-llama", "version": "0.32.0", "max_model_len": 4096,
-        "prefill": {"a": 0.005, "b": 2e-05, "c": 0.0},
+        "prefill": {"a": 0.005, "b": 2e-05, "c": 0.0, "d": 0.0},
         "decode": {"c0": 0.004, "c1": 0.0002, "c2": 2e-08},
         "kv_capacity_tokens": 262144, "block_size": 16, "max_num_seqs": 256,
         "transfer_s_per_token": 2e-07, "handoff_ttl_s": 480.0, "prefix_caching": False,

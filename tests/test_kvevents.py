@@ -15,6 +15,7 @@ import httpx
 import msgpack
 import pytest
 import trio
+import zmq
 
 from narwhal.config import EngineConfig, parse_as
 from narwhal.engines.kvevents import (
@@ -266,3 +267,80 @@ async def test_a_zeromq_error_drops_the_view_and_subscribes_again(autojump_clock
         await trio.sleep(3.5)
         nursery.cancel_scope.cancel()
     assert len(resets) == 4 and all(r.startswith("ZeroMQ error") for r in resets)
+
+
+# ------------------------------------------------------------ lifetimes on cancellation
+
+
+class RecordingContext(zmq.Context):  # type: ignore[type-arg]
+    """A ZeroMQ context that keeps every socket it made (pyzmq keeps only weak ones)."""
+
+    made: list[zmq.Socket[bytes]] = []  # declared on the class: pyzmq maps unknown attributes to options
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = []
+
+    def socket(self, socket_type: int, socket_class: Any = None, **kwargs: Any) -> Any:
+        sock = super().socket(socket_type, socket_class, **kwargs)
+        self.made.append(sock)
+        return sock
+
+    def open(self) -> list[zmq.Socket[bytes]]:
+        return [s for s in self.made if not s.closed]
+
+
+def live_tasks(name: str) -> list[trio.lowlevel.Task]:
+    """The tasks of this Trio run whose name contains ``name``."""
+    out: list[trio.lowlevel.Task] = []
+    todo = [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        assert task is not None
+        if name in task.name:
+            out.append(task)
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return out
+
+
+async def until(predicate: Callable[[], object]) -> None:
+    """Poll ``predicate`` on the real clock (ZeroMQ's I/O thread signals no Trio event)."""
+    while not predicate():  # noqa: ASYNC110
+        await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("moment", ["following", "replaying", "retrying"])
+async def test_a_cancelled_subscriber_closes_every_socket_and_leaves_no_task(moment: str) -> None:
+    """Cancelled while it follows live batches, while a replay is outstanding (the replay
+    endpoint never answers), or while it waits to subscribe again after a ZeroMQ error:
+    every socket it opened is closed and no task of it is left."""
+    config = kv_engine()
+    assert config.kv_events is not None
+    ctx = RecordingContext()
+    replay = config.kv_events.replay_endpoint
+    if moment == "replaying":
+        replay = f"tcp://127.0.0.1:{free_port()}"  # nobody answers there
+    endpoint = config.kv_events.endpoint if moment != "retrying" else "tcp://127.0.0.1:"  # connect() fails
+    got = Collected()
+    sub = KVEventSubscriber(endpoint, replay_endpoint=replay, topic=config.kv_events.topic,
+                            on_batch=got.batch, on_reset=got.reset, replay_timeout_s=GUARD_S * 2,
+                            context=ctx)  # fmt: skip
+    with trio.fail_after(GUARD_S):
+        async with open_sim_fleet([config]) as fleet, fleet.client("e0", timeout=None) as client:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sub.run)
+                assert live_tasks("KVEventSubscriber")
+                if moment == "following":
+                    await complete(client, list(range(10, 20)))
+                    await got.until(lambda: got.batches)
+                    assert len(ctx.open()) == 1  # the SUB socket; the replay's DEALER is closed
+                elif moment == "replaying":
+                    await until(lambda: sub.replays and len(ctx.open()) == 2)
+                    assert sorted(s.type for s in ctx.open()) == sorted([zmq.SUB, zmq.DEALER])
+                else:
+                    await got.until(lambda: any(r.startswith("ZeroMQ error") for r in got.resets))
+                nursery.cancel_scope.cancel()
+            assert not live_tasks("KVEventSubscriber")
+    assert ctx.made and not ctx.open()
+    ctx.term()  # returns at once only when every socket of the context is closed

@@ -139,3 +139,45 @@ async def test_placement_view_agrees_with_a_lone_engine_until_eviction(autojump_
             index.placed("e0", ids)
             details = r.json()["usage"]["prompt_tokens_details"]
             assert predicted == (details["cached_tokens"] if details else 0)
+
+
+def test_engines_share_chain_ids_and_nothing_outlives_its_views() -> None:
+    index = PrefixIndex()
+    for name in ("p0", "p1"):
+        index.enable(name, block_size=2, capacity_tokens=6, events=False)
+    index.enable("e0", block_size=2, capacity_tokens=64, events=True)
+    a = [1, 2, 3, 4, 5, 6, 0]
+    index.placed("p0", a)
+    index.placed("p1", a[:4])
+    index.apply("e0", stored([11, 12, 13], None, a[:6]))
+    assert len(index.chains) == 3  # one id per block of the shared chain, whoever holds it
+    assert [index.cached_tokens(n, a) for n in ("p0", "p1", "e0")] == [6, 4, 6]
+    index.placed("p0", [7, 8, 9, 10, 0])  # capacity 3 blocks: a's tail goes, then its middle
+    assert index.cached_tokens("p0", a) == 2 and index.cached_tokens("e0", a) == 6
+    index.apply("e0", EventBatch(0.0, (BlockRemoved(block_hashes=(12,)),)))
+    # 12's id stays while 13 (its child) is held, so the chain does not change under 13.
+    assert index.cached_tokens("e0", a) == 2 and len(index.chains) == 5
+    index.apply("e0", stored([12], 11, [3, 4]))
+    assert index.cached_tokens("e0", a) == 6
+    index.reset("e0")
+    index.disable("p0")
+    index.enable("p1", block_size=4, capacity_tokens=64, events=False)  # another size: a new view
+    assert len(index.chains) == 0  # every id went with the blocks that held it
+
+
+def test_a_prompt_is_looked_up_once_for_every_engine_and_again_after_a_change() -> None:
+    index = PrefixIndex()
+    prefix = list(range(100, 164))
+    for e in range(8):
+        index.enable(f"p{e}", block_size=16, capacity_tokens=4096, events=False)
+        index.placed(f"p{e}", prefix[: 16 * (e % 4 + 1)])
+    ids = prefix + list(range(500, 530))  # five blocks may hit
+    lookup = index.lookup(ids)
+    assert [lookup.cached_tokens(f"p{e}") for e in range(8)] == [16, 32, 48, 64] * 2
+    assert lookup.lookups == 1
+    assert [lookup.cached_tokens(n) for n in ("p0", "nobody")] == [16, 0] and lookup.lookups == 1
+    index.placed("p0", ids)  # a longer chain now exists: the lookup sees it
+    assert lookup.cached_tokens("p0") == 80 and lookup.lookups == 2
+    index.enable("q0", block_size=8, capacity_tokens=4096, events=False)
+    index.placed("q0", ids)
+    assert lookup.cached_tokens("q0") == 88 and lookup.lookups == 3  # its own block size

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import trio
 
+from narwhal.router.pricing import Quote, best_consumer
 from narwhal.testing.ports import free_port
 
 from .routerkit import engine, fleet_doc, open_stack
@@ -85,6 +86,53 @@ async def test_the_consumer_learns_the_prompt_it_pulled(autojump_clock: trio.abc
         assert index.cached_tokens("d0", ids) == 1024
         # what the consumer really did: pulled 1124 tokens, cached 70 full blocks
         assert stack.engine("d0").scheduler.pool.num_cached == 70
+
+
+def two_consumers() -> dict[str, Any]:
+    decode = {"c0": 0.005, "c1": 0.001, "c2": 0.0}  # an active request costs 20 % of a step
+    return fleet_doc(
+        engine("p0", 8101, ["prefill"], prefill=PREFILL_FAST, **CACHING),
+        engine("d0", 8103, ["decode"], decode=decode, **CACHING),
+        engine("d1", 8104, ["decode"], decode=decode, **CACHING),
+        controller={"slo": {"ttft_s": 0.5, "tpot_s": 0.05}},
+    )
+
+
+async def test_among_equal_consumers_the_one_holding_the_prefix_decodes(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack(two_consumers(), priced=True) as stack:
+        state = stack.router.state
+        # d0 is busy decoding an unrelated request, so the first shared-prefix request
+        # decodes on d1 (its TPOT headroom is larger), which now holds the prefix.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stack.complete, {"prompt": "unrelated words", "max_tokens": 400})
+            await trio.sleep(0.05)
+            nursery.start_soon(stack.complete, {"prompt": prompt("a"), "max_tokens": 2})
+        assert [r["consumer"] for r in stack.records] == ["d1", "d0"]
+        ids = (await state.tokenize({"prompt": prompt("b")}, "completions")).ids
+        assert state.prefix.cached_tokens("d1", ids) == 1024 and state.prefix.cached_tokens("d0", ids) == 0
+        # Idle again, d0 and d1 are priced equal; d1 pulls 100 tokens instead of 1124.
+        before = dict(stack.engine("d1").stats.prompt_tokens)
+        await stack.complete({"prompt": prompt("b"), "max_tokens": 2})
+        assert stack.records[-1]["consumer"] == "d1"
+        after = stack.engine("d1").stats.prompt_tokens
+        assert after["external_kv_transfer"] - before["external_kv_transfer"] == 100
+        assert after["local_cache_hit"] - before["local_cache_hit"] == 1024
+
+
+def test_the_consumers_cached_blocks_only_break_ties() -> None:
+    def q(engine: str, tpot: float, cached: int | None = None) -> Quote:
+        return Quote(engine, tpot, 1.0 - tpot / 0.05, cached_tokens=cached)
+
+    # Predicted equal (within 1 %): the one holding more of the prompt.
+    assert best_consumer([q("d0", 0.0100), q("d1", 0.0100, 1024)]).engine == "d1"
+    assert best_consumer([q("d0", 0.0100, 512), q("d1", 0.01009, 1024)]).engine == "d1"
+    # Without cache information: the most headroom, as before.
+    assert best_consumer([q("d0", 0.0101), q("d1", 0.0100)]).engine == "d1"
+    # A consumer predicted slower beyond the tie, or across the target, is not taken.
+    assert best_consumer([q("d0", 0.0100), q("d1", 0.0102, 1024)]).engine == "d0"
+    assert best_consumer([q("d0", 0.0499), q("d1", 0.05002, 1024)]).engine == "d0"
 
 
 async def test_prefix_cache_off_prices_no_hit(autojump_clock: trio.abc.Clock) -> None:
@@ -168,6 +216,36 @@ async def test_admission_refuses_only_what_the_hit_aware_prediction_misses() -> 
                 await wait_for(lambda: state.prefix.cached_tokens("p0", ids) == 0)
             resp = await stack.complete({"prompt": prompt("b"), "max_tokens": 2})
             assert resp.status_code == 503, (resp.text, stack.records[-1])
+
+
+async def test_a_stopped_router_leaves_no_subscriber_task_or_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmq
+
+    from .test_kvevents import RecordingContext, live_tasks, until
+
+    ctx = RecordingContext()  # every ZeroMQ socket of the router and the simulated engines
+    monkeypatch.setattr(zmq.Context, "instance", classmethod(lambda cls, io_threads=1: ctx))
+    kv = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    dead = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    doc = fleet_doc(
+        {**engine("p0", 8101, ["prefill"], **CACHING), "kv_events": kv},
+        engine("d0", 8102, ["decode"], **CACHING),
+        controller={"slo": {"ttft_s": 0.5, "tpot_s": 0.05}},
+    )
+    # d0 is named with endpoints nobody serves: its subscriber's replays go unanswered.
+    doc["engines"][1]["kv_events"] = dead
+    with trio.fail_after(30):
+        async with open_stack(doc, priced=True) as stack:
+            state = stack.router.state
+            assert set(state.kv_subscribers) == {"p0", "d0"}
+            await stack.complete({"prompt": prompt("a"), "max_tokens": 2})
+            await until(lambda: state.kv_subscribers["p0"].delivered and state.kv_subscribers["d0"].replays)
+            assert live_tasks("KVEventSubscriber") and live_tasks("watch_prefix_caches")
+            assert any(s.type == zmq.DEALER for s in ctx.made)  # a replay's socket
+        assert not state.kv_subscribers
+        assert not live_tasks("KVEventSubscriber") and not live_tasks("watch_prefix_caches")
+    assert len(ctx.made) >= 4 and not ctx.open()
+    ctx.term()  # returns at once only when every socket of the context is closed
 
 
 def test_bench_join_reports_prediction_error_per_producer(tmp_path: Any) -> None:

@@ -13,7 +13,9 @@ sidecar's kept cells, or the profile's domain when the sidecar has none), its fi
 is at most ``profiles.max_decode_fit_mape`` and its leave-one-cell-out MAPE at most
 ``profiles.max_decode_cv_mape``; the TTFT curve must stay within the profiler's own
 bounds (mean error 20 %, worst point 50 %); and the fit limit itself must not exceed
-``controller.reactive.movement_margin``.
+``controller.reactive.movement_margin``. A profile's cached-prefix model (engines with
+prefix caching) is held to the prefill bounds as well: in sample over its cells,
+leave-one-cell-out over the cells with a cached prefix, and its intervals.
 
 A relative ``profiles.path`` is taken from the working directory, as ``narwhal
 profile --out`` writes it.
@@ -41,6 +43,7 @@ from narwhal.profile.fit import (
 from narwhal.profile.store import (
     SAMPLES_KIND,
     SCHEMA_VERSION,
+    CachedPrefill,
     DecodeModel,
     EngineProfile,
     Profiles,
@@ -425,44 +428,66 @@ def _bands(u: Uncertainty) -> str:
 
 
 def _prefill_limits(engine: str, t: TTFTCurve) -> list[CheckResult]:
-    bound = "the prefill bound"
-    results = [
-        _limit("prefill.mean_error", engine, "TTFT fit mean error", bound, t.mean_error,
-               DEFAULT_MAX_MEAN_ERROR),
-        _limit("prefill.worst_error", engine, "TTFT fit worst-point error", bound,
-               t.worst_error, DEFAULT_MAX_WORST_ERROR),
-    ]  # fmt: skip
     if t.loo_mean_error is None or t.loo_worst_error is None:
+        results = _error_limits("prefill", engine, "TTFT fit", "leave-one-length-out TTFT",
+                                "point", t.mean_error, t.worst_error, None)  # fmt: skip
         results.append(_missing("prefill.loo_error", engine, "leave-one-length-out error"))
     else:
-        results += [
-            _limit("prefill.loo_mean_error", engine, "leave-one-length-out TTFT mean error",
-                   bound, t.loo_mean_error, DEFAULT_MAX_MEAN_ERROR),
-            _limit("prefill.loo_worst_error", engine, "leave-one-length-out TTFT worst error",
-                   bound, t.loo_worst_error, DEFAULT_MAX_WORST_ERROR),
-        ]  # fmt: skip
+        results = _error_limits("prefill", engine, "TTFT fit", "leave-one-length-out TTFT",
+                                "point", t.mean_error, t.worst_error,
+                                (t.loo_mean_error, t.loo_worst_error))  # fmt: skip
     return results + _prefill_intervals(engine, t.uncertainty)
 
 
-def _prefill_intervals(engine: str, u: Uncertainty | None) -> list[CheckResult]:
-    """The prefill bounds applied to the TTFT curve's prediction intervals at the swept
-    lengths (the mean and the widest relative half-width), and enough repeats at every
-    length for those intervals to mean something."""
+def _cached_limits(engine: str, m: CachedPrefill) -> list[CheckResult]:
+    """The prefill bounds on the cached-prefix model: in sample over every cell,
+    leave-one-cell-out over the cells with a cached prefix, and its intervals."""
+    return _error_limits(
+        "prefix", engine, "cached-prefix fit", "leave-one-cell-out cached-prefix", "cell",
+        m.mean_error, m.worst_error, (m.loo_mean_error, m.loo_worst_error),
+    ) + _prefill_intervals(engine, m.uncertainty, key="prefix", what="cached-prefix TTFT",
+                           unit="cell")  # fmt: skip
+
+
+def _error_limits(key: str, engine: str, what: str, loo_what: str, unit: str, mean: float,
+                  worst: float, loo: tuple[float, float] | None) -> list[CheckResult]:  # fmt: skip
+    bound = "the prefill bound"
+    results = [
+        _limit(f"{key}.mean_error", engine, f"{what} mean error", bound, mean,
+               DEFAULT_MAX_MEAN_ERROR),
+        _limit(f"{key}.worst_error", engine, f"{what} worst-{unit} error", bound, worst,
+               DEFAULT_MAX_WORST_ERROR),
+    ]  # fmt: skip
+    if loo is not None:
+        results += [
+            _limit(f"{key}.loo_mean_error", engine, f"{loo_what} mean error", bound, loo[0],
+                   DEFAULT_MAX_MEAN_ERROR),
+            _limit(f"{key}.loo_worst_error", engine, f"{loo_what} worst error", bound, loo[1],
+                   DEFAULT_MAX_WORST_ERROR),
+        ]  # fmt: skip
+    return results
+
+
+def _prefill_intervals(engine: str, u: Uncertainty | None, *, key: str = "prefill",
+                       what: str = "TTFT", unit: str = "length") -> list[CheckResult]:  # fmt: skip
+    """The prefill bounds applied to a prefill fit's prediction intervals at its operating
+    points (the mean and the widest relative half-width), and enough repeats at every
+    point for those intervals to mean something."""
     if u is None or u.mean_half_width is None or u.min_samples is None:
-        return [_missing("prefill.interval", engine, "TTFT intervals")]
+        return [_missing(f"{key}.interval", engine, f"{what} intervals")]
     enough = u.min_samples >= MIN_INTERVAL_REPEATS
     samples = CheckResult(
-        name="prefill.interval_samples", engine=engine, ok=enough, measured=u.min_samples,
+        name=f"{key}.interval_samples", engine=engine, ok=enough, measured=u.min_samples,
         limit=MIN_INTERVAL_REPEATS,
-        message=f"engine {engine}'s TTFT curve rests on at least {u.min_samples} repeat(s) per "
-                f"length" + ("" if enough else f", fewer than the {MIN_INTERVAL_REPEATS} an "
+        message=f"engine {engine}'s {what} {'curve' if key == 'prefill' else 'model'} rests on "
+                f"at least {u.min_samples} repeat(s) per {unit}" + ("" if enough else f", fewer than the {MIN_INTERVAL_REPEATS} an "
                              "interval needs; re-profile it with more --repeats"),
     )  # fmt: skip
     return [
         samples,
-        _interval("prefill.interval", engine, "mean TTFT", u, u.mean_half_width,
+        _interval(f"{key}.interval", engine, f"mean {what}", u, u.mean_half_width,
                   "the prefill mean-error bound", DEFAULT_MAX_MEAN_ERROR),
-        _interval("prefill.interval_worst", engine, "widest TTFT", u, u.worst_half_width,
+        _interval(f"{key}.interval_worst", engine, f"widest {what}", u, u.worst_half_width,
                   "the prefill worst-point bound", DEFAULT_MAX_WORST_ERROR),
     ]  # fmt: skip
 
@@ -516,6 +541,8 @@ def check_fit_limits(
         if profile is None:
             continue  # Gate F already failed it
         results += _prefill_limits(e.name, profile.ttft)
+        if profile.cached_prefill is not None:
+            results += _cached_limits(e.name, profile.cached_prefill)
         if not e.can_decode:
             continue
         if profile.decode is None:

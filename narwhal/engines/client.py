@@ -723,6 +723,20 @@ class EngineClient:
             count=count, max_model_len=max_len if type(max_len) is int else None, ids=tuple(tokens)
         )
 
+    async def reset_prefix_cache(self) -> bool:
+        """Ask the engine to drop its prefix cache (vLLM's ``POST /reset_prefix_cache``,
+        offered in development mode only: ``VLLM_SERVER_DEV_MODE=1``).
+
+        Returns whether the engine accepted it: any answer but 200 (404 where the route
+        is not offered) is False. vLLM answers 200 even when it could not reset (blocks
+        held by running requests) and only logs that.
+
+        Raises:
+            EngineUnavailable: the engine could not be reached.
+        """
+        status, _reason, _body = await self._fetch("POST", "/reset_prefix_cache", None, leg="reset")
+        return status == 200
+
     async def metrics(self) -> EngineMetrics:
         """The engine's load from ``/metrics``."""
         text = await self._request_text("/metrics", leg="metrics")

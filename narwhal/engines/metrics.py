@@ -182,6 +182,15 @@ class EngineMetrics:
         """The sum of the samples named ``name`` matching ``labels``."""
         return sum_samples(self.get(name), **labels)
 
+    @property
+    def block_size(self) -> int | None:
+        """The KV block size ``cache_config_info`` reports (the first core's), if any."""
+        for info in self.get("vllm:cache_config_info"):
+            size = _int_label(info, "block_size")
+            if size is not None and size > 0:
+                return size
+        return None
+
 
 def _int_label(sample: Sample, key: str) -> int | None:
     raw = sample.label(key)

@@ -51,6 +51,18 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _fraction_list(text: str) -> tuple[float, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions or 'none', got {text!r}") from None
+    if not values or any(not 0 < v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected fractions strictly between 0 and 1, got {text!r}")
+    return values
+
+
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     if not names:
@@ -95,6 +107,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-rejected-cells", action="store_true",
                    help="exit 0 although some decode cells were rejected (the profile is "
                         "fitted without them either way)")  # fmt: skip
+    p.add_argument("--prefix-fractions", type=_fraction_list, default=(0.25, 0.5, 0.875),
+                   metavar="F1,F2",
+                   help="cached-prefix sweep on engines reporting prefix caching: the cached "
+                        "share of each prefill length, rounded down to whole blocks (default "
+                        "0.25,0.5,0.875; 'none' skips the sweep)")  # fmt: skip
     p.add_argument("--quiet", "--no-progress", action="store_true", help="no progress output")
     p.add_argument("--plot", action="store_true",
                    help="also write PNGs of the fits beside the pair (needs the [plot] extra)")  # fmt: skip
@@ -180,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 overwrite=args.overwrite,
                 seed=args.seed,
                 accept_rejected_cells=args.accept_rejected_cells,
+                prefix_fractions=args.prefix_fractions,
             )
         except ValueError as exc:
             raise _UsageError(str(exc)) from None

@@ -18,6 +18,9 @@ sidecar):
   for engines with the decode role;
 - the KV capacity from ``engine.kv_cache_size_tokens``, the TPOT target recorded in
   ``kv_capacity_inputs`` and the decode fit;
+- the cached-prefix model from ``prefix.repeats`` (``length``, ``cached``, ``ttft_s``)
+  with ``prefill.repeats`` as its cells without a cached prefix, kept only when it
+  passes the prefill bounds (in sample, leave-one-cell-out, intervals);
 - the identity from ``identity``, which must equal ``identity_after``.
 """
 
@@ -35,14 +38,19 @@ from narwhal.errors import ConfigError
 from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
     DEFAULT_MAX_WORST_ERROR,
+    MIN_INTERVAL_REPEATS,
+    CachedFit,
     DecodeFit,
     DecodePoint,
     Intervals,
     TTFTFit,
+    bootstrap_cached,
     bootstrap_decode,
     bootstrap_ttft,
+    cached_rejection,
     cell_figures,
     decode_fit_problem,
+    fit_cached,
     fit_decode,
     fit_ttft,
     interval_rejection,
@@ -51,6 +59,7 @@ from narwhal.profile.fit import (
     ttft_rejection,
 )
 from narwhal.profile.store import (
+    CachedPrefill,
     CoefficientBand,
     DecodeAxis,
     DecodeDomain,
@@ -62,15 +71,19 @@ from narwhal.profile.store import (
 )
 
 __all__ = [
+    "DerivedCached",
     "DerivedDecode",
     "DerivedTTFT",
+    "cached_prefill",
     "decode_cells",
     "decode_model",
+    "derive_cached",
     "derive_decode",
     "derive_profile",
     "derive_ttft",
     "kv_capacity",
     "prefill_repeats",
+    "prefix_repeats",
     "profile_differences",
     "ttft_curve",
     "uncertainty",
@@ -106,6 +119,37 @@ def prefill_repeats(entry: Mapping[str, Any], where: str) -> list[tuple[int, flo
             raise _bad("expected {length: int, ttft_s: number > 0}", f"{path}[{i}]")
         out.append((length, float(seconds)))
     return out
+
+
+def prefix_repeats(entry: Mapping[str, Any], where: str) -> tuple[int, list[tuple[int, int, float]]] | None:
+    """The engine's block size and its cached-prefix repeats ``(length, cached,
+    ttft_s)``, or None when no cached-prefix sweep ran (``prefix`` absent or skipped).
+
+    Raises:
+        ConfigError: a malformed record (the message names its JSON path).
+    """
+    prefix = entry.get("prefix")
+    if not isinstance(prefix, Mapping) or "skipped" in prefix:
+        return None
+    block = prefix.get("block_size")
+    if type(block) is not int or block <= 0:
+        raise _bad("expected the engine's block size (an integer > 0)", f"{where}.prefix.block_size")
+    repeats = prefix.get("repeats")
+    path = f"{where}.prefix.repeats"
+    if not isinstance(repeats, list):
+        raise _bad("expected a list of cached-prefix repeats", path)
+    out: list[tuple[int, int, float]] = []
+    for i, r in enumerate(repeats):
+        length = r.get("length") if isinstance(r, Mapping) else None
+        cached = r.get("cached") if isinstance(r, Mapping) else None
+        seconds = r.get("ttft_s") if isinstance(r, Mapping) else None
+        if (type(length) is not int or type(cached) is not int or not 0 < cached < length
+                or not isinstance(seconds, int | float) or isinstance(seconds, bool)
+                or not math.isfinite(seconds) or seconds <= 0):  # fmt: skip
+            raise _bad("expected {length: int, cached: int in (0, length), ttft_s: number > 0}",
+                       f"{path}[{i}]")  # fmt: skip
+        out.append((length, cached, float(seconds)))
+    return block, out
 
 
 def decode_cells(entry: Mapping[str, Any], where: str) -> list[list[dict[str, float]]]:
@@ -169,6 +213,62 @@ class DerivedTTFT:
                    interval_rejection(self.intervals, max_mean_width=max_mean_error,
                                       max_worst_width=max_worst_error)]  # fmt: skip
         return "; ".join(r for r in reasons if r is not None) or None
+
+
+@attrs.frozen
+class DerivedCached:
+    fit: CachedFit
+    intervals: Intervals
+    block_size: int
+
+    def rejection(self) -> str | None:
+        """Why the cached-prefix model is not used (the prefill bounds on its errors in
+        and out of sample and on its intervals), or None if it is accepted. The bounds
+        are the profiler's defaults, so that the preflight decides as the profiler did."""
+        reasons = [cached_rejection(self.fit),
+                   interval_rejection(self.intervals, min_samples=MIN_INTERVAL_REPEATS)]  # fmt: skip
+        return "; ".join(r for r in reasons if r is not None) or None
+
+
+def derive_cached(
+    plain: Sequence[tuple[int, float]], cached: Sequence[tuple[int, int, float]], block_size: int
+) -> DerivedCached:
+    """The cached-prefix fit of the plain prefill repeats (cells with k = 0) and the
+    cached-prefix repeats, with its intervals.
+
+    Raises:
+        ValueError: the cells cannot support a fit.
+    """
+    samples = [(n, 0, s) for n, s in plain] + list(cached)
+    fit = fit_cached(samples)
+    return DerivedCached(fit, bootstrap_cached(samples, fit), block_size)
+
+
+def cached_prefill(derived: DerivedCached) -> CachedPrefill:
+    """The stored form of a cached-prefix fit."""
+    fit = derived.fit
+    return CachedPrefill(a=fit.a, b=fit.b, c=fit.c, d=fit.d, cells=len(fit.cells),
+                         min_length=min(n for n, _ in fit.cells),
+                         max_length=max(n for n, _ in fit.cells),
+                         max_cached=max(k for _, k in fit.cells), block_size=derived.block_size,
+                         mean_error=fit.mean_error, worst_error=fit.worst_error,
+                         loo_mean_error=fit.loo_mean_error, loo_worst_error=fit.loo_worst_error,
+                         uncertainty=uncertainty(derived.intervals))  # fmt: skip
+
+
+def _accepted_cached(
+    entry: Mapping[str, Any], where: str, plain: Sequence[tuple[int, float]]
+) -> CachedPrefill | None:
+    """The cached-prefix model the entry's samples give, when they give an accepted one."""
+    recorded = prefix_repeats(entry, where)
+    if recorded is None:
+        return None
+    block_size, cached = recorded
+    try:
+        derived = derive_cached(plain, cached, block_size)
+    except ValueError:
+        return None
+    return cached_prefill(derived) if derived.rejection() is None else None
 
 
 @attrs.frozen
@@ -272,12 +372,15 @@ def derive_profile(entry: Mapping[str, Any], name: str) -> EngineProfile:
     roles = entry.get("roles")
     if not isinstance(roles, list) or not roles or not all(isinstance(r, str) for r in roles):
         raise _bad("expected the engine's roles", f"{where}.roles")
+    plain = prefill_repeats(entry, where)
     try:
-        ttft = derive_ttft(prefill_repeats(entry, where))
+        ttft = derive_ttft(plain)
     except ValueError as exc:
         raise _bad(str(exc), f"{where}.prefill.repeats") from None
+    cached = _accepted_cached(entry, where, plain)
     if "decode" not in roles:
-        return EngineProfile(name=name, identity=identity, ttft=ttft_curve(ttft), roles=tuple(roles))
+        return EngineProfile(name=name, identity=identity, ttft=ttft_curve(ttft), roles=tuple(roles),
+                             cached_prefill=cached)  # fmt: skip
     try:
         decode = derive_decode(decode_cells(entry, where))
     except ValueError as exc:
@@ -290,7 +393,7 @@ def derive_profile(entry: Mapping[str, Any], name: str) -> EngineProfile:
                            measured_kv_max=decode.kv_max, tpot_target_s=target)  # fmt: skip
     return EngineProfile(name=name, identity=identity, ttft=ttft_curve(ttft),
                          decode=decode_model(decode), kv_capacity=capacity,
-                         roles=tuple(roles))  # fmt: skip
+                         roles=tuple(roles), cached_prefill=cached)  # fmt: skip
 
 
 def _close(a: Any, b: Any) -> bool:

@@ -11,6 +11,12 @@ Decode model: ``tpot = c0 + c1*active + c2*resident_kv_tokens`` with every coeff
 non-negative (``scipy.optimize.nnls``), fitted to cell medians; leave-one-cell-out
 refits without each cell (non-negative as well) and predicts it.
 
+Cached prefixes: ``ttft(L, k) = a + b*(L-k) + c*(L**2 - k**2) + d*k`` for a prompt of L
+tokens whose first k are served from the engine's prefix cache, fitted (non-negative,
+relative residuals) to the median at every ``(L, k)`` cell, the plain prefill sweep's
+lengths being the cells with ``k = 0``; leave-one-cell-out refits without each cell and
+predicts it (see :class:`CachedFit`).
+
 Out of sample: with three lengths a three-coefficient curve passes through the medians
 exactly, so its in-sample errors prove nothing. :func:`fit_ttft` therefore also fits
 the curve without each length and predicts that length (leave-one-length-out; at least
@@ -56,34 +62,47 @@ __all__ = [
     "BOOTSTRAP_LEVEL",
     "BOOTSTRAP_RESAMPLES",
     "BOOTSTRAP_SEED",
+    "CACHED_MODEL",
     "DEFAULT_MAX_MEAN_ERROR",
     "DEFAULT_MAX_WORST_ERROR",
+    "MIN_CACHED_CELLS",
     "MIN_DECODE_CELLS",
     "MIN_INTERVAL_REPEATS",
     "MIN_PREFILL_LENGTHS",
     "TPOT_MODEL",
     "TTFT_MODEL",
     "Band",
+    "CachedFit",
     "DecodeFit",
     "DecodePoint",
     "Intervals",
     "TTFTFit",
+    "bootstrap_cached",
     "bootstrap_decode",
     "bootstrap_ttft",
+    "cached_fit_problem",
+    "cached_prefill_s",
+    "cached_rejection",
     "cell_figures",
     "decode_fit_problem",
+    "fit_cached",
     "fit_decode",
     "fit_ttft",
     "interval_rejection",
     "mape",
     "median_by_length",
     "nonneg_lstsq",
+    "samples_by_cell",
     "tpot_kv_limit",
     "ttft_rejection",
 ]
 
 TTFT_MODEL: Final = "a + b*L + c*L^2"
 TPOT_MODEL: Final = "c0 + c1*active + c2*resident_kv_tokens"
+CACHED_MODEL: Final = "a + b*(L-k) + c*(L^2-k^2) + d*k"
+#: Cells with a cached prefix a cached-prefix fit needs (every leave-one-cell-out fold
+#: keeps two to set the cached-token coefficient and check it).
+MIN_CACHED_CELLS: Final = 3
 #: The prefill validation bounds (the seed's section 4).
 DEFAULT_MAX_MEAN_ERROR: Final = 0.20
 DEFAULT_MAX_WORST_ERROR: Final = 0.50
@@ -214,6 +233,17 @@ def _relative_errors(predicted: Sequence[float], observed: Sequence[float]) -> t
     return tuple(abs(p - y) / y for p, y in zip(predicted, observed, strict=True))
 
 
+def _fit_holding_out(x: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, tuple[float, ...], tuple[float, ...]]:
+    """The non-negative fit of ``ys`` on ``x``, its predictions at every row, and each
+    row predicted by the fit without it."""
+    coef = nonneg_lstsq(x, ys)
+    loo = []
+    for i in range(len(ys)):
+        keep = np.arange(len(ys)) != i
+        loo.append(float(x[i] @ nonneg_lstsq(x[keep], ys[keep])))
+    return coef, tuple(float(v) for v in x @ coef), tuple(loo)
+
+
 def fit_ttft(medians: Mapping[int, float]) -> TTFTFit:
     """Fit ``a + b*L + c*L**2`` (non-negative) to per-length median TTFTs, and each
     length out of sample (the curve fitted to the other lengths).
@@ -228,15 +258,10 @@ def fit_ttft(medians: Mapping[int, float]) -> TTFTFit:
         )
     ys = np.array([medians[n] for n in lengths], dtype=float)
     x = _ttft_design(np.array(lengths, dtype=float))
-    coef = nonneg_lstsq(x, ys)
+    coef, predicted, loo = _fit_holding_out(x, ys)
     a, b, c = (float(v) for v in coef)
-    predicted = tuple(float(v) for v in x @ coef)
     observed = ys.tolist()
     errors = _relative_errors(predicted, observed)
-    loo: list[float] = []
-    for i in range(len(lengths)):
-        keep = np.arange(len(lengths)) != i
-        loo.append(float(x[i] @ nonneg_lstsq(x[keep], ys[keep])))
     loo_errors = _relative_errors(loo, observed)
     return TTFTFit(
         a=a,
@@ -248,7 +273,7 @@ def fit_ttft(medians: Mapping[int, float]) -> TTFTFit:
         errors=errors,
         mean_error=float(statistics.fmean(errors)),
         worst_error=max(errors),
-        loo_predicted=tuple(loo),
+        loo_predicted=loo,
         loo_errors=loo_errors,
         loo_mean_error=float(statistics.fmean(loo_errors[1:-1])),
         loo_worst_error=max(loo_errors[1:-1]),
@@ -397,6 +422,36 @@ def _band(value: float, draws: np.ndarray, level: float) -> Band:
     return Band(float(value), float(min(low, value)), float(max(high, value)))
 
 
+def _residual_bootstrap(
+    x: np.ndarray,
+    predicted: Sequence[float],
+    counts: Sequence[int],
+    ratios: Sequence[float],
+    *,
+    resamples: int,
+    seed: int,
+) -> np.ndarray:
+    """Refitted coefficients of ``resamples`` residual-bootstrap draws (one row each).
+
+    Every measured repeat's ratio to the fit at its operating point is pooled; each
+    resample draws, at every point (row of ``x``), as many ratios as were measured there,
+    scales the fit's prediction there by their median and refits.
+    """
+    pooled = np.array(ratios, dtype=float)
+    dof = x.shape[1]
+    # Residuals of a fit are smaller than the noise they estimate (the fit took ``dof``
+    # degrees of freedom): the usual correction widens them by sqrt(n / (n - dof)).
+    if len(pooled) > dof:
+        pooled = 1.0 + (pooled - 1.0) * math.sqrt(len(pooled) / (len(pooled) - dof))
+    rng = np.random.default_rng(seed)
+    coefs = np.empty((resamples, dof))
+    for r in range(resamples):
+        ys = np.array([p * float(np.median(rng.choice(pooled, size=k)))
+                       for p, k in zip(predicted, counts, strict=True)])  # fmt: skip
+        coefs[r] = nonneg_lstsq(x, ys)
+    return coefs
+
+
 def bootstrap_ttft(
     repeats: Sequence[tuple[int, float]],
     fit: TTFTFit,
@@ -413,25 +468,197 @@ def bootstrap_ttft(
     replacement), scales the curve at that length by their median and refits.
     """
     counts = [sum(1 for length, _ in repeats if length == n) for n in fit.lengths]
-    ratios = np.array([s / fit.predict(length) for length, s in repeats if length in fit.lengths],
-                      dtype=float)  # fmt: skip
-    # Residuals of a fit are smaller than the noise they estimate (the fit took three
-    # degrees of freedom): the usual correction widens them by sqrt(n / (n - 3)).
-    if len(ratios) > 3:
-        ratios = 1.0 + (ratios - 1.0) * math.sqrt(len(ratios) / (len(ratios) - 3))
-    rng = np.random.default_rng(seed)
+    ratios = [s / fit.predict(length) for length, s in repeats if length in fit.lengths]
     x = _ttft_design(np.array(fit.lengths, dtype=float))
-    coefs = np.empty((resamples, 3))
-    for r in range(resamples):
-        ys = np.array([p * float(np.median(rng.choice(ratios, size=k)))
-                       for p, k in zip(fit.predicted, counts, strict=True)])  # fmt: skip
-        coefs[r] = nonneg_lstsq(x, ys)
+    coefs = _residual_bootstrap(x, fit.predicted, counts, ratios, resamples=resamples, seed=seed)
     point = np.array([fit.a, fit.b, fit.c])
     coefficients = {k: _band(point[i], coefs[:, i], level) for i, k in enumerate("abc")}
     predictions = tuple(
         ({"length": float(n)}, _band(fit.predict(n), coefs @ x[i], level))
         for i, n in enumerate(fit.lengths)
     )
+    return Intervals(coefficients, predictions, min(counts), resamples, level, seed)
+
+
+# ------------------------------------------------------------------ cached prefixes
+
+
+@attrs.frozen
+class CachedFit:
+    """Prefill with a cached prefix, fitted to per-cell medians, with its validation.
+
+    The model is :data:`CACHED_MODEL`: a prompt of ``L`` tokens of which the first ``k``
+    are served from the prefix cache costs ``a + b*(L-k) + c*(L**2 - k**2) + d*k``
+    seconds. ``b`` pays each computed token, ``c`` the attention pairs the computed
+    tokens add (over the cached prefix and one another), ``d`` whatever a cached token
+    still costs (looking it up, reading it); with ``k = 0`` it is the TTFT curve's form.
+    Cells are ``(L, k)``; those with ``k = 0`` are the plain prefill sweep's lengths.
+
+    Attributes:
+        a, b, c, d: coefficients (seconds), all >= 0.
+        cells: the fitted cells ``(L, k)``, sorted.
+        medians: the median TTFT of each cell.
+        counts: repeats behind each median.
+        predicted: the fit at each cell.
+        errors: relative errors of ``predicted``.
+        mean_error, worst_error: their mean and largest over every cell.
+        loo_predicted: each cell predicted by the fit that left it out.
+        loo_errors: their relative errors.
+        loo_mean_error, loo_worst_error: mean and largest of ``loo_errors`` over the
+            cached cells (``k > 0``; the plain lengths are validated by the TTFT curve).
+    """
+
+    a: float
+    b: float
+    c: float
+    d: float
+    cells: tuple[tuple[int, int], ...]
+    medians: tuple[float, ...]
+    counts: tuple[int, ...]
+    predicted: tuple[float, ...]
+    errors: tuple[float, ...]
+    mean_error: float
+    worst_error: float
+    loo_predicted: tuple[float, ...]
+    loo_errors: tuple[float, ...]
+    loo_mean_error: float
+    loo_worst_error: float
+
+    def predict(self, length: float, cached: float) -> float:
+        """TTFT in seconds of ``length`` prompt tokens, the first ``cached`` of them cached."""
+        return cached_prefill_s(self.a, self.b, self.c, self.d, length, cached)
+
+    def _worst(self, errors: Sequence[float], only_cached: bool) -> tuple[int, int]:
+        pool = [(e, cell) for e, cell in zip(errors, self.cells, strict=True)
+                if cell[1] > 0 or not only_cached]  # fmt: skip
+        return max(pool)[1]
+
+    def as_dict(self) -> dict[str, object]:
+        """The JSON form kept in the sidecar."""
+        return {
+            "model": CACHED_MODEL,
+            "coefficients": {"a": self.a, "b": self.b, "c": self.c, "d": self.d},
+            "points": [
+                {"length": n, "cached": k, "median_s": m, "repeats": r, "predicted_s": p,
+                 "error": e, "loo_predicted_s": lp, "loo_error": le}
+                for (n, k), m, r, p, e, lp, le in zip(
+                    self.cells, self.medians, self.counts, self.predicted, self.errors,
+                    self.loo_predicted, self.loo_errors, strict=True,
+                )
+            ],
+            "mean_error": self.mean_error,
+            "worst_error": self.worst_error,
+            "loo_mean_error": self.loo_mean_error,
+            "loo_worst_error": self.loo_worst_error,
+            "loo_scope": "cells with a cached prefix (k > 0)",
+        }  # fmt: skip
+
+
+def cached_prefill_s(a: float, b: float, c: float, d: float, length: float, cached: float) -> float:
+    """:data:`CACHED_MODEL` at ``(length, cached)``, seconds."""
+    return a + b * (length - cached) + c * (length * length - cached * cached) + d * cached
+
+
+def _cached_design(cells: Sequence[tuple[int, int]]) -> np.ndarray:
+    return np.array([[1.0, n - k, n * n - k * k, k] for n, k in cells], dtype=float)
+
+
+def samples_by_cell(samples: Iterable[tuple[int, int, float]]) -> dict[tuple[int, int], list[float]]:
+    """The samples ``(length, cached, seconds)`` grouped by cell, cells sorted."""
+    by_cell: dict[tuple[int, int], list[float]] = {}
+    for length, cached, seconds in samples:
+        by_cell.setdefault((length, cached), []).append(seconds)
+    return {cell: by_cell[cell] for cell in sorted(by_cell)}
+
+
+def cached_fit_problem(cells: Iterable[tuple[int, int]]) -> str | None:
+    """Why these cells cannot support a cached-prefix fit, or None."""
+    cells = list(cells)
+    plain = {n for n, k in cells if k == 0}
+    cached = [(n, k) for n, k in cells if k > 0]
+    if len(plain) < MIN_PREFILL_LENGTHS:
+        return (f"{len(plain)} lengths without a cached prefix; the fit needs at least "
+                f"{MIN_PREFILL_LENGTHS}")  # fmt: skip
+    if len(cached) < MIN_CACHED_CELLS:
+        return f"{len(cached)} cells with a cached prefix; the fit needs at least {MIN_CACHED_CELLS}"
+    return None
+
+
+def fit_cached(samples: Sequence[tuple[int, int, float]]) -> CachedFit:
+    """Fit :data:`CACHED_MODEL` (non-negative, relative residuals) to the median of the
+    samples ``(length, cached, seconds)`` at every cell, and each cell out of sample.
+
+    Raises:
+        ValueError: the cells cannot support a fit (:func:`cached_fit_problem`), or a
+            non-positive median.
+    """
+    grouped = samples_by_cell(samples)
+    problem = cached_fit_problem(grouped)
+    if problem is not None:
+        raise ValueError(problem)
+    cells = tuple(grouped)
+    ys = np.array([statistics.median(grouped[cell]) for cell in cells], dtype=float)
+    x = _cached_design(cells)
+    coef, predicted, loo = _fit_holding_out(x, ys)
+    observed = ys.tolist()
+    errors = _relative_errors(predicted, observed)
+    loo_errors = _relative_errors(loo, observed)
+    gated = [e for e, (_, k) in zip(loo_errors, cells, strict=True) if k > 0]
+    a, b, c, d = (float(v) for v in coef)
+    return CachedFit(
+        a=a, b=b, c=c, d=d, cells=cells, medians=tuple(observed),
+        counts=tuple(len(grouped[cell]) for cell in cells), predicted=predicted,
+        errors=errors, mean_error=float(statistics.fmean(errors)), worst_error=max(errors),
+        loo_predicted=loo, loo_errors=loo_errors,
+        loo_mean_error=float(statistics.fmean(gated)), loo_worst_error=max(gated),
+    )  # fmt: skip
+
+
+def cached_rejection(
+    fit: CachedFit,
+    *,
+    max_mean_error: float = DEFAULT_MAX_MEAN_ERROR,
+    max_worst_error: float = DEFAULT_MAX_WORST_ERROR,
+) -> str | None:
+    """Why a cached-prefix fit must be rejected (the prefill bounds, in sample and
+    leave-one-cell-out over the cached cells), or None."""
+    reasons = []
+    if fit.mean_error > max_mean_error:
+        reasons.append(f"mean error {fit.mean_error:.1%} is above the {max_mean_error:.0%} bound")
+    if fit.worst_error > max_worst_error:
+        n, k = fit._worst(fit.errors, only_cached=False)
+        reasons.append(f"worst-cell error {fit.worst_error:.1%} (at {n} tokens, {k} cached) is "
+                       f"above the {max_worst_error:.0%} bound")  # fmt: skip
+    if fit.loo_mean_error > max_mean_error:
+        reasons.append(f"leave-one-cell-out mean error {fit.loo_mean_error:.1%} (cached cells) "
+                       f"is above the {max_mean_error:.0%} bound")  # fmt: skip
+    if fit.loo_worst_error > max_worst_error:
+        n, k = fit._worst(fit.loo_errors, only_cached=True)
+        reasons.append(f"leave-one-cell-out worst error {fit.loo_worst_error:.1%} (at {n} "
+                       f"tokens, {k} cached) is above the {max_worst_error:.0%} bound")  # fmt: skip
+    return "; ".join(reasons) if reasons else None
+
+
+def bootstrap_cached(
+    samples: Sequence[tuple[int, int, float]],
+    fit: CachedFit,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    level: float = BOOTSTRAP_LEVEL,
+    seed: int = BOOTSTRAP_SEED,
+) -> Intervals:
+    """Intervals of the cached-prefix coefficients and of the fit at every cached cell
+    (the residual bootstrap of :func:`bootstrap_ttft`, over cells)."""
+    ratios = [s / fit.predict(n, k) for n, k, s in samples]
+    x = _cached_design(fit.cells)
+    coefs = _residual_bootstrap(x, fit.predicted, fit.counts, ratios, resamples=resamples, seed=seed)
+    point = np.array([fit.a, fit.b, fit.c, fit.d])
+    coefficients = {k: _band(point[i], coefs[:, i], level) for i, k in enumerate("abcd")}
+    predictions = tuple(
+        ({"length": float(n), "cached": float(k)}, _band(fit.predicted[i], coefs @ x[i], level))
+        for i, (n, k) in enumerate(fit.cells) if k > 0
+    )  # fmt: skip
+    counts = [r for (_, k), r in zip(fit.cells, fit.counts, strict=True) if k > 0]
     return Intervals(coefficients, predictions, min(counts), resamples, level, seed)
 
 

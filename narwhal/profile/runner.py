@@ -33,11 +33,13 @@ from narwhal.errors import ConfigError, EngineError
 from narwhal.profile.cohort import StreamLimits
 from narwhal.profile.derive import (
     decode_cells,
+    derive_cached,
     derive_decode,
     derive_profile,
     derive_ttft,
     kv_capacity,
     prefill_repeats,
+    prefix_repeats,
 )
 from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
@@ -68,7 +70,9 @@ from narwhal.profile.sweep import (
     bounded,
     cell_summary,
     decode_sweep,
+    plan_prefix_cells,
     prefill_sweep,
+    prefix_sweep,
     probe_engine,
 )
 
@@ -93,6 +97,11 @@ def _lens(minimum: int, what: str, floor: int = 1) -> Any:
             raise ValueError(f"{what} values must be at least {floor}")
 
     return check
+
+
+def _fractions(_inst: Any, _attr: attrs.Attribute[Any], value: tuple[float, ...]) -> None:
+    if any(not 0 < f < 1 for f in value):
+        raise ValueError("prefix-fractions values must lie strictly between 0 and 1")
 
 
 def _at_least(floor: int) -> Any:
@@ -123,6 +132,9 @@ class ProfileSettings:
         seed: seed of the prompts (None: random, recorded in the sidecar).
         accept_rejected_cells: an engine some of whose decode cells were rejected still
             counts as a success (the rejected cells stay listed in the sidecar).
+        prefix_fractions: the cached-prefix sweep's cached share of each prefill length
+            (rounded down to whole blocks), on engines that report prefix caching; empty
+            skips that sweep.
     """
 
     prefill_lens: tuple[int, ...] = attrs.field(
@@ -145,6 +157,8 @@ class ProfileSettings:
     max_worst_error: float = DEFAULT_MAX_WORST_ERROR
     seed: int | None = None
     accept_rejected_cells: bool = False
+    prefix_fractions: tuple[float, ...] = attrs.field(default=(0.25, 0.5, 0.875), converter=tuple,
+                                                      validator=_fractions)
 
 
 @attrs.frozen
@@ -275,9 +289,6 @@ class _EngineRun:
                       "check will refuse to bind this profile to it")  # fmt: skip
         facts = await bounded(client, limit, "/tokenize and /metrics", probe_engine, client)
         record["engine"] = facts.as_dict()
-        if facts.prefix_caching:
-            self.warn("the engine reports prefix caching enabled; every probe prompt is unique, "
-                      "but profile with prefix caching disabled to match the seed's procedure")  # fmt: skip
         if facts.metrics_error is not None:
             self.warn(f"/metrics unreadable ({facts.metrics_error}); KV capacity and prefix "
                       "caching unknown")  # fmt: skip
@@ -306,6 +317,8 @@ class _EngineRun:
                                  f"worst {tfit.worst_error:.1%}; leave-one-length-out mean "
                                  f"{tfit.loo_mean_error:.1%}, worst {tfit.loo_worst_error:.1%})")  # fmt: skip
 
+        await self._prefix(facts, prompt)
+
         if "decode" in self.roles:
             await self._decode(facts, prompt)
         else:
@@ -327,6 +340,68 @@ class _EngineRun:
             raise SweepRejected(f"the samples give no profile: {exc}") from None
         record["profile"] = converter.unstructure(profile)
         return profile
+
+    async def _prefix(self, facts: EngineFacts, prompt: PromptFactory) -> None:
+        """The cached-prefix sweep and fit, on an engine that reports prefix caching.
+
+        A rejected fit (or one the cells cannot support) leaves the engine profiled
+        without a cached-prefix model: placement then prices hits from the TTFT curve.
+        """
+        client, settings, record, name = self.client, self.settings, self.record, self.client.name
+        skipped = None
+        if facts.prefix_caching is not True:
+            skipped = "the engine does not report prefix caching enabled"
+        elif facts.block_size is None:
+            skipped = "the engine reports no block_size in vllm:cache_config_info"
+        elif "prefill" not in self.roles:
+            skipped = "the engine's roles do not include prefill"
+        elif not settings.prefix_fractions:
+            skipped = "no --prefix-fractions"
+        cells: list[tuple[int, int]] = []
+        if skipped is None:
+            assert facts.block_size is not None
+            cells = plan_prefix_cells(settings.prefill_lens, settings.prefix_fractions,
+                                      block_size=facts.block_size,
+                                      max_model_len=facts.max_model_len)  # fmt: skip
+            if not cells:
+                skipped = (f"no prefill length holds a cached prefix of whole "
+                           f"{facts.block_size}-token blocks")  # fmt: skip
+        if skipped is not None:
+            record["prefix"] = {"skipped": skipped}
+            if facts.prefix_caching:
+                self.warn(f"the engine reports prefix caching enabled but its cached-prefix sweep "
+                          f"was skipped ({skipped}): placement prices its hits from the TTFT "
+                          "curve alone")  # fmt: skip
+            return
+        assert facts.block_size is not None
+        prefix: dict[str, Any] = {"block_size": facts.block_size,
+                                  "fractions": list(settings.prefix_fractions)}  # fmt: skip
+        record["prefix"] = prefix
+        await prefix_sweep(client, cells, prefix, repeats=settings.repeats, prompt=prompt,
+                           timeout_s=self.config.engine.request_timeout_s,
+                           progress=self.progress)  # fmt: skip
+        where = f"$.engines.{name}"
+        recorded = prefix_repeats(record, where)
+        assert recorded is not None
+        try:
+            derived = derive_cached(prefill_repeats(record, where), recorded[1], facts.block_size)
+        except ValueError as exc:
+            prefix["rejection"] = str(exc)
+            self.warn(f"cached-prefix fit impossible: {exc}; placement prices hits from the TTFT curve")
+            return
+        fit = derived.fit
+        prefix["fit"] = fit.as_dict()
+        prefix["intervals"] = derived.intervals.as_dict()
+        rejection = derived.rejection()
+        self.progress.line(name, f"prefix fit: TTFT = {fit.a:.4g} + {fit.b:.4g}*(L-k) + "
+                                 f"{fit.c:.4g}*(L^2-k^2) + {fit.d:.4g}*k s (mean error "
+                                 f"{fit.mean_error:.1%}, worst {fit.worst_error:.1%}; "
+                                 f"leave-one-cell-out mean {fit.loo_mean_error:.1%}, worst "
+                                 f"{fit.loo_worst_error:.1%})")  # fmt: skip
+        if rejection is not None:
+            prefix["rejection"] = rejection
+            self.warn(f"cached-prefix fit rejected ({rejection}); placement prices hits from the "
+                      "TTFT curve")  # fmt: skip
 
     async def _decode(self, facts: EngineFacts, prompt: PromptFactory) -> None:
         client, settings, record, name = self.client, self.settings, self.record, self.client.name

@@ -14,7 +14,10 @@ runs and writes ``<stem>.stability.json``::
 Figures: the coefficients (``ttft.a|b|c``, ``decode.c0|c1|c2``), the error figures
 (``ttft.mean_error``, ``ttft.loo_mean_error``, ``decode.fit_mape``, ``decode.cv_mape``),
 the predictions at the operating points of run 1 (``ttft_at.<L>`` for every swept
-length, ``tpot_at.<active>x<kv>`` for every decode cell), and the KV capacity. The
+length, ``tpot_at.<active>x<kv>`` for every decode cell), and the KV capacity; for an
+engine with a cached-prefix model, its coefficients (``prefix.a|b|c|d``), errors
+(``prefix.mean_error``, ``prefix.loo_mean_error``) and predictions with half of every
+swept length cached, in whole blocks (``prefix_at.<L>x<k>``). The
 predictions are the figures to judge stability by: coefficients of a quadratic trade
 against one another, so they scatter more than the curve does. ``cv`` is the sample
 standard deviation over the mean (``sd`` with N-1; zero with one run).
@@ -81,6 +84,14 @@ def engine_figures(
             out[f"tpot_at.{a:g}x{k:.0f}"] = d.predict(a, k)
     if profile.kv_capacity is not None:
         out["kv_capacity.tokens"] = float(profile.kv_capacity.tokens)
+    m = profile.cached_prefill
+    if m is not None:
+        out |= {"prefix.a": m.a, "prefix.b": m.b, "prefix.c": m.c, "prefix.d": m.d,
+                "prefix.mean_error": m.mean_error, "prefix.loo_mean_error": m.loo_mean_error}  # fmt: skip
+        for n in lengths:
+            k = min(n // 2 // m.block_size, (n - 1) // m.block_size) * m.block_size
+            if k > 0:
+                out[f"prefix_at.{n:g}x{k:g}"] = m.predict(n, k)
     return out
 
 

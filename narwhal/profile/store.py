@@ -27,7 +27,7 @@ import attrs
 from narwhal.config import converter, parse_as
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
-from narwhal.profile.fit import TPOT_MODEL, TTFT_MODEL
+from narwhal.profile.fit import CACHED_MODEL, TPOT_MODEL, TTFT_MODEL, cached_prefill_s
 
 _T = TypeVar("_T")
 
@@ -35,6 +35,7 @@ __all__ = [
     "PROFILES_KIND",
     "SAMPLES_KIND",
     "SCHEMA_VERSION",
+    "CachedPrefill",
     "CoefficientBand",
     "DecodeAxis",
     "DecodeDomain",
@@ -143,6 +144,49 @@ class TTFTCurve:
 
 
 @attrs.frozen(kw_only=True)
+class CachedPrefill:
+    """TTFT in seconds for a prompt of L tokens whose first k are in the engine's prefix
+    cache: ``a + b*(L-k) + c*(L**2 - k**2) + d*k`` (measured by the cached-prefix sweep).
+
+    Attributes:
+        model: the formula.
+        a, b, c, d: non-negative coefficients.
+        cells: cells fitted (plain lengths included).
+        min_length, max_length: the measured prompt lengths' range.
+        max_cached: the longest cached prefix measured.
+        block_size: the engine's KV block size during the sweep.
+        mean_error, worst_error: relative errors of the fit at the cells' medians.
+        loo_mean_error, loo_worst_error: leave-one-cell-out relative errors over the
+            cells with a cached prefix.
+        uncertainty: bootstrap intervals (coefficients, and the fit at the cached cells).
+    """
+
+    model: str = attrs.field(default=CACHED_MODEL, validator=_equals(CACHED_MODEL))
+    a: float = attrs.field(validator=_nonneg)
+    b: float = attrs.field(validator=_nonneg)
+    c: float = attrs.field(validator=_nonneg)
+    d: float = attrs.field(validator=_nonneg)
+    cells: int
+    min_length: int
+    max_length: int
+    max_cached: int
+    block_size: int
+    mean_error: float = attrs.field(validator=_nonneg)
+    worst_error: float = attrs.field(validator=_nonneg)
+    loo_mean_error: float = attrs.field(validator=_nonneg)
+    loo_worst_error: float = attrs.field(validator=_nonneg)
+    uncertainty: Uncertainty
+
+    def predict(self, length: float, cached: float) -> float:
+        """TTFT in seconds of ``length`` prompt tokens, the first ``cached`` cached."""
+        return cached_prefill_s(self.a, self.b, self.c, self.d, length, cached)
+
+    def predict_upper(self, length: float, cached: float) -> float:
+        """The conservative price: the prediction times the upper-bound factor."""
+        return self.predict(length, cached) * self.uncertainty.upper_factor
+
+
+@attrs.frozen(kw_only=True)
 class DecodeAxis:
     """Observed range of one decode axis."""
 
@@ -235,6 +279,10 @@ class EngineProfile:
     ``kv_capacity`` are None. A decode-only engine still has a TTFT curve: its prefill
     sweep measures the prompt processing every decode request starts with when the
     router decodes on the producer or recomputes a prompt (no transfer).
+
+    ``cached_prefill`` is the cached-prefix model of an engine with prefix caching whose
+    cached-prefix sweep was accepted (None otherwise: placement then prices a hit from
+    the TTFT curve alone).
     """
 
     name: str
@@ -243,6 +291,7 @@ class EngineProfile:
     decode: DecodeModel | None = None
     kv_capacity: KVCapacity | None = None
     roles: tuple[str, ...] = ("prefill", "decode")
+    cached_prefill: CachedPrefill | None = None
 
     def predict_ttft(self, length: float) -> float:
         """Predicted TTFT in seconds for a ``length``-token prompt."""

@@ -40,7 +40,9 @@ __all__ = [
     "cell_summary",
     "decode_sweep",
     "plan_cells",
+    "plan_prefix_cells",
     "prefill_sweep",
+    "prefix_sweep",
     "probe_engine",
 ]
 
@@ -60,6 +62,8 @@ WORDS: Final = tuple(dict.fromkeys((
     "golden light until evening brings cool wind gentle rain silver moon"
 ).split()))  # fmt: skip
 _TOKENIZE_TRIES: Final = 4
+#: Tries of a cached-prefix repeat whose warm prefix the engine did not serve from cache.
+_PREFIX_TRIES: Final = 3
 
 
 class SweepRejected(Exception):
@@ -98,6 +102,7 @@ class EngineFacts:
         kv_cache_size_tokens: ``kv_cache_size_tokens`` of ``cache_config_info``, only
             when the engine reports that label.
         metrics_error: why ``/metrics`` could not be read, if it could not.
+        block_size: ``block_size`` of ``cache_config_info``, when reported.
     """
 
     max_model_len: int
@@ -105,6 +110,7 @@ class EngineFacts:
     prefix_caching: bool | None
     kv_cache_size_tokens: int | None
     metrics_error: str | None = None
+    block_size: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +120,7 @@ class EngineFacts:
             "prefix_caching": self.prefix_caching,
             "kv_cache_size_tokens": self.kv_cache_size_tokens,
             "metrics_error": self.metrics_error,
+            "block_size": self.block_size,
         }
 
 
@@ -149,6 +156,7 @@ async def probe_engine(client: EngineClient) -> EngineFacts:
         raise SweepRejected(f"engine {client.name}'s /tokenize returns no token ids")
     prefix: bool | None = None
     kv: int | None = None
+    block: int | None = None
     error: str | None = None
     try:
         metrics = await client.metrics()
@@ -157,7 +165,8 @@ async def probe_engine(client: EngineClient) -> EngineFacts:
     else:
         prefix = metrics.prefix_caching
         kv = _reported_kv_tokens(metrics.get("vllm:cache_config_info"))
-    return EngineFacts(text.max_model_len, text.count / len(WORDS), prefix, kv, error)
+        block = metrics.block_size
+    return EngineFacts(text.max_model_len, text.count / len(WORDS), prefix, kv, error, block)
 
 
 class PromptFactory:
@@ -233,6 +242,7 @@ async def _measure_prefill(
         "ttft_s": result.completed_at - result.started_at,
         "started_at": result.started_at,
         "prompt_tokens": result.prompt_tokens,
+        "reported_cached": result.cached_tokens,
     }
 
 
@@ -288,6 +298,88 @@ async def prefill_sweep(
         progress.line(name, f"prefill: {n} tokens: median TTFT {medians[n] * 1e3:.2f} ms "
                             f"over {len(times)} repeats")  # fmt: skip
     return medians
+
+
+def plan_prefix_cells(
+    lengths: Sequence[int], fractions: Sequence[float], *, block_size: int, max_model_len: int
+) -> list[tuple[int, int]]:
+    """The cached-prefix cells ``(L, k)``: for every prompt length L that fits, a cached
+    prefix of ``fraction * L`` tokens rounded down to whole blocks (a cache holds whole
+    blocks), at least one block and short of the last prompt token (always computed)."""
+    cells: set[tuple[int, int]] = set()
+    for n in sorted(set(lengths)):
+        if n + 1 > max_model_len:
+            continue
+        most = (n - 1) // block_size * block_size
+        for f in fractions:
+            k = min(int(f * n) // block_size * block_size, most)
+            if k >= block_size:
+                cells.add((n, k))
+    return sorted(cells)
+
+
+async def prefix_sweep(
+    client: EngineClient,
+    cells: Sequence[tuple[int, int]],
+    record: dict[str, Any],
+    *,
+    repeats: int,
+    prompt: PromptFactory,
+    timeout_s: float,
+    progress: Progress,
+) -> None:
+    """Measure prefill with a cached prefix at every cell ``(L, k)``.
+
+    Each repeat takes a new prompt of L tokens (unique from its first block, like every
+    probe prompt), warms its first k tokens with a prefill of its own, then measures
+    the whole prompt, whose first k tokens the engine now serves from its cache. Before
+    every cell the engine's prefix cache is reset where the engine offers
+    ``POST /reset_prefix_cache`` (vLLM in development mode), so that the cells'
+    prompts do not evict one another mid-cell; where it does not, the unique prompts
+    alone keep the cells apart. The engine's own count of cached tokens
+    (``prompt_tokens_details.cached_tokens``), where it reports one, must equal k: a
+    repeat whose warm prefix was evicted is measured again (up to three times).
+
+    ``record`` receives the cells, whether the cache was reset, every warm-up prefill
+    (``warm``) and every measured repeat (``repeats``: ``length``, ``cached``,
+    ``ttft_s``, ``reported_cached``), as they are measured.
+
+    Raises:
+        EngineError: a request failed.
+        SweepRejected: the engine kept reporting a cached count other than k.
+    """
+    name = client.name
+    record.update(cells=[{"length": n, "cached": k} for n, k in cells], warm=[], repeats=[],
+                  mismatched=[])  # fmt: skip
+    reset: bool | None = None
+    for i, (n, k) in enumerate(cells, 1):
+        if reset is not False:
+            reset = await bounded(client, timeout_s, "POST /reset_prefix_cache",
+                                  client.reset_prefix_cache)  # fmt: skip
+            if "reset" not in record:
+                record["reset"] = ("POST /reset_prefix_cache before every cell" if reset else
+                                   "not offered (POST /reset_prefix_cache refused): unique "
+                                   "prompts only")  # fmt: skip
+        times = []
+        for r in range(repeats):
+            progress.status(name, f"prefix: cell {i}/{len(cells)}: {n} tokens, {k} cached, "
+                                  f"repeat {r + 1}/{repeats}")  # fmt: skip
+            for _attempt in range(_PREFIX_TRIES):
+                ids = await prompt(n)
+                record["warm"].append(await _measure_prefill(client, ids[:k], timeout_s))
+                sample = await _measure_prefill(client, ids, timeout_s) | {"cached": k, "repeat": r}
+                reported = sample["reported_cached"]
+                if reported is None or reported == k:
+                    break
+                record["mismatched"].append(sample)
+            else:
+                raise SweepRejected(f"engine {name} served {reported} cached tokens of a "
+                                    f"{n}-token prompt whose first {k} were just prefilled, "
+                                    f"{_PREFIX_TRIES} times (is its cache under other load?)")  # fmt: skip
+            record["repeats"].append(sample)
+            times.append(sample["ttft_s"])
+        progress.line(name, f"prefix: {n} tokens, {k} cached: median TTFT "
+                            f"{statistics.median(times) * 1e3:.2f} ms over {len(times)} repeats")  # fmt: skip
 
 
 def plan_cells(

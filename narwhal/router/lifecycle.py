@@ -283,7 +283,9 @@ class RequestLifecycle:
         placed_at = state.clock()
         ids = self.prompt.ids if self.prompt is not None else None
         prefix = state.prefix
-        cached = (lambda name: prefix.cached_tokens(name, ids)) if ids is not None and prefix.active else None
+        # The prompt's block chain is looked up once; each candidate engine's hit is then
+        # a walk over its ids.
+        cached = prefix.lookup(ids).cached_tokens if ids is not None and prefix.active else None
         try:
             reservation = await state.placement.acquire(
                 self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline,

@@ -13,7 +13,9 @@ block size and its capacity, and its ``process_start_time_seconds``:
 
 An engine with a ``kv_events`` endpoint has a :class:`KVEventSubscriber` for the
 router's lifetime, whose batches and resets go to the index. Unreachable engines keep
-their view as it was until they answer again.
+their view as it was until they answer again. Everything runs in one nursery: when the
+router stops, the subscribers' tasks end, each closes its sockets (the SUB socket and
+any replay DEALER) on the way out, and ``state.kv_subscribers`` is emptied.
 """
 
 from __future__ import annotations
@@ -24,25 +26,15 @@ from typing import Final
 import trio
 
 from narwhal.engines.kvevents import KVEventSubscriber
-from narwhal.engines.metrics import EngineMetrics
 from narwhal.errors import EngineError
 from narwhal.router.state import RouterState
 
-__all__ = ["PREFIX_REFRESH_S", "block_size_of", "watch_prefix_caches"]
+__all__ = ["PREFIX_REFRESH_S", "watch_prefix_caches"]
 
 log = logging.getLogger("narwhal.router.prefix")
 
 #: Seconds between two reads of an engine's cache configuration.
 PREFIX_REFRESH_S: Final = 10.0
-
-
-def block_size_of(metrics: EngineMetrics) -> int | None:
-    """The block size ``cache_config_info`` reports (the first core's), if any."""
-    for info in metrics.get("vllm:cache_config_info"):
-        raw = info.label("block_size")
-        if raw is not None and raw.isdigit() and int(raw) > 0:
-            return int(raw)
-    return None
 
 
 async def watch_prefix_caches(
@@ -62,7 +54,7 @@ async def watch_prefix_caches(
         try:
             with trio.move_on_after(state.config.engine.connect_timeout_s):
                 metrics = await state.clients[name].metrics()
-                block_size = block_size_of(metrics)
+                block_size = metrics.block_size
                 if metrics.prefix_caching is not True or block_size is None:
                     if index.enabled(name):
                         log.info("engine %s: prefix caching off; its prefix view is dropped", name)
@@ -84,23 +76,27 @@ async def watch_prefix_caches(
             for name in state.engines:
                 nursery.start_soon(refresh, name)
 
-    async with trio.open_nursery() as nursery:
-        for name, engine in state.engines.items():
-            kv = engine.kv_events
-            if kv is None:
-                continue
-            sub = KVEventSubscriber(
-                kv.endpoint,
-                replay_endpoint=kv.replay_endpoint,
-                topic=kv.topic,
-                on_batch=lambda _seq, batch, name=name: index.apply(name, batch),  # type: ignore[misc]
-                on_reset=lambda _why, name=name: index.reset(name),  # type: ignore[misc]
-            )
-            index.follow(name)
-            state.kv_subscribers[name] = sub
-            await nursery.start(sub.run)
-        await refresh_all()
-        task_status.started()
-        while True:
-            await trio.sleep(refresh_s)
+    try:
+        async with trio.open_nursery() as nursery:
+            for name, engine in state.engines.items():
+                kv = engine.kv_events
+                if kv is None:
+                    continue
+                sub = KVEventSubscriber(
+                    kv.endpoint,
+                    replay_endpoint=kv.replay_endpoint,
+                    topic=kv.topic,
+                    on_batch=lambda _seq, batch, name=name: index.apply(name, batch),  # type: ignore[misc]
+                    on_reset=lambda _why, name=name: index.reset(name),  # type: ignore[misc]
+                )
+                index.follow(name)
+                state.kv_subscribers[name] = sub
+                await nursery.start(sub.run)
             await refresh_all()
+            task_status.started()
+            while True:
+                await trio.sleep(refresh_s)
+                await refresh_all()
+    finally:
+        # The subscribers' tasks and sockets ended with the nursery; so does their listing.
+        state.kv_subscribers.clear()

@@ -8,10 +8,12 @@ When the fleet names a profiles pair whose fits bind to the engines running now
   engine's correction factor (reactive control keeps it). The own prefill is the
   fitted TTFT curve at the prompt's length L; where the router's prefix index says
   the producer holds the prompt's first k tokens, it is the curve's price of the
-  uncached part, ``ttft(L) - ttft(k) + ttft(0)``: for the fitted ``a + b*L + c*L**2``
-  that is ``a + b*(L-k) + c*(L**2 - k**2)``, the new tokens and the attention pairs
-  they add over the cached prefix (the reserved work of a request is its hit-aware
-  price too);
+  uncached part: the profile's cached-prefix model ``a + b*(L-k) + c*(L**2 - k**2) +
+  d*k`` where the profiler measured one (``narwhal profile``'s cached-prefix sweep),
+  else ``ttft(L) - ttft(k) + ttft(0)`` of the TTFT curve (for the fitted ``a + b*L +
+  c*L**2`` that is the same form with ``d = 0``: the new tokens and the attention pairs
+  they add over the cached prefix); never above the price of a miss (the reserved work
+  of a request is its hit-aware price too);
 - consumer: predicted TPOT with this request added (active + 1, resident KV + its
   prompt and output tokens), times its correction factor. Inside the profiled decode
   domain the fit is used as is; outside it the price is taken at the domain's edge and
@@ -23,6 +25,10 @@ When the fleet names a profiles pair whose fits bind to the engines running now
 - ``controller.pricing: upper`` prices every prediction at its bootstrap upper bound
   (the profile's ``upper_factor``) instead of the point estimate;
 - an engine profiled for prefill only is never priced as a consumer.
+
+Among consumers predicted equal (TPOT within 1 %), the one whose own prefix cache holds
+most of the prompt wins: it pulls fewer blocks from the producer (see
+:func:`best_consumer` for why that pull is not priced).
 
 The pair with the most headroom against both SLOs wins (headroom = the smaller of
 ``1 - predicted/target`` over TTFT and TPOT). When no pair is predicted to meet them,
@@ -44,6 +50,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Final
 
 import attrs
 import trio
@@ -53,7 +60,7 @@ from narwhal.errors import Refused
 from narwhal.profile.store import EngineProfile
 from narwhal.router.placement import Placement, Reservation
 
-__all__ = ["PricedPlacement", "Quote"]
+__all__ = ["CONSUMER_TIE", "PricedPlacement", "Quote", "best_consumer"]
 
 log = logging.getLogger("narwhal.router.placement")
 
@@ -62,8 +69,10 @@ log = logging.getLogger("narwhal.router.placement")
 class Quote:
     """A candidate's price for one request.
 
-    ``cached_tokens`` and ``own_s`` (a producer's predicted prefix-cache hit, None
-    when no prefix index was asked, and its own prefill time) are set on producer quotes.
+    ``cached_tokens`` is the engine's predicted prefix-cache hit (None when no prefix
+    index was asked): on a producer quote what it need not compute, on a consumer quote
+    what it need not pull. ``own_s`` (a producer's own prefill time) is set on producer
+    quotes.
     """
 
     engine: str
@@ -113,13 +122,21 @@ class PricedPlacement(Placement):
         return 1.0 - predicted / target
 
     def prefill_s(self, name: str, prompt_tokens: int, cached_tokens: int = 0) -> float:
-        """Predicted prefill of a prompt whose first ``cached_tokens`` are cached there."""
+        """Predicted prefill of a prompt whose first ``cached_tokens`` are cached there:
+        the profile's measured cached-prefix model where it has one, else the TTFT
+        curve's price of the uncached part; never above the price of a miss."""
         profile = self.profiles[name]
         full = self._ttft(profile, prompt_tokens)
         if cached_tokens <= 0:
             return full
         k = min(cached_tokens, prompt_tokens)
-        return max(full - self._ttft(profile, k) + self._ttft(profile, 0), 0.0)
+        model = profile.cached_prefill
+        if model is not None:
+            hit = (model.predict_upper(prompt_tokens, k) if self.pricing == "upper"
+                   else model.predict(prompt_tokens, k))  # fmt: skip
+        else:
+            hit = full - self._ttft(profile, k) + self._ttft(profile, 0)
+        return min(max(hit, 0.0), full)
 
     def quote_producer(
         self, name: str, prompt_tokens: int, elapsed_s: float = 0.0, cached_tokens: int | None = None
@@ -135,7 +152,11 @@ class PricedPlacement(Placement):
             return profile.ttft.predict_upper(prompt_tokens)
         return profile.predict_ttft(prompt_tokens)
 
-    def quote_consumer(self, name: str, prompt_tokens: int, max_tokens: int) -> Quote | None:
+    def quote_consumer(
+        self, name: str, prompt_tokens: int, max_tokens: int, cached_tokens: int | None = None
+    ) -> Quote | None:
+        """Predicted TPOT with this request added; ``cached_tokens`` (the consumer's own
+        prefix-cache hit, which it need not pull) rides on the quote for the choice."""
         profile = self.profiles[name]
         decode, capacity = profile.decode, profile.kv_capacity
         if decode is None or capacity is None:
@@ -160,7 +181,8 @@ class PricedPlacement(Placement):
         if self.pricing == "upper":
             predicted *= decode.upper_factor
         predicted *= self.tpot_correction[name]
-        return Quote(name, predicted, self._headroom(predicted, self.slo.tpot_s), out_of_domain=not inside)
+        return Quote(name, predicted, self._headroom(predicted, self.slo.tpot_s), out_of_domain=not inside,
+                     cached_tokens=cached_tokens)  # fmt: skip
 
     # ----------------------------------------------------------------- choosing
 
@@ -190,11 +212,13 @@ class PricedPlacement(Placement):
             (self.quote_producer(n, prompt_tokens, elapsed_s, cached(n) if cached else None) for n in producers),
             key=lambda q: q.headroom,
         )
-        quotes = [q for n in consumers if (q := self.quote_consumer(n, prompt_tokens, max_tokens)) is not None]
+        quotes = [
+            q for n in consumers
+            if (q := self.quote_consumer(n, prompt_tokens, max_tokens, cached(n) if cached else None)) is not None
+        ]  # fmt: skip
         if not quotes:
             return None
-        c = max(quotes, key=lambda q: q.headroom)
-        return p, c
+        return p, best_consumer(quotes)
 
     def choose(
         self,
@@ -289,6 +313,30 @@ class PricedPlacement(Placement):
         self.prefill_engines = list(prefill)
         self.decode_engines = list(decode)
         self._capacity_changed()
+
+
+#: Consumers whose predicted TPOT lies within this share of the best one's are equal
+#: for the choice: the decode fits are held to a few percent of error, so a smaller
+#: difference says nothing about which decodes faster.
+CONSUMER_TIE: Final = 0.01
+
+
+def best_consumer(quotes: Sequence[Quote]) -> Quote:
+    """The consumer to decode on: the most TPOT headroom; among consumers predicted
+    equal (within :data:`CONSUMER_TIE` of the best TPOT, and on the same side of the
+    target), the one whose own prefix cache holds most of the prompt, which pulls the
+    fewest blocks from the producer; then the most headroom.
+
+    The pull is not priced: the profile measures each engine alone, and a transfer's time
+    belongs to a (producer, consumer) pair and the network between them, which no sweep
+    measures per block (``narwhal check``'s transfer probe times one short handoff per
+    pair). Priced at zero, a consumer's cached blocks can only break a tie.
+    """
+    best = max(quotes, key=lambda q: q.headroom)
+    equal = [q for q in quotes
+             if q.predicted_s <= best.predicted_s * (1.0 + CONSUMER_TIE)
+             and (q.headroom >= 0) == (best.headroom >= 0)]  # fmt: skip
+    return max(equal, key=lambda q: (q.cached_tokens or 0, q.headroom))
 
 
 class _NoCapacity(Exception):

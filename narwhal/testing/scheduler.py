@@ -15,10 +15,10 @@ Prefix caching (``prefix_caching``) works as vLLM's (see
 cached whole blocks of its prompt, short of the last prompt token (at least one token
 is always computed); its blocks are cached as they fill, prompt and generated tokens
 alike. A prefill of L prompt tokens of which k are cached costs
-``a + b*(L-k) + c*(L**2 - k**2)`` seconds: the linear term pays the new tokens, the
+``a + b*(L-k) + c*(L**2 - k**2) + d*k`` seconds: the linear term pays the new tokens, the
 quadratic term the attention pairs they add, each new token attending over the cached
 prefix and the new tokens before it (``L**2 - k**2`` is the full prompt's pairs minus
-the cached prefix's own). A consumer pulls only the prompt blocks it does not hold.
+the cached prefix's own), and ``d`` (0 by default) whatever a cached token still costs. A consumer pulls only the prompt blocks it does not hold.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ class Scheduler:
         """Noise-free prefill time of ``tokens`` prompt tokens, ``cached`` of them cached."""
         p = self.sim.prefill
         computed = tokens - cached
-        return p.a + p.b * computed + p.c * (tokens * tokens - cached * cached)
+        return p.a + p.b * computed + p.c * (tokens * tokens - cached * cached) + p.d * cached
 
     def step_seconds(self, active: int, resident_kv: int) -> float:
         """Noise-free decode step time."""
