@@ -30,8 +30,8 @@ from narwhal.errors import ConfigError
 
 __all__ = [
     "FAULT_KINDS", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
-    "EngineContract", "EngineTimeouts", "FaultSpec", "FleetConfig", "HandoffConfig",
-    "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
+    "EngineContract", "EngineGroupConfig", "EngineTimeouts", "FaultSpec", "FleetConfig",
+    "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
     "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "converter",
     "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "unstructure_fleet",
 ]  # fmt: skip
@@ -143,7 +143,7 @@ def _check_role(role: Any, before: tuple[Any, ...]) -> str | None:
 
 _texts = _items(lambda v, _: None if isinstance(v, str) and v else "expected a non-empty string")
 _roles = _items(_check_role, empty="expected at least one role")
-_engines = _items(lambda v, _: None, empty="expected at least one engine")
+_engines = _items(lambda v, _: None)
 
 
 # Converters let code build the classes from any iterable; concrete types keep mypy precise.
@@ -160,6 +160,10 @@ def _fault_tuple(value: Iterable[FaultSpec]) -> tuple[FaultSpec, ...]:
 
 
 def _engine_tuple(value: Iterable[EngineConfig]) -> tuple[EngineConfig, ...]:
+    return tuple(value)
+
+
+def _group_tuple(value: Iterable[EngineGroupConfig]) -> tuple[EngineGroupConfig, ...]:
     return tuple(value)
 
 
@@ -341,8 +345,24 @@ class SimConfig:
     faults: tuple[FaultSpec, ...] = attrs.field(default=(), converter=_fault_tuple)
 
 
+class _Roles:
+    """What an engine (or a group's engines) may do, from its ``roles``."""
+
+    roles: tuple[Role, ...]
+
+    @property
+    def can_prefill(self) -> bool:
+        """Whether the ``prefill`` role is among the roles."""
+        return "prefill" in self.roles
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether the ``decode`` role is among the roles."""
+        return "decode" in self.roles
+
+
 @attrs.frozen(kw_only=True)
-class EngineConfig:
+class EngineConfig(_Roles):
     """One engine of the fleet (an item of ``engines``).
 
     Attributes:
@@ -366,16 +386,6 @@ class EngineConfig:
     sim: SimConfig | None = None
 
     @property
-    def can_prefill(self) -> bool:
-        """Whether the engine has the ``prefill`` role."""
-        return "prefill" in self.roles
-
-    @property
-    def can_decode(self) -> bool:
-        """Whether the engine has the ``decode`` role."""
-        return "decode" in self.roles
-
-    @property
     def host(self) -> str:
         """Host part of ``url`` (IPv6 without brackets)."""
         hp = _host_port(self.url)
@@ -388,6 +398,66 @@ class EngineConfig:
         hp = _host_port(self.url)
         assert hp is not None
         return hp[1]
+
+
+@attrs.frozen(kw_only=True)
+class GroupConnectorConfig:
+    """The KV connector of every engine of a group; its KV host is the engine's address.
+
+    Attributes:
+        type: vLLM KV connector class name, e.g. ``NixlConnector``.
+        kv_port: Port of each engine's KV side channel (the descriptor's ``remote_port``).
+    """
+
+    type: str = attrs.field(default="NixlConnector", validator=_text)
+    kv_port: int = attrs.field(validator=_port)
+
+
+@attrs.frozen(kw_only=True)
+class GroupKVEventsConfig:
+    """Where every engine of a group publishes its KV-cache events, on its own address.
+
+    Attributes:
+        port: The ZeroMQ PUB port (vLLM's ``--kv-events-config`` ``endpoint``).
+        replay_port: The ROUTER replay port; null means none.
+        topic: The topic the engines publish under.
+    """
+
+    port: int = attrs.field(validator=_port)
+    replay_port: int | None = attrs.field(default=None, validator=_opt(_port))
+    topic: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class EngineGroupConfig(_Roles):
+    """Engines found in DNS, one per address ``host`` resolves to (an item of ``engine_groups``).
+
+    As a Kubernetes headless Service publishes its ready pods: every address is one engine
+    at ``http://<address>:<port>``, named ``<name>-<address>``. The router resolves
+    ``host`` again every ``resolve_every_s`` and adds and drains engines as addresses
+    appear and disappear, as a fleet reload would.
+
+    Attributes:
+        name: Unique group name; its engines are named ``<name>-<address>``.
+        host: The DNS name to resolve (e.g. ``vllm-decode.llm.svc.cluster.local``).
+        port: The port of each engine's OpenAI HTTP surface.
+        roles: What the group's engines may do: ``prefill``, ``decode`` or both.
+        model: Model name to request; null uses each engine's only model.
+        api_key: Bearer key sent to the engines; null sends none.
+        connector: KV connector of the engines; needed for remote handoff.
+        kv_events: Where the engines publish KV-cache events; null: none are read.
+        resolve_every_s: Seconds between two resolutions of ``host``.
+    """
+
+    name: str = attrs.field(validator=_name)
+    host: str = attrs.field(validator=_text)
+    port: int = attrs.field(validator=_port)
+    roles: tuple[Role, ...] = attrs.field(converter=_role_tuple, validator=_roles)
+    model: str | None = attrs.field(default=None, validator=_opt(_text))
+    api_key: str | None = None
+    connector: GroupConnectorConfig | None = None
+    kv_events: GroupKVEventsConfig | None = None
+    resolve_every_s: float = attrs.field(default=10.0, validator=_positive)
 
 
 # ------------------------------------------------------------------ policy sections
@@ -578,7 +648,8 @@ class FleetConfig:
 
     Attributes:
         server: The router's HTTP listener.
-        engines: The engines; names and urls unique, at least one prefill and one decode.
+        engines: The engines; names and urls unique, at least one prefill and one decode
+            (counting those of ``engine_groups``).
         engine: Deadlines of engine legs.
         handoff: The KV handoff.
         recovery: Failure handling.
@@ -586,6 +657,7 @@ class FleetConfig:
         profiles: Latency profiles and their limits.
         controller: Placement control under the SLO.
         journal: The router journal.
+        engine_groups: Engines found in DNS (a Kubernetes headless Service per role).
     """
 
     server: ServerConfig = attrs.field(factory=ServerConfig)
@@ -597,8 +669,11 @@ class FleetConfig:
     profiles: ProfilesConfig = attrs.field(factory=ProfilesConfig)
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     journal: JournalConfig = attrs.field(factory=JournalConfig)
+    engine_groups: tuple[EngineGroupConfig, ...] = attrs.field(default=(), converter=_group_tuple)
 
     def __attrs_post_init__(self) -> None:
+        if not self.engines and not self.engine_groups:
+            raise ConfigError("expected at least one engine (or an engine group)", path="$.engines")
         seen: dict[tuple[Any, ...], str] = {}  # name / url / KV endpoint -> engine name
         for i, e in enumerate(self.engines):
             checks = [
@@ -613,17 +688,30 @@ class FleetConfig:
                     owner = f" already used by engine {seen[key]!r}" if field != "name" else ""
                     raise ConfigError(what + owner, path=f"$.engines[{i}].{field}")
                 seen[key] = e.name
+        groups = self.engine_groups
+        names = {e.name for e in self.engines}
+        for i, g in enumerate(groups):
+            if g.name in names:
+                what = "engine group" if any(o.name == g.name for o in groups[:i]) else "engine"
+                raise ConfigError(f"duplicate name {g.name!r} (an {what} has it)", path=f"$.engine_groups[{i}].name")
+            names.add(g.name)
         for role in ROLES:
-            if not any(role in e.roles for e in self.engines):
+            if not any(role in e.roles for e in self.engines) and not any(role in g.roles for g in groups):
                 raise ConfigError(f"no engine has the {role} role", path="$.engines")
+        group_decodes = any(g.can_decode for g in groups)
         for i, e in enumerate(self.engines):
             if (
                 e.can_prefill
                 and e.connector is None
-                and any(o.can_decode for o in self.engines if o is not e)
+                and (group_decodes or any(o.can_decode for o in self.engines if o is not e))
             ):
                 message = "a prefill engine needs a connector when another engine can decode"
                 raise ConfigError(message, path=f"$.engines[{i}].connector")
+        decodes = group_decodes or any(e.can_decode for e in self.engines)
+        for i, g in enumerate(groups):
+            if g.can_prefill and g.connector is None and decodes:
+                message = "a prefill engine group needs a connector when an engine can decode"
+                raise ConfigError(message, path=f"$.engine_groups[{i}].connector")
         first_token = self.engine.first_token_timeout_s
         if self.handoff.max_age_s <= first_token:
             # The handoff's age starts with the prefill leg, before the first-token

@@ -62,19 +62,16 @@ class RouterState:
     ) -> None:
         self.config = config
         self.clock = clock
+        self._transport = transport
         self.engines: dict[str, EngineConfig] = {e.name: e for e in config.engines}
-        self.clients: dict[str, EngineClient] = {
-            e.name: EngineClient(
-                e.url,
-                name=e.name,
-                model=e.model,
-                connector=e.connector,
-                api_key=e.api_key,
-                transport=transport,
-                connect_timeout_s=config.engine.connect_timeout_s,
-            )
-            for e in config.engines
-        }
+        self.clients: dict[str, EngineClient] = {e.name: self._client(e) for e in config.engines}
+        #: Engines that are not (or no longer) plainly serving: ``starting`` (added at run
+        #: time, waiting for its readiness probe) or ``draining`` (removed: no new
+        #: placements, its requests finish). Engines absent here serve.
+        self.phase: dict[str, str] = {}
+        #: Assigns the placement roles of the engines in placement (reactive control
+        #: replaces it); by default every engine takes every role it permits.
+        self.assign_roles: Callable[[list[EngineConfig]], tuple[list[str], list[str]]] = _permitted_roles
         rec = config.recovery
         prefill = [e.name for e in config.engines if e.can_prefill]
         decode = [e.name for e in config.engines if e.can_decode]
@@ -123,6 +120,78 @@ class RouterState:
         #: What each engine's prefix cache holds (kept by ``watch_prefix_caches``).
         self.prefix = PrefixIndex()
         self.kv_subscribers: dict[str, KVEventSubscriber] = {}
+        #: Why an engine is still ``starting`` (its last readiness probe), for /health.
+        self.phase_errors: dict[str, str] = {}
+
+    def _client(self, e: EngineConfig) -> EngineClient:
+        return EngineClient(
+            e.url,
+            name=e.name,
+            model=e.model,
+            connector=e.connector,
+            api_key=e.api_key,
+            transport=self._transport,
+            connect_timeout_s=self.config.engine.connect_timeout_s,
+        )
+
+    # ------------------------------------------------------------ a changing fleet
+
+    def members(self) -> list[EngineConfig]:
+        """The engines placement may use: those serving, and a draining engine while no
+        serving engine has one of its roles (a role is never left empty by a change)."""
+        serving = [e for e in self.engines.values() if e.name not in self.phase]
+        out = []
+        for e in self.engines.values():
+            phase = self.phase.get(e.name)
+            if phase is None:
+                out.append(e)
+            elif phase == "draining" and any(
+                not any(role in o.roles for o in serving) for role in e.roles
+            ):
+                out.append(e)
+        return out
+
+    def refresh_roles(self) -> None:
+        """Recompute placement's engines of each role (and the breaker's) after a change."""
+        members = self.members()
+        prefill, decode = self.assign_roles(members)
+        self.placement.set_roles(prefill, decode)
+        permitted = _permitted_roles(members)
+        self.breaker.set_roles({"prefill": permitted[0], "decode": permitted[1]})
+        self.placement.notify_released()
+
+    def add_engine(self, engine: EngineConfig, *, phase: str | None = "starting") -> None:
+        """Know ``engine`` (its client, breaker state, load); ``phase`` ``starting`` keeps
+        it out of placement until :meth:`refresh_roles` follows a readiness probe."""
+        name = engine.name
+        if name in self.engines:
+            raise ValueError(f"engine {name} is already in the fleet")
+        self.engines[name] = engine
+        self.clients[name] = self._client(engine)
+        self.breaker.add(name)
+        self.placement.add_engine(name)
+        self.in_flight_by_engine[name] = 0
+        if phase is not None:
+            self.phase[name] = phase
+        model = engine.model or (engine.sim.model if engine.sim is not None else None)
+        if model:
+            self.models.setdefault(model, None)
+
+    def busy(self, name: str) -> bool:
+        """Whether a request (reservation, leg, token count) still uses ``name``."""
+        return not self.placement.idle(name) or self.in_flight_by_engine.get(name, 0) > 0
+
+    async def forget_engine(self, name: str) -> None:
+        """Drop a drained engine from every table and close its connections."""
+        self.phase.pop(name, None)
+        self.engines.pop(name, None)
+        client = self.clients.pop(name, None)
+        self.breaker.remove(name)
+        self.placement.remove_engine(name)
+        self.in_flight_by_engine.pop(name, None)
+        self.prefix.forget(name)
+        if client is not None:
+            await client.close_connections()
 
     def placeable(self, name: str) -> bool:
         """Whether placement may use ``name`` now: the breaker lets it, and an engine on
@@ -142,8 +211,10 @@ class RouterState:
 
     def engine_state(self, name: str) -> str:
         """The breaker's word for the engine: ``ok``, ``trial``, ``quarantined``, ``held`` or
-        ``ejected`` (out until a readmission probe succeeds)."""
-        return self.breaker.status(name)
+        ``ejected`` (out until a readmission probe succeeds); or the fleet's: ``starting``
+        (added, waiting for its readiness probe) or ``draining`` (removed, finishing its
+        requests)."""
+        return self.phase.get(name) or self.breaker.status(name)
 
     def health(self, *, detail: bool) -> dict[str, Any]:
         """The ``/health`` body: ready or not (and why), each engine's state; with
@@ -153,8 +224,11 @@ class RouterState:
         for name, engine in self.engines.items():
             st = self.engine_state(name)
             if detail:
-                last = self.breaker.states[name].last_error
+                last = self.phase_errors.get(name) or self.breaker.states[name].last_error
                 engines[name] = {"state": st, "url": engine.url, "error": last if st != "ok" else None}
+                if isinstance(self.placement, PricedPlacement):
+                    unbound = self.placement.unbound.get(name)
+                    engines[name]["pricing"] = "profile" if unbound is None else f"load ({unbound})"
             else:
                 engines[name] = st
         body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable"}
@@ -200,6 +274,7 @@ class RouterState:
         model = parsed_body.get("model")
         for i, name in enumerate(candidates):
             client = self.clients[name]
+            self.in_flight_by_engine[name] += 1
             try:
                 if kind == "chat":
                     return await client.tokenize(messages=parsed_body["messages"], model=model)
@@ -211,10 +286,14 @@ class RouterState:
                     self.breaker.record_failure(name, f"tokenize: {err.message}")
                 if not err.transient or i == len(candidates) - 1:
                     raise
+            finally:
+                self.in_flight_by_engine[name] -= 1
+                self.placement.notify_released()
         raise AssertionError("unreachable")
 
-    async def refresh_models(self) -> None:
-        """Ask every engine for its models (best effort; failures leave config names)."""
+    async def refresh_models(self, names: list[str] | None = None) -> None:
+        """Ask every engine (or those ``names``) for its models (best effort; failures
+        leave config names)."""
 
         async def one(client: EngineClient) -> None:
             try:
@@ -228,8 +307,9 @@ class RouterState:
                 return
 
         async with trio.open_nursery() as nursery:
-            for client in self.clients.values():
-                nursery.start_soon(one, client)
+            for name, client in self.clients.items():
+                if names is None or name in names:
+                    nursery.start_soon(one, client)
 
     async def bind_profiles(self, names: list[str] | None = None) -> dict[str, str]:
         """Price an engine only while its profile binds to the generation running now.
@@ -242,6 +322,8 @@ class RouterState:
         profiles = self.profiles
 
         async def one(name: str) -> None:
+            if name not in self.clients:  # it left the fleet meanwhile
+                return
             profile = profiles.engines.get(name)
             if profile is None:
                 placement.profiles.pop(name, None)
@@ -253,6 +335,8 @@ class RouterState:
             except (EngineError, trio.TooSlowError) as exc:
                 placement.profiles.pop(name, None)
                 placement.unbound[name] = f"identity unavailable: {exc}"
+                return
+            if name not in self.clients:
                 return
             if live != profile.identity:
                 placement.profiles.pop(name, None)
@@ -275,6 +359,10 @@ class RouterState:
         for client in self.clients.values():
             with trio.move_on_after(5, shield=True):
                 await client.aclose()
+
+
+def _permitted_roles(engines: list[EngineConfig]) -> tuple[list[str], list[str]]:
+    return [e.name for e in engines if e.can_prefill], [e.name for e in engines if e.can_decode]
 
 
 def _generation_change(profiled: EngineIdentity, live: EngineIdentity) -> str:
