@@ -263,6 +263,26 @@ async def test_changed_deadlines_apply_to_requests_that_arrive_after(autojump_cl
         assert by_id["late"]["latency_s"] == pytest.approx(2.0, abs=0.01)
 
 
+async def test_a_request_in_flight_keeps_the_deadlines_it_arrived_with(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0")) as live:
+        async with trio.open_nursery() as nursery:
+            early: list[Outcome] = []
+
+            async def first() -> None:
+                early.append(await live.request("early", 40))
+
+            nursery.start_soon(first)
+            await trio.sleep(0.001)  # in its prefill leg: its decode leg has not started
+            assert live.router.state.in_flight_by_engine["p0"] == 1
+            silent = doc("p0", "d0", engine={"decode_read_timeout_s": STEP_S / 2})
+            await live.router.reload(silent, source="test")
+            late = await live.request("late", 40)
+        assert early[0].ok and early[0].tokens == 40
+        assert late.status == 200 and late.tokens == 1 and late.error is not None
+        by_id = {r["request_id"]: r for r in live.records}
+        assert by_id["late"]["terminal_class"] == "silence_timeout"
+
+
 async def test_roles_change_in_place_and_a_changed_url_replaces_the_engine(autojump_clock: trio.abc.Clock) -> None:
     both = {**ENGINES["d1"], "roles": ["prefill", "decode"]}
     async with open_live(fleet_doc(ENGINES["p0"], ENGINES["d0"], ENGINES["d1"])) as live:
