@@ -171,6 +171,35 @@ async def test_reload_under_load_drains_the_engine_serving_streams_and_adds_two(
         assert ready["pricing"] == "load"
 
 
+async def test_replacing_the_only_producer_under_load(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0", "d1")) as live:
+        state = live.router.state
+        outcomes: dict[str, Outcome] = {}
+        without_p0: set[str] = set()
+        with_p0: set[str] = set()
+
+        async def one(rid: str) -> None:
+            outcomes[rid] = await live.request(rid)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(150):
+                if i == 50:
+                    await live.router.reload(doc("p1", "d0", "d1"), source="test")
+                    # The only producer drains only once its replacement is ready.
+                    assert state.engine_state("p0") == "draining" and "p0" in state.placement.prefill_engines
+                rid = f"r{i}"
+                (with_p0 if "p0" in state.placement.prefill_engines else without_p0).add(rid)
+                nursery.start_soon(one, rid)
+                await trio.sleep(0.02)
+        assert len(outcomes) == 150 and all(o.ok for o in outcomes.values())
+        ids = [r["request_id"] for r in live.records]
+        assert len(ids) == len(set(ids)) == 150
+        assert len(with_p0) > 50 and len(without_p0) > 80
+        assert {r["producer"] for r in live.records if r["request_id"] in without_p0} == {"p1"}
+        assert sorted(state.engines) == ["d0", "d1", "p1"]
+        assert live.net.connections_to("p0.test", 8101) == 0
+
+
 async def test_a_document_that_fails_changes_nothing_and_says_where(autojump_clock: trio.abc.Clock) -> None:
     async with open_live(doc("p0", "d0")) as live:
         state = live.router.state
