@@ -99,6 +99,13 @@ async def test_sighup_replaces_an_engine_serving_streams(tmp_path: Path) -> None
             answer = await client.put("/fleet", content=json.dumps(bad))
             assert answer.status_code == 400
             assert answer.json()["error"]["path"] == "$.engines[1].roles[0]"
+            # And so does a broken file on SIGHUP (the log says why).
+            fleet.write_text(json.dumps(bad))
+            serve.send_signal(signal.SIGHUP)
+            records = tmp_path / "journal.fleet.jsonl"
+            with trio.fail_after(30):
+                while records.read_text().count('"rejected"') < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
             assert sorted((await client.get("/health")).json()["engines"]) == ["d1", "p0"]
     finally:
         for proc in (serve, sim):
@@ -110,6 +117,10 @@ async def test_sighup_replaces_an_engine_serving_streams(tmp_path: Path) -> None
     err = (tmp_path / "serve.log").read_text()
     assert serve is not None and serve.returncode == 0, err
     assert "fleet reloaded (SIGHUP): added d1; removed d0" in err
+    assert (
+        "fleet reload (SIGHUP) refused, nothing changed: fleet.json: expected one of 'prefill', 'decode' "
+        "@ $.engines[1].roles[0]"
+    ) in err
     journal = [json.loads(x) for x in (tmp_path / "journal.jsonl").read_text().splitlines()]
     assert sorted(r["request_id"] for r in journal) == sorted(outcomes) and len(journal) == 80
     assert all(r["terminal_class"] == "ok" for r in journal)
@@ -117,6 +128,6 @@ async def test_sighup_replaces_an_engine_serving_streams(tmp_path: Path) -> None
     records = [json.loads(x) for x in (tmp_path / "journal.fleet.jsonl").read_text().splitlines()]
     assert [(r["event"], r.get("engine")) for r in records] == [
         ("reload", None), ("draining", "d0"), ("starting", "d1"), ("ready", "d1"), ("removed", "d0"),
-        ("rejected", None),
+        ("rejected", None), ("rejected", None),
     ]
     assert records[0]["source"] == "SIGHUP" and records[-1]["path"] == "$.engines[1].roles[0]"
