@@ -21,6 +21,7 @@ import trio
 
 from narwhal.config import parse_fleet
 from narwhal.errors import ConfigError
+from narwhal.router.discovery import group_engines
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router, open_router
 from narwhal.testing import MemoryNetwork, open_memory_network, open_sim_fleet
@@ -250,3 +251,18 @@ async def test_discovery_over_loopback_addresses() -> None:
                 nursery.cancel_scope.cancel()
     assert {r["consumer"] for r in records if r["request_id"] != "z"} == {"decode-127.0.0.2", "decode-127.0.0.3"}
     assert [r["consumer"] for r in records if r["request_id"] == "z"] == ["decode-127.0.0.3"]
+
+
+def test_a_group_engine_per_address_ipv6_included() -> None:
+    config = parse_fleet(fleet_doc(engine("p0", 8101, ["prefill"]), engine_groups=[
+        group(kv_events={"port": 5557, "replay_port": 5558, "topic": "kv"}, model="m", api_key="k")
+    ]))  # fmt: skip
+    [g] = config.engine_groups
+    v4, v6 = group_engines(g, ["10.0.0.7", "fd00::1"])
+    assert (v4.name, v4.url, v4.roles, v4.model, v4.api_key) == ("decode-10.0.0.7", "http://10.0.0.7:8000", ("decode",), "m", "k")
+    assert v4.connector is not None and (v4.connector.kv_host, v4.connector.kv_port) == ("10.0.0.7", 15000)
+    assert v6.name == "decode-fd00--1" and v6.url == "http://[fd00::1]:8000" and v6.host == "fd00::1"
+    assert v6.kv_events is not None
+    assert (v6.kv_events.endpoint, v6.kv_events.replay_endpoint, v6.kv_events.topic) == (
+        "tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558", "kv"
+    )
