@@ -58,7 +58,6 @@ class AdminApp:
         else:
             raise NotFound(f"no route for GET {request.path}")
 
-
     async def _put_fleet(self, request: Request, response: ResponseWriter) -> None:
         headers = (("content-type", "application/json"),)
         if self.reload is None:
@@ -132,4 +131,3 @@ async def _until_closed(ws: trio_websocket.WebSocketConnection, scope: trio.Canc
             await ws.get_message()
     except trio_websocket.ConnectionClosed:
         scope.cancel()
-

@@ -226,9 +226,10 @@ class RouterState:
             if detail:
                 last = self.phase_errors.get(name) or self.breaker.states[name].last_error
                 engines[name] = {"state": st, "url": engine.url, "error": last if st != "ok" else None}
-                if isinstance(self.placement, PricedPlacement):
-                    unbound = self.placement.unbound.get(name)
-                    engines[name]["pricing"] = "profile" if unbound is None else f"load ({unbound})"
+                placement = self.placement
+                if isinstance(placement, PricedPlacement):
+                    why = placement.unbound.get(name, "its profile is not bound yet")
+                    engines[name]["pricing"] = "profile" if name in placement.profiles else f"load ({why})"
             else:
                 engines[name] = st
         body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable"}
