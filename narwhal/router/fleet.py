@@ -184,6 +184,7 @@ class LiveFleet:
         self._lock = trio.Lock()
         self._held: list[dict[str, Any]] | None = None
         self._recorded = trio.Event()
+        self._written = trio.Event()
         self._nursery: trio.Nursery | None = None
         send, receive = trio.open_memory_channel[str](math.inf)
         self._lines_in, self._lines_out = send, receive
@@ -200,14 +201,25 @@ class LiveFleet:
             await trio.sleep_forever()
 
     async def _write(self, path: Path) -> None:
-        async for line in self._lines_out:
-            lines = [line]
-            while True:
-                try:
-                    lines.append(self._lines_out.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            await trio.to_thread.run_sync(_append, path, "".join(lines))
+        try:
+            async for line in self._lines_out:
+                lines = [line]
+                while True:
+                    try:
+                        lines.append(self._lines_out.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await trio.to_thread.run_sync(_append, path, "".join(lines))
+        finally:
+            self._written.set()
+
+    async def aclose(self) -> None:
+        """Write the records still queued (the router stops); later ones are published only."""
+        path, self.path = self.path, None
+        self._lines_in.close()
+        if path is not None and self._nursery is not None:
+            with trio.move_on_after(5, shield=True):
+                await self._written.wait()
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         """Journal and publish one fleet record."""

@@ -215,6 +215,7 @@ async def open_router(
                     await server.shutdown(config.server.shutdown_grace_s)
                     await admin.shutdown(0)
                     await state.journal.aclose()
+                    await fleet.aclose()
                 nursery.cancel_scope.cancel()
     finally:
         await state.aclose()
