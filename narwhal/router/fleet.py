@@ -288,12 +288,13 @@ class LiveFleet:
                 self.reject(err, source)
                 raise
             self._held = []
+            began = time.time()
             try:
                 change = await self._apply(config, profiles, desired, source)
             finally:
                 held, self._held = self._held, None
             if not change.empty:
-                self.record("reload", **change.as_dict())
+                self.record("reload", at=began, **change.as_dict())
             for rec in held:
                 self._emit(rec)
             if self.after_apply is not None:
