@@ -450,18 +450,25 @@ class LiveFleet:
         """Wait until a draining engine is out of placement and idle, then forget it."""
         state = self.state
         placement = state.placement
-        while name in placement.prefill_engines or name in placement.decode_engines:
-            await placement.wait_released()  # role changes wake it too
-        began = state.clock()
+        began: float | None = None  # when it left placement (it may be held for a role)
         warned = False
-        while state.busy(name):
+        while True:
+            if name in placement.prefill_engines or name in placement.decode_engines:
+                began = None
+                await placement.wait_released()  # role changes wake it too
+                continue
+            if not state.busy(name):
+                break
+            if began is None:
+                began = state.clock()
             with trio.move_on_at(began + timeout_s if not warned else math.inf) as scope:
                 await placement.wait_released()
             if scope.cancelled_caught:
                 warned = True
                 log.warning("engine %s still serves %d request(s) %g s into its drain", name,
                             state.in_flight_by_engine.get(name, 0), timeout_s)  # fmt: skip
-        await self._forget(name, f"drained in {state.clock() - began:.3g} s")
+        since = f"{state.clock() - began:.3g} s" if began is not None else "no time"
+        await self._forget(name, f"drained in {since}")
         readd = self._readd.pop(name, None)
         if readd is not None:
             self._add(readd)
