@@ -27,7 +27,7 @@ from narwhal.cmdline import (
     port_number,
     positive_int,
 )
-from narwhal.config import FleetConfig, load_fleet
+from narwhal.config import FleetConfig, load_fleet, parse_fleet
 from narwhal.errors import ConfigError
 from narwhal.logs import LEVELS, configure_logging
 
@@ -175,8 +175,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve_config(args: argparse.Namespace) -> FleetConfig:
-    config = _load(args.fleet)
+def _serve_config(args: argparse.Namespace, document: object = None) -> FleetConfig:
+    """The fleet ``narwhal serve`` serves: the document (``--fleet``, re-read on each call,
+    or one sent to the admin ``PUT /fleet``) with the command line's overrides."""
+    config = _load(args.fleet) if document is None else parse_fleet(document, source="PUT /fleet")
     if args.profiles is not None:
         config = attrs.evolve(config, profiles=attrs.evolve(config.profiles, path=args.profiles))
     keys = [*(args.api_key or ()), *filter(None, [os.environ.get("NARWHAL_API_KEY")])]
@@ -191,6 +193,14 @@ def _serve_config(args: argparse.Namespace) -> FleetConfig:
             f"the admin port {admin} is the router's own port: give --admin-port (or server.admin_port) another"
         )
     return config
+
+
+def _as_worker(args: argparse.Namespace, config: FleetConfig) -> FleetConfig:
+    """A worker of --workers (after the preflight): engine load read from the engines."""
+    if not args.worker_of:
+        return config
+    server = attrs.evolve(config.server, engine_load_poll_s=config.server.engine_load_poll_s or 1.0)
+    return attrs.evolve(config, server=server)
 
 
 def _admin_port(args: argparse.Namespace, config: FleetConfig) -> int:
@@ -227,21 +237,17 @@ def _run(args: argparse.Namespace) -> int:
         profiles = _preflight(config)
         if args.workers > 1:
             trio.run(serving.run_workers, config, args.workers, _worker_argv(args, config), _admin_port(args, config))
-        elif args.worker_of:
-            # A worker of --workers: shared port, engine load read from the engines.
-            server = attrs.evolve(config.server, engine_load_poll_s=config.server.engine_load_poll_s or 1.0)
-            config = attrs.evolve(config, server=server)
-            trio.run(
-                functools.partial(
-                    serving.run_serve, config, args.host, args.port, args.admin_port,
-                    reuse_port=True, start_sims=False, profiles=profiles,
-                    metrics_on_api_port=args.metrics_on_api_port,
-                )
-            )  # fmt: skip
         else:
+
+            def prepare(document: object) -> tuple[FleetConfig, Profiles | None]:
+                fresh = _serve_config(args, document)
+                fresh_profiles = _preflight(fresh)
+                return _as_worker(args, fresh), fresh_profiles
+
             run = functools.partial(
-                serving.run_serve, config, args.host, args.port, args.admin_port,
-                profiles=profiles, metrics_on_api_port=args.metrics_on_api_port,
+                serving.run_serve, _as_worker(args, config), args.host, args.port, args.admin_port,
+                profiles=profiles, metrics_on_api_port=args.metrics_on_api_port, prepare=prepare,
+                reuse_port=bool(args.worker_of), start_sims=not args.worker_of,
             )  # fmt: skip
             trio.run(run)
     elif args.command == "sim":

@@ -30,8 +30,8 @@ from narwhal.errors import ConfigError
 
 __all__ = [
     "FAULT_KINDS", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
-    "EngineContract", "EngineTimeouts", "FaultSpec", "FleetConfig", "HandoffConfig",
-    "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
+    "EngineContract", "EngineGroupConfig", "EngineTimeouts", "FaultSpec", "FleetConfig",
+    "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
     "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "converter",
     "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "unstructure_fleet",
 ]  # fmt: skip
@@ -143,7 +143,7 @@ def _check_role(role: Any, before: tuple[Any, ...]) -> str | None:
 
 _texts = _items(lambda v, _: None if isinstance(v, str) and v else "expected a non-empty string")
 _roles = _items(_check_role, empty="expected at least one role")
-_engines = _items(lambda v, _: None, empty="expected at least one engine")
+_engines = _items(lambda v, _: None)
 
 
 # Converters let code build the classes from any iterable; concrete types keep mypy precise.
@@ -160,6 +160,10 @@ def _fault_tuple(value: Iterable[FaultSpec]) -> tuple[FaultSpec, ...]:
 
 
 def _engine_tuple(value: Iterable[EngineConfig]) -> tuple[EngineConfig, ...]:
+    return tuple(value)
+
+
+def _group_tuple(value: Iterable[EngineGroupConfig]) -> tuple[EngineGroupConfig, ...]:
     return tuple(value)
 
 
@@ -350,8 +354,24 @@ class SimConfig:
     faults: tuple[FaultSpec, ...] = attrs.field(default=(), converter=_fault_tuple)
 
 
+class _Roles:
+    """What an engine (or a group's engines) may do, from its ``roles``."""
+
+    roles: tuple[Role, ...]
+
+    @property
+    def can_prefill(self) -> bool:
+        """Whether the ``prefill`` role is among the roles."""
+        return "prefill" in self.roles
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether the ``decode`` role is among the roles."""
+        return "decode" in self.roles
+
+
 @attrs.frozen(kw_only=True)
-class EngineConfig:
+class EngineConfig(_Roles):
     """One engine of the fleet (an item of ``engines``).
 
     Attributes:
@@ -387,16 +407,6 @@ class EngineConfig:
             raise ConfigError(f"expected the engine's model {self.model!r}", path="$.sim.model")
 
     @property
-    def can_prefill(self) -> bool:
-        """Whether the engine has the ``prefill`` role."""
-        return "prefill" in self.roles
-
-    @property
-    def can_decode(self) -> bool:
-        """Whether the engine has the ``decode`` role."""
-        return "decode" in self.roles
-
-    @property
     def host(self) -> str:
         """Host part of ``url`` (IPv6 without brackets)."""
         hp = _host_port(self.url)
@@ -409,6 +419,66 @@ class EngineConfig:
         hp = _host_port(self.url)
         assert hp is not None
         return hp[1]
+
+
+@attrs.frozen(kw_only=True)
+class GroupConnectorConfig:
+    """The KV connector of every engine of a group; its KV host is the engine's address.
+
+    Attributes:
+        type: vLLM KV connector class name, e.g. ``NixlConnector``.
+        kv_port: Port of each engine's KV side channel (the descriptor's ``remote_port``).
+    """
+
+    type: str = attrs.field(default="NixlConnector", validator=_text)
+    kv_port: int = attrs.field(validator=_port)
+
+
+@attrs.frozen(kw_only=True)
+class GroupKVEventsConfig:
+    """Where every engine of a group publishes its KV-cache events, on its own address.
+
+    Attributes:
+        port: The ZeroMQ PUB port (vLLM's ``--kv-events-config`` ``endpoint``).
+        replay_port: The ROUTER replay port; null means none.
+        topic: The topic the engines publish under.
+    """
+
+    port: int = attrs.field(validator=_port)
+    replay_port: int | None = attrs.field(default=None, validator=_opt(_port))
+    topic: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class EngineGroupConfig(_Roles):
+    """Engines found in DNS, one per address ``host`` resolves to (an item of ``engine_groups``).
+
+    As a Kubernetes headless Service publishes its ready pods: every address is one engine
+    at ``http://<address>:<port>``, named ``<name>-<address>``. The router resolves
+    ``host`` again every ``resolve_every_s`` and adds and drains engines as addresses
+    appear and disappear, as a fleet reload would.
+
+    Attributes:
+        name: Unique group name; its engines are named ``<name>-<address>``.
+        host: The DNS name to resolve (e.g. ``vllm-decode.llm.svc.cluster.local``).
+        port: The port of each engine's OpenAI HTTP surface.
+        roles: What the group's engines may do: ``prefill``, ``decode`` or both.
+        model: Model name to request; null uses each engine's only model.
+        api_key: Bearer key sent to the engines; null sends none.
+        connector: KV connector of the engines; needed for remote handoff.
+        kv_events: Where the engines publish KV-cache events; null: none are read.
+        resolve_every_s: Seconds between two resolutions of ``host``.
+    """
+
+    name: str = attrs.field(validator=_name)
+    host: str = attrs.field(validator=_text)
+    port: int = attrs.field(validator=_port)
+    roles: tuple[Role, ...] = attrs.field(converter=_role_tuple, validator=_roles)
+    model: str | None = attrs.field(default=None, validator=_opt(_text))
+    api_key: str | None = None
+    connector: GroupConnectorConfig | None = None
+    kv_events: GroupKVEventsConfig | None = None
+    resolve_every_s: float = attrs.field(default=10.0, validator=_positive)
 
 
 # ------------------------------------------------------------------ policy sections
@@ -601,8 +671,8 @@ class FleetConfig:
 
     Attributes:
         server: The router's HTTP listener.
-        engines: The engines; names and urls unique, at least one prefill and one decode,
-            and so for each model the engines declare.
+        engines: The engines; names and urls unique, at least one prefill and one decode
+            (counting those of ``engine_groups``), and so for each model declared.
         engine: Deadlines of engine legs.
         handoff: The KV handoff.
         recovery: Failure handling.
@@ -610,6 +680,7 @@ class FleetConfig:
         profiles: Latency profiles and their limits.
         controller: Placement control under the SLO.
         journal: The router journal.
+        engine_groups: Engines found in DNS (a Kubernetes headless Service per role).
     """
 
     server: ServerConfig = attrs.field(factory=ServerConfig)
@@ -621,8 +692,11 @@ class FleetConfig:
     profiles: ProfilesConfig = attrs.field(factory=ProfilesConfig)
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     journal: JournalConfig = attrs.field(factory=JournalConfig)
+    engine_groups: tuple[EngineGroupConfig, ...] = attrs.field(default=(), converter=_group_tuple)
 
     def __attrs_post_init__(self) -> None:
+        if not self.engines and not self.engine_groups:
+            raise ConfigError("expected at least one engine (or an engine group)", path="$.engines")
         seen: dict[tuple[Any, ...], str] = {}  # name / url / KV endpoint -> engine name
         for i, e in enumerate(self.engines):
             checks = [
@@ -637,18 +711,30 @@ class FleetConfig:
                     owner = f" already used by engine {seen[key]!r}" if field != "name" else ""
                     raise ConfigError(what + owner, path=f"$.engines[{i}].{field}")
                 seen[key] = e.name
+        groups = self.engine_groups
+        names = {e.name for e in self.engines}
+        for i, g in enumerate(groups):
+            if g.name in names:
+                what = "engine group" if any(o.name == g.name for o in groups[:i]) else "engine"
+                raise ConfigError(f"duplicate name {g.name!r} (an {what} has it)", path=f"$.engine_groups[{i}].name")
+            names.add(g.name)
         for role in ROLES:
-            if not any(role in e.roles for e in self.engines):
+            if not any(role in e.roles for e in self.engines) and not any(role in g.roles for g in groups):
                 raise ConfigError(f"no engine has the {role} role", path="$.engines")
         self._check_model_pools()
+        members: tuple[EngineConfig | EngineGroupConfig, ...] = (*self.engines, *groups)
         for i, e in enumerate(self.engines):
             if (
                 e.can_prefill
                 and e.connector is None
-                and any(o.can_decode for o in self.engines if o is not e and _same_pool(e, o))
+                and any(o.can_decode for o in members if o is not e and _same_pool(e, o))
             ):
                 message = "a prefill engine needs a connector when another engine can decode"
                 raise ConfigError(message, path=f"$.engines[{i}].connector")
+        for i, g in enumerate(groups):
+            if g.can_prefill and g.connector is None and any(o.can_decode for o in members if _same_pool(g, o)):
+                message = "a prefill engine group needs a connector when an engine can decode"
+                raise ConfigError(message, path=f"$.engine_groups[{i}].connector")
         first_token = self.engine.first_token_timeout_s
         if self.handoff.max_age_s <= first_token:
             # The handoff's age starts with the prefill leg, before the first-token
@@ -678,24 +764,29 @@ class FleetConfig:
             raise ConfigError(message, path="$.controller.reactive.enabled")
 
     def _check_model_pools(self) -> None:
-        """Every declared model has a producer and a consumer, unless engines that declare
-        no model (their ``/v1/models`` tells) might fill the role; ``narwhal check`` then
-        checks the live pools."""
-        undeclared = [e for e in self.engines if e.model is None]
+        """Every declared model has a producer and a consumer (engines and engine groups
+        alike), unless members that declare no model (their ``/v1/models`` tells) might
+        fill the role; ``narwhal check`` then checks the live pools."""
+        members: list[tuple[str, EngineConfig | EngineGroupConfig]] = [
+            (f"$.engines[{i}]", e) for i, e in enumerate(self.engines)
+        ]
+        members += [(f"$.engine_groups[{i}]", g) for i, g in enumerate(self.engine_groups)]
+        undeclared = [m for _, m in members if m.model is None]
         for model in self.models:
-            pool = [e for e in self.engines if e.model == model]
+            pool = [(path, m) for path, m in members if m.model == model]
             for role in ROLES:
-                if not any(role in e.roles for e in [*pool, *undeclared]):
+                if not any(role in m.roles for m in [*(m for _, m in pool), *undeclared]):
                     raise ConfigError(
                         f"model {model!r} has no engine with the {role} role "
-                        f"(its engines: {_names(e.name for e in pool)})",
-                        path=f"$.engines[{self.engines.index(pool[0])}].model",
+                        f"(its engines: {_names(m.name for _, m in pool)})",
+                        path=f"{pool[0][0]}.model",
                     )
 
     @property
     def models(self) -> tuple[str, ...]:
-        """The models the engines declare (their ``model``), in document order."""
-        return tuple(dict.fromkeys(e.model for e in self.engines if e.model is not None))
+        """The models the engines and engine groups declare (their ``model``), in document order."""
+        declared = [e.model for e in self.engines] + [g.model for g in self.engine_groups]
+        return tuple(dict.fromkeys(m for m in declared if m is not None))
 
     def engine_named(self, name: str) -> EngineConfig:
         """The engine called ``name`` (``engine`` is the timeouts section).
@@ -720,7 +811,7 @@ class FleetConfig:
         return tuple(e for e in self.engines if e.can_decode)
 
 
-def _same_pool(a: EngineConfig, b: EngineConfig) -> bool:
+def _same_pool(a: EngineConfig | EngineGroupConfig, b: EngineConfig | EngineGroupConfig) -> bool:
     """Whether two engines may serve one request: the same model, or one not declared."""
     return a.model is None or b.model is None or a.model == b.model
 

@@ -9,7 +9,9 @@
 - Signals: the first SIGINT/SIGTERM stops accepting and drains in-flight requests for
   ``server.shutdown_grace_s``; a second one ends the drain at once (requests still in
   flight end as ``shutdown``, and the journal is still flushed). A signal during
-  start-up abandons it.
+  start-up abandons it. SIGHUP re-reads the fleet document and applies it without a
+  restart (:mod:`narwhal.router.fleet`); a document that fails changes nothing and the
+  log says why. ``--workers``' supervisor forwards SIGHUP to every worker.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -32,6 +35,9 @@ from narwhal.cmdline import INTERRUPTED, CommandError, leaves
 from narwhal.config import EngineConfig, FleetConfig
 from narwhal.http.server import ListenError
 from narwhal.profile.store import Profiles
+
+if TYPE_CHECKING:
+    from narwhal.router.service import Prepare, Router
 
 __all__ = ["Stop", "run_serve", "run_sim", "run_workers"]
 
@@ -165,8 +171,12 @@ async def run_serve(
     start_sims: bool = True,
     profiles: Profiles | None = None,
     metrics_on_api_port: bool = False,
+    prepare: Prepare | None = None,
 ) -> None:
-    """``narwhal serve`` (one process, or one worker of ``--workers``) until signalled."""
+    """``narwhal serve`` (one process, or one worker of ``--workers``) until signalled.
+
+    ``prepare`` turns the fleet document (re-read on SIGHUP, or sent to ``PUT /fleet``)
+    into what to serve; see :data:`narwhal.router.service.Prepare`."""
 
     async def body(stop: Stop) -> None:
         from narwhal.router.service import open_router
@@ -178,7 +188,7 @@ async def run_serve(
             if sims:
                 await _open_sims(stack, sims)
             router = await stack.enter_async_context(
-                open_router(config, profiles=profiles, metrics_on_api_port=metrics_on_api_port)
+                open_router(config, profiles=profiles, metrics_on_api_port=metrics_on_api_port, prepare=prepare)
             )
             nursery = await stack.enter_async_context(trio.open_nursery())
             bound = await _listen(
@@ -200,7 +210,10 @@ async def run_serve(
             # the process: keep it out of the collector's full passes, which otherwise walk
             # it all and pause every request in flight (tens of ms each).
             gc.freeze()
-            await stop.first.wait()
+            async with trio.open_nursery() as reloads:
+                await reloads.start(_reload_on_sighup, router)
+                await stop.first.wait()
+                reloads.cancel_scope.cancel()
             with stop.drain:
                 await router.shutdown()
             if stop.drain.cancelled_caught:
@@ -212,6 +225,22 @@ async def run_serve(
                 )
 
     await _with_stop(body)
+
+
+async def _reload_on_sighup(router: Router, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Re-read and apply the fleet document on every SIGHUP, until cancelled."""
+    from narwhal.errors import ConfigError
+
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        task_status.started()
+        async for _ in signals:
+            log.info("received SIGHUP: reloading the fleet document")
+            try:
+                change = await router.reload(source="SIGHUP")
+            except ConfigError as err:
+                log.error("fleet reload (SIGHUP) refused, nothing changed: %s", err)
+            else:
+                log.info("fleet reloaded (SIGHUP): %s", change.describe())
 
 
 def worker_admin_ports(admin_port: int, workers: int) -> list[int]:
@@ -261,6 +290,7 @@ async def run_workers(
                 stop.started = True
                 print(f"narwhal: {workers} workers started", flush=True)
                 async with trio.open_nursery() as watch:
+                    await watch.start(_forward_sighup, procs)
                     for proc in procs:
                         watch.start_soon(_exited, proc, stop)
                     await stop.first.wait()
@@ -281,6 +311,19 @@ def _url_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+async def _forward_sighup(
+    procs: list[trio.Process], *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Each worker reloads its fleet document on the supervisor's SIGHUP."""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        task_status.started()
+        async for _ in signals:
+            log.info("received SIGHUP: forwarded to the %d workers", len(procs))
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.send_signal(signal.SIGHUP)
 
 
 async def _exited(proc: trio.Process, stop: Stop) -> None:

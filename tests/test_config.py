@@ -182,7 +182,7 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "url already used by engine 'p0' @ $.engines[1].url"),
     ("duplicate-kv-endpoint", fleet(prefill(), decode(connector=prefill()["connector"])),
      "KV endpoint already used by engine 'p0' @ $.engines[1].connector.kv_port"),
-    ("no-engines", {"engines": []}, "expected at least one engine @ $.engines"),
+    ("no-engines", {"engines": []}, "expected at least one engine (or an engine group) @ $.engines"),
     ("no-decode", fleet(prefill(), prefill(name="p1", url="http://127.0.0.1:8103", connector=KV3)),
      "no engine has the decode role @ $.engines"),
     ("no-prefill", fleet(decode()), "no engine has the prefill role @ $.engines"),
@@ -363,7 +363,9 @@ def _full_document() -> dict[str, Any]:
         server={"api_keys": ["k"]},
         engine_contract={"version": "0.32.0"},
         controller={"slo": {"ttft_s": 0.5, "tpot_s": 0.05}},
-    )
+        engine_groups=[{"name": "g", "host": "decode.svc", "port": 8000, "roles": ["decode"],
+                        "connector": {"kv_port": 15000}, "kv_events": {"port": 5557}}],
+    )  # fmt: skip
     return unstructure_fleet(parse_fleet(doc))
 
 

@@ -240,10 +240,10 @@ async def test_a_stopped_router_leaves_no_subscriber_task_or_socket(monkeypatch:
             assert set(state.kv_subscribers) == {"p0", "d0"}
             await stack.complete({"prompt": prompt("a"), "max_tokens": 2})
             await until(lambda: state.kv_subscribers["p0"].delivered and state.kv_subscribers["d0"].replays)
-            assert live_tasks("KVEventSubscriber") and live_tasks("watch_prefix_caches")
+            assert live_tasks("PrefixWatch._subscribe") and live_tasks("PrefixWatch.run")
             assert any(s.type == zmq.DEALER for s in ctx.made)  # a replay's socket
         assert not state.kv_subscribers
-        assert not live_tasks("KVEventSubscriber") and not live_tasks("watch_prefix_caches")
+        assert not live_tasks("PrefixWatch") and not live_tasks("KVEventSubscriber")
     assert len(ctx.made) >= 4 and not ctx.open()
     ctx.term()  # returns at once only when every socket of the context is closed
 

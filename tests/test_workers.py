@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import trio
 
 from narwhal.testing.ports import free_port, free_port_run
@@ -113,12 +115,30 @@ def test_workers_share_one_port_and_one_admin_surface(tmp_path: Path) -> None:
         assert len(workers) == 2
         for pid in workers:
             assert os.getsid(pid) == os.getsid(proc.pid) and os.getpgid(pid) == pid != os.getpgid(proc.pid)
+        # A fleet reload reaches every worker: PUT /fleet on the combined surface, SIGHUP
+        # to the supervisor.
+        broken = json.dumps({**doc, "engine": {"request_timeout_s": -1}}).encode()
+        put = urllib.request.Request(f"{combined}/fleet", data=broken, method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(put, timeout=60)
+        answer = json.loads(refused.value.read())
+        assert refused.value.code == 400 and answer["error"]["path"] == "$.engine.request_timeout_s"
+        assert [w["status"] for w in answer["workers"]] == ["rejected", "rejected"]
+        fleet.write_text(json.dumps({**doc, "engine": {"request_timeout_s": 300}}))
+        proc.send_signal(signal.SIGHUP)
+        records = tmp_path / "journal.fleet.jsonl"  # both workers append their records
+        deadline = time.monotonic() + 60
+        while records.read_text().count('"source":"SIGHUP"') < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        reloads = [json.loads(x) for x in records.read_text().splitlines()]
+        assert [(r["event"], r["source"]) for r in reloads] == [("rejected", "PUT /fleet")] * 2 + [("reload", "SIGHUP")] * 2
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     lines = (tmp_path / "journal.jsonl").read_text().splitlines()
     assert len(lines) == 40
+    assert out.count("fleet reloaded (SIGHUP): settings changed engine.request_timeout_s") == 2, out
 
 
 def test_expositions_combine_by_sum_except_the_state_gauges() -> None:

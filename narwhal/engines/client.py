@@ -193,6 +193,7 @@ class EngineClient:
         self.connect_timeout_s = connect_timeout_s
         self._api_key = api_key
         self._owns_client = http_client is None
+        self._owns_transport = http_client is None and transport is None
         #: When this object builds its client, requests go straight to the transport:
         #: AsyncClient.send's auth, redirect, cookie and event-hook layers cost more
         #: than the request itself on the router's hot path, and none apply here.
@@ -250,6 +251,15 @@ class EngineClient:
         if self._owns_client:
             with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await self._http.aclose()
+
+    async def close_connections(self) -> None:
+        """Close this engine's connections: all of this client's own pool, or this
+        engine's idle connections in a transport shared with other clients."""
+        if self._owns_transport:
+            await self.aclose()
+        elif self._wire is not None:
+            with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                await self._wire.close_origin(self._host, self._port)
 
     # ----------------------------------------------------------------- plumbing
 

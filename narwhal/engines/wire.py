@@ -334,6 +334,13 @@ class WireTransport(httpx.AsyncBaseTransport):
         conn.reused = True
         pool.append(conn)
 
+    async def close_origin(self, host: str, port: int) -> None:
+        """Close the idle connections to ``host:port`` (an engine that left the fleet);
+        connections to other engines stay pooled."""
+        for origin in [o for o in self._idle if o[1:] == (host, port)]:
+            for conn in self._idle.pop(origin):
+                await trio.aclose_forcefully(conn.stream)
+
     async def _acquire(self, origin: tuple[str, str, int]) -> _Conn:
         pool = self._idle.get(origin)
         now = trio.current_time()

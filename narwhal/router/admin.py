@@ -2,19 +2,25 @@
 
 It is served by its own listener, bound to ``server.admin_host`` (loopback by
 default) so that metrics and live events are not exposed where clients connect.
+``PUT /fleet`` with a fleet document as its body reloads the fleet without a restart
+(:mod:`narwhal.router.fleet`): 200 with what changed, or 400 with why nothing did
+(the message and the JSON path of the offending value).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
 import trio_websocket
 
-from narwhal.errors import BadRequest, MethodNotAllowed, NotFound
+from narwhal.errors import BadRequest, ConfigError, MethodNotAllowed, NotFound
 from narwhal.http.server import Request, ResponseWriter
+from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
+from narwhal.router.fleet import FleetChange
 from narwhal.router.metrics import CONTENT_TYPE, RouterMetrics
 from narwhal.router.state import RouterState
 
@@ -28,8 +34,15 @@ class AdminApp:
         self.state = state
         self.metrics = metrics
         self.events = events
+        #: Applies a fleet document (``PUT /fleet``); set by the router.
+        self.reload: Callable[..., Awaitable[FleetChange]] | None = None
+        #: The engine groups' DNS resolution, for ``/fleet``; set by the router.
+        self.discovery: Discovery | None = None
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
+        if request.method == "PUT" and request.path == "/fleet":
+            await self._put_fleet(request, response)
+            return
         if request.method != "GET":
             raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         if request.path == "/metrics":
@@ -45,11 +58,26 @@ class AdminApp:
         else:
             raise NotFound(f"no route for GET {request.path}")
 
+    async def _put_fleet(self, request: Request, response: ResponseWriter) -> None:
+        headers = (("content-type", "application/json"),)
+        if self.reload is None:
+            raise NotFound("this router cannot reload its fleet")
+        status, body = 200, {}
+        try:
+            change = await self.reload(request.body, source="PUT /fleet")
+            body = {"status": "applied", **change.as_dict()}
+            log.info("fleet reloaded (PUT /fleet): %s", change.describe())
+        except ConfigError as err:
+            log.error("fleet reload (PUT /fleet) refused, nothing changed: %s", err)
+            status = 400
+            body = {"status": "rejected", "error": {"message": err.reason, "path": err.path, "type": "invalid_fleet"}}
+        await response.respond(status, headers, json.dumps(body).encode())
+
     def fleet(self) -> dict[str, object]:
         """The fleet as the router sees it now (for ``narwhal top`` and operators)."""
         state = self.state
         engines = []
-        for e in state.config.engines:
+        for e in state.engines.values():
             st = state.breaker.states[e.name]
             load = state.placement.loads[e.name]
             engines.append(
@@ -66,7 +94,16 @@ class AdminApp:
                 }
             )
         slo = state.config.controller.slo
-        return {"engines": engines, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "in_flight": state.in_flight}
+        body: dict[str, object] = {
+            "engines": engines, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "in_flight": state.in_flight,
+        }  # fmt: skip
+        if state.config.engine_groups and self.discovery is not None:
+            found = self.discovery
+            body["engine_groups"] = {
+                g.name: {"host": g.host, "addresses": list(found.addresses.get(g.name, ())), "error": found.errors.get(g.name)}
+                for g in state.config.engine_groups
+            }
+        return body
 
     async def _events(self, request: Request, response: ResponseWriter) -> None:
         if (request.header("upgrade") or "").lower() != "websocket":

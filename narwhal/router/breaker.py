@@ -107,14 +107,35 @@ class Breaker:
         self._clock = clock
         self.states: dict[str, BreakerState] = {name: BreakerState() for name in engines}
         #: engine -> the engine lists of its roles.
-        self._peers: dict[str, list[list[str]]] = {name: [] for name in engines}
-        for members in (roles or {}).values():
-            group = list(members)
-            for name in group:
-                self._peers[name].append(group)
+        self._peers: dict[str, list[list[str]]] = {}
+        self.set_roles(roles or {})
         self._listeners: list[Callable[[Transition], None]] = []
         self.transitions: list[Transition] = []
         self._wakeup = trio.Event()
+
+    def set_roles(self, roles: Mapping[str, Collection[str]]) -> None:
+        """The engines of each role now (the fleet changed); an engine in no role has no peers."""
+        self._peers = {name: [] for name in self.states}
+        for members in roles.values():
+            group = [name for name in members if name in self.states]
+            for name in group:
+                self._peers[name].append(group)
+
+    def add(self, engine: str) -> None:
+        """A new engine (a fleet reload or discovery added it): a clean state, in no role
+        until :meth:`set_roles` names it."""
+        self.states.setdefault(engine, BreakerState())
+        self._peers.setdefault(engine, [])
+
+    def remove(self, engine: str) -> None:
+        """The engine left the fleet: its state is forgotten, and later reports about it
+        (a probe or a request that outlived it) are ignored."""
+        self.states.pop(engine, None)
+        self._peers.pop(engine, None)
+        for groups in self._peers.values():
+            for group in groups:
+                if engine in group:
+                    group.remove(engine)
 
     def add_listener(self, listener: Callable[[Transition], None]) -> None:
         self._listeners.append(listener)
@@ -170,7 +191,9 @@ class Breaker:
     # ------------------------------------------------------------------ outcomes
 
     def record_success(self, engine: str) -> None:
-        st = self.states[engine]
+        st = self.states.get(engine)
+        if st is None:  # it left the fleet
+            return
         if st.held:
             # The role's last capacity served a live request: as good as a probe.
             self.readmit(engine, detail="a live request succeeded while held (whole wave)")
@@ -193,7 +216,9 @@ class Breaker:
             origin_producer: the failed request's producer (a consumer's probe replays it).
             leg: the leg that failed (``"prefill"`` or ``"decode"``).
         """
-        st = self.states[engine]
+        st = self.states.get(engine)
+        if st is None:  # it left the fleet
+            return
         st.last_error = detail
         if st.ejected:
             return
@@ -210,7 +235,9 @@ class Breaker:
         """Take ``engine`` out of placement now (it failed the start-up probe); a
         readmission probe brings it back. It is never held as its role's last capacity:
         nothing it has served shows that it works."""
-        st = self.states[engine]
+        st = self.states.get(engine)
+        if st is None:
+            return
         st.last_error = detail
         if not st.ejected:
             self._eject(engine, detail, None, leg=None, hold=False)
@@ -251,7 +278,9 @@ class Breaker:
 
     def readmit(self, engine: str, *, detail: str | None = None) -> None:
         """Back in placement; half-open after a probe, full weight after a live success."""
-        st = self.states[engine]
+        st = self.states.get(engine)
+        if st is None:
+            return
         live = st.held
         st.ejected = False
         st.held = False
@@ -275,7 +304,9 @@ class Breaker:
                     self._emit(other, "released", f"{engine} serves its role again")
 
     def probe_failed(self, engine: str, detail: str) -> None:
-        st = self.states[engine]
+        st = self.states.get(engine)
+        if st is None:
+            return
         st.probes += 1
         st.last_error = detail
         st.next_probe_at = self._clock() + self.probe_interval_s
@@ -283,7 +314,9 @@ class Breaker:
 
     def probe_inconclusive(self, engine: str, detail: str) -> None:
         """The probe could not decide (e.g. the origin producer failed): normal cadence."""
-        st = self.states[engine]
+        st = self.states.get(engine)
+        if st is None:
+            return
         st.probes += 1
         st.next_probe_at = self._clock() + self.probe_interval_s
         self._emit(engine, "probe_inconclusive", detail)

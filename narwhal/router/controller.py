@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from narwhal.config import FleetConfig
+from narwhal.config import EngineConfig, FleetConfig
 from narwhal.router.pricing import PricedPlacement
 
 __all__ = ["ReactiveController"]
@@ -65,6 +65,8 @@ class ReactiveController:
         self.interval_s = rc.interval_s
         self.window_s = window_s if window_s is not None else 3 * rc.interval_s
         self.slo = config.controller.slo
+        #: The engines in placement (the fleet's, as reloads and discovery change it).
+        self._members: list[EngineConfig] = list(config.engines)
         self.dual = [e.name for e in config.engines if e.can_prefill and e.can_decode]
         # Dual-role engines start in their first listed role.
         self.role: dict[str, str] = {e.name: e.roles[0] for e in config.engines if e.name in self.dual}
@@ -144,10 +146,26 @@ class ReactiveController:
         slo_tpot = self.slo.tpot_s or 1.0
         return {"ttft_s": ttft, "tpot_s": tpot, "pressure": max(ttft / slo_ttft, tpot / slo_tpot)}
 
+    def reconfigure(self, config: FleetConfig) -> None:
+        """A reloaded fleet document: its SLO, margin and interval from now on."""
+        self.config = config
+        rc = config.controller.reactive
+        self.margin = rc.movement_margin
+        self.interval_s = rc.interval_s
+        self.slo = config.controller.slo
+
+    def assign(self, members: list[EngineConfig]) -> tuple[list[str], list[str]]:
+        """The placement roles of ``members`` (the fleet changed): a dual-role engine keeps
+        the role it had, a new one starts in its first listed role."""
+        self._members = list(members)
+        self.dual = [e.name for e in members if e.can_prefill and e.can_decode]
+        self.role = {e.name: self.role.get(e.name, e.roles[0]) for e in members if e.name in self.dual}
+        return self._assignment(self.role)
+
     def _assignment(self, role: dict[str, str]) -> tuple[list[str], list[str]]:
         prefill: list[str] = []
         decode: list[str] = []
-        for e in self.config.engines:
+        for e in self._members:
             if e.name in role:
                 (prefill if role[e.name] == "prefill" else decode).append(e.name)
             else:

@@ -12,6 +12,9 @@ scrape and ``narwhal top`` see one router:
 - ``/fleet``: engines merged by name (load summed, the worst breaker state).
 - ``/health``: ready when a worker is ready; each worker's own answer alongside.
 - ``/events``: the workers' live events, interleaved on one WebSocket.
+- ``PUT /fleet``: the document goes to every worker; 200 when each applied it (each
+  worker's answer alongside), 400 with the first refusal's error when one refused it,
+  502 when a worker did not answer.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ __all__ = ["WorkersAdminApp", "combine_expositions", "combine_fleets"]
 log = logging.getLogger("narwhal.router.fanin")
 
 _JSON = (("content-type", "application/json"),)
-_BREAKER_ORDER = {"ok": 0, "quarantined": 1, "ejected": 2}
+_BREAKER_ORDER = {"ok": 0, "starting": 1, "draining": 1, "quarantined": 1, "ejected": 2}
 #: Gauges whose workers' values do not add up: how they combine instead.
 _COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max, "narwhal_model_ready": max, "narwhal_engine_model": max}
 
@@ -107,22 +110,28 @@ class WorkersAdminApp:
         self.urls = list(urls)
         self.timeout_s = timeout_s
 
-    async def _gather(self, path: str) -> list[httpx.Response | None]:
+    async def _gather(
+        self, path: str, *, method: str = "GET", content: bytes | None = None, timeout_s: float | None = None
+    ) -> list[httpx.Response | None]:
         answers: list[httpx.Response | None] = [None] * len(self.urls)
 
         async def one(i: int, client: httpx.AsyncClient) -> None:
             try:
-                answers[i] = await client.get(f"{self.urls[i]}{path}")
+                answers[i] = await client.request(method, f"{self.urls[i]}{path}", content=content)
             except httpx.HTTPError as exc:
                 log.warning("worker admin %s%s did not answer: %s", self.urls[i], path, exc)
 
-        async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False) as client:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             async with trio.open_nursery() as nursery:
                 for i in range(len(self.urls)):
                     nursery.start_soon(one, i, client)
         return answers
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
+        if request.method == "PUT" and request.path == "/fleet":
+            await self._put_fleet(request, response)
+            return
         if request.method != "GET":
             raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         if request.path == "/metrics":
@@ -144,6 +153,24 @@ class WorkersAdminApp:
             await self._events(request, response)
         else:
             raise NotFound(f"no route for GET {request.path}")
+
+    async def _put_fleet(self, request: Request, response: ResponseWriter) -> None:
+        # A reload may read profiles and resolve engine groups: more than a scrape's time.
+        answers = await self._gather("/fleet", method="PUT", content=bytes(request.body), timeout_s=60.0)
+        workers: list[dict[str, Any]] = []
+        for answer in answers:
+            try:
+                workers.append(answer.json() if answer is not None else {"status": "unreachable"})
+            except ValueError:
+                workers.append({"status": "unreachable"})
+        refused = [w for w in workers if w.get("status") == "rejected"]
+        if refused:
+            status, body = 400, {"status": "rejected", "error": refused[0].get("error"), "workers": workers}
+        elif all(w.get("status") == "applied" for w in workers):
+            status, body = 200, {"status": "applied", "workers": workers}
+        else:
+            status, body = 502, {"status": "partial", "workers": workers}
+        await response.respond(status, _JSON, json.dumps(body).encode())
 
     async def _events(self, request: Request, response: ResponseWriter) -> None:
         if (request.header("upgrade") or "").lower() != "websocket":

@@ -114,6 +114,9 @@ class RequestLifecycle:
         self.request = request
         self.response = response
         self.kind = kind
+        #: The fleet document as it was at arrival: a reload's new deadlines apply to
+        #: requests that arrive after it.
+        self.config = state.config
         self.arrival = state.clock()
         rid = request.header("x-request-id")
         # Echoed in headers to the client and the engines: printable ASCII only.
@@ -141,7 +144,7 @@ class RequestLifecycle:
         record = self.record
         state.in_flight += 1
         try:
-            with trio.CancelScope(deadline=self.arrival + state.config.engine.request_timeout_s) as deadline:
+            with trio.CancelScope(deadline=self.arrival + self.config.engine.request_timeout_s) as deadline:
                 await self._serve()
             if deadline.cancelled_caught:
                 raise DeadlineExceeded("request deadline exceeded (engine.request_timeout_s)")
@@ -220,7 +223,7 @@ class RequestLifecycle:
 
     async def _serve(self) -> None:
         state = self.state
-        if state.in_flight > state.config.server.max_concurrent_requests:
+        if state.in_flight > self.config.server.max_concurrent_requests:
             raise Refused("too many concurrent requests (server.max_concurrent_requests)", retry_after_s=1.0)
         parsed = self.parsed = parse_request(self.request.body, self.kind)
         record = self.record
@@ -236,7 +239,7 @@ class RequestLifecycle:
         if tok.exact and max_model_len is not None and tok.count + self.max_tokens > max_model_len:
             raise context_length_exceeded(max_model_len, tok.count, self.max_tokens)
         state.retry_budget.note_request()
-        max_attempts = state.config.recovery.max_attempts
+        max_attempts = self.config.recovery.max_attempts
         tried: set[str] = set()
         n = 0
         while True:
@@ -268,7 +271,7 @@ class RequestLifecycle:
             return False
         # The request deadline must still leave a fresh attempt the time it may take to
         # reach a first token (engine.first_token_timeout_s), not merely some time.
-        cfg = self.state.config.engine
+        cfg = self.config.engine
         remaining = self.arrival + cfg.request_timeout_s - self.state.clock()
         if remaining < cfg.first_token_timeout_s:
             return False
@@ -276,8 +279,8 @@ class RequestLifecycle:
 
     async def _attempt(self, attempt: AttemptRecord, avoid: frozenset[str]) -> None:
         state = self.state
-        slo_ttft = state.config.controller.slo.ttft_s
-        deadline = self.arrival + state.config.engine.request_timeout_s
+        slo_ttft = self.config.controller.slo.ttft_s
+        deadline = self.arrival + self.config.engine.request_timeout_s
         if slo_ttft is not None:
             deadline = min(deadline, self.arrival + slo_ttft)
         placed_at = state.clock()
@@ -322,7 +325,7 @@ class RequestLifecycle:
 
     async def _legs(self, attempt: AttemptRecord, reservation: Reservation) -> None:
         state = self.state
-        cfg = state.config
+        cfg = self.config
         parsed = self.parsed
         assert parsed is not None
         producer = state.clients[reservation.producer]
@@ -401,7 +404,7 @@ class RequestLifecycle:
         prefill_done: float,
     ) -> None:
         state = self.state
-        cfg = state.config.engine
+        cfg = self.config.engine
         parsed = self.parsed
         assert parsed is not None
         clock = state.clock
@@ -497,7 +500,7 @@ class RequestLifecycle:
                 # The producer answered; the consumer held the rest of the handoff's age
                 # without a token: its first-token failure.
                 raise HandoffExpired(
-                    f"KV handoff older than handoff.max_age_s ({state.config.handoff.max_age_s:g} s) "
+                    f"KV handoff older than handoff.max_age_s ({self.config.handoff.max_age_s:g} s) "
                     f"before the first token: consumer {name} produced none in the "
                     f"{handoff_deadline - prefill_done:.3g} s left after the producer answered",
                     engine=name,

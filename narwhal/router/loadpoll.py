@@ -31,14 +31,17 @@ async def poll_engine_load(
         try:
             with trio.move_on_after(period_s):
                 metrics = await state.clients[name].metrics()
-                loads[name].engine_running = int(metrics.running)
-                loads[name].engine_waiting = int(metrics.waiting)
+                load = loads.get(name)
+                if load is None:  # it left the fleet meanwhile
+                    return
+                load.engine_running = int(metrics.running)
+                load.engine_waiting = int(metrics.waiting)
         except EngineError as exc:
             log.debug("engine %s metrics unavailable: %s", name, exc)
 
     task_status.started()
     while True:
         async with trio.open_nursery() as nursery:
-            for name in state.engines:
+            for name in list(state.engines):
                 nursery.start_soon(one, name)
         await trio.sleep(period_s)

@@ -98,20 +98,26 @@ class Reservation:
     def release_prefill(self) -> None:
         if self.prefill_held:
             self.prefill_held = False
-            p = self._placement.loads[self.producer]
+            placement = self._placement
+            p = placement.loads[self.producer]
             p.prefill_requests -= 1
             p.prefill_tokens -= self.prompt_tokens
             if self.on_release_prefill is not None:
                 self.on_release_prefill()
+            if placement._released is not None:
+                placement.notify_released()
 
     def release_decode(self) -> None:
         if self.decode_held:
             self.decode_held = False
-            c = self._placement.loads[self.consumer]
+            placement = self._placement
+            c = placement.loads[self.consumer]
             c.decode_requests -= 1
             c.decode_kv_tokens -= self.kv_tokens
             if self.on_release_decode is not None:
                 self.on_release_decode()
+            if placement._released is not None:
+                placement.notify_released()
 
     def release(self) -> None:
         self.release_prefill()
@@ -153,6 +159,9 @@ class Placement:
         for name, served in (models or {}).items():
             self.set_models(name, served)
 
+        #: Set when a reservation is released, for whoever waits (draining engines).
+        self._released: trio.Event | None = None
+
     def set_models(self, name: str, served: Iterable[str]) -> None:
         """Record the models engine ``name`` serves (an empty set: not known)."""
         served = frozenset(served)
@@ -180,6 +189,36 @@ class Placement:
     def of_model(self, model: str | None) -> str:
         """`` of model 'x'`` in a refusal, when the fleet serves several."""
         return f" of model {model!r}" if self._several and model is not None else ""
+    def set_roles(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        """The engines placement may choose for each role, from now on (a fleet change or
+        reactive control's role move)."""
+        for name in (*prefill, *decode):
+            self.add_engine(name)
+        self.prefill_engines = list(prefill)
+        self.decode_engines = list(decode)
+
+    def add_engine(self, name: str) -> None:
+        """Keep load for ``name`` (no role yet: :meth:`set_roles` gives it one)."""
+        self.loads.setdefault(name, EngineLoad())
+
+    def remove_engine(self, name: str) -> None:
+        """Forget ``name``; it has no role and no reservation left (it drained)."""
+        if name in self.prefill_engines or name in self.decode_engines:
+            raise ValueError(f"engine {name} still has a role in placement")
+        self.loads.pop(name, None)
+        self.set_models(name, ())
+
+    def notify_released(self) -> None:
+        """A reservation (or another use of an engine) ended: wake :meth:`wait_released`."""
+        if self._released is not None:
+            self._released.set()
+            self._released = None
+
+    async def wait_released(self) -> None:
+        """Wait until the next reservation is released."""
+        if self._released is None:
+            self._released = trio.Event()
+        await self._released.wait()
 
     def idle(self, name: str) -> bool:
         """No reservation of this router holds the engine."""

@@ -381,6 +381,11 @@ class PrefixIndex:
         if isinstance(self.views.get(engine), PlacementView):
             self._replace(engine, None)
 
+    def forget(self, engine: str) -> None:
+        """``engine`` left the fleet: drop its view."""
+        self.active.discard(engine)
+        self.views.pop(engine, None)
+
     def enabled(self, engine: str) -> bool:
         """Whether ``engine``'s hits are priced."""
         return engine in self.active

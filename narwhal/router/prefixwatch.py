@@ -13,9 +13,7 @@ block size and its capacity, and its ``process_start_time_seconds``:
 
 An engine with a ``kv_events`` endpoint has a :class:`KVEventSubscriber` for the
 router's lifetime, whose batches and resets go to the index. Unreachable engines keep
-their view as it was until they answer again. Everything runs in one nursery: when the
-router stops, the subscribers' tasks end, each closes its sockets (the SUB socket and
-any replay DEALER) on the way out, and ``state.kv_subscribers`` is emptied.
+their view as it was until they answer again.
 """
 
 from __future__ import annotations
@@ -29,12 +27,116 @@ from narwhal.engines.kvevents import KVEventSubscriber
 from narwhal.errors import EngineError
 from narwhal.router.state import RouterState
 
-__all__ = ["PREFIX_REFRESH_S", "watch_prefix_caches"]
+__all__ = ["PREFIX_REFRESH_S", "PrefixWatch", "watch_prefix_caches"]
 
 log = logging.getLogger("narwhal.router.prefix")
 
 #: Seconds between two reads of an engine's cache configuration.
 PREFIX_REFRESH_S: Final = 10.0
+
+
+class PrefixWatch:
+    """The engines' event subscribers and the periodic refresh of the index's views.
+
+    Engines added to the fleet at run time are followed with :meth:`add`; engines that
+    left it are let go with :meth:`remove`.
+    """
+
+    def __init__(self, state: RouterState, *, refresh_s: float = PREFIX_REFRESH_S) -> None:
+        self.state = state
+        self.refresh_s = refresh_s
+        self._starts: dict[str, float | None] = {}
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled; reports started once every engine has been asked once."""
+        try:
+            async with trio.open_nursery() as nursery:
+                for name in list(self.state.engines):
+                    await self._subscribe(nursery, name)
+                await self._refresh_all()
+                self._nursery = nursery
+                task_status.started()
+                while True:
+                    await trio.sleep(self.refresh_s)
+                    await self._refresh_all()
+        finally:
+            # The subscribers' tasks and sockets ended with the nursery; so does their listing.
+            self._nursery = None
+            self._scopes.clear()
+            self.state.kv_subscribers.clear()
+
+    async def add(self, name: str) -> None:
+        """Follow engine ``name`` (new in the fleet): its events, and its cache configuration now."""
+        if self._nursery is None or name in self._scopes:
+            return
+        await self._subscribe(self._nursery, name)
+        await self._refresh(name)
+
+    def remove(self, name: str) -> None:
+        """Stop following engine ``name`` (it left the fleet)."""
+        scope = self._scopes.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+        self.state.kv_subscribers.pop(name, None)
+        self._starts.pop(name, None)
+
+    async def _subscribe(self, nursery: trio.Nursery, name: str) -> None:
+        state, index = self.state, self.state.prefix
+        engine = state.engines.get(name)
+        kv = engine.kv_events if engine is not None else None
+        if kv is None:
+            return
+        sub = KVEventSubscriber(
+            kv.endpoint,
+            replay_endpoint=kv.replay_endpoint,
+            topic=kv.topic,
+            on_batch=lambda _seq, batch: index.apply(name, batch),
+            on_reset=lambda _why: index.reset(name),
+        )
+        index.follow(name)
+        state.kv_subscribers[name] = sub
+        scope = self._scopes[name] = trio.CancelScope()
+
+        async def follow(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await sub.run(task_status=task_status)
+
+        await nursery.start(follow)
+
+    async def _refresh(self, name: str) -> None:
+        state, index, starts = self.state, self.state.prefix, self._starts
+        client = state.clients.get(name)
+        if client is None:
+            return
+        try:
+            with trio.move_on_after(state.config.engine.connect_timeout_s):
+                metrics = await client.metrics()
+                engine = state.engines.get(name)
+                if engine is None:  # it left the fleet meanwhile
+                    return
+                block_size = metrics.block_size
+                if metrics.prefix_caching is not True or block_size is None:
+                    if index.enabled(name):
+                        log.info("engine %s: prefix caching off; its prefix view is dropped", name)
+                    index.disable(name)
+                    return
+                capacity = metrics.kv_cache_size_tokens or 0
+                index.enable(name, block_size=block_size, capacity_tokens=capacity,
+                             events=engine.kv_events is not None)  # fmt: skip
+                start = metrics.process_start_time
+                if name in starts and start != starts[name]:
+                    log.info("engine %s: a new generation; its prefix view is cleared", name)
+                    index.reset(name)
+                starts[name] = start
+        except EngineError as exc:
+            log.debug("engine %s: cache configuration unavailable: %s", name, exc)
+
+    async def _refresh_all(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for name in list(self.state.engines):
+                nursery.start_soon(self._refresh, name)
 
 
 async def watch_prefix_caches(
@@ -47,56 +149,4 @@ async def watch_prefix_caches(
 
     Reports started once every engine has been asked once.
     """
-    index = state.prefix
-    starts: dict[str, float | None] = {}
-
-    async def refresh(name: str) -> None:
-        try:
-            with trio.move_on_after(state.config.engine.connect_timeout_s):
-                metrics = await state.clients[name].metrics()
-                block_size = metrics.block_size
-                if metrics.prefix_caching is not True or block_size is None:
-                    if index.enabled(name):
-                        log.info("engine %s: prefix caching off; its prefix view is dropped", name)
-                    index.disable(name)
-                    return
-                capacity = metrics.kv_cache_size_tokens or 0
-                index.enable(name, block_size=block_size, capacity_tokens=capacity,
-                             events=state.engines[name].kv_events is not None)  # fmt: skip
-                start = metrics.process_start_time
-                if name in starts and start != starts[name]:
-                    log.info("engine %s: a new generation; its prefix view is cleared", name)
-                    index.reset(name)
-                starts[name] = start
-        except EngineError as exc:
-            log.debug("engine %s: cache configuration unavailable: %s", name, exc)
-
-    async def refresh_all() -> None:
-        async with trio.open_nursery() as nursery:
-            for name in state.engines:
-                nursery.start_soon(refresh, name)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            for name, engine in state.engines.items():
-                kv = engine.kv_events
-                if kv is None:
-                    continue
-                sub = KVEventSubscriber(
-                    kv.endpoint,
-                    replay_endpoint=kv.replay_endpoint,
-                    topic=kv.topic,
-                    on_batch=lambda _seq, batch, name=name: index.apply(name, batch),  # type: ignore[misc]
-                    on_reset=lambda _why, name=name: index.reset(name),  # type: ignore[misc]
-                )
-                index.follow(name)
-                state.kv_subscribers[name] = sub
-                await nursery.start(sub.run)
-            await refresh_all()
-            task_status.started()
-            while True:
-                await trio.sleep(refresh_s)
-                await refresh_all()
-    finally:
-        # The subscribers' tasks and sockets ended with the nursery; so does their listing.
-        state.kv_subscribers.clear()
+    await PrefixWatch(state, refresh_s=refresh_s).run(task_status=task_status)

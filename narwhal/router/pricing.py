@@ -309,10 +309,21 @@ class PricedPlacement(Placement):
                     await self._capacity.wait()
 
     def set_roles(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
-        """Reactive control assigns the active roles of engines that permit both."""
-        self.prefill_engines = list(prefill)
-        self.decode_engines = list(decode)
+        """Reactive control assigns the active roles of engines that permit both; a fleet
+        change adds and removes engines. Requests waiting for capacity look again."""
+        super().set_roles(prefill, decode)
         self._capacity_changed()
+
+    def add_engine(self, name: str) -> None:
+        super().add_engine(name)
+        self.ttft_correction.setdefault(name, 1.0)
+        self.tpot_correction.setdefault(name, 1.0)
+        self.prefill_work_s.setdefault(name, 0.0)
+
+    def remove_engine(self, name: str) -> None:
+        super().remove_engine(name)
+        for table in (self.ttft_correction, self.tpot_correction, self.prefill_work_s, self.profiles, self.unbound):
+            table.pop(name, None)
 
 
 #: Consumers whose predicted TPOT lies within this share of the best one's are equal

@@ -44,7 +44,7 @@ from narwhal.engines.connector import validate_descriptor
 from narwhal.errors import NarwhalError
 from narwhal.router.state import RouterState
 
-__all__ = ["PROBE_TOKENS", "probe_at_start", "probe_engine", "run_probes"]
+__all__ = ["PROBE_TOKENS", "probe_at_start", "probe_engine", "readiness_problem", "run_probes"]
 
 #: Tokens a decode probe streams: enough to cross the first-token and between-chunk
 #: bounds that eject consumers.
@@ -94,6 +94,28 @@ async def _check_lifecycle(state: RouterState, name: str) -> None:
         mismatches.append(f"connector {connector.type if connector else None!r} != {contract.connector!r}")
     if mismatches:
         raise NarwhalError("engine contract mismatch: " + "; ".join(mismatches))
+
+
+async def readiness_problem(state: RouterState, name: str) -> str | None:
+    """The readiness probe of an engine added at run time: ``GET /health`` answers 200
+    (with ``engine_contract``: the engine's identity matches it). Returns why it is not
+    ready, or None."""
+    client = state.clients.get(name)
+    if client is None:
+        return "left the fleet"
+    if state.config.engine_contract is None:
+        timeout = state.config.engine.connect_timeout_s
+        why: str | None = f"no answer to GET /health within {timeout:g} s (engine.connect_timeout_s)"
+        with trio.move_on_after(timeout):
+            why = await client.unhealthy()
+        return why
+    try:
+        await _check_lifecycle(state, name)
+    except trio.TooSlowError:
+        return f"no answer within {state.config.engine.first_token_timeout_s:g} s (engine.first_token_timeout_s)"
+    except NarwhalError as exc:
+        return str(exc)
+    return None
 
 
 async def _decode_stream(state: RouterState, name: str, handoff: Any, body: dict[str, Any]) -> None:

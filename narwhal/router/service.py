@@ -2,29 +2,39 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import trio
 
-from narwhal.config import FleetConfig
+from narwhal.config import FleetConfig, parse_fleet
+from narwhal.errors import ConfigError
 from narwhal.http.server import HTTPServer, ServerLimits
 from narwhal.profile.store import Profiles
 from narwhal.router.admin import AdminApp
 from narwhal.router.app import RouterApp
 from narwhal.router.controller import ReactiveController
+from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
+from narwhal.router.fleet import FleetChange, LiveFleet
 from narwhal.router.journal import Journal
 from narwhal.router.loadpoll import poll_engine_load
 from narwhal.router.metrics import RouterMetrics
-from narwhal.router.prefixwatch import watch_prefix_caches
+from narwhal.router.prefixwatch import PrefixWatch
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import probe_at_start, run_probes
 from narwhal.router.state import RouterState
 
-__all__ = ["Router", "open_router"]
+__all__ = ["Prepare", "Router", "open_router"]
+
+#: Turns a fleet document (parsed JSON, or None: re-read the file the router serves)
+#: into the config and profiles to serve, running the same checks as at start;
+#: raises :class:`~narwhal.errors.ConfigError`. Called in a worker thread.
+Prepare = Callable[[Any], tuple[FleetConfig, Profiles | None]]
 
 log = logging.getLogger("narwhal.router")
 
@@ -33,14 +43,52 @@ class Router:
     """A running router: ``server`` serves the OpenAI routes, ``admin`` metrics and events."""
 
     def __init__(
-        self, state: RouterState, server: HTTPServer, admin: HTTPServer, metrics: RouterMetrics, events: EventHub
+        self,
+        state: RouterState,
+        server: HTTPServer,
+        admin: HTTPServer,
+        metrics: RouterMetrics,
+        events: EventHub,
+        fleet: LiveFleet,
+        prepare: Prepare | None = None,
     ) -> None:
         self.state = state
         self.server = server
         self.admin = admin
         self.metrics = metrics
         self.events = events
+        self.fleet = fleet
+        self.prepare = prepare
         self.controller: ReactiveController | None = None
+
+    async def reload(self, document: Any = None, *, source: str) -> FleetChange:
+        """Serve a new fleet document without a restart (see :mod:`narwhal.router.fleet`).
+
+        Args:
+            document: the document as parsed JSON, or its JSON text; None re-reads the
+                file the router was started from.
+            source: where the change comes from, for the records (``SIGHUP``, ``PUT /fleet``).
+
+        Raises:
+            ConfigError: the document is invalid or cannot be applied; nothing changed.
+        """
+        prepare = self.prepare
+        try:
+            if isinstance(document, bytes | bytearray | memoryview | str):
+                try:
+                    document = json.loads(bytes(document) if isinstance(document, memoryview) else document)
+                except ValueError as exc:  # UnicodeDecodeError is one
+                    raise ConfigError(f"the document is not JSON: {exc}") from None
+            if prepare is None:
+                if document is None:
+                    raise ConfigError("the router was not started from a fleet document file: nothing to re-read")
+                config, profiles = parse_fleet(document), self.state.profiles
+            else:
+                config, profiles = await trio.to_thread.run_sync(prepare, document)
+        except ConfigError as err:
+            self.fleet.reject(err, source)
+            raise
+        return await self.fleet.apply(config, profiles=profiles, source=source)
 
     @property
     def journal(self) -> Journal:
@@ -96,6 +144,7 @@ async def open_router(
     journal: Journal | None = None,
     profiles: Profiles | None = None,
     metrics_on_api_port: bool = False,
+    prepare: Prepare | None = None,
 ) -> AsyncIterator[Router]:
     """Start a router's background tasks; on exit drain, flush the journal, close clients.
 
@@ -107,6 +156,9 @@ async def open_router(
         profiles: a profiles pair that passed Gate F: placement is priced by it for
             every engine whose profile binds to the generation running now.
         metrics_on_api_port: also answer ``GET /metrics`` on the OpenAI listener.
+        prepare: how a reload turns a document into config and profiles (the command
+            line's checks); None: a document sent to ``PUT /fleet`` is validated and
+            served with the profiles the router has, and there is no file to re-read.
     """
     state = RouterState(config, transport=transport, journal=journal, profiles=profiles)
     limits = server_limits(config)
@@ -118,19 +170,20 @@ async def open_router(
         app.metrics = metrics.exposition
     state.journal.add_listener(events.on_record)
     state.breaker.add_listener(events.on_transition)
-    admin = HTTPServer(AdminApp(state, metrics, events), limits, server_name="narwhal-admin")
+    admin_app = AdminApp(state, metrics, events)
+    admin = HTTPServer(admin_app, limits, server_name="narwhal-admin")
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(state.journal.run)
             await nursery.start(run_probes, state)
             await probe_at_start(state)
-            if not state.ready():
-                log.warning("not ready: %s (GET /health answers 503 until it is)", state.unready_reason())
             if config.server.engine_load_poll_s > 0:
                 await nursery.start(poll_engine_load, state, config.server.engine_load_poll_s)
             await state.refresh_models()
+            prefix_watch = None
             if config.controller.prefix_cache == "auto":
-                await nursery.start(watch_prefix_caches, state)
+                prefix_watch = PrefixWatch(state)
+                await nursery.start(prefix_watch.run)
             await state.bind_profiles()
             controller = None
             if config.controller.reactive.enabled and isinstance(state.placement, PricedPlacement):
@@ -138,9 +191,23 @@ async def open_router(
                     config, state.placement, publish=events.publish, clock=state.clock, journal_path=state.journal.path
                 )
                 state.journal.add_listener(controller.on_record)
+                state.assign_roles = controller.assign
                 await nursery.start(controller.run)
-            router = Router(state, server, admin, metrics, events)
+            fleet = LiveFleet(
+                state, publish=events.publish, journal_path=state.journal.path,
+                prefix_watch=prefix_watch, controller=controller,
+            )  # fmt: skip
+            await nursery.start(fleet.run)
+            discovery = Discovery(fleet)
+            await nursery.start(discovery.run)
+            if config.engine_groups:  # their engines' first readiness probes
+                await fleet.settle(config.engine.connect_timeout_s + 1.0)
+            if not state.ready():
+                log.warning("not ready: %s (GET /health answers 503 until it is)", state.unready_reason())
+            admin_app.discovery = discovery
+            router = Router(state, server, admin, metrics, events, fleet, prepare)
             router.controller = controller
+            admin_app.reload = router.reload
             try:
                 yield router
             finally:
@@ -148,6 +215,7 @@ async def open_router(
                     await server.shutdown(config.server.shutdown_grace_s)
                     await admin.shutdown(0)
                     await state.journal.aclose()
+                    await fleet.aclose()
                 nursery.cancel_scope.cancel()
     finally:
         await state.aclose()

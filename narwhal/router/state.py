@@ -62,20 +62,16 @@ class RouterState:
     ) -> None:
         self.config = config
         self.clock = clock
+        self._transport = transport
         self.engines: dict[str, EngineConfig] = {e.name: e for e in config.engines}
-        self.clients: dict[str, EngineClient] = {
-            e.name: EngineClient(
-                e.url,
-                name=e.name,
-                model=e.model,
-                connector=e.connector,
-                api_key=e.api_key,
-                transport=transport,
-                connect_timeout_s=config.engine.connect_timeout_s,
-                url_in_errors=config.server.engine_urls_in_errors,
-            )
-            for e in config.engines
-        }
+        self.clients: dict[str, EngineClient] = {e.name: self._client(e) for e in config.engines}
+        #: Engines that are not (or no longer) plainly serving: ``starting`` (added at run
+        #: time, waiting for its readiness probe) or ``draining`` (removed: no new
+        #: placements, its requests finish). Engines absent here serve.
+        self.phase: dict[str, str] = {}
+        #: Assigns the placement roles of the engines in placement (reactive control
+        #: replaces it); by default every engine takes every role it permits.
+        self.assign_roles: Callable[[list[EngineConfig]], tuple[list[str], list[str]]] = _permitted_roles
         rec = config.recovery
         prefill = [e.name for e in config.engines if e.can_prefill]
         decode = [e.name for e in config.engines if e.can_decode]
@@ -124,9 +120,82 @@ class RouterState:
         self.prompt_lengths = PromptLengths()
         #: Per model when the fleet serves several: each has its own tokenizer.
         self._prompt_lengths: dict[str, PromptLengths] = {}
-        #: What each engine's prefix cache holds (kept by ``watch_prefix_caches``).
+        #: What each engine's prefix cache holds (kept by ``PrefixWatch``).
         self.prefix = PrefixIndex()
         self.kv_subscribers: dict[str, KVEventSubscriber] = {}
+        #: Why an engine is still ``starting`` (its last readiness probe), for /health.
+        self.phase_errors: dict[str, str] = {}
+
+    def _client(self, e: EngineConfig) -> EngineClient:
+        return EngineClient(
+            e.url,
+            name=e.name,
+            model=e.model,
+            connector=e.connector,
+            api_key=e.api_key,
+            transport=self._transport,
+            connect_timeout_s=self.config.engine.connect_timeout_s,
+            url_in_errors=self.config.server.engine_urls_in_errors,
+        )
+
+    # ------------------------------------------------------------ a changing fleet
+
+    def members(self) -> list[EngineConfig]:
+        """The engines placement may use: those serving, and a draining engine while no
+        serving engine has one of its roles (a role is never left empty by a change)."""
+        serving = [e for e in self.engines.values() if e.name not in self.phase]
+        out = []
+        for e in self.engines.values():
+            phase = self.phase.get(e.name)
+            if phase is None:
+                out.append(e)
+            elif phase == "draining" and any(
+                not any(role in o.roles for o in serving) for role in e.roles
+            ):
+                out.append(e)
+        return out
+
+    def refresh_roles(self) -> None:
+        """Recompute placement's engines of each role (and the breaker's) after a change."""
+        members = self.members()
+        prefill, decode = self.assign_roles(members)
+        self.placement.set_roles(prefill, decode)
+        permitted = _permitted_roles(members)
+        self.breaker.set_roles({"prefill": permitted[0], "decode": permitted[1]})
+        self.placement.notify_released()
+
+    def add_engine(self, engine: EngineConfig, *, phase: str | None = "starting") -> None:
+        """Know ``engine`` (its client, breaker state, load); ``phase`` ``starting`` keeps
+        it out of placement until :meth:`refresh_roles` follows a readiness probe."""
+        name = engine.name
+        if name in self.engines:
+            raise ValueError(f"engine {name} is already in the fleet")
+        self.engines[name] = engine
+        self.clients[name] = self._client(engine)
+        self.breaker.add(name)
+        self.placement.add_engine(name)
+        self.in_flight_by_engine[name] = 0
+        if phase is not None:
+            self.phase[name] = phase
+        self._recompute_models()
+
+    def busy(self, name: str) -> bool:
+        """Whether a request (reservation, leg, token count) still uses ``name``."""
+        return not self.placement.idle(name) or self.in_flight_by_engine.get(name, 0) > 0
+
+    async def forget_engine(self, name: str) -> None:
+        """Drop a drained engine from every table and close its connections."""
+        self.phase.pop(name, None)
+        self.engines.pop(name, None)
+        client = self.clients.pop(name, None)
+        self.breaker.remove(name)
+        self.placement.remove_engine(name)
+        self.in_flight_by_engine.pop(name, None)
+        self._reported.pop(name, None)
+        self._recompute_models()
+        self.prefix.forget(name)
+        if client is not None:
+            await client.close_connections()
 
     def placeable(self, name: str) -> bool:
         """Whether placement may use ``name`` now: the breaker lets it, and an engine on
@@ -168,8 +237,10 @@ class RouterState:
 
     def engine_state(self, name: str) -> str:
         """The breaker's word for the engine: ``ok``, ``trial``, ``quarantined``, ``held`` or
-        ``ejected`` (out until a readmission probe succeeds)."""
-        return self.breaker.status(name)
+        ``ejected`` (out until a readmission probe succeeds); or the fleet's: ``starting``
+        (added, waiting for its readiness probe) or ``draining`` (removed, finishing its
+        requests)."""
+        return self.phase.get(name) or self.breaker.status(name)
 
     def health(self, *, detail: bool) -> dict[str, Any]:
         """The ``/health`` body: ready or not (and why), each engine's state; with
@@ -179,8 +250,12 @@ class RouterState:
         for name, engine in self.engines.items():
             st = self.engine_state(name)
             if detail:
-                last = self.breaker.states[name].last_error
+                last = self.phase_errors.get(name) or self.breaker.states[name].last_error
                 engines[name] = {"state": st, "url": engine.url, "error": last if st != "ok" else None}
+                placement = self.placement
+                if isinstance(placement, PricedPlacement):
+                    why = placement.unbound.get(name, "its profile is not bound yet")
+                    engines[name]["pricing"] = "profile" if name in placement.profiles else f"load ({why})"
             else:
                 engines[name] = st
         body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable"}
@@ -251,6 +326,7 @@ class RouterState:
             raise Refused(f"no engine{placement.of_model(model)} available for prefill", retry_after_s=1.0)
         for i, name in enumerate(candidates):
             client = self.clients[name]
+            self.in_flight_by_engine[name] += 1
             try:
                 if kind == "chat":
                     return await client.tokenize(messages=parsed_body["messages"], model=model)
@@ -262,6 +338,9 @@ class RouterState:
                     self.breaker.record_failure(name, f"tokenize: {err.message}")
                 if not err.transient or i == len(candidates) - 1:
                     raise
+            finally:
+                self.in_flight_by_engine[name] -= 1
+                self.placement.notify_released()
         raise AssertionError("unreachable")
 
     async def refresh_models(self, names: Iterable[str] | None = None) -> None:
@@ -286,14 +365,23 @@ class RouterState:
 
         async with trio.open_nursery() as nursery:
             for name in self.engines if names is None else names:
-                nursery.start_soon(one, name)
-        for name, engine in self.engines.items():
-            declared = engine.model
+                if name in self.clients:
+                    nursery.start_soon(one, name)
+        for name in self.engines if names is None else names:
+            declared = self.engines[name].model if name in self.engines else None
             listed = self._reported.get(name, {})
             if declared is not None and listed and declared not in listed:
                 log.warning(
                     "engine %s is declared to serve model %r but lists %s", name, declared, _listing(listed)
                 )
+        self._recompute_models()
+
+    def _recompute_models(self) -> None:
+        """Placement's engine-to-models index and ``models`` (with each one's smallest
+        ``max_model_len``) from the declared models and the engines' last listings."""
+        for name, engine in self.engines.items():
+            declared = engine.model
+            listed = self._reported.get(name, {})
             self.placement.set_models(name, [*([declared] if declared else []), *listed])
         lengths: dict[str, int | None] = dict.fromkeys(self.placement.model_names())
         for name, listed in self._reported.items():
@@ -315,6 +403,8 @@ class RouterState:
         profiles = self.profiles
 
         async def one(name: str) -> None:
+            if name not in self.clients:  # it left the fleet meanwhile
+                return
             profile = profiles.engines.get(name)
             if profile is None:
                 placement.profiles.pop(name, None)
@@ -326,6 +416,8 @@ class RouterState:
             except (EngineError, trio.TooSlowError) as exc:
                 placement.profiles.pop(name, None)
                 placement.unbound[name] = f"identity unavailable: {exc}"
+                return
+            if name not in self.clients:
                 return
             if live != profile.identity:
                 placement.profiles.pop(name, None)
@@ -352,6 +444,10 @@ class RouterState:
 
 def _listing(names: Iterable[str]) -> str:
     return ", ".join(repr(n) for n in names)
+
+
+def _permitted_roles(engines: list[EngineConfig]) -> tuple[list[str], list[str]]:
+    return [e.name for e in engines if e.can_prefill], [e.name for e in engines if e.can_decode]
 
 
 def _generation_change(profiled: EngineIdentity, live: EngineIdentity) -> str:

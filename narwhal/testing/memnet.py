@@ -297,6 +297,11 @@ class MemoryNetwork:
         """Connections not yet closed at both ends (for leak checks)."""
         return len(self._links)
 
+    def connections_to(self, host: str, port: int) -> int:
+        """Connections to ``host:port`` not yet closed at both ends."""
+        key = (host.lower(), port)
+        return sum(1 for link in self._links if link.address == key)
+
     def listen(self, host: str, port: int, server: HTTPServer) -> None:
         """Serve connections to ``host:port`` with ``server``."""
         key = (host.lower(), port)

@@ -1,0 +1,268 @@
+"""Engines found in DNS: an engine group's addresses come and go, and the fleet follows.
+
+The machine's resolver is never asked: trio's custom hostname resolver hook answers
+for the group's name. Simulated engines listen on different loopback addresses
+(127.0.0.2, 127.0.0.3, ...), in memory in virtual time under load, and once on real
+sockets.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from narwhal.config import parse_fleet
+from narwhal.errors import ConfigError
+from narwhal.router.discovery import group_engines
+from narwhal.router.journal import Journal
+from narwhal.router.service import Router, open_router
+from narwhal.testing import MemoryNetwork, open_memory_network, open_sim_fleet
+from narwhal.testing.ports import free_port
+
+from .loadkit import Outcome, exchange
+from .routerkit import ROUTER_HOST, ROUTER_PORT, SIM, engine, fleet_doc
+
+NAME = "decode.llm.svc.cluster.local"
+STEP_S = 0.05
+_SIM = {**copy.deepcopy(SIM), "decode": {"c0": STEP_S, "c1": 0.0, "c2": 0.0}, "max_num_seqs": 512}
+
+
+class Resolver(trio.abc.HostnameResolver):
+    """DNS as the test says: ``names[host]`` is its addresses; None fails the lookup."""
+
+    def __init__(self, names: dict[str, list[str] | None]) -> None:
+        self.names = names
+        self.lookups: list[str] = []
+
+    async def getaddrinfo(
+        self, host: bytes | None, port: bytes | str | int | None, family: int = 0, type: int = 0, proto: int = 0, flags: int = 0
+    ) -> list[tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int]]]:
+        await trio.lowlevel.checkpoint()
+        name = host.decode() if isinstance(host, bytes) else str(host)
+        self.lookups.append(name)
+        if name not in self.names:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        addresses = self.names[name]
+        if addresses is None:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (a, int(port or 0))) for a in addresses]
+
+    async def getnameinfo(self, sockaddr: tuple[str, int] | tuple[str, int, int, int], flags: int) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+def _sim_at(address: str, port: int) -> dict[str, Any]:
+    return {
+        "name": f"sim-{address}", "url": f"http://{address}:{port}", "roles": ["decode"],
+        "connector": {"type": "NixlConnector", "kv_host": address, "kv_port": 15000}, "sim": _SIM,
+    }  # fmt: skip
+
+
+def group(**over: Any) -> dict[str, Any]:
+    return {"name": "decode", "host": NAME, "port": 8000, "roles": ["decode"],
+            "connector": {"kv_port": 15000}, "resolve_every_s": 5.0, **over}  # fmt: skip
+
+
+@attrs.define
+class Live:
+    net: MemoryNetwork
+    router: Router
+    resolver: Resolver
+    records: list[dict[str, Any]]
+
+    async def request(self, rid: str, max_tokens: int = 20) -> Outcome:
+        conn = await self.net.connect(ROUTER_HOST, ROUTER_PORT)
+        body = {"prompt": f"request {rid}", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        return await exchange(conn, body, request_id=rid)
+
+
+@asynccontextmanager
+async def open_live(addresses: list[str] | None, **group_over: Any) -> AsyncIterator[Live]:
+    resolver = Resolver({NAME: addresses})
+    trio.socket.set_custom_hostname_resolver(resolver)
+    p0 = engine("p0", 8101, ["prefill"], **_SIM)
+    sims = parse_fleet(fleet_doc(p0, *(_sim_at(f"127.0.0.{i}", 8000) for i in (2, 3, 4, 5))))
+    config = parse_fleet(fleet_doc(copy.deepcopy(p0), engine_groups=[group(**group_over)]))
+    records: list[dict[str, Any]] = []
+    journal = Journal(None)
+    journal.add_listener(records.append)
+    async with open_memory_network() as net, open_sim_fleet(sims, network=net) as fleet:
+        async with open_router(config, transport=fleet.transport, journal=journal) as router:
+            net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
+            yield Live(net, router, resolver, records)
+    assert net.open_connections == 0
+
+
+def _consumers(records: list[dict[str, Any]], rids: set[str]) -> collections.Counter[str]:
+    return collections.Counter(r["consumer"] for r in records if r["request_id"] in rids)
+
+
+async def test_addresses_that_appear_and_disappear_under_load(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(["127.0.0.2", "127.0.0.3"]) as live:
+        state = live.router.state
+        assert sorted(state.engines) == ["decode-127.0.0.2", "decode-127.0.0.3", "p0"]
+        assert state.ready() and not state.phase
+        assert state.engines["decode-127.0.0.2"].url == "http://127.0.0.2:8000"
+        outcomes: dict[str, Outcome] = {}
+        late: set[str] = set()
+
+        async def one(rid: str) -> None:
+            outcomes[rid] = await live.request(rid)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                nursery.start_soon(one, f"a{i}")
+                await trio.sleep(0.05)
+            assert state.in_flight_by_engine["decode-127.0.0.2"] > 0
+            changed_at = trio.current_time()
+            live.resolver.names[NAME] = ["127.0.0.3", "127.0.0.4"]  # a pod replaced
+            for i in range(200):
+                rid = f"b{i}"
+                if trio.current_time() > changed_at + 5.0 + 0.5:  # resolved again, d4 probed
+                    late.add(rid)
+                nursery.start_soon(one, rid)
+                await trio.sleep(0.05)
+        assert len(outcomes) == 240 and all(o.ok for o in outcomes.values())
+        ids = [r["request_id"] for r in live.records]
+        assert len(ids) == len(set(ids)) == 240
+        served = _consumers(live.records, late)
+        assert served["decode-127.0.0.2"] == 0 and served["decode-127.0.0.4"] > 0 and served["decode-127.0.0.3"] > 0
+        assert sorted(state.engines) == ["decode-127.0.0.3", "decode-127.0.0.4", "p0"]
+        assert live.net.connections_to("127.0.0.2", 8000) == 0
+        [reload] = [c for c in live.router.fleet.changes if c["event"] == "reload" and c["source"] == "dns:decode"]
+        assert (reload["added"], reload["removed"]) == (["decode-127.0.0.4"], ["decode-127.0.0.2"])
+        # Resolved at start, then every resolve_every_s.
+        assert len(live.resolver.lookups) == pytest.approx(1 + trio.current_time() // 5.0, abs=1)
+
+
+async def test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_role(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(["127.0.0.2"]) as live:
+        state = live.router.state
+        live.resolver.names[NAME] = None  # the DNS server fails
+        await trio.sleep(5.5)
+        assert sorted(state.engines) == ["decode-127.0.0.2", "p0"] and not state.phase
+        assert live.router.admin.handler.fleet()["engine_groups"] == {  # type: ignore[attr-defined]
+            "decode": {"host": NAME, "addresses": ["127.0.0.2"], "error": "[Errno -3] Temporary failure in name resolution"}
+        }
+        del live.resolver.names[NAME]  # no pod is ready: the name has no address
+        await trio.sleep(5.0)
+        # Its engine drains, but stays in placement while it is the role's only one.
+        assert state.engine_state("decode-127.0.0.2") == "draining" and state.ready()
+        assert (await live.request("r0", 4)).ok
+        live.resolver.names[NAME] = ["127.0.0.5"]
+        await trio.sleep(5.5)
+        assert sorted(state.engines) == ["decode-127.0.0.5", "p0"]
+        assert (await live.request("r1", 4)).ok
+        assert {r["request_id"]: r["consumer"] for r in live.records} == {
+            "r0": "decode-127.0.0.2", "r1": "decode-127.0.0.5"
+        }
+
+
+async def test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(["127.0.0.2"]) as live:
+        state = live.router.state
+        prefill = engine("p0", 8101, ["prefill"], **_SIM)
+        more = group(name="more", host="more.llm.svc")
+        live.resolver.names["more.llm.svc"] = None
+        doc = fleet_doc(prefill, engine_groups=[group(), more])
+        with pytest.raises(ConfigError) as err:
+            await live.router.reload(doc, source="test")
+        assert err.value.path == "$.engine_groups[1].host"
+        assert "cannot resolve 'more.llm.svc'" in err.value.reason
+        assert sorted(state.engines) == ["decode-127.0.0.2", "p0"]
+        live.resolver.names["more.llm.svc"] = ["127.0.0.3", "127.0.0.4"]
+        change = await live.router.reload(doc, source="test")
+        assert change.added == ("more-127.0.0.3", "more-127.0.0.4")
+        # The group leaves with the next document: its engines drain, its name is no longer resolved.
+        await live.router.reload(fleet_doc(prefill, engine_groups=[group()]), source="test")
+        await trio.sleep(1.0)
+        assert sorted(state.engines) == ["decode-127.0.0.2", "p0"]
+        asked = len(live.resolver.lookups)
+        await trio.sleep(20)
+        assert "more.llm.svc" not in live.resolver.lookups[asked:]
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"host": ""}, "expected a non-empty string @ $.engine_groups[0].host"),
+        ({"port": 0}, "expected a port number 1-65535 @ $.engine_groups[0].port"),
+        ({"roles": ["decoder"]}, "expected one of 'prefill', 'decode' @ $.engine_groups[0].roles[0]"),
+        ({"resolve_every_s": 0}, "expected a number > 0 @ $.engine_groups[0].resolve_every_s"),
+        ({"name": "p0"}, "duplicate name 'p0' (an engine has it) @ $.engine_groups[0].name"),
+        ({"connector": {"kv_port": "x"}}, "expected an integer @ $.engine_groups[0].connector.kv_port"),
+        ({"roles": ["prefill", "decode"], "connector": None},
+         "a prefill engine group needs a connector when an engine can decode @ $.engine_groups[0].connector"),
+        ({"kv_events": {"port": 5557, "replay_prt": 5558}},
+         "unknown key 'replay_prt' (did you mean 'replay_port'?) @ $.engine_groups[0].kv_events"),
+    ],
+)
+def test_engine_group_errors_name_their_path(over: dict[str, Any], message: str) -> None:
+    doc = fleet_doc(engine("p0", 8101, ["prefill"]), engine_groups=[group(**over)])
+    with pytest.raises(ConfigError) as err:
+        parse_fleet(doc)
+    assert str(err.value) == message
+
+
+def test_a_fleet_of_groups_alone_is_valid() -> None:
+    groups = [group(name="prefill", host="prefill.svc", roles=["prefill"]), group()]
+    config = parse_fleet(fleet_doc(engine("p0", 8101, ["prefill"]), engine_groups=groups) | {"engines": []})
+    assert config.engines == () and [g.name for g in config.engine_groups] == ["prefill", "decode"]
+    with pytest.raises(ConfigError, match="no engine has the prefill role"):
+        parse_fleet({"engines": [], "engine_groups": [group()]})
+
+
+async def test_discovery_over_loopback_addresses() -> None:
+    """Real sockets on 127.0.0.2 and 127.0.0.3 (wall clock): both are found, one leaves."""
+    port = free_port()
+    resolver = Resolver({NAME: ["127.0.0.2", "127.0.0.3"]})
+    trio.socket.set_custom_hostname_resolver(resolver)
+    p0 = {**engine("p0", free_port(), ["prefill"], **_SIM), "url": f"http://127.0.0.1:{free_port()}"}
+    p0["connector"] = {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": free_port()}
+    sims = parse_fleet(fleet_doc(p0, *(_sim_at(a, port) for a in ("127.0.0.2", "127.0.0.3"))))
+    config = parse_fleet(fleet_doc(p0, engine_groups=[group(port=port, resolve_every_s=0.2)]))
+    journal = Journal(None)
+    records: list[dict[str, Any]] = []
+    journal.add_listener(records.append)
+    with trio.fail_after(60):
+        async with open_sim_fleet(sims, sockets=True), open_router(config, journal=journal) as router:
+            state = router.state
+            assert sorted(state.engines) == ["decode-127.0.0.2", "decode-127.0.0.3", "p0"] and state.ready()
+            async with trio.open_nursery() as nursery:
+                bound = await nursery.start(router.serve_tcp, "127.0.0.1", 0)
+                for i in range(8):
+                    stream = await trio.open_tcp_stream(*bound[0])
+                    body = {"prompt": f"r{i}", "max_tokens": 3, "stream": True}
+                    assert (await exchange(stream, body, request_id=f"r{i}")).ok
+                resolver.names[NAME] = ["127.0.0.3"]
+                while "decode-127.0.0.2" in state.engines:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                stream = await trio.open_tcp_stream(*bound[0])
+                assert (await exchange(stream, {"prompt": "last", "max_tokens": 3, "stream": True}, request_id="z")).ok
+                await router.shutdown(0)
+                nursery.cancel_scope.cancel()
+    assert {r["consumer"] for r in records if r["request_id"] != "z"} == {"decode-127.0.0.2", "decode-127.0.0.3"}
+    assert [r["consumer"] for r in records if r["request_id"] == "z"] == ["decode-127.0.0.3"]
+
+
+def test_a_group_engine_per_address_ipv6_included() -> None:
+    config = parse_fleet(fleet_doc(engine("p0", 8101, ["prefill"]), engine_groups=[
+        group(kv_events={"port": 5557, "replay_port": 5558, "topic": "kv"}, model="m", api_key="k")
+    ]))  # fmt: skip
+    [g] = config.engine_groups
+    v4, v6 = group_engines(g, ["10.0.0.7", "fd00::1"])
+    assert (v4.name, v4.url, v4.roles, v4.model, v4.api_key) == ("decode-10.0.0.7", "http://10.0.0.7:8000", ("decode",), "m", "k")
+    assert v4.connector is not None and (v4.connector.kv_host, v4.connector.kv_port) == ("10.0.0.7", 15000)
+    assert v6.name == "decode-fd00--1" and v6.url == "http://[fd00::1]:8000" and v6.host == "fd00::1"
+    assert v6.kv_events is not None
+    assert (v6.kv_events.endpoint, v6.kv_events.replay_endpoint, v6.kv_events.topic) == (
+        "tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558", "kv"
+    )

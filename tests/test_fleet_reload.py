@@ -1,0 +1,366 @@
+"""Reloading the fleet without a restart: engines added, drained, replaced; settings changed.
+
+In memory, in virtual time, under load: no request is lost or failed by a change and each
+is journaled once; a removed engine takes no new placement, finishes the streams it
+serves and then has no connection left; an added engine takes traffic only once its
+readiness probe passes; a document that fails changes nothing and says why with its
+JSON path; every change is a fleet record, published on the live events.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from narwhal.config import parse_fleet
+from narwhal.errors import ConfigError
+from narwhal.router.journal import Journal
+from narwhal.router.service import Router, open_router
+from narwhal.testing import MemoryNetwork, SimFleet, open_memory_network, open_sim_fleet
+
+from .loadkit import Outcome, exchange
+from .routerkit import ROUTER_HOST, ROUTER_PORT, engine, fleet_doc, sim_profiles
+
+STEP_S = 0.05
+_SIM = {"decode": {"c0": STEP_S, "c1": 0.0, "c2": 0.0}, "max_num_seqs": 512}
+ADMIN = ("admin.test", 8001)
+
+
+def _engines() -> dict[str, dict[str, Any]]:
+    return {
+        "p0": engine("p0", 8101, ["prefill"], **_SIM),
+        "p1": engine("p1", 8102, ["prefill"], **_SIM),
+        "d0": engine("d0", 8103, ["decode"], **_SIM),
+        "d1": engine("d1", 8104, ["decode"], **_SIM),
+        "d2": engine("d2", 8105, ["decode"], **_SIM),
+    }
+
+
+ENGINES = _engines()
+
+
+def doc(*names: str, **sections: Any) -> dict[str, Any]:
+    return fleet_doc(*(copy.deepcopy(ENGINES[n]) for n in names), **sections)
+
+
+@attrs.define
+class Live:
+    net: MemoryNetwork
+    sims: SimFleet
+    router: Router
+    records: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+
+    async def request(self, rid: str, max_tokens: int = 20) -> Outcome:
+        conn = await self.net.connect(ROUTER_HOST, ROUTER_PORT)
+        body = {"prompt": f"request {rid}", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        return await exchange(conn, body, request_id=rid)
+
+    def fleet_events(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("type") == "fleet" and e["event"] == event]
+
+
+@asynccontextmanager
+async def open_live(
+    first: dict[str, Any], *, journal_path: Path | None = None, priced: bool = False, profile_names: tuple[str, ...] = ()
+) -> AsyncIterator[Live]:
+    """Every engine of :data:`ENGINES` runs; the router serves ``first``."""
+    every = parse_fleet(fleet_doc(*ENGINES.values()))
+    config = parse_fleet(first)
+    records: list[dict[str, Any]] = []
+    journal = Journal(journal_path)
+    journal.add_listener(records.append)
+    async with open_memory_network() as net, open_sim_fleet(every, network=net) as sims:
+        profiles = None
+        if priced:
+            profiles = await sim_profiles(every, net)
+            profiles = attrs.evolve(profiles, engines={n: p for n, p in profiles.engines.items() if n in profile_names})
+        async with open_router(config, transport=sims.transport, journal=journal, profiles=profiles) as router:
+            net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
+            net.listen(*ADMIN, router.admin)
+            events: list[dict[str, Any]] = []
+            async with trio.open_nursery() as nursery:
+
+                async def follow() -> None:
+                    with router.events.subscribe() as sub:
+                        async for event in sub.receive:
+                            events.append(event)
+
+                nursery.start_soon(follow)
+                await trio.lowlevel.checkpoint()
+                yield Live(net, sims, router, records, events)
+                nursery.cancel_scope.cancel()
+    # Every connection (client to router, router to engines) is closed.
+    assert net.open_connections == 0
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (in virtual time) until ``condition`` holds: the router's own state, which no event announces."""
+    while not condition():  # noqa: ASYNC110
+        await trio.sleep(0.1)
+
+
+def _served(records: list[dict[str, Any]], rids: set[str]) -> collections.Counter[str]:
+    """Engines of the successful attempts of ``rids`` (producers and consumers)."""
+    used: collections.Counter[str] = collections.Counter()
+    for r in records:
+        if r["request_id"] in rids:
+            used[r["producer"]] += 1
+            used[r["consumer"]] += 1
+    return used
+
+
+async def test_reload_under_load_drains_the_engine_serving_streams_and_adds_two(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0", "d1")) as live:
+        state = live.router.state
+        outcomes: dict[str, Outcome] = {}
+        before: set[str] = set()
+        after: set[str] = set()
+
+        async def one(rid: str) -> None:
+            outcomes[rid] = await live.request(rid)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(60):  # 20 tokens at 50 ms: each stream lasts a second
+                before.add(f"a{i}")
+                nursery.start_soon(one, f"a{i}")
+                await trio.sleep(0.02)
+            assert state.in_flight_by_engine["d0"] > 0  # d0 serves streams
+            in_flight_on_d0 = state.in_flight_by_engine["d0"]
+            change = await live.router.reload(doc("p0", "p1", "d1", "d2"), source="test")
+            assert (change.added, change.removed) == (("p1", "d2"), ("d0",))
+            assert state.engine_state("d0") == "draining" and state.engine_state("d2") == "starting"
+            for i in range(120):
+                after.add(f"b{i}")
+                nursery.start_soon(one, f"b{i}")
+                await trio.sleep(0.02)
+        # No request lost or failed; each journaled once.
+        assert len(outcomes) == 180 and all(o.ok and o.tokens == 20 for o in outcomes.values())
+        ids = [r["request_id"] for r in live.records]
+        assert len(ids) == len(set(ids)) == 180
+        assert all(r["terminal_class"] == "ok" for r in live.records)
+        # d0 took no request after the reload, and finished what it had.
+        used_after = _served(live.records, after)
+        assert used_after["d0"] == 0
+        assert used_after["p1"] > 0 and used_after["d2"] > 0
+        assert _served(live.records, before)["d0"] >= in_flight_on_d0
+        # Then it left: no table holds it, no connection reaches it.
+        assert "d0" not in state.engines and "d0" not in state.placement.loads
+        assert "d0" not in state.breaker.states and "d0" not in state.in_flight_by_engine
+        assert live.net.connections_to("d0.test", 8103) == 0
+        assert sorted(state.engines) == ["d1", "d2", "p0", "p1"]
+        assert all(state.engine_state(n) == "ok" for n in state.engines)
+        # Every change is a record, published live, in order for each engine.
+        fleet = [(e["event"], e.get("engine")) for e in live.events if e.get("type") == "fleet"]
+        assert fleet[0] == ("reload", None)
+        for name in ("p1", "d2"):
+            assert [ev for ev, n in fleet if n == name] == ["starting", "ready"]
+        assert [ev for ev, n in fleet if n == "d0"] == ["draining", "removed"]
+        assert live.router.fleet.changes == [e for e in live.events if e.get("type") == "fleet"]
+        [ready] = [e for e in live.fleet_events("ready") if e["engine"] == "d2"]
+        assert ready["pricing"] == "load"
+
+
+async def test_replacing_the_only_producer_under_load(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0", "d1")) as live:
+        state = live.router.state
+        outcomes: dict[str, Outcome] = {}
+        without_p0: set[str] = set()
+        with_p0: set[str] = set()
+
+        async def one(rid: str) -> None:
+            outcomes[rid] = await live.request(rid)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(150):
+                if i == 50:
+                    await live.router.reload(doc("p1", "d0", "d1"), source="test")
+                    # The only producer drains only once its replacement is ready.
+                    assert state.engine_state("p0") == "draining" and "p0" in state.placement.prefill_engines
+                rid = f"r{i}"
+                (with_p0 if "p0" in state.placement.prefill_engines else without_p0).add(rid)
+                nursery.start_soon(one, rid)
+                await trio.sleep(0.02)
+        assert len(outcomes) == 150 and all(o.ok for o in outcomes.values())
+        ids = [r["request_id"] for r in live.records]
+        assert len(ids) == len(set(ids)) == 150
+        assert len(with_p0) > 50 and len(without_p0) > 80
+        assert {r["producer"] for r in live.records if r["request_id"] in without_p0} == {"p1"}
+        assert sorted(state.engines) == ["d0", "d1", "p1"]
+        assert live.net.connections_to("p0.test", 8101) == 0
+
+
+async def test_a_document_that_fails_changes_nothing_and_says_where(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0")) as live:
+        state = live.router.state
+        config, engines = state.config, dict(state.engines)
+        bad_url = doc("p0", "d0", "d1")
+        bad_url["engines"][2]["url"] = "d1.test:8104"
+        no_json = b"{not json"
+        restart = doc("p0", "d0", "d1", server={"port": 9000})
+        async with httpx.AsyncClient(transport=live.net.transport(), base_url=f"http://{ADMIN[0]}:{ADMIN[1]}") as admin:
+            answers = [
+                await admin.put("/fleet", content=json.dumps(bad_url).encode()),
+                await admin.put("/fleet", content=no_json),
+                await admin.put("/fleet", content=json.dumps(restart).encode()),
+            ]
+            assert [a.status_code for a in answers] == [400, 400, 400]
+            errors = [a.json()["error"] for a in answers]
+            assert [e["path"] for e in errors] == ["$.engines[2].url", "$", "$.server.port"]
+            assert errors[0]["message"] == "expected an http(s)://host:port URL"
+            assert errors[1]["message"].startswith("the document is not JSON")
+            assert errors[2]["message"] == "changes only with a restart (running with 8000, the document says 9000)"
+            # Nothing changed, and each refusal is a record.
+            assert state.config is config and state.engines == engines and not state.phase
+            assert [(e["event"], e["path"]) for e in live.fleet_events("rejected")] == [
+                ("rejected", "$.engines[2].url"), ("rejected", "$"), ("rejected", "$.server.port")
+            ]
+            assert not live.fleet_events("reload")
+            # The same document, fixed, applies.
+            good = await admin.put("/fleet", content=json.dumps(doc("p0", "d0", "d1")).encode())
+            assert good.status_code == 200 and good.json()["added"] == ["d1"]
+            with pytest.raises(ConfigError, match="nothing to re-read"):
+                await live.router.reload(source="SIGHUP")  # started without a file
+
+
+async def test_an_added_engine_waits_for_its_readiness_probe(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0")) as live:
+        state = live.router.state
+        live.net.set_refusing("d1.test", 8104, True)
+        t0 = trio.current_time()
+        await live.router.reload(doc("p0", "d0", "d1"), source="test")
+        for i in range(20):
+            assert (await live.request(f"r{i}", 2)).ok
+        assert _served(live.records, {f"r{i}" for i in range(20)})["d1"] == 0
+        health = state.health(detail=True)["engines"]["d1"]
+        assert health["state"] == "starting" and "connection refused" in health["error"]
+        [not_ready] = live.fleet_events("not_ready")
+        assert not_ready["engine"] == "d1"
+        live.net.set_refusing("d1.test", 8104, False)
+        await until(lambda: state.engine_state("d1") == "ok")
+        # Probed again at recovery.probe_interval_s (5 s by default).
+        assert trio.current_time() - t0 == pytest.approx(5.0, abs=0.5)
+        for i in range(20):
+            assert (await live.request(f"s{i}", 2)).ok
+        assert _served(live.records, {f"s{i}" for i in range(20)})["d1"] > 0
+
+
+async def test_a_role_is_never_left_empty_by_a_replacement(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0")) as live:
+        state = live.router.state
+        live.net.set_refusing("d1.test", 8104, True)  # the replacement is not up yet
+        await live.router.reload(doc("p0", "d1"), source="test")
+        assert state.engine_state("d0") == "draining"
+        for i in range(10):
+            assert (await live.request(f"r{i}", 2)).ok  # d0 keeps serving its role
+        assert _served(live.records, {f"r{i}" for i in range(10)})["d0"] == 10
+        assert state.ready()
+        live.net.set_refusing("d1.test", 8104, False)
+        await until(lambda: "d0" not in state.engines)
+        for i in range(10):
+            assert (await live.request(f"s{i}", 2)).ok
+        assert _served(live.records, {f"s{i}" for i in range(10)})["d1"] == 10
+
+
+async def test_changed_deadlines_apply_to_requests_that_arrive_after(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0")) as live:
+        async with trio.open_nursery() as nursery:
+            early: list[Outcome] = []
+
+            async def first() -> None:
+                early.append(await live.request("early", 100))  # 5 s of streaming
+
+            nursery.start_soon(first)
+            await trio.sleep(0.5)
+            change = await live.router.reload(doc("p0", "d0", engine={"request_timeout_s": 2.0}), source="test")
+            assert change.settings == ("engine.request_timeout_s",)
+            late = await live.request("late", 100)
+        assert early[0].ok  # under the deadline it arrived with (600 s)
+        assert late.status == 200 and late.error is not None  # cut at 2 s
+        by_id = {r["request_id"]: r for r in live.records}
+        assert by_id["late"]["terminal_class"] == "deadline_exceeded"
+        assert by_id["late"]["latency_s"] == pytest.approx(2.0, abs=0.01)
+
+
+async def test_a_request_in_flight_keeps_the_deadlines_it_arrived_with(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0")) as live:
+        async with trio.open_nursery() as nursery:
+            early: list[Outcome] = []
+
+            async def first() -> None:
+                early.append(await live.request("early", 40))
+
+            nursery.start_soon(first)
+            await trio.sleep(0.001)  # in its prefill leg: its decode leg has not started
+            assert live.router.state.in_flight_by_engine["p0"] == 1
+            silent = doc("p0", "d0", engine={"decode_read_timeout_s": STEP_S / 2})
+            await live.router.reload(silent, source="test")
+            late = await live.request("late", 40)
+        assert early[0].ok and early[0].tokens == 40
+        assert late.status == 200 and late.tokens == 1 and late.error is not None
+        by_id = {r["request_id"]: r for r in live.records}
+        assert by_id["late"]["terminal_class"] == "silence_timeout"
+
+
+async def test_roles_change_in_place_and_a_changed_url_replaces_the_engine(autojump_clock: trio.abc.Clock) -> None:
+    both = {**ENGINES["d1"], "roles": ["prefill", "decode"]}
+    async with open_live(fleet_doc(ENGINES["p0"], ENGINES["d0"], ENGINES["d1"])) as live:
+        state = live.router.state
+        change = await live.router.reload(fleet_doc(ENGINES["p0"], ENGINES["d0"], both), source="test")
+        assert change.roles == ("d1",) and not change.added and not change.removed
+        assert "d1" in state.placement.prefill_engines and state.engine_state("d1") == "ok"
+        moved = {**ENGINES["d0"], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
+        change = await live.router.reload(fleet_doc(ENGINES["p0"], moved, both), source="test")
+        assert change.replaced == ("d0",)
+        await until(lambda: state.engine_state("d0") == "ok" and state.engines["d0"].url == "http://d2.test:8105")
+        assert [e.get("engine") for e in live.fleet_events("removed")] == ["d0"]
+        assert [e.get("engine") for e in live.fleet_events("ready")] == ["d0"]
+        served = live.sims.engines["d2"].stats.requests
+        for i in range(6):
+            assert (await live.request(f"r{i}", 2)).ok
+        assert live.sims.engines["d2"].stats.requests > served  # d0 is now the engine at d2's address
+
+
+async def test_an_added_engine_is_priced_once_its_profile_exists(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0"), priced=True, profile_names=("p0", "d0")) as live:
+        state = live.router.state
+        first = state.profiles
+        await live.router.fleet.apply(parse_fleet(doc("p0", "d0", "d1")), profiles=first, source="test")
+        await until(lambda: state.engine_state("d1") == "ok")
+        [ready] = live.fleet_events("ready")
+        assert (ready["pricing"], ready["detail"]) == ("load", "no accepted profile")
+        assert state.health(detail=True)["engines"]["d1"]["pricing"] == "load (no accepted profile)"
+        # Re-profiled: a pair with d1's profile prices it.
+        assert first is not None
+        every = await sim_profiles(parse_fleet(fleet_doc(*ENGINES.values())), live.net)
+        await live.router.fleet.apply(parse_fleet(doc("p0", "d0", "d1")), profiles=every, source="test")
+        await trio.sleep(1.0)
+        assert state.health(detail=True)["engines"]["d1"]["pricing"] == "profile"
+        assert "d1" in state.placement.profiles  # type: ignore[attr-defined]
+
+
+async def test_fleet_records_go_beside_the_journal(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
+    journal = tmp_path / "journal.jsonl"
+    async with open_live(doc("p0", "d0"), journal_path=journal) as live:
+        assert (await live.request("r0", 2)).ok
+        await live.router.reload(doc("p0", "d1"), source="test")
+        await until(lambda: "d0" not in live.router.state.engines)
+        # The router stops at once: the records still queued are written as it does.
+    lines = [json.loads(x) for x in (tmp_path / "journal.fleet.jsonl").read_text().splitlines()]
+    assert [(x["event"], x.get("engine")) for x in lines] == [
+        ("reload", None), ("draining", "d0"), ("starting", "d1"), ("ready", "d1"), ("removed", "d0")
+    ]
+    assert lines[0]["source"] == "test" and lines[0]["added"] == ["d1"] and lines[0]["removed"] == ["d0"]
+    # The request journal keeps its contract: one line per request.
+    assert [json.loads(x)["request_id"] for x in journal.read_text().splitlines()] == ["r0"]
+
