@@ -40,7 +40,9 @@ log = logging.getLogger("narwhal.router.fanin")
 _JSON = (("content-type", "application/json"),)
 _BREAKER_ORDER = {"ok": 0, "quarantined": 1, "ejected": 2}
 #: Gauges whose workers' values do not add up: how they combine instead.
-_COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max}
+_COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max,
+            # Each worker's others include the other workers: the largest view, not a sum.
+            "narwhal_engine_others_requests": max}  # fmt: skip
 
 
 class _Fixed(Collector):
