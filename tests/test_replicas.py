@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from narwhal.router.service import Router, open_router
 from narwhal.testing import MemoryNetwork, SimFleet, open_memory_network, open_sim_fleet
 
 from .routerkit import engine, fleet_doc, sim_profiles
+from .test_priced_placement import OUTPUT, PROMPT_WORDS, attainment, hetero
 
 # Long prefills (0.5 s at 4000 tokens), decode TPOT that grows with the batch.
 FLEET = (
@@ -28,6 +30,7 @@ FLEET = (
     engine("d1", 8104, ["decode"], decode={"c1": 0.002}),
 )
 POLL_S = 0.1
+RATE = 40.0
 
 
 @attrs.define
@@ -46,11 +49,13 @@ class Replica:
 
 @asynccontextmanager
 async def open_replicas(
-    n: int, *, poll_s: float = POLL_S, priced: bool = False, **sections: Any
+    n: int, *, poll_s: float = POLL_S, priced: bool = False, doc: dict[str, Any] | None = None
 ) -> AsyncIterator[tuple[SimFleet, list[Replica]]]:
-    """``n`` routers in front of one simulated fleet, in memory; each reads the
-    engines' load every ``poll_s`` (0: never)."""
-    config: FleetConfig = parse_fleet(fleet_doc(*FLEET, server={"engine_load_poll_s": poll_s}, **sections))
+    """``n`` routers in front of one simulated fleet (``doc``, by default ``FLEET``), in
+    memory; each reads the engines' load every ``poll_s`` (0: never)."""
+    doc = doc if doc is not None else fleet_doc(*FLEET)
+    doc = {**doc, "server": {**doc.get("server", {}), "engine_load_poll_s": poll_s}}
+    config: FleetConfig = parse_fleet(doc)
     async with open_memory_network() as net, open_sim_fleet(config, network=net) as fleet, AsyncExitStack() as stack:
         profiles = await sim_profiles(config, net) if priced else None
         replicas = []
@@ -140,6 +145,41 @@ async def test_replicas_spread_streams_as_one_router_would(autojump_clock: trio.
         assert len(done) == 6
 
 
+async def _offered_load(replicas: list[Replica], *, rate: float, n: int, seed: int = 7) -> None:
+    """Poisson arrivals at ``rate`` requests/s, open loop, round robin over ``replicas``."""
+    rng = random.Random(seed)
+
+    async def one(i: int) -> None:
+        prompt = " ".join(f"r{i}w{j}" for j in range(PROMPT_WORDS))
+        await replicas[i % len(replicas)].complete({"prompt": prompt, "max_tokens": OUTPUT})
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+            await trio.sleep(rng.expovariate(rate))
+
+
+async def test_two_priced_replicas_hold_the_slo_like_one_router(autojump_clock: trio.abc.Clock) -> None:
+    """The same arrivals on the heterogeneous fleet of the priced-placement test: one
+    router, two replicas behind a round-robin client that share the engines' load, and
+    two that do not (each admits as if the fleet were its own)."""
+    results: dict[str, float] = {}
+    for label, n, poll_s in (("one", 1, 0.0), ("shared", 2, POLL_S), ("blind", 2, 0.0)):
+        async with open_replicas(n, poll_s=poll_s, priced=True, doc=hetero(controller={"admission": "refuse"})) as (
+            _, replicas,
+        ):  # fmt: skip
+            await _offered_load(replicas, rate=RATE, n=200)
+        records = [r for replica in replicas for r in replica.records]
+        assert len(records) == 200
+        results[label] = attainment(records)
+    print(f"attainment at {RATE:g}/s: one router {results['one']:.3f}, two replicas sharing load "
+          f"{results['shared']:.3f}, two blind {results['blind']:.3f}")  # fmt: skip
+    # What one replica places is unseen by the other for up to a period: sharing
+    # closes most of the gap, not all of it (docs/operations.md has the figures).
+    assert results["shared"] >= results["one"] - 0.15
+    assert results["blind"] < results["shared"] - 0.2
+
+
 def test_own_placements_count_at_once_on_top_of_the_others_reported_share() -> None:
     """Between two reports a router's own placements add to the others' share; taking
     the larger of its own load and the report would let it pile onto one engine."""
@@ -217,3 +257,25 @@ def test_serve_engine_load_poll_flag_sets_the_period_for_the_process_and_its_wor
     plain = cli._parser().parse_args(["serve", "--fleet", str(fleet)])
     assert cli._serve_config(plain).server.engine_load_poll_s == 0.0  # off unless asked
 
+
+async def test_bench_sends_round_robin_over_repeated_urls(autojump_clock: trio.abc.Clock, tmp_path: Any) -> None:
+    import io
+    import json
+
+    from narwhal.bench.cli import run_async
+
+    async with open_replicas(2) as (fleet, (a, b)):
+        out, err = io.StringIO(), io.StringIO()
+        argv = ["--url", "http://router-0.test:8000", "--url", "http://router-1.test:8000/", "--out", str(tmp_path),
+                "--rate", "10", "--arrival", "constant", "--num-requests", "5", "--input-len", "20",
+                "--output-len", "4", "--no-progress"]  # fmt: skip
+        rc = await run_async(argv, transport=fleet.network.transport(), out=out, err=err)
+        assert rc == 0, err.getvalue()
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["terminal_class"] for r in results] == ["ok"] * 5
+    ids = [r["request_id"] for r in results]
+    assert [r["request_id"] for r in a.records] == ids[0::2]
+    assert [r["request_id"] for r in b.records] == ids[1::2]
+    run = json.loads((tmp_path / "summary.json").read_text())["run"]
+    assert run["url"] == "http://router-0.test:8000"
+    assert run["urls"] == ["http://router-0.test:8000", "http://router-1.test:8000"]
