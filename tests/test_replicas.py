@@ -213,7 +213,7 @@ class _FlakyEngine:
         self.running = running
         self.answers = answers
 
-    async def metrics(self) -> Any:
+    async def load(self) -> Any:
         from narwhal.errors import EngineError
 
         await trio.sleep(0.001)

@@ -12,8 +12,9 @@ no shared store, no coordination between replicas, any number of them.
 
 The cost is one ``GET /metrics`` per engine per period per router process: N
 processes and E engines at period T make N*E/T requests a second fleet-wide, E/T per
-process and N/T per engine (a vLLM exposition is about 60 KB; parsing one takes a few
-milliseconds). What the others placed is seen up to one period late.
+process and N/T per engine (a vLLM exposition is about 60 KB; the poll parses only
+the load gauges, about a sixteenth of parsing it all). What the others placed is
+seen up to one period late.
 
 An engine whose ``/metrics`` fails keeps its last report for
 :data:`STALE_AFTER_PERIODS` periods; after that its others' share is unknown and
@@ -50,7 +51,7 @@ async def poll_engine_load(
             return
         try:
             with trio.move_on_after(period_s):
-                metrics = await client.metrics()
+                metrics = await client.load()
                 # This router's legs on the engine as it answered: the part of its
                 # report that is ours (our reservations count already).
                 own = state.in_flight_by_engine.get(name, 0)
