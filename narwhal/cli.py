@@ -162,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
         help="also answer GET /metrics on the router port, as vLLM does (behind --api-key when keys are set)",
     )  # fmt: skip
     serve.add_argument("--workers", type=positive_int, default=1, help="router processes sharing the port (SO_REUSEPORT)")
+    serve.add_argument(
+        "--engine-load-poll", type=duration, metavar="SECONDS",
+        help="read every engine's load from its /metrics at this period and count what other routers "
+        "placed (replicas behind a load balancer; sets server.engine_load_poll_s)",
+    )  # fmt: skip
     serve.add_argument("--worker-of", type=int, default=0, help=argparse.SUPPRESS)
     sim = add("sim")
     sim.add_argument("--fleet", metavar="F", help="fleet document (default: the embedded simulated fleet)")
@@ -186,6 +191,8 @@ def _serve_config(args: argparse.Namespace, document: object = None) -> FleetCon
         if any(not k.strip() for k in keys):
             raise CommandError("an API key is empty (--api-key, NARWHAL_API_KEY)", status=2)
         config = attrs.evolve(config, server=attrs.evolve(config.server, api_keys=(*config.server.api_keys, *keys)))
+    if args.engine_load_poll is not None:
+        config = attrs.evolve(config, server=attrs.evolve(config.server, engine_load_poll_s=args.engine_load_poll))
     port = config.server.port if args.port is None else args.port
     admin = config.server.admin_port if args.admin_port is None else args.admin_port
     if port and port == admin and args.workers == 1:
@@ -222,6 +229,8 @@ def _worker_argv(args: argparse.Namespace, config: FleetConfig) -> Callable[[int
             cmd += ["--api-key", key]
         if args.metrics_on_api_port:
             cmd.append("--metrics-on-api-port")
+        if args.engine_load_poll is not None:
+            cmd += ["--engine-load-poll", repr(args.engine_load_poll)]
         if args.port is not None:
             cmd += ["--port", str(args.port)]
         return cmd

@@ -192,8 +192,11 @@ class ServerConfig:
         admin_host: Address the admin endpoints (metrics, events) bind; loopback by default.
         admin_port: TCP port of the admin endpoints; 0 picks an ephemeral port.
         engine_load_poll_s: Seconds between reads of every engine's /metrics (running and
-            waiting requests) that placement adds to its own reservations, so that several
-            router processes share engine load; 0 turns it off (``--workers`` > 1 turns it on).
+            waiting requests): placement adds what other routers placed (the report minus
+            this router's own legs) to its own reservations, so that replicas and workers
+            place as one. Set it on every replica behind a load balancer (or pass
+            ``narwhal serve --engine-load-poll``); 0 turns it off (``--workers`` > 1 turns
+            it on at 1 s). Costs one GET /metrics per engine per period per router.
         engine_urls_in_errors: Client error bodies about an engine name its URL as well as
             its name (``engine d0 at http://10.0.0.5:8000 unreachable``). Off by default: an
             engine's address is the operator's, not the client's; turn it on where the clients

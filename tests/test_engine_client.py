@@ -840,6 +840,30 @@ async def test_metrics_sum_over_engine_cores() -> None:
     assert metrics.process_start_time is None
 
 
+async def test_load_parses_only_the_load_gauges_and_agrees_with_metrics() -> None:
+    text = METRICS_AFTER.replace(
+        'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 0.0',
+        'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 3.0',
+    ).replace(  # a longer name that starts with a wanted one is not it
+        'vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 0.0',
+        'vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 2.0',
+    )
+    assert 'vllm:num_requests_waiting_by_reason{' in text
+    engine = Engine()
+    engine.reply("GET", "/metrics", text_answer(text))
+    async with engine.client() as client:
+        full, load = await client.metrics(), await client.load()
+    assert (load.running, load.waiting) == (full.running, full.waiting) == (3, 2)
+    assert (load.kv_usage, load.kv_cache_size_tokens, load.prefix_caching, load.process_start_time) == (
+        full.kv_usage, full.kv_cache_size_tokens, full.prefix_caching, full.process_start_time
+    )
+    assert set(load.samples) == {
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info", "process_start_time_seconds",
+    }  # fmt: skip
+    assert len(full.samples) > 50
+
+
 async def test_metrics_without_vllm_gauges() -> None:
     engine = Engine()
     engine.reply("GET", "/metrics", text_answer("process_start_time_seconds 1.0\n"))

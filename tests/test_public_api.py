@@ -93,7 +93,7 @@ def test_engine_client_signatures() -> None:
     assert list(decode)[1:3] == ["prefill", "body"]
     prefill = inspect.signature(cls.prefill).parameters
     assert list(prefill)[1] == "body"
-    for method in ("tokenize", "prefill", "metrics", "identity", "health", "models", "aclose"):
+    for method in ("tokenize", "prefill", "metrics", "load", "identity", "health", "models", "aclose"):
         assert inspect.iscoroutinefunction(getattr(cls, method)), method
     # No timeout arguments: callers own deadlines with cancel scopes.
     for name, member in inspect.getmembers(cls, inspect.isfunction):

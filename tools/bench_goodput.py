@@ -31,6 +31,16 @@ the producers' prefix-cache hit rate per router (``vllm:prefix_cache_hits`` over
 ``vllm:prefix_cache_queries``) and the 503 count.
 
     python tools/bench_goodput.py --workload shared-prefix --rates 2,4,6,8 --requests 200
+
+``--replicas N`` measures router replicas instead: the same fleet and the same arrivals
+(uniform workload) against one priced router, and against N priced ``narwhal serve``
+processes behind a round-robin client (``narwhal bench --url A --url B``), once with
+each replica reading the engines' load every ``--poll`` seconds (``--engine-load-poll``:
+each counts what the others placed) and once without (each blind to the others). It
+prints attainment per rate and goodput at 90% side by side, and the ratio of the
+replicas' to the one router's.
+
+    python tools/bench_goodput.py --replicas 2 --poll 0.25 --rates 8,12,16,20 --requests 200
 """
 
 from __future__ import annotations
@@ -141,11 +151,14 @@ def fleet(ports: dict[str, int], *, caching: bool = False) -> list[dict[str, Any
     ]
 
 
-def bench(url: str, rate: float, n: int, out: Path, *, slo: dict[str, int], trace: Path | None = None) -> dict[str, Any]:
+def bench(urls: list[str], rate: float, n: int, out: Path, *, slo: dict[str, int],
+          trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """``narwhal bench`` against ``urls`` (several: round robin, as a load balancer would)."""
     workload = (["--trace", str(trace)] if trace is not None else
                 ["--rate", str(rate), "--input-len", PROMPT, "--output-len", OUTPUT])  # fmt: skip
+    targets = [arg for url in urls for arg in ("--url", url)]
     subprocess.run(
-        narwhal("bench", "--url", url, "--out", str(out), "--overwrite", *workload, "--num-requests",
+        narwhal("bench", *targets, "--out", str(out), "--overwrite", *workload, "--num-requests",
                 str(n), "--seed", "1", "--no-progress",
                 "--slo-ttft", f"{slo['ttft_ms']}ms", "--slo-tpot", f"{slo['tpot_ms']}ms", "--model", "sim-llama"),
         check=True, capture_output=True,
@@ -165,7 +178,15 @@ def main() -> int:
     parser.add_argument("--prefix-len", type=int, default=1024, help="tokens per shared prefix")
     parser.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of prefix popularity; 0: uniform")
     parser.add_argument("--turns", type=int, default=4, help="turns per session (sessions)")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="N >= 2: N router replicas behind a round-robin client against one router")
+    parser.add_argument("--poll", type=float, default=0.25,
+                        help="the replicas' engine load poll period, seconds (--replicas)")
+    parser.add_argument("--profile-repeats", type=int, default=3,
+                        help="narwhal profile --repeats (more on a noisy machine)")
     args = parser.parse_args()
+    if args.replicas == 1 or args.replicas < 0 or (args.replicas and args.workload != "uniform"):
+        parser.error("--replicas takes N >= 2, with the uniform workload")
     rates = [float(r) for r in args.rates.split(",")]
     shared = args.workload != "uniform"
     slo_ms = SHARED_SLO if shared else SLO
@@ -187,6 +208,7 @@ def main() -> int:
         path.write_text(json.dumps(doc))
         return path
 
+    load_before = os.getloadavg()[0]
     procs: list[subprocess.Popen[bytes]] = []
     results: dict[str, list[dict[str, Any]]] = {}
     try:
@@ -195,33 +217,49 @@ def main() -> int:
             wait_http(e["url"] + "/health")
         profiles = tmp / "profiles.json"
         print("profiling the fleet (narwhal profile) ...", file=sys.stderr, flush=True)
-        subprocess.run(
+        profiled = subprocess.run(
             narwhal("profile", "--fleet", str(router_doc(ports["least"], ports["a2"], "profile")),
                     "--prefill-lens", "64,128,256,512", "--decode-input-lens", "128,512", "--decode-concurrency", "1,4,8",
-                    "--repeats", "3", "--out", str(profiles), "--quiet"),
-            check=True, capture_output=True,
+                    "--repeats", str(args.profile_repeats), "--out", str(profiles), "--quiet"),
+            check=False, capture_output=True, text=True,
         )  # fmt: skip
+        if profiled.returncode != 0:
+            sys.exit(f"narwhal profile failed ({profiled.returncode}):\n{profiled.stdout}{profiled.stderr}")
         slo = {"ttft_s": slo_ms["ttft_ms"] / 1000, "tpot_s": slo_ms["tpot_ms"] / 1000}
         priced_doc = router_doc(ports["priced"], ports["a1"], "priced", profiles={"path": str(profiles)},
                                 controller={"slo": slo, "admission": "refuse"})  # fmt: skip
         least_doc = router_doc(ports["least"], ports["a2"], "least")
-        targets = {
-            "narwhal-priced": (priced_doc, ports["priced"]),
-            "narwhal-least-loaded": (least_doc, ports["least"]),
+        targets: dict[str, list[tuple[Path, int]]] = {
+            "narwhal-priced": [(priced_doc, ports["priced"])],
+            "narwhal-least-loaded": [(least_doc, ports["least"])],
         }
+        if args.replicas:
+            targets = {"one-router": targets["narwhal-priced"]}
+            for label, poll in (("shared", args.poll), ("blind", 0.0)):
+                replicas = []
+                for i in range(args.replicas):
+                    port = free_port()
+                    doc = router_doc(port, free_port(), f"{label}{i}", profiles={"path": str(profiles)},
+                                     controller={"slo": slo, "admission": "refuse"})  # fmt: skip
+                    data = json.loads(doc.read_text())
+                    data["server"]["engine_load_poll_s"] = poll
+                    doc.write_text(json.dumps(data))
+                    replicas.append((doc, port))
+                targets[f"{args.replicas}-replicas-{label}"] = replicas
         if shared:
             blind_doc = router_doc(ports["blind"], ports["a3"], "blind", profiles={"path": str(profiles)},
                                    controller={"slo": slo, "admission": "refuse", "prefix_cache": "off"})  # fmt: skip
             targets = {"narwhal-hit-aware": targets.pop("narwhal-priced"),
-                       "narwhal-hit-blind": (blind_doc, ports["blind"]), **targets}  # fmt: skip
-        for name, (doc, port) in targets.items():
-            procs.append(start(narwhal("serve", "--fleet", str(doc)), tmp / f"{name}.log"))
-            wait_http(f"http://127.0.0.1:{port}/health")
-        urls = {name: f"http://127.0.0.1:{port}" for name, (_, port) in targets.items()}
+                       "narwhal-hit-blind": [(blind_doc, ports["blind"])], **targets}  # fmt: skip
+        for name, processes in targets.items():
+            for i, (doc, port) in enumerate(processes):
+                procs.append(start(narwhal("serve", "--fleet", str(doc)), tmp / f"{name}-{i}.log"))
+                wait_http(f"http://127.0.0.1:{port}/health")
+        urls = {name: [f"http://127.0.0.1:{port}" for _, port in processes] for name, processes in targets.items()}
         policies = {"vllm-router": ("round_robin", "vr")}
         if shared:
             policies = {"vllm-router-rr": ("round_robin", "vr"), "vllm-router-cache-aware": ("cache_aware", "vrc")}
-        for label, (policy, key) in policies.items() if vr else ():
+        for label, (policy, key) in policies.items() if vr and not args.replicas else ():
             cmd = [vr, "--vllm-pd-disaggregation", "--policy", policy, "--host", "127.0.0.1",
                    "--port", str(ports[key]), "--prometheus-port", str(free_port())]  # fmt: skip
             for p in engines[:2]:
@@ -230,10 +268,10 @@ def main() -> int:
                 cmd += ["--decode", d["url"]]
             procs.append(start(cmd, tmp / f"{label}.log"))
             wait_http(f"http://127.0.0.1:{ports[key]}/health")
-            urls[label] = f"http://127.0.0.1:{ports[key]}"
+            urls[label] = [f"http://127.0.0.1:{ports[key]}"]
         producers = [e["url"] for e in engines[:2]]
         for rate in rates:
-            for name, url in urls.items():
+            for name, url in urls.items():  # url: one, or the replicas (round robin)
                 trace = None
                 if shared:
                     # The same arrivals and prompts for every router; fresh prefixes per rate
@@ -267,9 +305,11 @@ def main() -> int:
         + (f", {args.turns} turns" if args.workload == "sessions" else ", tails uniform:50:250")
     )
     report: dict[str, Any] = {"slo": slo_ms, "workload": args.workload, "prompt": prompt, "output": OUTPUT,
-                              "requests_per_point": args.requests, "machine": {"cpus": os.cpu_count()},
+                              "requests_per_point": args.requests,
+                              "machine": {"cpus": os.cpu_count(), "load_average_1m": [load_before, os.getloadavg()[0]]},
                               "routers": {}}  # fmt: skip
-    print(f"\nSLO: TTFT {slo_ms['ttft_ms']} ms, TPOT {slo_ms['tpot_ms']} ms; prompts {prompt}, outputs {OUTPUT}\n")
+    print(f"\nSLO: TTFT {slo_ms['ttft_ms']} ms, TPOT {slo_ms['tpot_ms']} ms; prompts {prompt}, outputs {OUTPUT}; "
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} CPUs)\n")
     print(f"{'router':<26}" + "".join(f"{r:>9g}/s" for r in rates) + "   goodput@90%" + ("   hit rate   503s" if shared else ""))
     for name, points in results.items():
         ok = [p for p in points if p["attainment"] >= 0.9]
@@ -282,6 +322,16 @@ def main() -> int:
             line += f"   {sum(rates_hit) / len(rates_hit) if rates_hit else 0:.3f}   {refused}"
         print(line)
     routers = report["routers"]
+    if args.replicas:
+        report["replicas"] = {"n": args.replicas, "poll_s": args.poll}
+        one = routers["one-router"]
+        print("\nreplicas / one router (attainment per rate, goodput at 90%):")
+        for name in (n for n in routers if n != "one-router"):
+            ratios = [f"{p['attainment'] / q['attainment']:>11.3f}" if q["attainment"] else f"{'-':>11}"
+                      for p, q in zip(routers[name]["points"], one["points"], strict=True)]  # fmt: skip
+            g = one["goodput_at_90"]
+            ratio = f"x{routers[name]['goodput_at_90'] / g:.2f}" if g else "one router never reached 90%"
+            print(f"{name:<26}" + "".join(ratios) + f"   {ratio}")
     lead = "narwhal-hit-aware" if shared else "narwhal-priced"
     if lead in routers:
         g = routers[lead]["goodput_at_90"]

@@ -88,7 +88,9 @@ def run_parser() -> argparse.ArgumentParser:
     """The parser of ``narwhal bench [run]``."""
     p = _Parser(prog="narwhal bench", description="Run an open-loop workload against an OpenAI-compatible server "
                 "and report SLO attainment. Subcommands: compare A B; join --results R --journal J.")
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", required=True, action="append",
+                   help="server base URL, e.g. http://127.0.0.1:8000; repeat it for replicas of one service: "
+                   "requests go to them round robin")  # fmt: skip
     p.add_argument("--out", required=True, help="directory for results.jsonl and summary.json")
     p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     w = p.add_argument_group("workload (generated)")
@@ -181,7 +183,8 @@ def _schedule(args: argparse.Namespace) -> tuple[list[ScheduledRequest], dict[st
 def _options(args: argparse.Namespace) -> BenchOptions:
     try:
         return BenchOptions(
-            url=args.url.rstrip("/"),
+            url=args.url[0].rstrip("/"),
+            more_urls=tuple(u.rstrip("/") for u in args.url[1:]),
             route=args.api,
             model=args.model,
             concurrency=args.concurrency,
@@ -258,6 +261,7 @@ async def _bench(
     run_info = {
         "run_id": run.run_id,
         "url": run.url,
+        **({"urls": [options.url, *options.more_urls]} if options.more_urls else {}),
         "route": run.route,
         "model": run.model,
         "started_unix": run.started_unix,

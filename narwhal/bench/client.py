@@ -24,6 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack
 from typing import Any, Final, Literal, Protocol
 
 import attrs
@@ -65,6 +66,9 @@ class BenchOptions:
 
     Attributes:
         url: the server's base URL.
+        more_urls: base URLs of further replicas of the same service: scheduled request
+            ``i`` goes to ``(url, *more_urls)[i % n]``, round robin, as a load balancer
+            in front of them would send it (the model is asked of ``url``).
         route: ``completions`` or ``chat``.
         model: the model to ask for (None: the first of ``GET /v1/models``).
         concurrency: most requests in flight at once (None: no cap).
@@ -79,6 +83,7 @@ class BenchOptions:
     """
 
     url: str
+    more_urls: tuple[str, ...] = ()
     route: Route = "completions"
     model: str | None = None
     concurrency: int | None = None
@@ -215,22 +220,28 @@ class BenchRunner:
             for req in self.schedule
         ]
         started_unix = time.time()
-        async with httpx.AsyncClient(
-            base_url=opts.url,
-            transport=self.transport,
-            headers=headers,
-            timeout=httpx.Timeout(None, connect=opts.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        ) as client:
+        async with AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(
+                    httpx.AsyncClient(
+                        base_url=url,
+                        transport=self.transport,
+                        headers=headers,
+                        timeout=httpx.Timeout(None, connect=opts.connect_timeout_s),
+                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                    )
+                )
+                for url in (opts.url, *opts.more_urls)
+            ]
             with self._scope:
                 if not self._model:
-                    self._model = await self._discover_model(client)
+                    self._model = await self._discover_model(clients[0])
                 started_unix = time.time()
                 self._t0 = self._last_end = trio.current_time()
                 async with trio.open_nursery() as nursery:
                     for req, rec in zip(self.schedule, records, strict=True):
                         await trio.sleep_until(self._t0 + req.offset_s)
-                        nursery.start_soon(self._one, client, req, rec)
+                        nursery.start_soon(self._one, clients[req.index % len(clients)], req, rec)
         if not self._model:
             raise BenchError("the run was stopped before it started")
         for rec in records:

@@ -112,7 +112,7 @@ def _notes(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     changed = sorted(k for k in set(wa) | set(wb) if wa.get(k) != wb.get(k))
     if changed:
         notes.append("workloads differ in " + ", ".join(f"{k} ({wa.get(k)} vs {wb.get(k)})" for k in changed))
-    for key in ("url", "route", "model"):
+    for key in ("url", "urls", "route", "model"):
         if a["run"].get(key) != b["run"].get(key):
             notes.append(f"{key} differs: A {a['run'].get(key)}, B {b['run'].get(key)}")
     oa, ob = a["run"].get("options") or {}, b["run"].get("options") or {}

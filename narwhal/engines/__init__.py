@@ -30,6 +30,7 @@ from narwhal.engines.connector import (
     validate_descriptor,
 )
 from narwhal.engines.metrics import (
+    LOAD_SAMPLES,
     EngineMetrics,
     Sample,
     engine_metrics,
@@ -53,6 +54,7 @@ from narwhal.engines.sse import (
 __all__ = [
     "CONNECTOR_MISMATCH",
     "ENDPOINT_MISMATCH",
+    "LOAD_SAMPLES",
     "MALFORMED_BLOCK_IDS",
     "MALFORMED_DESCRIPTOR",
     "MISSING_DESCRIPTOR",

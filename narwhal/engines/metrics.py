@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Final
 
 import attrs
 
 __all__ = [
+    "LOAD_SAMPLES",
     "EngineMetrics",
     "Sample",
     "engine_metrics",
@@ -107,12 +108,16 @@ def _parse_line(line: str) -> Sample:
     return Sample(name, tuple(labels), value, timestamp)
 
 
-def parse_prometheus(text: str, *, strict: bool = False) -> dict[str, tuple[Sample, ...]]:
+def parse_prometheus(
+    text: str, *, strict: bool = False, names: Collection[str] | None = None
+) -> dict[str, tuple[Sample, ...]]:
     """Parse Prometheus text exposition into samples grouped by sample name.
 
     Args:
         text: the ``/metrics`` body.
         strict: raise on a malformed line instead of skipping it.
+        names: parse only the samples of these names (the other lines are skipped
+            unparsed: a vLLM exposition is mostly histogram buckets).
 
     Returns:
         ``{sample name: samples in text order}`` (histogram series appear under
@@ -122,9 +127,12 @@ def parse_prometheus(text: str, *, strict: bool = False) -> dict[str, tuple[Samp
         ValueError: ``strict`` and a line is malformed (the message names the line).
     """
     grouped: dict[str, list[Sample]] = {}
+    prefixes = tuple(names) if names is not None else ()
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line[0] == "#":
+            continue
+        if names is not None and not (line.startswith(prefixes) and _sample_name(line) in names):
             continue
         try:
             sample = _parse_line(line)
@@ -134,6 +142,15 @@ def parse_prometheus(text: str, *, strict: bool = False) -> dict[str, tuple[Samp
             continue
         grouped.setdefault(sample.name, []).append(sample)
     return {name: tuple(samples) for name, samples in grouped.items()}
+
+
+def _sample_name(line: str) -> str:
+    end = len(line)
+    for sep in ("{", " ", "\t"):
+        i = line.find(sep, 0, end)
+        if i >= 0:
+            end = i
+    return line[:end]
 
 
 def sum_samples(samples: Iterable[Sample], **labels: str) -> float | None:
@@ -213,6 +230,13 @@ def _capacity(info: Sample) -> int | None:
     if blocks is None or block_size is None:
         return None
     return blocks * block_size
+
+
+#: The samples :func:`engine_metrics` reads: what a load poll needs parsed.
+LOAD_SAMPLES: Final = frozenset({
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc", "vllm:cache_config_info", "process_start_time_seconds",
+})  # fmt: skip
 
 
 def engine_metrics(samples: Mapping[str, tuple[Sample, ...]]) -> EngineMetrics:

@@ -43,7 +43,10 @@ log = logging.getLogger("narwhal.router.fanin")
 _JSON = (("content-type", "application/json"),)
 _BREAKER_ORDER = {"ok": 0, "starting": 1, "draining": 1, "quarantined": 1, "ejected": 2}
 #: Gauges whose workers' values do not add up: how they combine instead.
-_COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max, "narwhal_model_ready": max, "narwhal_engine_model": max}
+_COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max, "narwhal_model_ready": max,
+            "narwhal_engine_model": max,
+            # Each worker's others include the other workers: the largest view, not a sum.
+            "narwhal_engine_others_requests": max}  # fmt: skip
 
 
 class _Fixed(Collector):

@@ -65,6 +65,15 @@ class _LiveState(Collector):
             reserved.add_metric([name, "decode_requests"], load.decode_requests)
             reserved.add_metric([name, "decode_kv_tokens"], load.decode_kv_tokens)
         yield reserved
+        others = GaugeMetricFamily(
+            "narwhal_engine_others_requests",
+            "Requests on the engine that other routers placed: its last /metrics report "
+            "minus this router's legs on it then (0 without server.engine_load_poll_s).",
+            labels=["engine"],
+        )
+        for name, load in state.placement.loads.items():
+            others.add_metric([name], load.others)
+        yield others
         breaker = GaugeMetricFamily(
             "narwhal_breaker_state",
             "Breaker state by engine: 0 in placement, 1 quarantined, 2 ejected, "

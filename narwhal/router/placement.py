@@ -9,6 +9,16 @@ on trial with a request already in flight) are skipped; engines
 that failed an earlier attempt of the same request are avoided while others remain.
 When one engine is best for both roles, the request decodes on the same worker.
 
+Load placed by others (replicas, workers of ``--workers``, clients that bypass the
+router) is known only from what the engines report (:mod:`narwhal.router.loadpoll`).
+The combined view of an engine is this router's own reservations, counted the moment
+they are made, plus the others' share: the requests the engine last reported running
+and waiting minus this router's legs it was serving then (:meth:`Placement.engine_reported`).
+vLLM reports requests, not queued prompt tokens, so the others' requests are weighed
+in tokens by the mean size of this router's own requests (replicas behind one load
+balancer see the same traffic mix). On an engine that both prefills and decodes, the
+others' waiting requests count as prefills and the rest as decodes.
+
 A :class:`Reservation` is owned by one request attempt; the prefill part is released
 when the prefill leg completes, the decode part when the stream ends, and
 :meth:`Reservation.release` (idempotent) releases whatever is left.
@@ -27,6 +37,9 @@ from narwhal.errors import Refused
 
 __all__ = ["EngineLoad", "Placement", "Reservation"]
 
+#: Weight of the newest request in the moving means of request sizes.
+_MEAN_WEIGHT = 0.05
+
 
 @attrs.define
 class EngineLoad:
@@ -39,6 +52,7 @@ class EngineLoad:
         decode_kv_tokens: KV tokens those streams will hold (prompt + output limit).
         engine_running: requests the engine itself last reported running (all routers').
         engine_waiting: requests the engine itself last reported waiting.
+        engine_own: this router's legs on the engine when it reported (part of the above).
     """
 
     prefill_requests: int = 0
@@ -47,6 +61,12 @@ class EngineLoad:
     decode_kv_tokens: int = 0
     engine_running: int = 0
     engine_waiting: int = 0
+    engine_own: int = 0
+
+    @property
+    def others(self) -> int:
+        """Requests on the engine that others placed, as of its last report."""
+        return max(0, self.engine_running + self.engine_waiting - self.engine_own)
 
 
 class Reservation:
@@ -90,6 +110,7 @@ class Reservation:
         c.decode_requests += 1
         c.decode_kv_tokens += kv_tokens
         placement.open_reservations += 1
+        placement.observe(prompt_tokens, kv_tokens)
 
     @property
     def same_worker(self) -> bool:
@@ -162,6 +183,11 @@ class Placement:
         #: Set when a reservation is released, for whoever waits (draining engines).
         self._released: trio.Event | None = None
 
+        #: Moving means of this router's own requests: prompt tokens, and KV tokens a
+        #: decode reserves (prompt + output limit); they weigh the others' requests.
+        self.mean_prompt_tokens = 0.0
+        self.mean_kv_tokens = 0.0
+
     def set_models(self, name: str, served: Iterable[str]) -> None:
         """Record the models engine ``name`` serves (an empty set: not known)."""
         served = frozenset(served)
@@ -189,6 +215,7 @@ class Placement:
     def of_model(self, model: str | None) -> str:
         """`` of model 'x'`` in a refusal, when the fleet serves several."""
         return f" of model {model!r}" if self._several and model is not None else ""
+
     def set_roles(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         """The engines placement may choose for each role, from now on (a fleet change or
         reactive control's role move)."""
@@ -220,6 +247,35 @@ class Placement:
             self._released = trio.Event()
         await self._released.wait()
 
+    def observe(self, prompt_tokens: int, kv_tokens: int) -> None:
+        """Fold one placed request into the moving means."""
+        if self.mean_kv_tokens == 0.0:
+            self.mean_prompt_tokens, self.mean_kv_tokens = float(prompt_tokens), float(kv_tokens)
+            return
+        self.mean_prompt_tokens += _MEAN_WEIGHT * (prompt_tokens - self.mean_prompt_tokens)
+        self.mean_kv_tokens += _MEAN_WEIGHT * (kv_tokens - self.mean_kv_tokens)
+
+    def engine_reported(self, name: str, running: int, waiting: int, own: int) -> None:
+        """What the engine reports it runs and queues, and this router's legs on it then."""
+        load = self.loads.get(name)
+        if load is None:  # not (or no longer) an engine of this placement
+            return
+        load.engine_running, load.engine_waiting, load.engine_own = running, waiting, own
+
+    def others_prefill(self, name: str) -> int:
+        """Prefills others placed on ``name`` (as of its last report)."""
+        load = self.loads[name]
+        if name in self.decode_engines:  # both roles: what waits is prefill work
+            return min(load.others, load.engine_waiting)
+        return load.others
+
+    def others_decode(self, name: str) -> int:
+        """Decode streams others placed on ``name`` (as of its last report)."""
+        load = self.loads[name]
+        if name in self.prefill_engines:
+            return load.others - min(load.others, load.engine_waiting)
+        return load.others
+
     def idle(self, name: str) -> bool:
         """No reservation of this router holds the engine."""
         load = self.loads[name]
@@ -230,7 +286,7 @@ class Placement:
         role: str,
         names: Iterable[str],
         avoid: frozenset[str],
-        key: Callable[[str], tuple[int, ...]],
+        key: Callable[[str], tuple[float, ...]],
         model: str | None = None,
     ) -> str | None:
         live = [n for n in names if self.available(n) and self.serves(n, model)]
@@ -247,26 +303,19 @@ class Placement:
     ) -> Reservation:
         """Reserve the best (producer, consumer) pair serving ``model`` or raise :class:`Refused`."""
         loads = self.loads
-        producer = self._pick(
-            "prefill",
-            self.prefill_engines,
-            avoid,
-            lambda n: (loads[n].prefill_tokens, max(loads[n].prefill_requests, loads[n].engine_waiting)),
-            model,
-        )
+
+        def prefill_load(n: str) -> tuple[float, ...]:
+            others = self.others_prefill(n)
+            return loads[n].prefill_tokens + others * self.mean_prompt_tokens, loads[n].prefill_requests + others
+
+        def decode_load(n: str) -> tuple[float, ...]:
+            others = self.others_decode(n)
+            return loads[n].decode_requests + others, loads[n].decode_kv_tokens + others * self.mean_kv_tokens
+
+        producer = self._pick("prefill", self.prefill_engines, avoid, prefill_load, model)
         if producer is None:
             raise Refused(f"no engine{self.of_model(model)} available for prefill", retry_after_s=1.0)
-        consumer = self._pick(
-            "decode",
-            self.decode_engines,
-            avoid,
-            # Several routers share an engine: what it reports running counts too.
-            lambda n: (
-                max(loads[n].decode_requests, loads[n].engine_running + loads[n].engine_waiting),
-                loads[n].decode_kv_tokens,
-            ),
-            model,
-        )
+        consumer = self._pick("decode", self.decode_engines, avoid, decode_load, model)
         if consumer is None:
             raise Refused(f"no engine{self.of_model(model)} available for decode", retry_after_s=1.0)
         return Reservation(self, producer, consumer, prompt_tokens, prompt_tokens + max_tokens)

@@ -30,6 +30,12 @@ Among consumers predicted equal (TPOT within 1 %), the one whose own prefix cach
 most of the prompt wins: it pulls fewer blocks from the producer (see
 :func:`best_consumer` for why that pull is not priced).
 
+Load that other routers placed (replicas, workers; :mod:`narwhal.router.loadpoll`) is
+priced from the same combined view as least-loaded placement: a producer's queue adds
+the others' prefills, each at the predicted prefill of this router's mean prompt; a
+consumer's active streams and resident KV add the others' streams, each with this
+router's mean KV reservation.
+
 The pair with the most headroom against both SLOs wins (headroom = the smaller of
 ``1 - predicted/target`` over TTFT and TPOT). When no pair is predicted to meet them,
 ``controller.admission`` decides: ``refuse`` answers 503 with ``Retry-After`` at once;
@@ -143,9 +149,17 @@ class PricedPlacement(Placement):
     ) -> Quote:
         """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
         own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
-        predicted = elapsed_s + (self.prefill_work_s[name] + own) * self.ttft_correction[name]
+        queue = self.prefill_work_s[name] + self.others_prefill_s(name)
+        predicted = elapsed_s + (queue + own) * self.ttft_correction[name]
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s),
                      cached_tokens=cached_tokens, own_s=own)  # fmt: skip
+
+    def others_prefill_s(self, name: str) -> float:
+        """Predicted prefill seconds of the prompts others queued on ``name``."""
+        others = self.others_prefill(name)
+        if not others:
+            return 0.0
+        return others * self._ttft(self.profiles[name], round(self.mean_prompt_tokens))
 
     def _ttft(self, profile: EngineProfile, prompt_tokens: int) -> float:
         if self.pricing == "upper":
@@ -162,8 +176,9 @@ class PricedPlacement(Placement):
         if decode is None or capacity is None:
             return None  # profiled for prefill only
         load = self.loads[name]
-        active = load.decode_requests + 1
-        kv = load.decode_kv_tokens + prompt_tokens + max_tokens
+        others = self.others_decode(name)
+        active = load.decode_requests + others + 1
+        kv = load.decode_kv_tokens + round(others * self.mean_kv_tokens) + prompt_tokens + max_tokens
         if capacity.is_limit and kv > capacity.tokens:
             return None
         domain = decode.domain
@@ -264,6 +279,15 @@ class PricedPlacement(Placement):
         reservation.predicted_ttft_s = p.predicted_s if p is not None else None
         reservation.predicted_tpot_s = c.predicted_s if c is not None else None
         return reservation
+
+    def engine_reported(self, name: str, running: int, waiting: int, own: int) -> None:
+        """As :meth:`Placement.engine_reported`; requests waiting for capacity re-price
+        when the others' share of an engine shrank."""
+        load = self.loads.get(name)
+        before = load.others if load is not None else 0
+        super().engine_reported(name, running, waiting, own)
+        if load is not None and load.others < before:
+            self._capacity_changed()
 
     def _release_work(self, producer: str, work: float) -> None:
         self.prefill_work_s[producer] = max(0.0, self.prefill_work_s[producer] - work)
