@@ -73,13 +73,18 @@ SWEEP = [
     "--repeats", "3",
     "--seed", "0",
 ]  # fmt: skip
-#: A sweep whose worst decode error (fit or leave-one-cell-out MAPE) is above this runs
-#: again. A CPU engine sharing two loaded cores with its peer, the router and other jobs
-#: is noisy: accepted sweeps measured 14-83% fit MAPE and 47% to 22x leave-one-cell-out
-#: MAPE per engine (docs/real-engines.md). What this module checks is Gate F, the
-#: transfer probe and the generation binding, not the quality of a CPU decode model;
-#: the check's limits come from the sweep it uses.
-FIT_LIMIT_CEILING = 1.0
+#: The check's decode limits (``profiles.max_decode_fit_mape`` / ``max_decode_cv_mape``;
+#: the prediction intervals' mean half-width is held to the second), from eight accepted
+#: sweeps of this pair after its engines joined the caller's scheduler autogroup
+#: (docs/real-engines.md), five of them one ``narwhal profile --repeat 5``: fit MAPE
+#: 2.0-14.1% (mean 7.6%), leave-one-cell-out 6.6-25.6%, interval half-width 9-14%. The
+#: tiny model's TPOT is 2-4 ms, and the consumer's TPOT at one operating point varied by
+#: a cv of 30% from one sweep to the next: that, not the fit, is what the seed's 5% / 13%
+#: cannot hold here. A sweep past either limit runs again.
+DECODE_FIT_LIMIT = 0.15
+DECODE_CV_LIMIT = 0.30
+#: Kept for the runs' messages: a sweep's worst decode figure above this runs again.
+FIT_LIMIT_CEILING = DECODE_CV_LIMIT
 #: Sweeps before the profile step gives up (each takes 6-45 s on the pair).
 PROFILE_ATTEMPTS = 5
 
@@ -121,8 +126,12 @@ def _interval_width(engine: dict[str, Any]) -> float:
 
 
 def _worst_decode_error(profiles: dict[str, Any]) -> float:
+    """The worst decode figure against its limit, scaled to :data:`DECODE_CV_LIMIT`."""
     engines = [profiles["engines"][n] for n in DECODERS]
-    return max(max(e["decode"]["fit_mape"], e["decode"]["cv_mape"], _interval_width(e)) for e in engines)
+    return max(
+        max(e["decode"]["fit_mape"] * DECODE_CV_LIMIT / DECODE_FIT_LIMIT, e["decode"]["cv_mape"], _interval_width(e))
+        for e in engines
+    )
 
 
 def test_profile_writes_an_accepted_pair(
@@ -202,13 +211,13 @@ def test_check_passes_gate_f_and_the_transfer_probe(
     cvs = [profiles["engines"][n]["decode"]["cv_mape"] for n in DECODERS]
     widths = [_interval_width(profiles["engines"][n]) for n in DECODERS]
     print(f"decode fit_mape {fits}, cv_mape {cvs}, mean TPOT interval half-width {widths}")
-    # Limits from the measurement, with headroom for the next check's noise-free reread
-    # (the fits do not change) and never tighter than the shipped defaults. The check
-    # holds the decode prediction intervals' mean half-width to the CV limit too.
-    # (The prefill bounds are the seed's and fixed: the profiler applies them itself,
-    # so an accepted profile passes them in the check.)
-    fit_limit = max(0.05, _round_up(1.5 * max(fits)))
-    cv_limit = max(0.13, _round_up(1.5 * max(cvs + widths)))
+    # The limits measured on this pair (DECODE_FIT_LIMIT, DECODE_CV_LIMIT); only when no
+    # sweep in PROFILE_ATTEMPTS met them does the check take the best sweep's own figures
+    # (the profile step said so). The check holds the decode prediction intervals' mean
+    # half-width to the CV limit too. (The prefill bounds are the seed's and fixed: the
+    # profiler applies them itself, so an accepted profile passes them in the check.)
+    fit_limit = max(DECODE_FIT_LIMIT, _round_up(max(fits)))
+    cv_limit = max(DECODE_CV_LIMIT, _round_up(max(cvs + widths)))
     work = tmp_path_factory.mktemp("check")
     doc = _base_fleet(pair, work)
     doc["profiles"] = {
