@@ -390,7 +390,7 @@ class PrefillResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     transfer: bool = True
-    validated: bool = attrs.field(default=False, eq=False)
+    validated: bool = False
 
     def parameters(self) -> dict[str, Any]:
         """A detached deep copy of the descriptor (the decode request's ``kv_transfer_params``)."""

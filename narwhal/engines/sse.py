@@ -47,27 +47,29 @@ def _stdlib_dumps(obj: Any) -> bytes:
 json_loads: Callable[[bytes | str], Any]
 """Parse JSON from bytes or str (``orjson`` when importable, else :mod:`json`)."""
 
+_orjson_dumps: Callable[[Any], bytes] | None
+
 try:
     import orjson
 except ImportError:  # pragma: no cover - orjson is optional
     import json as _json
 
     json_loads = _json.loads
-
-    def json_dumps(obj: Any) -> bytes:
-        """Serialize ``obj`` to compact UTF-8 JSON bytes."""
-        return _stdlib_dumps(obj)
-
+    _orjson_dumps = None
 else:
     json_loads = orjson.loads
+    _orjson_dumps = orjson.dumps
 
-    def json_dumps(obj: Any) -> bytes:
-        """Serialize ``obj`` to compact UTF-8 JSON bytes."""
+
+def json_dumps(obj: Any) -> bytes:
+    """Serialize ``obj`` to compact UTF-8 JSON bytes."""
+    if _orjson_dumps is not None:
         try:
-            return orjson.dumps(obj)
+            return _orjson_dumps(obj)
         except TypeError:
             # orjson refuses integers beyond 64 bits and non-str keys; the stdlib doesn't.
-            return _stdlib_dumps(obj)
+            pass
+    return _stdlib_dumps(obj)
 
 
 # --------------------------------------------------------------------------- events

@@ -29,6 +29,7 @@ import http
 import json
 import logging
 import math
+import operator
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -344,18 +345,19 @@ class Connection:
                 if int(value) > limit:
                     raise _Reject(413)
                 break
-        parts: list[bytes] = []
+        parts: list[bytes | bytearray] = []
         size = 0
         deadline: float | None = None  # set when the body is not all here yet
         while True:
             event = self.next_event()
             if isinstance(event, h11.Data):
-                size += len(event.data)
+                chunk = _event_data(event)
+                size += len(chunk)
                 if size > limit:
                     raise _Reject(413)
-                parts.append(event.data)
+                parts.append(chunk)
             elif isinstance(event, h11.EndOfMessage):
-                return parts[0] if len(parts) == 1 else b"".join(parts)
+                return b"".join(parts)  # bytes (a lone bytes part is returned as is)
             elif event is h11.NEED_DATA:
                 if deadline is None:
                     deadline = trio.current_time() + self.limits.body_timeout_s
@@ -411,7 +413,7 @@ class Connection:
         finally:
             self.request = None
             self.handler_scope = None
-            watcher = self.watcher
+            watcher: _Watcher | None = self.watcher
             if watcher is not None:
                 watcher.scope.cancel()
         if watcher is not None:
@@ -638,6 +640,11 @@ class ReplayStream(trio.abc.Stream):
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+#: ``h11.Data.data``: h11 declares bytes and hands out bytearray slices of its receive
+#: buffer; read untyped, so that the compiled build (which checks annotations) takes either.
+_event_data: Callable[[h11.Data], bytes | bytearray] = operator.attrgetter("data")
 
 
 def _head_size(head: h11.Request) -> int:

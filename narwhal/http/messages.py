@@ -25,14 +25,14 @@ __all__ = ["Handler", "Request", "ResponseWriter", "ServerLimits"]
 BODYLESS_STATUSES = frozenset({204, 304})
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _positive(name: str, value: float) -> None:
     if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+        raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
-def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _not_negative(name: str, value: float) -> None:
     if not value >= 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
 
 
 @attrs.frozen
@@ -46,12 +46,22 @@ class ServerLimits:
     away is noticed when a write to it fails.
     """
 
-    max_header_bytes: int = attrs.field(default=16384, validator=_positive)
-    max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_positive)
-    header_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    keepalive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
-    disconnect_check_s: float = attrs.field(default=0.05, validator=_not_negative)
+    max_header_bytes: int = 16384
+    max_body_bytes: int = 8 * 1024 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 75.0
+    disconnect_check_s: float = 0.05
+
+    def __attrs_post_init__(self) -> None:
+        # Checked here, not by field validators: in the compiled build a class body
+        # cannot give an int or float field an ``attrs.field(...)`` (setup.py).
+        _positive("max_header_bytes", self.max_header_bytes)
+        _positive("max_body_bytes", self.max_body_bytes)
+        _positive("header_timeout_s", self.header_timeout_s)
+        _positive("body_timeout_s", self.body_timeout_s)
+        _positive("keepalive_timeout_s", self.keepalive_timeout_s)
+        _not_negative("disconnect_check_s", self.disconnect_check_s)
 
 
 @attrs.define(eq=False)

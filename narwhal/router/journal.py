@@ -89,6 +89,11 @@ class AttemptRecord:
     cached_tokens: int | None = None
 
 
+# A new empty list per record, typed Any: the compiled build checks a class-body value
+# against its annotation, and an attrs.Factory is not a list (setup.py).
+_EMPTY_LIST: Any = attrs.Factory(list)
+
+
 @attrs.define
 class RequestRecord:
     """The journal line of one client request (the measurement contract's fields).
@@ -130,7 +135,7 @@ class RequestRecord:
     terminal_class: str = "internal_error"
     producer: str | None = None
     consumer: str | None = None
-    attempts: list[AttemptRecord] = attrs.Factory(list)
+    attempts: list[AttemptRecord] = _EMPTY_LIST
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
