@@ -5,8 +5,10 @@ per-request and per-token path are compiled to C extensions with mypyc:
 
 - ``NARWHAL_MYPYC=0``: pure Python, always.
 - ``NARWHAL_MYPYC=1``: compiled, or the build fails and says why.
-- unset or ``auto``: compiled when mypyc (it ships with mypy) and a C compiler are
-  present, pure Python otherwise. Editable installs (``pip install -e``) stay pure
+- ``auto``: compiled when mypyc (it ships with mypy) and a C compiler are present, pure
+  Python otherwise.
+- unset: pure Python, while the compiled build is experimental (a few tests of the
+  default suite still fail on it); it becomes ``auto`` once they pass. Editable installs (``pip install -e``) stay pure
   Python unless ``NARWHAL_MYPYC=1``: compiled modules would sit beside the sources and
   hide every edit until the next build.
 
@@ -79,7 +81,8 @@ def _no_compiler() -> str | None:
 
 
 def _extensions() -> list[object]:
-    mode = os.environ.get(_ENV, "auto").strip().lower()
+    # Unset means pure Python until the default suite passes on the compiled build.
+    mode = os.environ.get(_ENV, "0").strip().lower()
     if mode not in ("0", "1", "auto", ""):
         sys.exit(f"{_ENV}={mode!r}: expected 0 (pure Python), 1 (compiled) or auto")
     if mode == "0" or not _builds():
