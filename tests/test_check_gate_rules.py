@@ -69,6 +69,7 @@ def named(results: Any, name: str, engine_name: str | None = None) -> CheckResul
         r for r in results if r.name == name and (engine_name is None or r.engine == engine_name)
     ]
     assert len(found) == 1, lines(results)
+    assert type(found[0].ok) is bool
     return found[0]
 
 

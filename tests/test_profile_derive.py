@@ -363,3 +363,17 @@ def test_the_comparison_walks_lists_keys_and_types() -> None:
     assert profile_differences(p_bool, p_int) == [("$.ttft.uncertainty.min_samples", True, 1)]
     assert profile_differences(p_int, p_bool) == [("$.ttft.uncertainty.min_samples", 1, True)]
     assert profile_differences(p_bool, p_bool) == []
+
+
+def test_a_figure_one_side_lacks_is_a_difference_not_an_error() -> None:
+    from narwhal.profile.derive import _walk
+
+    p = derive_profile(entry(), "e0")
+    older = attrs.evolve(p, ttft=attrs.evolve(p.ttft, loo_mean_error=None))
+    assert profile_differences(older, p) == [("$.ttft.loo_mean_error", None, p.ttft.loo_mean_error)]
+    assert profile_differences(p, older) == [("$.ttft.loo_mean_error", p.ttft.loo_mean_error, None)]
+    # A list against something else is one difference at that path (the walk is generic).
+    for claimed, derived in [([1, 2], None), (None, [1, 2]), ([1], {"a": 1}), ({"a": 1}, [1])]:
+        out: list[tuple[str, Any, Any]] = []
+        _walk(claimed, derived, "$.x", out)
+        assert out == [("$.x", claimed, derived)]

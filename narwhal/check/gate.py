@@ -166,7 +166,7 @@ def _generation(
             name="gate_f.generation",
             engine=name,
             ok=False,
-            measured=None,
+            measured=None,  # pragma: no mutate (equivalent: None is CheckResult's default)
             limit=attrs.asdict(profile.identity),
             message=f"engine {name} is unreachable; its generation cannot be "
             "compared with its profile's",
@@ -414,9 +414,15 @@ def _limit(
 
 
 def _missing(name: str, engine: str, what: str) -> CheckResult:
-    return CheckResult(name=name, engine=engine, ok=False, measured=None, limit="measured",
-                       message=f"engine {engine}'s profile has no {what} (written by an earlier "
-                               "profiler); re-profile it")  # fmt: skip
+    return CheckResult(
+        name=name,
+        engine=engine,
+        ok=False,
+        measured=None,  # pragma: no mutate (equivalent: None is CheckResult's default)
+        limit="measured",
+        message=f"engine {engine}'s profile has no {what} (written by an earlier profiler); "
+        "re-profile it",
+    )
 
 
 def _bands(u: Uncertainty) -> str:
