@@ -686,7 +686,7 @@ def test_the_engine_contract_pins_each_field_it_names() -> None:
 def test_a_generation_is_stable_only_when_every_field_is_unchanged() -> None:
     moved = attrs.evolve(LIVE["e1"], version="0.33.0")
     results = check_stable(
-        {"e0": LIVE["e0"], "e1": LIVE["e1"], "gone": None}, {"e0": LIVE["e0"], "e1": moved}
+        {"gone": None, "e0": LIVE["e0"], "e1": LIVE["e1"]}, {"e0": LIVE["e0"], "e1": moved}
     )
     assert [(r.engine, r.ok) for r in results] == [("e0", True), ("e1", False)]
     # Same start time, other version: still another process image, reported with its start.
