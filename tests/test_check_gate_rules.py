@@ -268,6 +268,27 @@ def test_the_hint_prefers_the_engines_own_sweep_and_says_what_it_does_not_know(
     assert f"re-profile it ({unknown}" in named(results, "gate_f.generation", "e1").message
 
 
+def test_a_malformed_sidecar_gives_a_hint_without_its_sweep_not_a_crash(tmp_path: Path) -> None:
+    path = pair(tmp_path)
+    live = {"e0": ident("e0", 8101, version="0.33.0"), "e1": ident("e1", 8102, version="0.33.0")}
+    unknown = "--prefill-lens ... --decode-input-lens ... --decode-concurrency ...: "
+    entries = json.loads(path.with_name("profiles.samples.json").read_text())["engines"]
+    for engines, sweep in [
+        (list(entries.values()), SWEEP),  # engines not keyed by name: the fleet-wide sweep
+        ({"e0": "junk", "e1": entries["e1"]}, SWEEP),  # an entry that is no object: likewise
+        (entries, [1, 2]),  # a sweep that is no object: unknown
+    ]:
+        rewrite_pair(path, edit_samples=lambda s, e=engines, w=sweep: s.update(engines=e, sweep=w))
+        results = gate_f(config_for(path), live).results
+        message = named(results, "gate_f.generation", "e0").message
+        if isinstance(sweep, dict):
+            assert f"re-profile it ({hint(path, 'e0', 'FLEET')}: " in message
+        else:
+            assert f"--out {path} {unknown}" in message
+        # The recomputation says what is wrong with the entry (the third is well formed).
+        assert named(results, "gate_f.samples", "e0").ok is (engines is entries)
+
+
 def test_an_unreachable_engine_fails_its_generation(tmp_path: Path) -> None:
     path = pair(tmp_path)
     results = gate_f(config_for(path), {"e0": LIVE["e0"]}).results

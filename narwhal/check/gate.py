@@ -146,11 +146,11 @@ def reprofile_hint(
     return " ".join(parts)
 
 
-def _sweep_of(samples: Mapping[str, Any] | None, name: str) -> Mapping[str, Any] | None:
-    engines = samples.get("engines") if samples is not None else None
+def _sweep_of(samples: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    engines = samples.get("engines")
     entry = engines.get(name) if isinstance(engines, Mapping) else None
     sweep = entry.get("sweep") if isinstance(entry, Mapping) else None
-    if not isinstance(sweep, Mapping) and samples is not None:
+    if not isinstance(sweep, Mapping):
         sweep = samples.get("sweep")
     return sweep if isinstance(sweep, Mapping) else None
 
