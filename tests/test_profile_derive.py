@@ -235,6 +235,24 @@ def test_a_prefill_only_entry_gives_a_profile_without_decode() -> None:
     raw.pop("decode")
     p = derive_profile(raw, "e0")
     assert (p.roles, p.decode, p.kv_capacity) == (("prefill",), None, None)
+    both = derive_profile(entry(), "e0")
+    assert (p.name, p.identity, p.ttft) == (both.name, both.identity, both.ttft)
+    # The roles are the sidecar's, in its order.
+    assert derive_profile(entry(roles=["decode", "prefill"]), "e0").roles == ("decode", "prefill")
+
+
+def test_the_stored_intervals_are_the_bootstraps() -> None:
+    from narwhal.profile.derive import uncertainty
+
+    derived = derive_ttft([(n, (0.02 + 5e-5 * n) * f) for n in (16, 512, 1024, 2048)
+                           for f in (0.95, 1.0, 1.05)])  # fmt: skip
+    i, u = derived.intervals, uncertainty(derived.intervals)
+    assert (u.level, u.resamples, u.upper_factor) == (i.level, i.resamples, i.upper_factor)
+    assert (u.worst_half_width, u.mean_half_width, u.min_samples) == (
+        i.worst_half_width, i.mean_half_width, i.min_samples)  # fmt: skip
+    assert {k: (b.value, b.low, b.high) for k, b in u.coefficients.items()} == {
+        k: (b.value, b.low, b.high) for k, b in i.coefficients.items()}  # fmt: skip
+    assert any(b.low < b.value < b.high for b in u.coefficients.values())
 
 
 @pytest.mark.parametrize(
