@@ -344,6 +344,10 @@ def test_rules_at_their_limits_and_their_messages() -> None:
         "widest prediction-interval half-width 60.0% is above the 50% bound (noisy samples: "
         "measure again on a quieter host or with more --repeats)"
     )
+    # Too few repeats of clean samples are not noise: the message says what to raise.
+    assert interval_rejection(_intervals([0.1] * 4, samples=2)) == (
+        "2 repeat(s) at a length cannot bound its median (at least 3 are needed; raise --repeats)"
+    )
     assert ttft_rejection(_fit_with([0.6, 0.6])) == (
         "mean error 60.0% is above the 20% bound; worst-point error 60.0% (at 100 tokens) is "
         "above the 50% bound"

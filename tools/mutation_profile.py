@@ -9,8 +9,20 @@ with timeouts counted as killed and mutants no test reaches listed apart.
     python3 tools/mutation_profile.py narwhal/profile/fit.py --children 2
     python3 tools/mutation_profile.py --survivors          # also print each survivor's diff
 
-Each module is tested by the test files that exercise it (``TESTS`` below); a module
-not listed uses every ``tests/test_profile_*.py`` and ``tests/test_check_*.py`` file.
+Each module is tested by its fast unit tests (``TESTS`` below), not by the end-to-end
+profiling runs that also reach it: mutmut then runs, for each mutant, only those of the
+listed tests that call the mutated function. A module not listed uses every
+``tests/test_profile_*.py`` and ``tests/test_check_*.py`` file.
+
+On a small machine, work one function at a time (globs over mutant names, as for
+``tools/mutation.py``), at low priority:
+
+    nice -n 19 python3 tools/mutation_profile.py narwhal/check/gate.py --only '*x_gate_f__*' --survivors
+
+A mutant shown to be equivalent (no test can tell it from the original) is marked in the
+source with ``# pragma: no mutate`` and the argument after it, e.g.
+``# pragma: no mutate (equivalent: ...)``; mutmut does not generate mutants on that line,
+and the run reports how many such lines each module carries.
 The run writes ``mutation-profile.json`` (scores and surviving mutant names) into
 ``--out`` (default: the current directory).
 """
@@ -18,8 +30,11 @@ The run writes ``mutation-profile.json`` (scores and surviving mutant names) int
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import fnmatch
 import json
-import shutil
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,6 +42,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from mutation import _copy_tree, _results  # noqa: E402  (one copy and reader for both tools)
+
 PACKAGES = ("narwhal/profile", "narwhal/check")
 _PROFILE_TESTS = [
     "tests/test_profile_fit.py",
@@ -43,16 +61,19 @@ _CHECK_TESTS = [
     "tests/test_profile_attacks.py",
 ]
 TESTS: dict[str, list[str]] = {
-    # The fits' own unit tests: fast enough to mutate on a small machine (the
-    # profiling runs of test_check_verify.py reach fit.py too, at ~20 s a mutant).
+    # Each module's fast unit tests, fastest file first. The profiling runs and simulated
+    # fleets of test_check_verify.py / test_profile_attacks.py reach these modules too,
+    # but at ~15 s a surviving mutant on a small machine; their rules are pinned by
+    # direct tests in the files below.
     "narwhal/profile/fit.py": ["tests/test_profile_fit.py"],
-    "narwhal/profile/derive.py": ["tests/test_check_verify.py", "tests/test_profile_fit.py",
-                                  "tests/test_profile_store.py"],
+    "narwhal/profile/derive.py": ["tests/test_profile_derive.py", "tests/test_profile_fit.py"],
     "narwhal/profile/stability.py": ["tests/test_profile_attacks.py"],
-    "narwhal/check/gate.py": ["tests/test_check_gate.py", "tests/test_check_verify.py",
-                              "tests/test_profile_attacks.py"],
-    "narwhal/check/checks.py": ["tests/test_check_gate.py", "tests/test_check_verify.py",
-                                "tests/test_check_api.py", "tests/test_profile_attacks.py"],
+    "narwhal/check/gate.py": ["tests/test_check_gate_rules.py", "tests/test_check_gate.py"],
+    "narwhal/check/checks.py": [
+        "tests/test_check_gate_rules.py",
+        "tests/test_check_gate.py",
+        "tests/test_check_api.py",
+    ],
 }
 
 
@@ -61,25 +82,21 @@ def _modules(given: list[str]) -> list[str]:
         return given
     out = []
     for package in PACKAGES:
-        out += sorted(str(p.relative_to(ROOT)) for p in (ROOT / package).glob("*.py")
-                      if p.name != "__init__.py")
+        out += sorted(
+            str(p.relative_to(ROOT))
+            for p in (ROOT / package).glob("*.py")
+            if p.name != "__init__.py"
+        )
     return out
 
 
-def _tests_for(module: str) -> list[str]:
-    chosen = TESTS.get(module) or (_PROFILE_TESTS if "/profile/" in module else _CHECK_TESTS)
+def _tests_for(module: str, given: tuple[str, ...] = ()) -> list[str]:
+    chosen = (
+        list(given)
+        or TESTS.get(module)
+        or (_PROFILE_TESTS if "/profile/" in module else _CHECK_TESTS)
+    )
     return [t for t in chosen if (ROOT / t).is_file()]
-
-
-def _copy_repo(dest: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
-                           check=True, capture_output=True, text=True).stdout.split()
-    for name in files:
-        src = ROOT / name
-        if src.is_file():
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, target)
 
 
 def _configure(work: Path, module: str, tests: list[str]) -> None:
@@ -93,55 +110,92 @@ def _configure(work: Path, module: str, tests: list[str]) -> None:
         f"only_mutate={module}\n"
         "also_copy=tests\n    fixtures\n    config\n    conftest.py\n    pytest.ini\n"
         "pytest_add_cli_args_test_selection=" + "\n    ".join(tests) + "\n"
-        "pytest_add_cli_args=-q\n    -x\n    -p\n    no:cacheprovider\n"
+        # Plain asserts and no tracebacks: a killed mutant fails at once (pytest's diff of two
+        # long lists of result lines can take longer than mutmut's CPU limit, a false timeout).
+        "pytest_add_cli_args=-q\n    -x\n    -p\n    no:cacheprovider\n    --assert=plain\n    --tb=no\n"
     )
     cfg.write_text(text)
 
 
-def _results(work: Path) -> dict[str, list[str]]:
-    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=work,
-                         capture_output=True, text=True)  # fmt: skip
-    by_status: dict[str, list[str]] = {}
-    for line in out.stdout.splitlines():
-        if ":" not in line:
-            continue
-        name, status = (part.strip() for part in line.rsplit(":", 1))
-        by_status.setdefault(status, []).append(name)
-    return by_status
+def _diffs(work: Path, module: str, names: list[str]) -> dict[str, str]:
+    """Each mutant's changed lines, from mutmut's mutated copy of the module. Only the
+    functions asked for are cut out of it (by line numbers: the copy holds a function
+    per mutant, too many to take each one's source segment)."""
+    source = (work / "mutants" / module).read_text()
+    lines = source.splitlines()
+    short = {n: n.rsplit(".", 1)[-1] for n in names}
+    wanted = set(short.values()) | {
+        s.rsplit("__mutmut_", 1)[0] + "__mutmut_orig" for s in short.values()
+    }
+    bodies = {
+        node.name: lines[node.lineno : node.end_lineno]  # without the def line (its name differs)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in wanted
+    }
+    out = {}
+    for name, fn in short.items():
+        original = bodies.get(fn.rsplit("__mutmut_", 1)[0] + "__mutmut_orig", [])
+        changed = difflib.unified_diff(original, bodies.get(fn, []), lineterm="", n=0)
+        out[name] = "\n".join(
+            x for x in changed if x[:1] in "+-" and not x.startswith(("+++", "---"))
+        )
+    return out
 
 
-def run_module(module: str, *, children: int, survivors: bool) -> dict[str, object]:
-    tests = _tests_for(module)
+def _equivalent_lines(module: str) -> int:
+    """Lines of the module marked ``# pragma: no mutate`` (mutants shown equivalent)."""
+    return sum("# pragma: no mutate" in line for line in (ROOT / module).read_text().splitlines())
+
+
+def run_module(
+    module: str,
+    *,
+    children: int,
+    survivors: bool,
+    only: tuple[str, ...] = (),
+    tests_given: tuple[str, ...] = (),
+) -> dict[str, object]:
+    tests = _tests_for(module, tests_given)
     with tempfile.TemporaryDirectory(prefix="narwhal-mutation-") as tmp:
         work = Path(tmp)
-        _copy_repo(work)
+        _copy_tree(ROOT, work)
         _configure(work, module, tests)
+        # The scratch copy's package, not a checkout named by the caller's PYTHONPATH.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = str(work)
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children",
-                               str(children)], cwd=work, capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *only],
+                              cwd=work, env=env, capture_output=True, text=True)  # fmt: skip
         seconds = time.monotonic() - started
-        by_status = _results(work)
-        killed = len(by_status.get("killed", [])) + len(by_status.get("timeout", []))
+        statuses = {n: st for n, st in _results(work, env).items()
+                    if not only or any(fnmatch.fnmatch(n, g) for g in only)}  # fmt: skip
+        by_status: dict[str, list[str]] = {}
+        for name, status in statuses.items():
+            by_status.setdefault(status, []).append(name)
+        killed = sum(
+            len(by_status.get(s, [])) for s in ("killed", "timeout", "caught by type check")
+        )
         survived = sorted(by_status.get("survived", []))
         untested = sorted(by_status.get("no tests", []))
-        diffs: dict[str, str] = {}
-        if survivors:
-            for name in survived:
-                shown = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work,
-                                       capture_output=True, text=True)  # fmt: skip
-                diffs[name] = shown.stdout
+        diffs = _diffs(work, module, survived + untested) if survivors else {}
     total = killed + len(survived)
     return {
         "module": module,
+        "only": list(only),
         "tests": tests,
         "killed": killed,
         "survived": len(survived),
         "no_tests": len(untested),
-        "other": {k: len(v) for k, v in by_status.items()
-                  if k not in ("killed", "timeout", "survived", "no tests")},
+        "equivalent_lines": _equivalent_lines(module),
+        "other": {
+            k: len(v)
+            for k, v in by_status.items()
+            if k not in ("killed", "timeout", "caught by type check", "survived", "no tests")
+        },
         "score": killed / total if total else None,
         "seconds": round(seconds, 1),
         "survivors": survived,
+        "untested": untested,
         "survivor_diffs": diffs,
         "mutmut_rc": proc.returncode,
         "mutmut_tail": proc.stdout[-400:] + proc.stderr[-400:] if not by_status else "",
@@ -154,20 +208,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--children", type=int, default=2, help="parallel test processes")
     p.add_argument("--survivors", action="store_true", help="print each surviving mutant")
     p.add_argument("--out", default=".", help="folder for mutation-profile.json")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="mutate only the functions whose mutant names match (e.g. '*x_gate_f__*'); repeatable",
+    )
+    p.add_argument(
+        "--tests",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="test files to run instead of the module's own (e.g. to score the tests before a change)",
+    )
     args = p.parse_args(argv)
     rows = []
     for module in _modules(args.modules):
-        row = run_module(module, children=args.children, survivors=args.survivors)
+        row = run_module(
+            module,
+            children=args.children,
+            survivors=args.survivors,
+            only=tuple(args.only),
+            tests_given=tuple(args.tests),
+        )
         rows.append(row)
         score = f"{row['score']:.1%}" if row["score"] is not None else "n/a"
         print(f"{module}: score {score} (killed {row['killed']}, survived {row['survived']}, "
-              f"no tests {row['no_tests']}) in {row['seconds']} s", flush=True)  # fmt: skip
+              f"no tests {row['no_tests']}, lines marked equivalent {row['equivalent_lines']}) "
+              f"in {row['seconds']} s", flush=True)  # fmt: skip
         if row["mutmut_tail"]:
             print(f"  mutmut: {row['mutmut_tail']}", flush=True)
-        for name in row["survivors"]:  # type: ignore[attr-defined]
-            print(f"  survived: {name}")
-            if args.survivors:
-                print(row["survivor_diffs"][name])  # type: ignore[index]
+        for status, key in (("survived", "survivors"), ("no tests", "untested")):
+            for name in row[key]:  # type: ignore[attr-defined]
+                print(f"  {status}: {name}")
+                if args.survivors:
+                    for line in row["survivor_diffs"][name].splitlines():  # type: ignore[index]
+                        print(f"      {line}")
     killed = sum(int(r["killed"]) for r in rows)  # type: ignore[call-overload]
     survived = sum(int(r["survived"]) for r in rows)  # type: ignore[call-overload]
     if killed + survived:

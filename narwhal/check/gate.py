@@ -149,11 +149,11 @@ def reprofile_hint(
     return " ".join(parts)
 
 
-def _sweep_of(samples: Mapping[str, Any] | None, name: str) -> Mapping[str, Any] | None:
-    engines = samples.get("engines") if samples is not None else None
+def _sweep_of(samples: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    engines = samples.get("engines")
     entry = engines.get(name) if isinstance(engines, Mapping) else None
     sweep = entry.get("sweep") if isinstance(entry, Mapping) else None
-    if not isinstance(sweep, Mapping) and samples is not None:
+    if not isinstance(sweep, Mapping):
         sweep = samples.get("sweep")
     return sweep if isinstance(sweep, Mapping) else None
 
@@ -169,7 +169,7 @@ def _generation(
             name="gate_f.generation",
             engine=name,
             ok=False,
-            measured=None,
+            measured=None,  # pragma: no mutate (equivalent: None is CheckResult's default)
             limit=attrs.asdict(profile.identity),
             message=f"engine {name} is unreachable; its generation cannot be "
             "compared with its profile's",
@@ -417,9 +417,15 @@ def _limit(
 
 
 def _missing(name: str, engine: str, what: str) -> CheckResult:
-    return CheckResult(name=name, engine=engine, ok=False, measured=None, limit="measured",
-                       message=f"engine {engine}'s profile has no {what} (written by an earlier "
-                               "profiler); re-profile it")  # fmt: skip
+    return CheckResult(
+        name=name,
+        engine=engine,
+        ok=False,
+        measured=None,  # pragma: no mutate (equivalent: None is CheckResult's default)
+        limit="measured",
+        message=f"engine {engine}'s profile has no {what} (written by an earlier profiler); "
+        "re-profile it",
+    )
 
 
 def _bands(u: Uncertainty) -> str:

@@ -412,7 +412,7 @@ def _walk(claimed: Any, derived: Any, path: str, out: list[tuple[str, Any, Any]]
         if len(claimed) != len(derived):
             out.append((path, claimed, derived))
             return
-        for i, (c, d) in enumerate(zip(claimed, derived, strict=True)):
+        for i, (c, d) in enumerate(zip(claimed, derived, strict=True)):  # pragma: no mutate (equivalent: lengths equal)
             _walk(c, d, f"{path}[{i}]", out)
     elif not _close(claimed, derived):
         out.append((path, claimed, derived))

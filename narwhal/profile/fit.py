@@ -328,13 +328,14 @@ def interval_rejection(
     if intervals.min_samples < min_samples:
         reasons.append(f"{intervals.min_samples} repeat(s) at a length cannot bound its median "
                        f"(at least {min_samples} are needed; raise --repeats)")  # fmt: skip
+    too_few = len(reasons)
     if intervals.mean_half_width > max_mean_width:
         reasons.append(f"mean prediction-interval half-width {intervals.mean_half_width:.1%} is "
                        f"above the {max_mean_width:.0%} bound")  # fmt: skip
     if intervals.worst_half_width > max_worst_width:
         reasons.append(f"widest prediction-interval half-width {intervals.worst_half_width:.1%} "
                        f"is above the {max_worst_width:.0%} bound")  # fmt: skip
-    if reasons:
+    if len(reasons) > too_few:  # a width tripped: the samples scatter (too few repeats alone do not)
         reasons[-1] += " (noisy samples: measure again on a quieter host or with more --repeats)"
     return "; ".join(reasons) if reasons else None
 
