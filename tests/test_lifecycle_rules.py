@@ -25,6 +25,7 @@ from narwhal.errors import (
     Refused,
 )
 from narwhal.router.lifecycle import terminal_class_for
+from narwhal.router.placement import Reservation
 
 from .routerkit import Stack, engine, fleet_doc, open_stack, scripted_decodes
 
@@ -192,7 +193,9 @@ async def test_a_burst_of_events_is_relayed_whole(autojump_clock: trio.abc.Clock
     assert [r["output_len"] for r in stack.records] == [3, 3]
 
 
-async def test_every_event_of_a_token_burst_gets_the_routers_id(autojump_clock: trio.abc.Clock) -> None:
+async def test_every_event_of_a_token_burst_gets_the_routers_id(
+    autojump_clock: trio.abc.Clock,
+) -> None:
     # Token events that arrive together, nothing else with them: relayed as they came,
     # each with the router's response id.
     steps = [(0.0, _token(1) + _token(2)), (0.0, _token(3, "length")), (0.0, _DONE)]
@@ -202,6 +205,23 @@ async def test_every_event_of_a_token_burst_gets_the_routers_id(autojump_clock: 
     assert [e["choices"][0]["text"] for e in events] == ["t1", "t2", "t3"]
     assert len({e["id"] for e in events}) == 1 and events[0]["id"] != "cmpl-k"
     assert not any("token_ids" in e["choices"][0] for e in events)
+
+
+async def test_events_parsed_from_one_chunk_are_written_together(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Mid-stream, two token events with a comment between them in one transport chunk:
+    # parsed one by one, written as one write, each still an event of its own.
+    steps = [
+        (0.0, _token(1)),
+        (1.0, _token(2) + b": keep-alive\n\n" + _token(3)),
+        (1.0, _token(4, "length") + _DONE),
+    ]
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
+        _, raw = await _stream_raw(stack, {**BODY, "max_tokens": 4})
+    events = _events(raw)
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t1", "t2", "t3", "t4"]
+    assert events[-1] == b"[DONE]"
 
 
 async def test_chats_role_delta_comes_first(autojump_clock: trio.abc.Clock) -> None:
@@ -384,9 +404,12 @@ class _Failing:
 
 
 async def test_a_retry_avoids_the_engine_that_failed(autojump_clock: trio.abc.Clock) -> None:
+    # d1 is busier (a held reservation), so least-loaded placement prefers d0 both times:
+    # only the retry's avoidance of the engine that failed sends it to d1.
     async with open_stack(two_consumers(recovery={"max_attempts": 2})) as stack:
-        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, times=1))
-        resp = await stack.complete(BODY)
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, times=2))
+        with Reservation(stack.router.state.placement, "p0", "d1", 10, 10):
+            resp = await stack.complete(BODY)
     assert resp.status_code == 200
     attempts = stack.records[0]["attempts"]
     assert [(a["consumer"], a["outcome"]) for a in attempts] == [
