@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/breaker.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # The fault matrix exercises probes too, but its 200-odd cases per mutant are too slow here.
-    "narwhal/router/probe.py": ("tests/test_readmission.py", "tests/test_router_recovery.py"),
+    "narwhal/router/probe.py": ("tests/test_readmission.py", "tests/test_readiness.py", "tests/test_router_recovery.py"),
     "narwhal/router/placement.py": ("tests/test_breaker.py", "tests/test_router_basic.py", "tests/test_router_recovery.py"),
     "narwhal/router/retry.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # Its 600-odd mutants each rerun the router tests that reach them: these files keep
