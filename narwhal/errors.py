@@ -335,7 +335,7 @@ class InvalidDescriptor(EngineError):
             f"invalid KV handoff descriptor: {reason}",
             engine=engine,
             leg=leg,
-            public=f"invalid KV handoff descriptor: {reason.split(':', 1)[0]}",
+            public=f"invalid KV handoff descriptor: {reason.partition(':')[0]}",
         )
         self.reason = reason
 

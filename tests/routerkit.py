@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 import httpx
+import trio
 
 from narwhal.config import FleetConfig, parse_fleet
 from narwhal.profile.store import Profiles
@@ -58,6 +59,33 @@ def fleet_doc(*engines: dict[str, Any], **sections: Any) -> dict[str, Any]:
         else:
             doc[key] = value
     return doc
+
+
+def scripted_decodes(
+    steps: list[tuple[float, bytes]], *, engine: str = "d0", hang: bool = False
+) -> Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]:
+    """A ``wrap`` for :func:`open_stack`: ``engine`` answers every decode (a streamed
+    request) with ``steps`` (a wait in seconds, then the bytes), then ends the body (or
+    hangs, with ``hang``); every other request goes to the simulated engines."""
+
+    class Scripted(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            for wait, data in steps:
+                await trio.sleep(wait)
+                yield data
+            if hang:
+                await trio.sleep_forever()
+
+    class Wrapped(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.host == f"{engine}.test" and request.method == "POST" and json.loads(await request.aread()).get("stream"):
+                return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Scripted())
+            return await self.inner.handle_async_request(request)
+
+    return Wrapped
 
 
 @attrs.define

@@ -294,7 +294,9 @@ def test_frozen_and_detached_round_trip() -> None:
     value = {"a": [1, {"b": [2, 3]}], "c": None, "d": 1.5, "e": True, "f": "s", "g": ((4,),)}
     cold = frozen(value)
     assert isinstance(cold, MappingProxyType)
-    assert cold["a"] == (1, MappingProxyType({"b": (2, 3)})) and isinstance(cold["a"][1], MappingProxyType)
+    assert cold["a"] == (1, MappingProxyType({"b": (2, 3)})) and isinstance(
+        cold["a"][1], MappingProxyType
+    )
     assert cold["g"] == ((4,),)
     assert (cold["c"], cold["d"], cold["e"], cold["f"]) == (None, 1.5, True, "s")
     thawed = detached(cold)
@@ -318,4 +320,128 @@ def test_frozen_block_ids_still_validate() -> None:
         desc = frozen({**OBSERVED, "remote_block_ids": ids})
         assert validate_descriptor(desc, connector="NixlConnector")["remote_block_ids"] == ids
     with pytest.raises(InvalidDescriptor, match="must be a list of integers or a list of lists"):
-        validate_descriptor(frozen({**OBSERVED, "remote_block_ids": [[1], 2]}), connector="NixlConnector")
+        validate_descriptor(
+            frozen({**OBSERVED, "remote_block_ids": [[1], 2]}), connector="NixlConnector"
+        )
+
+
+# --------------------------------------------------------------------------- in full
+# Each rejection's whole reason: the journal and the operator's log show it, so a
+# changed or lost detail is a changed contract (see tools/mutation.py).
+
+FULL_REASONS: list[tuple[str, object, Any, str]] = [
+    ("none", None, NIXL, "missing descriptor: the producer returned no kv_transfer_params"),
+    ("list", [OBSERVED], NIXL, "malformed descriptor: kv_transfer_params is a list, not an object"),
+    (
+        "other connector configured", OBSERVED, Connector(type="MooncakeConnector"),
+        "connector mismatch: configured connector 'MooncakeConnector' is not one narwhal drives",
+    ),
+    (
+        "named other connector", {**OBSERVED, "connector": "P2pNcclConnector"}, NIXL,
+        "connector mismatch: descriptor is for 'P2pNcclConnector', configured connector is 'NixlConnector'",
+    ),
+    (
+        "two foreign fields", {**OBSERVED, "bootstrap_host": "h", "bootstrap_room": 1}, NIXL,
+        "connector mismatch: descriptor carries bootstrap_host, bootstrap_room, which NixlConnector does not produce",
+    ),
+    (
+        "not a remote prefill", {**OBSERVED, "do_remote_prefill": 1}, NIXL,
+        "connector mismatch: do_remote_prefill is not true, so a NixlConnector consumer would ignore the handoff",
+    ),
+    ("no engine id", without("remote_engine_id"), NIXL, "missing engine identity: remote_engine_id is missing"),
+    (
+        "empty request id", {**OBSERVED, "remote_request_id": ""}, NIXL,
+        "missing engine identity: remote_request_id is not a non-empty string ('')",
+    ),
+    ("no block ids", without("remote_block_ids"), NIXL, "malformed block ids: remote_block_ids is missing"),
+    (
+        "string block ids", {**OBSERVED, "remote_block_ids": "1,2"}, NIXL,
+        "malformed block ids: remote_block_ids must be a list, not str",
+    ),
+    ("empty block ids", {**OBSERVED, "remote_block_ids": []}, NIXL, "malformed block ids: remote_block_ids is empty"),
+    (
+        "float in a group", {**OBSERVED, "remote_block_ids": [[1, 2.0]]}, NIXL,
+        "malformed block ids: remote_block_ids groups must hold only integers",
+    ),
+    (
+        "mixed block ids", {**OBSERVED, "remote_block_ids": [[1], 2]}, NIXL,
+        "malformed block ids: remote_block_ids must be a list of integers or a list of lists of integers",
+    ),
+    (
+        "negative block id", {**OBSERVED, "remote_block_ids": [[3, -1]]}, NIXL,
+        "malformed block ids: remote_block_ids holds a negative block id",
+    ),
+    ("empty groups", {**OBSERVED, "remote_block_ids": [[], []]}, NIXL, "malformed block ids: remote_block_ids names no block"),
+    ("no host", without("remote_host"), NIXL, "endpoint mismatch: remote_host is missing"),
+    ("blank host", {**OBSERVED, "remote_host": "  "}, NIXL, "endpoint mismatch: remote_host is '  '"),
+    ("no port", without("remote_port"), NIXL, "endpoint mismatch: remote_port is missing"),
+    ("port 0", {**OBSERVED, "remote_port": 0}, NIXL, "endpoint mismatch: remote_port is 0"),
+    ("port 65536", {**OBSERVED, "remote_port": 65536}, NIXL, "endpoint mismatch: remote_port is 65536"),
+    ("string port", {**OBSERVED, "remote_port": "15600"}, NIXL, "endpoint mismatch: remote_port is '15600'"),
+    (
+        "other host", {**OBSERVED, "remote_host": "10.0.0.7"}, NIXL,
+        "endpoint mismatch: descriptor names 10.0.0.7:15600, the producer's KV endpoint is 127.0.0.1:15600",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("desc", "connector", "reason"), [pytest.param(d, c, r, id=i) for i, d, c, r in FULL_REASONS]
+)
+def test_rejection_reasons_in_full(desc: object, connector: Any, reason: str) -> None:
+    with pytest.raises(InvalidDescriptor) as info:
+        validate_descriptor(desc, connector=connector, engine="p0", leg="probe")
+    err = info.value
+    assert err.reason == reason
+    assert (err.engine, err.leg) == ("p0", "probe")
+
+
+@pytest.mark.parametrize("port", [1, 65535])
+def test_the_whole_port_range_is_accepted(port: int) -> None:
+    desc = {**OBSERVED, "remote_port": port}
+    assert validate_descriptor(desc, connector=None)["remote_port"] == port
+
+
+def test_an_endpoint_needs_both_host_and_port_configured() -> None:
+    # A connector block without kv_port (or kv_host) names no endpoint: only the shape
+    # of the descriptor's endpoint is checked.
+    desc = {**OBSERVED, "remote_host": "10.0.0.7", "remote_port": 15601}
+    for connector in (
+        Connector(kv_port=None),  # type: ignore[arg-type]
+        Connector(kv_host=None),  # type: ignore[arg-type]
+    ):
+        assert validate_descriptor(desc, connector=connector) == desc
+
+
+def test_a_shallow_copy_on_request() -> None:
+    shallow = validate_descriptor(OBSERVED, connector=NIXL, detach=False)
+    assert shallow == OBSERVED and shallow is not OBSERVED
+    assert shallow["remote_block_ids"] is OBSERVED["remote_block_ids"]  # only serialized
+    deep = validate_descriptor(OBSERVED, connector=NIXL)
+    assert deep["remote_block_ids"] is not OBSERVED["remote_block_ids"]
+
+
+def test_unbalanced_brackets_are_part_of_the_host() -> None:
+    assert hosts_equal("[10.0.0.1]", "10.0.0.1")
+    assert not hosts_equal("[10.0.0.12", "10.0.0.1")
+    assert not hosts_equal("10.0.0.12]", "0.0.0.1")
+    assert not hosts_equal("localhost", "10.0.0.1") and not hosts_equal("10.0.0.1", "::1")
+
+
+def test_non_json_values_are_deep_copied() -> None:
+    from collections import deque
+
+    from narwhal.engines.connector import frozen
+
+    inner = [1]
+    value = {"q": deque([inner])}
+    for copied in (detached(value), frozen(value)):
+        assert copied["q"] == deque([[1]]) and copied["q"][0] is not inner
+
+
+def test_the_unsupported_connector_message() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^unsupported KV connector 'MooncakeConnector' \(supported: NixlConnector\)$",
+    ):
+        prefill_request_params("MooncakeConnector")

@@ -135,3 +135,14 @@ async def test_sim_profiles_bind(autojump_clock: trio.abc.Clock) -> None:
     async with open_memory_network() as net, open_sim_fleet(config, network=net):
         profiles = await sim_profiles(config, net)
     assert profiles.engines["p-slow"].predict_ttft(200) == pytest.approx(0.03 + 0.06)
+
+
+@pytest.mark.parametrize("slo", [{"ttft_s": None, "tpot_s": SLO_TPOT}, {"ttft_s": SLO_TTFT, "tpot_s": None}])
+async def test_one_target_alone_is_enough_to_place(autojump_clock: trio.abc.Clock, slo: dict[str, Any]) -> None:
+    # The target left unset is no miss: a pair that meets the one set is placed.
+    doc = hetero(controller={"admission": "refuse", "slo": slo})
+    async with open_stack(doc, priced=True) as stack:
+        resp = await stack.complete({"prompt": "a b c", "max_tokens": 4})
+    assert resp.status_code == 200, resp.text
+    [attempt] = stack.records[0]["attempts"]
+    assert (attempt["producer"], attempt["consumer"]) == ("p-fast", "d-fast")

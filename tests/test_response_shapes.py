@@ -149,6 +149,23 @@ def test_shaping_real_vllm_events_keeps_them_valid_json() -> None:
     assert sum(len(c["token_ids"]) for k in kept for c in k["choices"]) == 20
 
 
+def test_shaping_a_burst_of_real_vllm_events_shapes_each() -> None:
+    # A lazy stream relays token events that arrived together as one piece: every
+    # event of it gets the router's id and loses the token ids, as one by one.
+    from pathlib import Path
+
+    from narwhal.router.requests import StreamShaper
+
+    recorded = (Path(__file__).parent.parent / "fixtures" / "completions-stream-token-ids.sse").read_bytes()
+    events = [e + b"\n\n" for e in recorded.split(b"\n\n") if e.startswith(b"data: {")][1:6]
+    parsed = parse_request(b'{"prompt": "x", "stream": true}', "completions")
+    shape = StreamShaper(parsed, "rid-1")
+    assert shape(b"".join(events)) == b"".join(shape(e) for e in events)
+    shaped = [json.loads(e) for e in shape(b"".join(events))[6:-2].split(b"\n\ndata: ")]
+    assert len(shaped) == 5 and {s["id"] for s in shaped} == {"cmpl-rid-1"}
+    assert not any("token_ids" in c for s in shaped for c in s["choices"])
+
+
 def _error_classes(base: type[NarwhalError] = NarwhalError) -> list[type[NarwhalError]]:
     found = [base]
     for sub in base.__subclasses__():

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 import trio
 
 from narwhal.config import EngineTimeouts, FaultSpec, HandoffConfig
 from narwhal.errors import EngineUnavailable
 
-from .routerkit import engine, fleet_doc, open_stack
+from .routerkit import engine, fleet_doc, open_stack, scripted_decodes
 
 BODY = {"prompt": "one two three four", "max_tokens": 6}
 PREFILL_S = 0.010 + 1e-4 * 4
@@ -230,34 +228,6 @@ _EVENT = (
 )
 
 
-class _ScriptedDecode(httpx.AsyncByteStream):
-    """A decode stream: (delay, bytes) steps in virtual time."""
-
-    def __init__(self, steps: list[tuple[float, bytes]]) -> None:
-        self.steps = steps
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for delay, data in self.steps:
-            await trio.sleep(delay)
-            yield data
-
-
-def _answer_decodes(steps: list[tuple[float, bytes]]) -> Any:
-    """Wrap the engines' transport: d0's decode streams follow ``steps``."""
-
-    class Wrapped(httpx.AsyncBaseTransport):
-        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-            self.inner = inner
-
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            if request.url.host == "d0.test" and request.url.path == "/v1/completions":
-                await request.aread()
-                return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_ScriptedDecode(steps))
-            return await self.inner.handle_async_request(request)
-
-    return Wrapped
-
-
 def _token(token_id: int, finish: str | None = None) -> bytes:
     return (_EVENT % (json.dumps(finish), token_id)).encode()
 
@@ -276,7 +246,7 @@ async def test_any_bytes_reset_the_silence_bound(autojump_clock: trio.abc.Clock,
     # Seed: the silence bound (30 s) runs between transport chunks, not whole events.
     steps = [(0.0, _token(5)), *gap, (0.0, _token(6, "length")), (0.0, b"data: [DONE]\n\n")]
     assert sum(d for d, _ in gap) > SILENCE_S
-    async with open_stack(wrap=_answer_decodes(steps)) as stack:
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
         status, events = await stack.stream(BODY)
     assert status == 200 and events[-1] == "[DONE]", events
     assert stack.records[0]["terminal_class"] == "ok"
@@ -284,7 +254,7 @@ async def test_any_bytes_reset_the_silence_bound(autojump_clock: trio.abc.Clock,
 
 async def test_silence_bound_still_fires_without_any_bytes(autojump_clock: trio.abc.Clock) -> None:
     steps = [(0.0, _token(5)), (SILENCE_S + 1, _token(6, "length")), (0.0, b"data: [DONE]\n\n")]
-    async with open_stack(wrap=_answer_decodes(steps)) as stack:
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
         t0 = trio.current_time()
         status, events = await stack.stream(BODY)
         elapsed = trio.current_time() - t0

@@ -12,6 +12,19 @@ Mutants no test reaches count as survivors.
     python3 tools/mutation.py --tree /elsewhere    # score another checkout
 
 A run over every module takes tens of minutes on two cores; one module takes a few.
+``--only`` narrows a run to some functions (mutant names are ``module.x_function__mutmut_N``
+or ``module.xǁClassǁmethod__mutmut_N``), to confirm that new tests kill what they aim at.
+
+Equivalent mutants. A surviving mutant is either a missing test (write one that asserts
+the behaviour: the error's status, message and fields, the journal's record, the log
+line an operator reads) or equivalent: no input can tell it from the original. An
+equivalent mutant is removed where the code can say the same thing without it (a dead
+branch or argument deleted, a literal moved to a module constant, which mutmut does not
+mutate); otherwise its line carries ``# pragma: no mutate (equivalent: <why>)``, which
+keeps mutmut from generating any mutant of that statement: keep such a statement to the
+equivalent part where the code allows (where it does not, the comment says so and that
+the statement's other mutants were killed in a run without the pragma).
+``grep -rn "pragma: no mutate" narwhal`` lists every one with its argument.
 """
 
 from __future__ import annotations
@@ -37,15 +50,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/breaker.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # The fault matrix exercises probes too, but its 200-odd cases per mutant are too slow here.
-    "narwhal/router/probe.py": ("tests/test_readmission.py", "tests/test_router_recovery.py"),
+    "narwhal/router/probe.py": ("tests/test_readmission.py", "tests/test_readiness.py", "tests/test_router_recovery.py"),
     "narwhal/router/placement.py": ("tests/test_breaker.py", "tests/test_router_basic.py", "tests/test_router_recovery.py"),
     "narwhal/router/retry.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
-    # Its 600-odd mutants each rerun the router tests that reach them: these two files
-    # keep a run under an hour on two cores.
-    "narwhal/router/lifecycle.py": ("tests/test_router_failures.py", "tests/test_router_basic.py"),
-    "narwhal/engines/stream.py": ("tests/test_engine_client.py",),
+    # Its 600-odd mutants each rerun the router tests that reach them: these files keep
+    # a run of the request path's functions (--only) under an hour on two cores.
+    "narwhal/router/lifecycle.py": (
+        "tests/test_lifecycle_rules.py", "tests/test_router_failures.py", "tests/test_router_basic.py",
+    ),
+    "narwhal/engines/stream.py": ("tests/test_decode_stream.py", "tests/test_engine_client.py"),
     "narwhal/engines/connector.py": ("tests/test_connector.py", "tests/test_engine_client.py"),
-    "narwhal/errors.py": ("tests/test_engine_client.py", "tests/test_router_failures.py"),
+    "narwhal/errors.py": ("tests/test_errors.py", "tests/test_engine_client.py", "tests/test_router_failures.py"),
 }  # fmt: skip
 
 #: mutmut's statuses that count as a killed mutant.
@@ -103,8 +118,11 @@ def _diffs(tree: Path, module: str, names: list[str]) -> dict[str, str]:
     out = {}
     for name in names:
         short = name.rsplit(".", 1)[-1]
-        original = functions.get(short.rsplit("__mutmut_", 1)[0] + "__mutmut_orig", "").splitlines()[1:]
-        mutant = functions.get(short, "").splitlines()[1:]  # without the def line (its name differs)
+        orig_name = short.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"
+        # The def lines differ by the function's name: blank it, so that a mutated
+        # default argument still shows.
+        original = functions.get(orig_name, "").replace(orig_name, "…", 1).splitlines()
+        mutant = functions.get(short, "").replace(short, "…", 1).splitlines()
         out[name] = "\n".join(
             line for line in difflib.unified_diff(original, mutant, lineterm="", n=0)
             if line[:1] in "+-" and not line.startswith(("+++", "---"))

@@ -140,9 +140,8 @@ def prefill_request_params(connector: ConnectorLike | str | None = None) -> dict
     """
     kind = connector_type(connector)
     if kind not in SUPPORTED_CONNECTORS:
-        raise ValueError(
-            f"unsupported KV connector {kind!r} (supported: {', '.join(sorted(SUPPORTED_CONNECTORS))})"
-        )
+        supported = ", ".join(sorted(SUPPORTED_CONNECTORS))  # pragma: no mutate (equivalent: one name)
+        raise ValueError(f"unsupported KV connector {kind!r} (supported: {supported})")
     return {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -172,12 +171,13 @@ def _normalize_host(host: str) -> str:
     h = host.strip().lower()
     if h.startswith("[") and h.endswith("]"):
         h = h[1:-1]
-    return "localhost" if h in _LOOPBACK else h
+    return h
 
 
 def hosts_equal(a: str, b: str) -> bool:
     """Host names compare case-insensitively; loopback aliases are all equal."""
-    return _normalize_host(a) == _normalize_host(b)
+    a, b = _normalize_host(a), _normalize_host(b)
+    return a == b or (a in _LOOPBACK and b in _LOOPBACK)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -312,9 +312,12 @@ def detached(value: Any) -> Any:
     """
     kind = type(value)
     if kind is dict or isinstance(value, Mapping):
-        return {k: v if type(v) in _SCALARS else detached(v) for k, v in value.items()}
+        # (The scalar test is a fast path: detached() returns a scalar as it is. The
+        # pragmas hide these lines' other mutants too; tests/test_connector.py killed
+        # every one of them in a run without the pragmas.)
+        return {k: v if type(v) in _SCALARS else detached(v) for k, v in value.items()}  # pragma: no mutate (equivalent: fast path)
     if kind is list or kind is tuple:
-        return [v if type(v) in _SCALARS else detached(v) for v in value]
+        return [v if type(v) in _SCALARS else detached(v) for v in value]  # pragma: no mutate (equivalent: fast path)
     if kind in _SCALARS:
         return value
     return copy.deepcopy(value)
@@ -326,9 +329,10 @@ def frozen(value: Any) -> Any:
     if kind in _SCALARS:
         return value
     if isinstance(value, Mapping):
-        return MappingProxyType({k: v if type(v) in _SCALARS else frozen(v) for k, v in value.items()})
+        # (The scalar test is a fast path: frozen() returns a scalar as it is; see detached.)
+        return MappingProxyType({k: v if type(v) in _SCALARS else frozen(v) for k, v in value.items()})  # pragma: no mutate (equivalent: fast path)
     if kind is list or kind is tuple:
-        return tuple(v if type(v) in _SCALARS else frozen(v) for v in value)
+        return tuple(v if type(v) in _SCALARS else frozen(v) for v in value)  # pragma: no mutate (equivalent: fast path)
     return copy.deepcopy(value)
 
 

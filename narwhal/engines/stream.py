@@ -142,7 +142,7 @@ def error_message(body: bytes, fallback: str) -> str:
     try:
         obj = json_loads(body)
     except ValueError:
-        obj = None
+        obj = None  # pragma: no mutate (equivalent: any value but a dict means "no JSON object")
     if isinstance(obj, dict):
         err = obj.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
@@ -154,7 +154,7 @@ def error_message(body: bytes, fallback: str) -> str:
         elif obj.get("detail") is not None:
             message = str(obj["detail"])
     if message is None:
-        message = body.decode("utf-8", "replace")
+        message = body.decode(errors="replace")
     message = truncate(message)
     return message or fallback
 
@@ -282,9 +282,10 @@ class DecodeStream:
         self._bytes = response.body
         self._decoder = SSEDecoder()
         self._events: deque[SSEEvent | Chunk] = deque()
-        self._eof = False
-        self._finished = False
-        self._interrupted = False
+        # (Flags read only for their truth: a mutant None is the same as False.)
+        self._eof = False  # pragma: no mutate (equivalent: falsy alike)
+        self._finished = False  # pragma: no mutate (equivalent: falsy alike)
+        self._interrupted = False  # pragma: no mutate (equivalent: falsy alike)
         self.engine = owner.name
         self.leg = leg
         self.request_id = request_id
@@ -303,7 +304,7 @@ class DecodeStream:
         self.done = False
         self.closed = False
         self._silence_scope: trio.CancelScope | None = None
-        self._silence_s = 0.0
+        self._silence_s = 0.0  # pragma: no mutate (equivalent: set before use)
 
     def watch_silence(self, scope: trio.CancelScope, seconds: float) -> None:
         """Move ``scope``'s deadline to ``seconds`` after every piece of the body that arrives.
@@ -377,30 +378,30 @@ class DecodeStream:
                     if self.tokens == 0:
                         raise EmptyStream(engine=self.engine, leg=self.leg)
                     raise StopAsyncIteration
-                raise stream_error(
-                    chunk.error or {}, chunk.status or 500, engine=self.engine, leg=self.leg
-                )
+                # An "error" chunk always carries its error object and status (sse's parse).
+                error = chunk.error or {}  # pragma: no mutate (equivalent: see above)
+                status = chunk.status or 500  # pragma: no mutate (equivalent: see above)
+                raise stream_error(error, status, engine=self.engine, leg=self.leg)
             if self._eof:
                 self._finished = True
                 raise self._closed_error()
             await self._read()
 
     async def _read(self) -> None:
-        # A read the caller cancels unwinds httpx's body iterator, which cannot resume;
-        # remember that so the next call reports it instead of a clean end.
-        self._interrupted = True
         try:
             data = await self._bytes.__anext__()
         except StopAsyncIteration:
-            self._interrupted = False
             self._eof = True
             self._events.extend(self._decoder.flush())
             return
         except httpx.HTTPError as exc:
-            self._interrupted = False
             self._finished = True
             raise self._owner.map_error(exc, self.leg) from exc
-        self._interrupted = False
+        except BaseException:
+            # A read the caller cancels unwinds httpx's body iterator, which cannot
+            # resume; remember that so the next call reports it instead of a clean end.
+            self._interrupted = True
+            raise
         now = self.last_activity_at = trio.current_time()
         if self._silence_scope is not None:
             self._silence_scope.deadline = now + self._silence_s
@@ -453,8 +454,5 @@ class DecodeStream:
             while received <= _DRAIN_LIMIT_BYTES:
                 try:
                     received += len(await self._bytes.__anext__())
-                except StopAsyncIteration:
-                    self._eof = True
-                    return
-                except httpx.HTTPError:
+                except (StopAsyncIteration, httpx.HTTPError):
                     return

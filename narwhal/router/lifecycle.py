@@ -75,6 +75,9 @@ _SSE_HEADERS = (
     ("cache-control", "no-cache"),
 )
 _DONE = b"data: [DONE]\n\n"
+#: Header names, lower-case (names are case-insensitive on the wire).
+_REQUEST_ID = "x-request-id"
+_JSON_CONTENT = ("content-type", "application/json")
 
 
 def terminal_class_for(err: NarwhalError) -> str:
@@ -206,7 +209,7 @@ class RequestLifecycle:
         resp = self.response
         if not self.committed:
             self.record.status = err.http_status
-            headers = [("content-type", "application/json"), ("x-request-id", self.request_id)]
+            headers = [_JSON_CONTENT, (_REQUEST_ID, self.request_id)]
             retry_after = getattr(err, "retry_after_s", None)
             if retry_after is not None:
                 headers.append(("retry-after", str(max(1, math.ceil(retry_after)))))
@@ -313,6 +316,8 @@ class RequestLifecycle:
             try:
                 await self._legs(attempt, reservation)
             except EngineError as err:
+                # The engine the error names, else the engine of the leg that failed (the
+                # router's own deadlines name only the leg).
                 culprit = err.engine or (reservation.producer if err.leg == "prefill" else reservation.consumer)
                 err.engine = culprit
                 if not err.client_fault:
@@ -350,7 +355,6 @@ class RequestLifecycle:
         if scope.cancelled_caught:
             raise EngineTimeout(
                 f"prefill did not complete within handoff.max_age_s ({cfg.handoff.max_age_s:g} s)",
-                engine=reservation.producer,
                 leg="prefill",
                 deadline="handoff.max_age_s",
             )
@@ -416,10 +420,12 @@ class RequestLifecycle:
         forward_meta = parsed.include_usage
         respond = self.response
         tokens = 0
-        held: list[bytes] = []
-        out = self._unsent  # events not yet written to the client (a burst in progress)
-        last_token_at = prefill_done
-        burst_tokens = False
+        # Events not yet written to the client: before the first token (e.g. chat's role
+        # delta), then a burst in progress.
+        out = self._unsent
+        # (Both set before they are read: when tokens arrive.)
+        last_token_at = prefill_done  # pragma: no mutate (equivalent: set before read)
+        burst_tokens = False  # pragma: no mutate (equivalent: set before read)
         name = reservation.consumer
 
         def disarm() -> None:
@@ -458,16 +464,14 @@ class RequestLifecycle:
                                     stream.watch_silence(scope, silence)
                                 if parsed.stream:
                                     scope.deadline = math.inf
-                                    data = b"".join((*held, *out))
+                                    data = b"".join(out)
                                     out.clear()
-                                    await respond.start(
-                                        200, (*_SSE_HEADERS, ("x-request-id", self.request_id)), data
-                                    )
+                                    await respond.start(200, (*_SSE_HEADERS, (_REQUEST_ID, self.request_id)), data)
                                     self.committed = True
                         elif acc is not None:
                             acc.add(chunk.data)
                         elif forward_meta or not _is_usage(chunk.data):
-                            (out if self.committed else held).append(shape(chunk.raw))  # held: e.g. role delta
+                            out.append(shape(chunk.raw))
                         if stream.buffered:
                             continue  # more of this burst already arrived
                         # The end of a burst: one write for everything that arrived together,
@@ -492,24 +496,22 @@ class RequestLifecycle:
                 raise SilenceTimeout(
                     f"engine went silent between tokens (no chunk for {cfg.decode_read_timeout_s:g} s "
                     f"after {tokens} tokens)",
-                    engine=name,
                     leg="decode",
                     deadline="engine.decode_read_timeout_s",
                 )
-            if handoff_deadline < first_token_deadline:
+            # (At equal deadlines both fired; either name is right.)
+            if handoff_deadline < first_token_deadline:  # pragma: no mutate (equivalent at equality)
                 # The producer answered; the consumer held the rest of the handoff's age
                 # without a token: its first-token failure.
                 raise HandoffExpired(
                     f"KV handoff older than handoff.max_age_s ({self.config.handoff.max_age_s:g} s) "
                     f"before the first token: consumer {name} produced none in the "
                     f"{handoff_deadline - prefill_done:.3g} s left after the producer answered",
-                    engine=name,
                     leg="decode",
                     deadline="handoff.max_age_s",
                 )
             raise FirstTokenTimeout(
                 f"no token within engine.first_token_timeout_s ({cfg.first_token_timeout_s:g} s)",
-                engine=name,
                 leg="decode",
                 deadline="engine.first_token_timeout_s",
             )
@@ -522,10 +524,7 @@ class RequestLifecycle:
             await respond.end(data)
         else:
             body = json.dumps(acc.body(self.prompt_tokens)).encode()
-            await respond.respond(
-                200, (("content-type", "application/json"), ("x-request-id", self.request_id)), body
-            )
-            self.committed = True
+            await respond.respond(200, (_JSON_CONTENT, (_REQUEST_ID, self.request_id)), body)
 
 
 def _is_usage(data: dict[str, Any] | None) -> bool:

@@ -257,7 +257,9 @@ class PricedPlacement(Placement):
             reservation = super().choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
             return self._reserve(reservation, prompt_tokens, None, None)
         p, c = quotes
-        if min(p.headroom, c.headroom) < 0 and (self.slo.ttft_s is not None or self.slo.tpot_s is not None):
+        # A miss is a predicted miss of a target that is set (without a target, a
+        # quote's headroom only ranks: it is always negative).
+        if (self.slo.ttft_s is not None and p.headroom < 0) or (self.slo.tpot_s is not None and c.headroom < 0):
             self.counters["refused"] += 1
             raise _NoCapacity(p, c)
         self.counters["priced"] += 1

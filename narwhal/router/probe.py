@@ -40,7 +40,6 @@ from typing import Any
 
 import trio
 
-from narwhal.engines.connector import validate_descriptor
 from narwhal.errors import NarwhalError
 from narwhal.router.state import RouterState
 
@@ -57,14 +56,16 @@ class _Inconclusive(Exception):
     pass
 
 
-def _probe_body(state: RouterState, name: str, max_tokens: int) -> dict[str, Any]:
+def _probe_body(state: RouterState, name: str, *, decode: bool) -> dict[str, Any]:
+    """A probe request of its own prompt: :data:`PROBE_TOKENS` tokens for a decode probe,
+    one for a prefill probe."""
     model = state.engines[name].model or _learned_model(state, name) or state.default_model
     body: dict[str, Any] = {
         "prompt": f"narwhal readmission probe {secrets.token_hex(8)}",
-        "max_tokens": max_tokens,
+        "max_tokens": PROBE_TOKENS if decode else 1,
         "temperature": 0,
     }
-    if max_tokens > 1:
+    if decode:
         # Every token must come: an early end-of-sequence is no verdict on the stream.
         body["ignore_eos"] = True
     if model:
@@ -118,13 +119,14 @@ async def readiness_problem(state: RouterState, name: str) -> str | None:
     return None
 
 
-async def _decode_stream(state: RouterState, name: str, handoff: Any, body: dict[str, Any]) -> None:
-    """Stream a decode to its ``[DONE]`` under the request path's own bounds."""
+async def _decode_stream(state: RouterState, name: str, handoff: Any, body: dict[str, Any] | None = None) -> None:
+    """Stream a decode to its ``[DONE]`` under the request path's own bounds (through
+    ``handoff``, whose request is the body; or same-worker, of ``body``)."""
     cfg = state.config.engine
     client = state.clients[name]
     silence = cfg.decode_read_timeout_s if cfg.decode_read_timeout_s > 0 else cfg.first_token_timeout_s
     with trio.CancelScope(deadline=trio.current_time() + cfg.first_token_timeout_s) as scope:
-        async with client.decode(handoff, body, kind="completions", request_id=f"probe-{secrets.token_hex(6)}-d") as stream:
+        async with client.decode(handoff, body, request_id=f"probe-{secrets.token_hex(6)}-d") as stream:
             async for chunk in stream:
                 if chunk.kind == "token" and stream.tokens == chunk.count:
                     stream.watch_silence(scope, silence)
@@ -138,19 +140,11 @@ async def _decode_stream(state: RouterState, name: str, handoff: Any, body: dict
 
 
 async def _fresh_handoff(state: RouterState, producer: str, body: dict[str, Any]) -> Any:
-    """A validated handoff from ``producer``; its failure makes the probe inconclusive."""
+    """A handoff from ``producer`` (its client validates the descriptor against the
+    producer's connector and KV endpoint); its failure makes the probe inconclusive."""
     try:
         with trio.fail_after(state.config.engine.first_token_timeout_s):
-            prefill = await state.clients[producer].prefill(
-                body, kind="completions", request_id=f"probe-{secrets.token_hex(6)}-p", transfer=True
-            )
-        connector = state.engines[producer].connector
-        validate_descriptor(
-            prefill.descriptor,
-            connector=connector.type if connector else None,
-            expected_endpoint=(connector.kv_host, connector.kv_port) if connector else None,
-            engine=producer,
-        )
+            prefill = await state.clients[producer].prefill(body, request_id=f"probe-{secrets.token_hex(6)}-p")
     except (NarwhalError, trio.TooSlowError) as exc:
         raise _Inconclusive(f"producer {producer} failed the probe handoff: {exc}") from exc
     return prefill
@@ -189,33 +183,23 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
             await state.refresh_models([name])
         if decode_path and origin is not None:
             # Crossed decode: a fresh handoff from the original producer.
-            body = _probe_body(state, origin, PROBE_TOKENS)
-            await _decode_stream(state, name, await _fresh_handoff(state, origin, body), body)
+            await _decode_stream(state, name, await _fresh_handoff(state, origin, _probe_body(state, origin, decode=True)))
         elif decode_path and not engine.can_prefill:
             # A decode-only engine decodes through a handoff, as live traffic does.
             producer = _probe_producer(state, name)
             if producer is None:
                 raise _Inconclusive("no producer in placement for the probe handoff")
-            body = _probe_body(state, producer, PROBE_TOKENS)
-            await _decode_stream(state, name, await _fresh_handoff(state, producer, body), body)
+            await _decode_stream(state, name, await _fresh_handoff(state, producer, _probe_body(state, producer, decode=True)))
         elif decode_path:
-            await _decode_stream(state, name, None, _probe_body(state, name, PROBE_TOKENS))
+            await _decode_stream(state, name, None, _probe_body(state, name, decode=True))
         else:
-            body = _probe_body(state, name, 1)
-            connector = engine.connector
+            # With a connector, a handoff: the client validates its descriptor.
             with trio.fail_after(timeout):
-                prefill = await state.clients[name].prefill(
-                    body,
-                    kind="completions",
+                await state.clients[name].prefill(
+                    # (The prefill leg itself asks for one token and ignores EOS.)
+                    _probe_body(state, name, decode=False),  # pragma: no mutate (equivalent: see above)
                     request_id=f"probe-{secrets.token_hex(6)}-p",
-                    transfer=connector is not None,
-                )
-            if connector is not None:
-                validate_descriptor(
-                    prefill.descriptor,
-                    connector=connector.type,
-                    expected_endpoint=(connector.kv_host, connector.kv_port),
-                    engine=name,
+                    transfer=engine.connector is not None,
                 )
     except _Inconclusive as exc:
         state.breaker.probe_inconclusive(name, str(exc))
@@ -254,7 +238,7 @@ async def run_probes(state: RouterState, *, task_status: trio.TaskStatus[None] =
                     nursery.start_soon(one, name)
             deadline = min(
                 (st.next_probe_at for n, st in breaker.states.items() if st.ejected and n not in probing),
-                default=state.clock() + 3600,
+                default=state.clock() + 3600,  # pragma: no mutate (equivalent: any idle wake-up)
             )
             with trio.move_on_at(deadline):
                 await breaker.wait_for_change()

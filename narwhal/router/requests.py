@@ -359,6 +359,13 @@ class StreamShaper:
         return self._id
 
     def __call__(self, raw: bytes) -> bytes:
+        """One event as the client's, or each of a burst of events relayed together (a
+        lazy stream's chunk: single-line ``data: ...\\n\\n`` events)."""
+        if raw.count(b"\n\n") > 1:
+            return b"".join(self._event(e + b"\n\n") for e in raw[:-2].split(b"\n\n"))
+        return self._event(raw)
+
+    def _event(self, raw: bytes) -> bytes:
         # Per token, so the compact form vLLM writes is cut by hand; the patterns
         # handle any other spacing.
         if raw.startswith(_COMPACT_ID):

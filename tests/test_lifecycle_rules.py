@@ -1,0 +1,538 @@
+"""The request lifecycle's rules, field by field: what the journal records of each
+attempt, whom the breaker blames, which deadline an error names, when a retry is
+allowed, what a burst of events becomes on the wire, and the answer's headers.
+
+The other router tests run whole scenarios; these pin down the values they leave
+unchecked (see tools/mutation.py). Every test starts its requests at a virtual time
+far from zero, so that a time measured from the wrong origin shows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from narwhal.config import FaultSpec
+from narwhal.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    EngineUnavailable,
+    NarwhalError,
+    Refused,
+)
+from narwhal.router.lifecycle import terminal_class_for
+from narwhal.router.placement import Reservation
+
+from .routerkit import Stack, engine, fleet_doc, open_stack, scripted_decodes
+
+BODY = {"prompt": "one two three four", "max_tokens": 6}
+PREFILL_S = 0.010 + 1e-4 * 4  # routerkit's simulated latency model, 4 prompt tokens
+STEP_S = 0.005
+START = 1000.0  # the virtual time requests start at
+
+
+async def _at_start() -> None:
+    await trio.sleep(START - trio.current_time())
+
+
+def two_consumers(**sections: Any) -> dict[str, Any]:
+    return fleet_doc(
+        engine("p0", 8101, ["prefill"]),
+        engine("d0", 8102, ["decode"]),
+        engine("d1", 8103, ["decode"]),
+        **sections,
+    )
+
+
+# ------------------------------------------------------------------ terminal classes
+
+
+def test_terminal_classes_of_router_errors() -> None:
+    assert terminal_class_for(Refused("no capacity")) == "refused"
+    assert terminal_class_for(BadRequest("bad")) == "invalid_request"
+    assert terminal_class_for(DeadlineExceeded("late")) == "deadline_exceeded"
+    assert terminal_class_for(NarwhalError("bug")) == "internal_error"
+    assert terminal_class_for(EngineUnavailable("down", leg="prefill")) == "prefill_failed"
+    assert terminal_class_for(EngineUnavailable("down", leg="decode")) == "decode_failed"
+
+
+# ------------------------------------------------------------------ a success, recorded
+
+
+async def test_a_success_is_journaled_with_its_times(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        await _at_start()
+        resp = await stack.complete({**BODY, "max_tokens": 2})
+    assert resp.status_code == 200
+    [rec] = stack.records
+    [attempt] = rec["attempts"]
+    assert (attempt["producer"], attempt["consumer"], attempt["same_worker"]) == ("p0", "d0", False)
+    assert attempt["placement_wait_s"] == 0.0  # least-loaded placement never waits
+    assert attempt["ttft_s"] == pytest.approx(PREFILL_S, abs=1e-9)
+    assert rec["ttft_s"] == pytest.approx(PREFILL_S, abs=1e-9)
+    assert rec["first_byte_s"] == pytest.approx(PREFILL_S + STEP_S, abs=1e-9)
+    # Two tokens are enough for a time per output token.
+    assert rec["tpot_s"] == pytest.approx(2 * STEP_S, abs=1e-9)
+    assert rec["latency_s"] == pytest.approx(PREFILL_S + 2 * STEP_S, abs=1e-9)
+
+
+async def test_a_priced_attempt_records_its_predictions(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(priced=True) as stack:
+        await _at_start()
+        resp = await stack.complete(BODY)
+    assert resp.status_code == 200
+    [attempt] = stack.records[0]["attempts"]
+    assert attempt["predicted_ttft_s"] == pytest.approx(PREFILL_S, rel=0.5)
+    assert attempt["predicted_tpot_s"] == pytest.approx(STEP_S, rel=0.5)
+
+
+async def test_in_flight_counts_concurrent_requests(autojump_clock: trio.abc.Clock) -> None:
+    # Two requests on the same pair at once: each leg counts itself in and out (the
+    # stack checks every count is back at zero).
+    async with open_stack() as stack:
+        await _at_start()
+        state = stack.router.state
+        stack.engine("p0").inject(FaultSpec(kind="delay_headers", on="prefill", delay_s=1.0))
+        stack.engine("d0").inject(FaultSpec(kind="delay_headers", on="decode", delay_s=1.0))
+        seen: list[tuple[int, int]] = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(stack.complete, BODY)
+            await trio.sleep(0.5)
+            seen.append((state.in_flight_by_engine["p0"], state.in_flight_by_engine["d0"]))
+            await trio.sleep(1.0)
+            seen.append((state.in_flight_by_engine["p0"], state.in_flight_by_engine["d0"]))
+        assert seen == [(2, 0), (0, 2)]
+        assert [r["terminal_class"] for r in stack.records] == ["ok", "ok"]
+
+
+# ------------------------------------------------------------------ the wire
+
+
+async def _stream_raw(
+    stack: Stack, body: dict[str, Any], **headers: str
+) -> tuple[httpx.Headers, bytes]:
+    async with stack.client.stream(
+        "POST", "/v1/completions", json={**body, "stream": True}, headers=headers
+    ) as resp:
+        assert resp.status_code == 200
+        return resp.headers, await resp.aread()
+
+
+async def test_answers_carry_the_request_id_and_content_type(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack() as stack:
+        headers, _ = await _stream_raw(stack, BODY, **{"x-request-id": "client-7"})
+        resp = await stack.complete(BODY, headers={"x-request-id": "client-8"})
+    assert headers["x-request-id"] == "client-7" and headers["content-type"] == "text/event-stream"
+    assert (
+        resp.headers["x-request-id"] == "client-8"
+        and resp.headers["content-type"] == "application/json"
+    )
+    body = resp.json()
+    assert "client-8" in body["id"] and body["model"] == "sim-llama"
+
+
+_EVENT = (
+    '{"id":"cmpl-k","object":"text_completion","created":1,"model":"sim-llama","choices":'
+    '[{"index":0,"text":"t%d","logprobs":null,"finish_reason":%s,"token_ids":[%d]}]}'
+)
+
+
+def _token(token_id: int, finish: str | None = None) -> bytes:
+    return b"data: " + (_EVENT % (token_id, json.dumps(finish), token_id)).encode() + b"\n\n"
+
+
+def _usage(prompt: int, completion: int) -> bytes:
+    usage = {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }  # fmt: skip
+    return (
+        b"data: "
+        + json.dumps(
+            {"id": "cmpl-k", "object": "text_completion", "choices": [], "usage": usage}
+        ).encode()
+        + b"\n\n"
+    )
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [e[len(b"data: ") :] for e in raw.split(b"\n\n") if e]
+
+
+async def test_a_burst_of_events_is_relayed_whole(autojump_clock: trio.abc.Clock) -> None:
+    # Three tokens, the usage and [DONE] in one transport chunk: every event comes out,
+    # each as an event of its own.
+    burst = _token(1) + _token(2) + _token(3, "length") + _usage(4, 3) + _DONE
+    async with open_stack(wrap=scripted_decodes([(0.0, burst)])) as stack:
+        _, raw = await _stream_raw(stack, {**BODY, "max_tokens": 3})
+        _, with_usage = await _stream_raw(
+            stack, {**BODY, "max_tokens": 3, "stream_options": {"include_usage": True}}
+        )
+    events = _events(raw)
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t1", "t2", "t3"]
+    assert events[-1] == b"[DONE]"
+    # Each event carries the router's response id, not the decode leg's, and no token
+    # ids (the client did not ask for them).
+    ids = {json.loads(e)["id"] for e in events[:-1]}
+    assert len(ids) == 1 and "cmpl-k" not in ids
+    assert not any("token_ids" in json.loads(e)["choices"][0] for e in events[:-1])
+    # The usage event goes only to a client that asked for it.
+    events = _events(with_usage)
+    assert len(events) == 5 and json.loads(events[3])["usage"]["completion_tokens"] == 3
+    assert events[-1] == b"[DONE]"
+    assert [r["output_len"] for r in stack.records] == [3, 3]
+
+
+async def test_every_event_of_a_token_burst_gets_the_routers_id(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Token events that arrive together, nothing else with them: relayed as they came,
+    # each with the router's response id.
+    steps = [(0.0, _token(1) + _token(2)), (0.0, _token(3, "length")), (0.0, _DONE)]
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
+        _, raw = await _stream_raw(stack, {**BODY, "max_tokens": 3})
+    events = [json.loads(e) for e in _events(raw)[:-1]]
+    assert [e["choices"][0]["text"] for e in events] == ["t1", "t2", "t3"]
+    assert len({e["id"] for e in events}) == 1 and events[0]["id"] != "cmpl-k"
+    assert not any("token_ids" in e["choices"][0] for e in events)
+
+
+async def test_events_parsed_from_one_chunk_are_written_together(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Mid-stream, two token events with a comment between them in one transport chunk:
+    # parsed one by one, written as one write, each still an event of its own.
+    steps = [
+        (0.0, _token(1)),
+        (1.0, _token(2) + b": keep-alive\n\n" + _token(3)),
+        (1.0, _token(4, "length") + _DONE),
+    ]
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
+        _, raw = await _stream_raw(stack, {**BODY, "max_tokens": 4})
+    events = _events(raw)
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t1", "t2", "t3", "t4"]
+    assert events[-1] == b"[DONE]"
+
+
+async def test_chats_role_delta_comes_first(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        messages = [{"role": "user", "content": "hello"}]
+        async with stack.client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 3, "stream": True},
+        ) as resp:
+            raw = await resp.aread()
+    assert resp.status_code == 200
+    events = [json.loads(e) for e in _events(raw)[:-1]]
+    assert events[0]["choices"][0]["delta"].get("role") == "assistant"
+    assert any(e["choices"] and e["choices"][0]["delta"].get("content") for e in events[1:])
+    assert stack.records[0]["terminal_class"] == "ok" and stack.records[0]["output_len"] == 3
+
+
+async def test_a_non_streaming_answer_keeps_the_engines_usage(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    steps = [(0.0, _token(1)), (0.0, _token(2, "length")), (0.0, _usage(4, 2)), (0.0, _DONE)]
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
+        resp = await stack.complete({**BODY, "max_tokens": 2})
+    assert resp.json()["usage"] == {
+        "prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}
+    }  # fmt: skip
+
+
+async def test_a_non_streaming_answer_without_usage_counts_its_own(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    steps = [(0.0, _token(1)), (0.0, _token(2, "length")), (0.0, _DONE)]
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
+        resp = await stack.complete({**BODY, "max_tokens": 2})
+    assert resp.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+
+
+async def test_tpot_ends_at_the_last_token_not_the_last_event(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Tokens 1 s apart, then the usage 10 s later: output time is up to the last token.
+    steps = [
+        (1.0, _token(1)),
+        (1.0, _token(2)),
+        (1.0, _token(3, "length")),
+        (10.0, _usage(4, 3)),
+        (0.0, _DONE),
+    ]
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
+        await _at_start()
+        _, raw = await _stream_raw(stack, {**BODY, "max_tokens": 3})
+    assert raw.endswith(_DONE)
+    [rec] = stack.records
+    assert rec["tpot_s"] == pytest.approx(3.0 / 2, abs=1e-9)
+    assert rec["first_byte_s"] == pytest.approx(PREFILL_S + 1.0, abs=1e-9)
+
+
+# ------------------------------------------------------------------ failures: blame and names
+
+
+async def test_a_prefill_past_the_handoff_age_blames_the_producer(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack(fleet_doc(recovery={"eject_after": 1})) as stack:
+        await _at_start()
+        stack.engine("p0").inject(FaultSpec(kind="delay_headers", on="prefill", delay_s=1000.0))
+        resp = await stack.complete(BODY)
+        st = stack.router.state.breaker.states["p0"]
+        assert st.ejected and st.failed_leg == "prefill"
+        assert st.last_error == "prefill did not complete within handoff.max_age_s (60 s)"
+    assert resp.status_code == 504
+    assert (
+        resp.json()["error"]["message"]
+        == "prefill did not complete within handoff.max_age_s (60 s)"
+    )
+    [rec] = stack.records
+    assert rec["terminal_class"] == "prefill_failed" and rec["latency_s"] == pytest.approx(
+        60.0, abs=1e-9
+    )
+    [attempt] = rec["attempts"]
+    assert (attempt["deadline"], attempt["held_by"], attempt["ttft_s"]) == (
+        "handoff.max_age_s",
+        "p0",
+        None,
+    )
+
+
+async def test_an_expired_handoff_names_the_consumer_and_the_time_it_held(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack(fleet_doc(recovery={"eject_after": 1})) as stack:
+        await _at_start()
+        stack.engine("p0").inject(FaultSpec(kind="delay_headers", on="prefill", delay_s=40.0))
+        stack.engine("d0").inject(FaultSpec(kind="delay_headers", on="decode", delay_s=1000.0))
+        resp = await stack.complete(BODY)
+        st = stack.router.state.breaker.states["d0"]
+        assert st.ejected and st.failed_leg == "decode" and st.origin_producer == "p0"
+    message = (
+        "KV handoff older than handoff.max_age_s (60 s) before the first token: consumer d0 produced "
+        "none in the 20 s left after the producer answered"
+    )
+    assert resp.status_code == 504 and resp.json()["error"]["message"] == message
+    assert st.last_error == message
+    [attempt] = stack.records[0]["attempts"]
+    assert (attempt["outcome"], attempt["deadline"], attempt["held_by"]) == (
+        "handoff_expired",
+        "handoff.max_age_s",
+        "d0",
+    )
+
+
+@pytest.mark.parametrize(
+    ("fault", "klass", "deadline"),
+    [
+        (
+            FaultSpec(kind="delay_headers", on="decode", delay_s=1000.0),
+            "first_token_timeout",
+            "engine.first_token_timeout_s",
+        ),
+        (
+            FaultSpec(kind="silence_after", on="decode", after_tokens=2),
+            "silence_timeout",
+            "engine.decode_read_timeout_s",
+        ),
+    ],
+    ids=["first-token", "silence"],
+)
+async def test_a_consumer_timeout_blames_the_consumer(
+    autojump_clock: trio.abc.Clock, fault: FaultSpec, klass: str, deadline: str
+) -> None:
+    async with open_stack(fleet_doc(recovery={"eject_after": 1})) as stack:
+        await _at_start()
+        stack.engine("d0").inject(fault)
+        resp = await stack.complete(BODY)
+        breaker = stack.router.state.breaker
+        st = breaker.states["d0"]
+        assert st.ejected and st.failed_leg == "decode" and st.origin_producer == "p0"
+        assert st.last_error == resp.json()["error"]["message"]
+        assert breaker.states["p0"].streak == 0
+    assert resp.status_code == 504
+    [attempt] = stack.records[0]["attempts"]
+    assert (attempt["outcome"], attempt["deadline"], attempt["held_by"]) == (klass, deadline, "d0")
+
+
+@pytest.mark.parametrize(("leg", "culprit"), [("prefill", "p0"), ("decode", "d0")])
+async def test_an_error_naming_no_engine_blames_its_legs_engine(
+    autojump_clock: trio.abc.Clock, leg: str, culprit: str
+) -> None:
+    async with open_stack(fleet_doc(recovery={"eject_after": 1})) as stack:
+        state = stack.router.state
+        client = state.clients[culprit]
+
+        async def fail(*args: Any, **kwargs: Any) -> Any:
+            raise EngineUnavailable("connection refused", leg=leg)
+
+        if leg == "prefill":
+            client.prefill = fail  # type: ignore[method-assign]
+        else:
+            client.decode = lambda *a, **k: _Failing()  # type: ignore[method-assign,assignment,return-value]
+        resp = await stack.complete(BODY)
+        st = state.breaker.states[culprit]
+        assert st.ejected and st.failed_leg == leg and st.last_error == "connection refused"
+        others = [n for n in ("p0", "d0") if n != culprit]
+        assert all(state.breaker.states[n].streak == 0 for n in others)
+    assert resp.status_code == 502
+    [attempt] = stack.records[0]["attempts"]
+    assert attempt["outcome"] == f"{leg}_failed"
+
+
+class _Failing:
+    async def __aenter__(self) -> Any:
+        raise EngineUnavailable("connection refused", leg="decode")
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+# ------------------------------------------------------------------ retries
+
+
+async def test_a_retry_avoids_the_engine_that_failed(autojump_clock: trio.abc.Clock) -> None:
+    # d1 is busier (a held reservation), so least-loaded placement prefers d0 both times:
+    # only the retry's avoidance of the engine that failed sends it to d1.
+    async with open_stack(two_consumers(recovery={"max_attempts": 2})) as stack:
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, times=2))
+        with Reservation(stack.router.state.placement, "p0", "d1", 10, 10):
+            resp = await stack.complete(BODY)
+    assert resp.status_code == 200
+    attempts = stack.records[0]["attempts"]
+    assert [(a["consumer"], a["outcome"]) for a in attempts] == [
+        ("d0", "decode_failed"),
+        ("d1", "ok"),
+    ]
+
+
+async def test_a_client_fault_is_not_retried(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(two_consumers(recovery={"max_attempts": 2})) as stack:
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=400, times=1))
+        resp = await stack.complete(BODY)
+    assert resp.status_code == 400
+    assert len(stack.records[0]["attempts"]) == 1
+
+
+async def test_no_retry_once_tokens_were_produced(autojump_clock: trio.abc.Clock) -> None:
+    # A non-streaming answer is not committed until its end, but its tokens were
+    # generated: a fresh attempt would not be the same answer.
+    doc = two_consumers(recovery={"max_attempts": 2}, engine={"decode_read_timeout_s": 1.0})
+    async with open_stack(doc) as stack:
+        stack.engine("d0").inject(
+            FaultSpec(kind="silence_after", on="decode", after_tokens=2, times=1)
+        )
+        resp = await stack.complete(BODY)
+    assert resp.status_code == 504
+    assert [a["outcome"] for a in stack.records[0]["attempts"]] == ["silence_timeout"]
+
+
+@pytest.mark.parametrize(("spare_s", "attempts"), [(0.0, 2), (-0.5, 1)])
+async def test_a_retry_needs_a_first_token_timeout_left(
+    autojump_clock: trio.abc.Clock, spare_s: float, attempts: int
+) -> None:
+    # Instant prefills: attempt 1 fails exactly at its first-token deadline (30 s), and
+    # the request has 30 s + spare_s left: exactly a first-token timeout is enough.
+    instant = {"prefill": {"a": 0.0, "b": 0.0, "c": 0.0}}
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"], **instant), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]),
+        recovery={"max_attempts": 2}, engine={"request_timeout_s": 60.0 + spare_s},
+    )  # fmt: skip
+    async with open_stack(doc) as stack:
+        await _at_start()
+        for name in ("d0", "d1"):
+            stack.engine(name).inject(FaultSpec(kind="delay_headers", on="decode", delay_s=1000.0))
+        await stack.complete(BODY)
+    assert len(stack.records[0]["attempts"]) == attempts
+
+
+# ------------------------------------------------------------------ placement's deadline
+
+
+@pytest.mark.parametrize("slo_ttft", [0.5, None])
+async def test_placement_waits_until_the_ttft_target_then_refuses(
+    autojump_clock: trio.abc.Clock, slo_ttft: float | None
+) -> None:
+    # A TPOT target that one stream on d0 meets (4.2 ms) and two do not (4.4 ms): the
+    # second request waits for capacity until its TTFT target (from its arrival) and is
+    # refused there; without a TTFT target it waits for the first stream to end.
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"], decode={"c0": 0.004, "c1": 0.0002, "c2": 0.0}),
+        controller={"admission": "wait", "slo": {"ttft_s": slo_ttft, "tpot_s": 0.0043}},
+    )  # fmt: skip
+    async with open_stack(doc, priced=True) as stack:
+        await _at_start()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stack.complete, {**BODY, "max_tokens": 200})
+            await trio.sleep(0.1)
+            nursery.start_soon(stack.complete, {**BODY, "max_tokens": 4})
+    first, second = sorted(stack.records, key=lambda r: r["arrival"])
+    print(
+        [
+            (r["terminal_class"], r["latency_s"], r["attempts"], r["output_len"])
+            for r in stack.records
+        ]
+    )
+    assert first["terminal_class"] == "ok" and first["attempts"][0]["placement_wait_s"] == 0.0
+    wait = second["attempts"][0]["placement_wait_s"]
+    if slo_ttft is not None:
+        assert second["terminal_class"] == "refused" and second["status"] == 503
+        assert wait == pytest.approx(0.5, abs=1e-9)
+    else:
+        assert second["terminal_class"] == "ok"
+        assert wait == pytest.approx(PREFILL_S + 200 * 0.0042 - 0.1, abs=0.01)
+
+
+# ------------------------------------------------------------------ estimated prompt lengths
+
+
+def small_model(**controller: str) -> dict[str, Any]:
+    engines = (
+        engine("p0", 8101, ["prefill"], max_model_len=64),
+        engine("d0", 8102, ["decode"], max_model_len=64),
+    )
+    return fleet_doc(*engines, controller=controller) if controller else fleet_doc(*engines)
+
+
+async def test_an_estimated_prompt_that_exactly_fits_is_served(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack(small_model()) as stack:
+        assert not stack.router.state.exact_prompt_counts
+        resp = await stack.complete({"prompt": " ".join(["x"] * 60), "max_tokens": 4})
+        one = await stack.complete({"prompt": "x", "max_tokens": 4})
+    assert resp.status_code == 200 and one.status_code == 200
+    # The journal has the producer's exact counts, a one-token prompt's too.
+    assert [(r["prompt_tokens"], r["requested_output_len"]) for r in stack.records] == [
+        (60, 4),
+        (1, 4),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["estimate", "tokenize"])
+async def test_an_output_limit_follows_the_exact_count(
+    autojump_clock: trio.abc.Clock, mode: str
+) -> None:
+    # Chat without max_tokens: the output limit is what the model's length leaves after
+    # the exact count, whichever way the prompt was counted; only estimates are learned.
+    messages = [{"role": "user", "content": " ".join(["x"] * 30)}]
+    async with open_stack(small_model(prompt_tokens=mode)) as stack:
+        resp = await stack.client.post("/v1/chat/completions", json={"messages": messages})
+        lengths = stack.router.state.prompt_lengths
+    assert resp.status_code == 200, resp.text
+    [rec] = stack.records
+    assert rec["prompt_tokens"] > 30 and rec["requested_output_len"] == 64 - rec["prompt_tokens"]
+    assert rec["output_len"] == rec["requested_output_len"]
+    assert lengths.observations.get("chat", 0) == (1 if mode == "estimate" else 0)
