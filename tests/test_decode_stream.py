@@ -101,6 +101,7 @@ class Reply:
 
 class Owner:
     name = "d0"
+    public_name = "d0"
 
     def __init__(self) -> None:
         self.mapped: list[tuple[httpx.HTTPError, str | None]] = []

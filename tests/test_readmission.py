@@ -378,18 +378,18 @@ async def test_every_probe_verdict_is_logged(autojump_clock: trio.abc.Clock, cap
 
 
 @pytest.mark.parametrize(
-    ("model", "sim_model", "default", "expected"),
-    [("served", "sim-m", "dflt", "served"), (None, "sim-m", "dflt", "sim-m"), (None, None, "dflt", "dflt"), (None, None, None, None)],
+    ("model", "learned", "default", "expected"),
+    [("served", "other", "dflt", "served"), (None, "learned", "dflt", "learned"), (None, None, "dflt", "dflt"), (None, None, None, None)],
 )
-def test_a_probe_names_the_engines_model(model: str | None, sim_model: str | None, default: str | None, expected: str | None) -> None:
-    # The engine's configured model, else its simulator's, else the fleet's default;
-    # none at all: the engine's only model (no "model" field).
+def test_a_probe_names_the_engines_model(model: str | None, learned: str | None, default: str | None, expected: str | None) -> None:
+    # The engine's configured model, else the one learned from its /v1/models, else the
+    # fleet's default; none at all: the engine's only model (no "model" field).
     from types import SimpleNamespace
 
     from narwhal.router.probe import _probe_body
 
-    sim = SimpleNamespace(model=sim_model) if sim_model else None
-    state: Any = SimpleNamespace(engines={"e": SimpleNamespace(model=model, sim=sim)}, default_model=default)
+    placement = SimpleNamespace(models={"e": frozenset({learned})} if learned else {})
+    state: Any = SimpleNamespace(engines={"e": SimpleNamespace(model=model)}, default_model=default, placement=placement)
     for decode in (True, False):
         body = _probe_body(state, "e", decode=decode)
         assert body.get("model") == expected
