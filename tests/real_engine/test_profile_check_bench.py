@@ -64,14 +64,19 @@ ROUTER_SHARE_MAX_S = 0.100
 ROUTER_SHARE_MAX_FRACTION = 0.45
 RESIDUAL_MAX_S = 0.040
 RESIDUAL_MAX_FRACTION = 0.15
-#: The sweep: the tiny model's prompts stay short on two cores; three prefill lengths,
-#: two decode input lengths and three concurrencies are the fewest the fits accept.
+#: The sweep: the tiny model's prompts stay short on two cores; four prefill lengths,
+#: two decode input lengths and three concurrencies are the fewest the fits accept. At
+#: this model's 2-4 ms TPOT vLLM's API server now and then sends two tokens in one event
+#: even on a quiet machine, and the profiler rejects that cell; a sweep whose other
+#: cells still make a fit (at least four) is accepted with the rejection recorded
+#: (a clean-clone run once had all five sweeps refused for one or two such cells).
 SWEEP = [
     "--prefill-lens", "64,128,256,512",
     "--decode-input-lens", "64,256",
     "--decode-concurrency", "1,2,4",
     "--repeats", "3",
     "--seed", "0",
+    "--accept-rejected-cells",
 ]  # fmt: skip
 #: The check's decode limits (``profiles.max_decode_fit_mape`` / ``max_decode_cv_mape``;
 #: the prediction intervals' mean half-width is held to the second), from eight accepted
