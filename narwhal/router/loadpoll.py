@@ -52,8 +52,6 @@ async def poll_engine_load(
         try:
             with trio.move_on_after(period_s):
                 metrics = await client.load()
-                if name not in placement.loads:  # it left the fleet meanwhile
-                    return
                 # This router's legs on the engine as it answered: the part of its
                 # report that is ours (our reservations count already).
                 own = state.in_flight_by_engine.get(name, 0)
@@ -76,4 +74,6 @@ async def poll_engine_load(
         async with trio.open_nursery() as nursery:
             for name in list(state.engines):
                 nursery.start_soon(one, name)
+        for gone in last_ok.keys() - state.engines.keys():  # engines that left the fleet
+            del last_ok[gone]
         await trio.sleep(period_s)
