@@ -214,11 +214,16 @@ class LiveFleet:
             self._written.set()
 
     async def aclose(self) -> None:
-        """Write the records still queued (the router stops); later ones are published only."""
+        """Write the records still queued (the router stops); later ones are published only.
+
+        Waits for the writer to drain, as the request journal's ``aclose`` does: a bound
+        here lost the last records whenever a write took longer than it (in virtual time,
+        any write to a file).
+        """
         path, self.path = self.path, None
         self._lines_in.close()
         if path is not None and self._nursery is not None:
-            with trio.move_on_after(5, shield=True):
+            with trio.CancelScope(shield=True):
                 await self._written.wait()
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
