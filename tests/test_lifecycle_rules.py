@@ -536,3 +536,97 @@ async def test_an_output_limit_follows_the_exact_count(
     assert rec["prompt_tokens"] > 30 and rec["requested_output_len"] == 64 - rec["prompt_tokens"]
     assert rec["output_len"] == rec["requested_output_len"]
     assert lengths.observations.get("chat", 0) == (1 if mode == "estimate" else 0)
+
+
+# ------------------------------------------------------------------ every attempt ends
+
+
+def _busy_d0(**sections: Any) -> dict[str, Any]:
+    # A TPOT target that d0 meets with no stream and misses with one (4.2 ms, 4.4 ms).
+    return fleet_doc(
+        engine("p0", 8101, ["prefill"]),
+        engine("d0", 8102, ["decode"], decode={"c0": 0.004, "c1": 0.0002, "c2": 0.0}),
+        **sections,
+    )
+
+
+@pytest.mark.parametrize("admission", ["refuse", "wait"])
+async def test_an_attempt_refused_in_placement_ends_refused(
+    autojump_clock: trio.abc.Clock, admission: str
+) -> None:
+    # d0 holds a stream, so no placement meets the TPOT target: refused at once, or at
+    # the TTFT target after waiting. The attempt ends as its request did, not "pending".
+    doc = _busy_d0(controller={"admission": admission, "slo": {"ttft_s": 0.5, "tpot_s": 0.0043}})
+    async with open_stack(doc, priced=True) as stack:
+        await _at_start()
+        with Reservation(stack.router.state.placement, "p0", "d0", 10, 10):
+            resp = await stack.complete(BODY)
+    assert resp.status_code == 503
+    [rec] = stack.records
+    [attempt] = rec["attempts"]
+    assert rec["terminal_class"] == "refused"
+    assert (attempt["outcome"], attempt["producer"], attempt["deadline"], attempt["held_by"]) == (
+        "refused", None, None, None,
+    )  # fmt: skip
+
+
+async def test_an_attempt_cut_in_placement_by_the_request_deadline(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The TTFT target is unset: placement waits for capacity up to the request deadline.
+    doc = _busy_d0(
+        controller={"admission": "wait", "slo": {"ttft_s": None, "tpot_s": 0.0043}},
+        engine={"request_timeout_s": 2.0},
+    )
+    async with open_stack(doc, priced=True) as stack:
+        await _at_start()
+        with Reservation(stack.router.state.placement, "p0", "d0", 10, 10):
+            resp = await stack.complete(BODY)
+    assert resp.status_code == 504
+    [attempt] = stack.records[0]["attempts"]
+    # No engine held the time: the deadline is named, no engine is blamed.
+    assert (attempt["outcome"], attempt["deadline"], attempt["held_by"], attempt["producer"]) == (
+        "deadline_exceeded", "engine.request_timeout_s", None, None,
+    )  # fmt: skip
+    assert attempt["placement_wait_s"] == pytest.approx(2.0, abs=1e-9)
+
+
+async def test_a_retry_cut_in_placement_blames_no_earlier_engine(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Attempt 1 fails on d0 at once (d0 ejected); attempt 2 waits for d1, which a held
+    # stream keeps over the TPOT target, until the request deadline. d0 held none of
+    # that time: the attempt names the deadline and no engine.
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"]),
+        engine("d0", 8102, ["decode"], decode={"c0": 0.004, "c1": 0.0002, "c2": 0.0}),
+        engine("d1", 8103, ["decode"], decode={"c0": 0.004, "c1": 0.0002, "c2": 0.0}),
+        controller={"admission": "wait", "slo": {"ttft_s": None, "tpot_s": 0.0043}},
+        recovery={"max_attempts": 2, "eject_after": 1},
+        engine={"request_timeout_s": 40.0},
+    )  # fmt: skip
+    async with open_stack(doc, priced=True) as stack:
+        await _at_start()
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, times=1))
+        with Reservation(stack.router.state.placement, "p0", "d1", 10, 10):
+            resp = await stack.complete(BODY)
+    assert resp.status_code == 504
+    first, second = stack.records[0]["attempts"]
+    assert (first["consumer"], first["outcome"]) == ("d0", "decode_failed")
+    assert (second["outcome"], second["deadline"], second["held_by"], second["consumer"]) == (
+        "deadline_exceeded", "engine.request_timeout_s", None, None,
+    )  # fmt: skip
+
+
+async def test_an_attempt_refused_after_the_exact_count_ends_invalid(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The estimate let 61 words and 4 tokens through; the producer's exact count does
+    # not fit them in 64: refused before the decode leg, and the attempt says so.
+    async with open_stack(small_model()) as stack:
+        resp = await stack.complete({"prompt": " ".join(["x"] * 61), "max_tokens": 4})
+    assert resp.status_code == 400
+    [rec] = stack.records
+    [attempt] = rec["attempts"]
+    assert (rec["terminal_class"], rec["prompt_tokens"]) == ("invalid_request", 61)
+    assert (attempt["outcome"], attempt["producer"]) == ("invalid_request", "p0")

@@ -156,10 +156,9 @@ class RequestLifecycle:
         except NarwhalError as err:
             record.terminal_class = terminal_class_for(err)
             record.error = err.message
-            if isinstance(err, DeadlineExceeded) and record.attempts and self._holder is not None:
+            if isinstance(err, DeadlineExceeded) and record.attempts:
                 last = record.attempts[-1]
                 if last.outcome == "pending":
-                    last.outcome = record.terminal_class
                     last.deadline = "engine.request_timeout_s"
                     last.held_by = self._holder
             await self._fail(err)
@@ -184,6 +183,10 @@ class RequestLifecycle:
             record.error = f"{type(exc).__name__}"
             await self._fail(NarwhalError("internal error"))
         finally:
+            # An attempt the request ended in (refused in placement, cut by a deadline,
+            # a disconnect or shutdown, an error of the router's own) ends as it did.
+            if record.attempts and record.attempts[-1].outcome == "pending":
+                record.attempts[-1].outcome = record.terminal_class
             state.in_flight -= 1
             record.latency_s = state.clock() - self.arrival
             record.output_len = self.tokens
@@ -282,6 +285,7 @@ class RequestLifecycle:
 
     async def _attempt(self, attempt: AttemptRecord, avoid: frozenset[str]) -> None:
         state = self.state
+        self._holder = None  # placement's wait is no engine's time
         slo_ttft = self.config.controller.slo.ttft_s
         deadline = self.arrival + self.config.engine.request_timeout_s
         if slo_ttft is not None:
