@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 
+import httpx
 import pytest
 import trio
 
@@ -34,6 +35,31 @@ async def test_an_engine_down_at_start_is_named_and_health_says_unavailable(
     line = r"engine d0 at http://d0\.test:8102 is unreachable \(.*unreachable.*\): out of placement until a readmission probe finds it serving \(every [\d.]+ s\)"
     assert any(re.fullmatch(line, m) for m in warnings), warnings
     assert any(m.startswith("not ready: no engine can decode now") for m in warnings), warnings
+
+
+class _SilentHealth(httpx.AsyncBaseTransport):
+    """d0 takes the connection and never answers ``GET /health``."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host == "d0.test" and request.url.path == "/health":
+            await trio.sleep_forever()
+        return await self.inner.handle_async_request(request)
+
+
+async def test_an_engine_that_never_answers_health_is_ejected_with_the_wait_named(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The probe waits engine.connect_timeout_s for an answer (5 s by default), then
+    # gives its own reason: the engine's client has none to give.
+    async with open_stack(wrap=_SilentHealth) as stack:
+        assert trio.current_time() == pytest.approx(5.0, abs=1e-9)
+        assert (await stack.client.get("/health")).json()["engines"] == {"p0": "ok", "d0": "ejected"}
+        assert stack.router.state.health(detail=True)["engines"]["d0"]["error"] == (
+            "no answer to GET /health within 5 s (engine.connect_timeout_s)"
+        )
 
 
 async def test_an_engine_that_comes_up_later_is_readmitted(autojump_clock: trio.abc.Clock) -> None:
