@@ -10,6 +10,7 @@ far from zero, so that a time measured from the wrong origin shows.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -630,3 +631,138 @@ async def test_an_attempt_refused_after_the_exact_count_ends_invalid(
     [attempt] = rec["attempts"]
     assert (rec["terminal_class"], rec["prompt_tokens"]) == ("invalid_request", 61)
     assert (attempt["outcome"], attempt["producer"]) == ("invalid_request", "p0")
+
+
+# ------------------------------------------------------------------ how a request ends
+
+
+async def test_shutdown_before_the_first_token_is_a_503_to_retry(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack() as stack:
+        await _at_start()
+        stack.engine("d0").inject(FaultSpec(kind="delay_headers", on="decode", delay_s=100.0))
+        answers: list[httpx.Response] = []
+
+        async def one() -> None:
+            answers.append(await stack.complete(BODY))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            await trio.sleep(1.0)
+            await stack.router.shutdown(2.0)
+    [resp] = answers
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["message"] == "router shutting down"
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["status"], rec["error"]) == ("shutdown", 503, "router shutting down")
+    assert rec["latency_s"] == pytest.approx(3.0, abs=1e-9)
+    assert [a["outcome"] for a in rec["attempts"]] == ["shutdown"]
+
+
+async def test_shutdown_after_the_first_token_ends_the_stream_with_an_event(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack(wrap=scripted_decodes([(0.0, _token(1))], hang=True)) as stack:
+        await _at_start()
+        raws: list[bytes] = []
+
+        async def one() -> None:
+            raws.append((await _stream_raw(stack, BODY))[1])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            await trio.sleep(1.0)
+            await stack.router.shutdown(2.0)
+    [raw] = raws
+    events = _events(raw)
+    assert json.loads(events[0])["choices"][0]["text"] == "t1"
+    assert json.loads(events[-1]) == {
+        "error": {"message": "router shutting down", "type": "service_unavailable", "code": None}
+    }
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["status"], rec["output_len"]) == ("shutdown", 200, 1)
+
+
+async def test_a_client_that_leaves_before_the_first_token_is_499(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack() as stack:
+        await _at_start()
+        stack.engine("d0").inject(FaultSpec(kind="delay_headers", on="decode", delay_s=100.0))
+        with trio.move_on_after(1.0):
+            await stack.complete(BODY)
+        await trio.sleep(5.0)
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["status"], rec["error"]) == ("client_cancelled", 499, "client disconnected")
+    assert [a["outcome"] for a in rec["attempts"]] == ["client_cancelled"]
+
+
+async def test_a_client_that_leaves_after_the_first_token_got_a_200(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_stack(wrap=scripted_decodes([(0.0, _token(1))], hang=True)) as stack:
+        with trio.move_on_after(1.0):
+            await _stream_raw(stack, BODY)
+        await trio.sleep(5.0)
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["status"], rec["output_len"]) == ("client_cancelled", 200, 1)
+
+
+async def test_a_router_bug_is_a_500_journaled_by_its_type(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_stack() as stack:
+
+        async def broken(*args: Any, **kwargs: Any) -> Any:
+            raise KeyError("secret detail")
+
+        stack.router.state.count_prompt = broken  # type: ignore[method-assign]
+        resp = await stack.complete(BODY, headers={"x-request-id": "bug-1"})
+    assert resp.status_code == 500
+    assert resp.json() == {"error": {"message": "internal error", "type": "internal_error", "code": None}}
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["status"], rec["error"]) == ("internal_error", 500, "KeyError")
+    [logged] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert logged.getMessage() == "request bug-1 failed with an internal error" and logged.exc_info
+
+
+async def test_each_request_is_logged_once_with_its_outcome(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router")
+    async with open_stack() as stack:
+        await _at_start()
+        await stack.complete(BODY, headers={"x-request-id": "log-1"})
+    [line] = [r for r in caplog.records if r.getMessage().startswith("request log-1")]
+    assert line.getMessage() == "request log-1 completions status=200 class=ok tokens=6"
+    fields = {k: getattr(line, k) for k in ("request_id", "route", "status", "terminal_class", "output_len", "producer", "consumer")}
+    assert fields == {
+        "request_id": "log-1", "route": "completions", "status": 200, "terminal_class": "ok",
+        "output_len": 6, "producer": "p0", "consumer": "d0",
+    }  # fmt: skip
+    assert line.latency_s == pytest.approx(PREFILL_S + 6 * STEP_S, abs=1e-9)  # type: ignore[attr-defined]
+
+
+async def test_requests_over_the_concurrency_limit_are_refused(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # A limit of 2: two requests in flight are served, a third is refused at once.
+    async with open_stack(fleet_doc(server={"max_concurrent_requests": 2})) as stack:
+        await _at_start()
+        answers: list[httpx.Response] = []
+
+        async def one() -> None:
+            answers.append(await stack.complete(BODY))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+                await trio.sleep(0.001)
+    refused = [r for r in answers if r.status_code != 200]
+    assert len(answers) == 3 and len(refused) == 1
+    [resp] = refused
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["message"] == "too many concurrent requests (server.max_concurrent_requests)"
+    [rec] = [r for r in stack.records if r["terminal_class"] != "ok"]
+    assert (rec["terminal_class"], rec["attempts"]) == ("refused", [])
