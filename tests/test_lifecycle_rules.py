@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from narwhal.config import FaultSpec
 from narwhal.errors import (
@@ -766,3 +767,149 @@ async def test_requests_over_the_concurrency_limit_are_refused(
     assert resp.json()["error"]["message"] == "too many concurrent requests (server.max_concurrent_requests)"
     [rec] = [r for r in stack.records if r["terminal_class"] != "ok"]
     assert (rec["terminal_class"], rec["attempts"]) == ("refused", [])
+
+
+
+# ------------------------------------------------------------------ a deadline and a chunk in one tick
+
+
+class _LateFirstChunk:
+    """A decode stream whose first chunk is read as its first-token deadline expires:
+    the clock jumps past it with no checkpoint between (an engine's token and the
+    deadline in one scheduler tick)."""
+
+    def __init__(self, opener: Any, clock: Any) -> None:
+        self.opener, self.clock = opener, clock
+
+    async def __aenter__(self) -> Any:
+        self.stream = await self.opener.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self.opener.__aexit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    def __aiter__(self) -> Any:
+        self.chunks = self.stream.__aiter__()
+        self.first = True
+        return self
+
+    async def __anext__(self) -> Any:
+        chunk = await self.chunks.__anext__()
+        if self.first:
+            self.clock.jump(31.0)  # past engine.first_token_timeout_s (30 s)
+            self.first = False
+        return chunk
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_first_token_read_as_its_deadline_expires_is_too_late(
+    autojump_clock: trio.testing.MockClock, stream: bool
+) -> None:
+    async with open_stack() as stack:
+        client = stack.router.state.clients["d0"]
+        decode = client.decode
+        client.decode = lambda *a, **k: _LateFirstChunk(decode(*a, **k), autojump_clock)  # type: ignore[method-assign,assignment,return-value]
+        resp = await stack.client.post("/v1/completions", json={**BODY, "stream": stream})
+    assert resp.status_code == 504
+    assert resp.json()["error"]["message"] == "no token within engine.first_token_timeout_s (30 s)"
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["first_byte_s"]) == ("first_token_timeout", None)
+
+
+async def test_only_a_bare_usage_event_is_held_back(autojump_clock: trio.abc.Clock) -> None:
+    # A client that did not ask for usage: the bare usage event (no choices) is not
+    # relayed; an event with a choice is, usage or not, and so is one with neither.
+    finish = (
+        b'data: {"id":"cmpl-k","object":"text_completion","created":1,"model":"sim-llama","choices":'
+        b'[{"index":0,"text":"","logprobs":null,"finish_reason":"length","token_ids":[]}],'
+        b'"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}\n\n'
+    )
+    empty = b'data: {"id":"cmpl-k","object":"text_completion","created":1,"model":"sim-llama","choices":[]}\n\n'
+    steps = [(0.0, _token(1)), (0.0, finish), (0.0, empty), (0.0, _usage(4, 1)), (0.0, _DONE)]
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
+        _, raw = await _stream_raw(stack, {**BODY, "max_tokens": 1})
+    events = [json.loads(e) for e in _events(raw)[:-1]]
+    assert [e["choices"][0]["finish_reason"] if e["choices"] else None for e in events] == [None, "length", None]
+    assert [("usage" in e) for e in events] == [False, True, False]
+
+
+@pytest.mark.parametrize(("stream", "lazy"), [(True, True), (False, False)])
+async def test_the_decode_leg_asks_for_the_requests_kind_and_lazy_counting_when_relayed(
+    autojump_clock: trio.abc.Clock, stream: bool, lazy: bool
+) -> None:
+    # A relayed stream needs token counts only (lazy); an answer built by the router
+    # needs the token objects. The kind is the request's (a same-worker decode has no
+    # handoff to take it from).
+    doc = fleet_doc(engine("w0", 8101, ["prefill", "decode"]))
+    async with open_stack(doc) as stack:
+        client = stack.router.state.clients["w0"]
+        decode = client.decode
+        calls: list[dict[str, Any]] = []
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            calls.append(kwargs)
+            return decode(*args, **kwargs)
+
+        client.decode = spy  # type: ignore[method-assign]
+        messages = [{"role": "user", "content": "hello"}]
+        resp = await stack.client.post(
+            "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "stream": stream}
+        )
+    assert resp.status_code == 200
+    [call] = calls
+    assert (call["kind"], call["lazy"]) == ("chat", lazy)
+
+
+@pytest.mark.parametrize("mode", ["tokenize", "estimate"])
+async def test_least_loaded_placement_records_the_predicted_prefix_hit(
+    autojump_clock: trio.abc.Clock, mode: str
+) -> None:
+    # The producer caches prompts (blocks of 16 tokens): the same 40-token prompt again
+    # is predicted to hit its first two blocks, which the producer then reports. An
+    # estimated prompt has no token ids: no prediction.
+    caching = {"prefix_caching": True, "prompt_tokens_details": True, "block_size": 16}
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"], **caching), engine("d0", 8102, ["decode"], **caching),
+        controller={"prompt_tokens": mode},
+    )  # fmt: skip
+    prompt = " ".join(f"w{j}" for j in range(40))
+    async with open_stack(doc) as stack:
+        for _ in range(2):
+            assert (await stack.complete({"prompt": prompt, "max_tokens": 2})).status_code == 200
+    first, second = (r["attempts"][0] for r in stack.records)
+    predicted = (0, 32) if mode == "tokenize" else (None, None)
+    assert (first["predicted_cached_tokens"], second["predicted_cached_tokens"]) == predicted
+    assert (first["cached_tokens"], second["cached_tokens"]) == (0, 32)
+
+
+async def test_a_failure_mid_burst_sends_the_burst_then_the_error(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Token 2 and a broken event arrive in one chunk after the 200: token 2 is still
+    # sent, then the terminal error event, each an event of its own.
+    steps = [(0.0, _token(1)), (1.0, _token(2) + b"data: {not json\n\n")]
+    async with open_stack(wrap=scripted_decodes(steps)) as stack:
+        _, raw = await _stream_raw(stack, BODY)
+    events = _events(raw)
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["t1", "t2"]
+    assert len(events) == 3 and set(json.loads(events[2])) == {"error"}
+    [rec] = stack.records
+    assert (rec["status"], rec["output_len"]) == (200, 2)
+
+
+@pytest.mark.parametrize(
+    ("rid", "kept"),
+    [("a", True), ("r" * 200, True), ("r" * 201, False), ("caf\u00e9", False), ("tab\there", False)],
+    ids=["one-char", "200-chars", "201-chars", "non-ascii", "unprintable"],
+)
+async def test_a_clients_request_id_is_kept_when_short_printable_ascii(
+    autojump_clock: trio.abc.Clock, rid: str, kept: bool
+) -> None:
+    async with open_stack() as stack:
+        resp = await stack.client.post("/v1/completions", json=BODY, headers={"x-request-id": rid.encode()})
+    assert resp.status_code == 200
+    assert (stack.records[0]["request_id"] == rid) is kept
+    assert (resp.headers["x-request-id"] == rid) is kept

@@ -77,6 +77,9 @@ _SSE_HEADERS = (
 _DONE = b"data: [DONE]\n\n"
 #: Header names, lower-case (names are case-insensitive on the wire).
 _REQUEST_ID = "x-request-id"
+_RETRY_AFTER = "retry-after"
+#: The most time a failure answer may take to write (a client that stopped reading).
+_ANSWER_WRITE_S = 5.0
 _JSON_CONTENT = ("content-type", "application/json")
 
 
@@ -121,7 +124,7 @@ class RequestLifecycle:
         #: requests that arrive after it.
         self.config = state.config
         self.arrival = state.clock()
-        rid = request.header("x-request-id")
+        rid = request.header(_REQUEST_ID)
         # Echoed in headers to the client and the engines: printable ASCII only.
         ok = rid is not None and 0 < len(rid) <= 200 and rid.isascii() and rid.isprintable()
         self.request_id = rid if rid is not None and ok else _new_request_id()
@@ -215,14 +218,14 @@ class RequestLifecycle:
             headers = [_JSON_CONTENT, (_REQUEST_ID, self.request_id)]
             retry_after = getattr(err, "retry_after_s", None)
             if retry_after is not None:
-                headers.append(("retry-after", str(max(1, math.ceil(retry_after)))))
-            with trio.move_on_after(5, shield=True):
+                headers.append((_RETRY_AFTER, str(max(1, math.ceil(retry_after)))))
+            with trio.move_on_after(_ANSWER_WRITE_S, shield=True):
                 await resp.respond(err.http_status, headers, json.dumps(err.to_body()).encode())
         else:
             self.record.status = 200
             data = b"".join((*self._unsent, error_event(err)))
             self._unsent.clear()
-            with trio.move_on_after(5, shield=True):
+            with trio.move_on_after(_ANSWER_WRITE_S, shield=True):
                 await resp.end(data)
 
     # ------------------------------------------------------------------ the request
@@ -291,7 +294,8 @@ class RequestLifecycle:
         if slo_ttft is not None:
             deadline = min(deadline, self.arrival + slo_ttft)
         placed_at = state.clock()
-        ids = self.prompt.ids if self.prompt is not None else None
+        assert self.prompt is not None  # counted before the first attempt
+        ids = self.prompt.ids
         prefix = state.prefix
         # The prompt's block chain is looked up once; each candidate engine's hit is then
         # a walk over its ids.
@@ -365,7 +369,9 @@ class RequestLifecycle:
         prefill_done = state.clock()
         reservation.release_prefill()
         attempt.cached_tokens = prefill.cached_tokens
-        ids = self.prompt.ids if self.prompt is not None else None
+        prompt = self.prompt
+        assert prompt is not None  # counted before the first attempt
+        ids = prompt.ids
         if ids is not None:
             # Both engines now hold the prompt's blocks (a consumer caches what it pulls).
             state.prefix.placed(reservation.producer, ids)
@@ -373,12 +379,11 @@ class RequestLifecycle:
                 state.prefix.placed(reservation.consumer, ids)
         counted = prefill.prompt_tokens
         if counted is not None and counted > 0:
-            prompt = self.prompt
-            if prompt is not None and not prompt.exact:
+            if not prompt.exact:
                 state.prompt_lengths_for(self.record.model).observe(self.kind, prompt.size, counted)
             self.prompt_tokens = counted
             self.record.prompt_tokens = counted
-            if prompt is not None and not prompt.exact:
+            if not prompt.exact:
                 # The estimate let the request through; the exact count may not fit the
                 # output it asks for: refuse before the decode leg rather than after.
                 limit = state.models.get(self.record.model or "")
@@ -452,7 +457,7 @@ class RequestLifecycle:
                                 # Read in the scheduler tick in which its deadline expired:
                                 # too late, and nothing is sent yet, so a timeout as usual
                                 # (committing now would be cut by the pending cancellation).
-                                break
+                                break  # pragma: no mutate (equivalent: a return here is cut by the close's checkpoint too)
                             n = chunk.count
                             tokens += n
                             self.tokens = tokens
@@ -488,7 +493,7 @@ class RequestLifecycle:
                             now = clock()
                             if burst_tokens:
                                 last_token_at = now
-                                burst_tokens = False
+                                burst_tokens = False  # pragma: no mutate (equivalent: None reads false too; True is killed)
                             scope.deadline = now + silence
                     if burst_tokens:  # [DONE] came in the burst of the last tokens
                         last_token_at = clock()
