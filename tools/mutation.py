@@ -110,8 +110,11 @@ def _diffs(tree: Path, module: str, names: list[str]) -> dict[str, str]:
     """Each mutant's changed lines, read from mutmut's mutated copy of the module (one
     ``mutmut show`` per mutant costs seconds of start-up)."""
     source = (tree / "mutants" / module).read_text()
+    # Sliced by line numbers: ast.get_source_segment rescans the source for each of
+    # the module's hundreds of functions (minutes for lifecycle.py's).
+    lines = source.splitlines()
     functions = {
-        node.name: ast.get_source_segment(source, node) or ""
+        node.name: "\n".join(lines[node.lineno - 1 : node.end_lineno])
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
     }
