@@ -913,3 +913,16 @@ async def test_a_clients_request_id_is_kept_when_short_printable_ascii(
     assert resp.status_code == 200
     assert (stack.records[0]["request_id"] == rid) is kept
     assert (resp.headers["x-request-id"] == rid) is kept
+
+
+@pytest.mark.parametrize(("engine_name", "leg"), [("p0", "prefill"), ("d0", "decode")])
+async def test_a_success_clears_both_engines_failure_streaks(
+    autojump_clock: trio.abc.Clock, engine_name: str, leg: str
+) -> None:
+    async with open_stack(fleet_doc(recovery={"eject_after": 3})) as stack:
+        stack.engine(engine_name).inject(FaultSpec(kind="http_error", on=leg, status=500, times=1))  # type: ignore[arg-type]
+        assert (await stack.complete(BODY)).status_code == 502
+        states = stack.router.state.breaker.states
+        assert states[engine_name].streak == 1
+        assert (await stack.complete(BODY)).status_code == 200
+        assert (states["p0"].streak, states["d0"].streak) == (0, 0)
