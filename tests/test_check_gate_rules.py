@@ -16,10 +16,11 @@ import attrs
 import pytest
 
 from narwhal.check import check_contract, check_margin, check_stable
-from narwhal.check.gate import check_fit_limits, gate_f, verify_samples
+from narwhal.check.gate import check_fit_limits, find_refit_original, gate_f, verify_samples
 from narwhal.check.results import CheckResult, ProfilePair
 from narwhal.config import FleetConfig, parse_fleet
 from narwhal.engines.client import EngineIdentity
+from narwhal.errors import ConfigError
 from narwhal.profile.store import (
     SAMPLES_KIND,
     SCHEMA_VERSION,
@@ -173,23 +174,24 @@ def test_a_pair_that_vanishes_while_read_is_unusable(
 
 
 def test_each_engine_without_an_accepted_profile_fails_with_the_reason(tmp_path: Path) -> None:
-    path = pair(tmp_path, sim_profile("e0", LIVE["e0"]))
+    # The engine without a profile comes first: the engines after it are still gated.
+    path = pair(tmp_path, sim_profile("e1", LIVE["e1"]))
     results = gate_f(config_for(path), LIVE).results
     assert [(r.name, r.engine, r.ok) for r in results] == [
         ("gate_f.profiles", None, True),
-        ("gate_f.profile", "e0", True),
-        ("gate_f.generation", "e0", True),
-        ("gate_f.profile", "e1", False),
-        ("gate_f.samples", "e0", True),
+        ("gate_f.profile", "e0", False),
+        ("gate_f.profile", "e1", True),
+        ("gate_f.generation", "e1", True),
+        ("gate_f.samples", "e1", True),
     ]
-    assert named(results, "gate_f.profile", "e1").line() == (
-        f"FAIL gate_f.profile e1: engine e1 has no accepted profile in {path} (it was not profiled) "
+    assert named(results, "gate_f.profile", "e0").line() == (
+        f"FAIL gate_f.profile e0: engine e0 has no accepted profile in {path} (it was not profiled) "
         "(measured none; limit an accepted profile)"
     )
-    rewrite_pair(path, edit_profiles=lambda p: p.update(excluded={"e1": "its decode fit failed"}))
+    rewrite_pair(path, edit_profiles=lambda p: p.update(excluded={"e0": "its decode fit failed"}))
     results = gate_f(config_for(path), LIVE).results
-    assert named(results, "gate_f.profile", "e1").message == (
-        f"engine e1 has no accepted profile in {path} (its decode fit failed)"
+    assert named(results, "gate_f.profile", "e0").message == (
+        f"engine e0 has no accepted profile in {path} (its decode fit failed)"
     )
 
 
@@ -726,3 +728,112 @@ def test_a_generation_is_stable_only_when_every_field_is_unchanged() -> None:
     assert (vanished[0].ok, vanished[0].measured, vanished[0].detail) == (
         False, None, {"process_start_time": [BORN, None]}
     )  # fmt: skip
+
+
+# ------------------------------------------------------------ a refit's original pair
+
+
+def refit_profiles(refit_of: str | None) -> Profiles:
+    return Profiles(schema_version=SCHEMA_VERSION, created_at="2024-06-10T06:13:20+00:00",
+                    software={}, samples=SamplesRef(path="refit.samples.json", sha256="0" * 64),
+                    engines={}, refit_of=refit_of)  # fmt: skip
+
+
+def test_a_refit_is_traced_to_the_original_pair_it_was_made_from(tmp_path: Path) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    original = old / "run1.samples.json"
+    original.write_text(json.dumps({"profiles": "fleet-profiles.json"}))
+    (old / "fleet-profiles.json").write_text("{}")
+    refit_samples = new / "refit.samples.json"
+
+    def refit_pair(made_from: Any) -> ProfilePair:
+        refit_samples.write_text(json.dumps(made_from))
+        return ProfilePair(profiles=str(new / "refit.json"), samples=str(refit_samples))
+
+    def refused(refit_of: str, made_from: Any) -> Any:
+        with pytest.raises(ConfigError) as info:
+            find_refit_original(refit_profiles(refit_of), refit_pair(made_from))
+        return info.value
+
+    made_from = {"refit": {"sha256": file_sha256(original)}}
+    assert find_refit_original(refit_profiles(None), refit_pair(made_from)) is None
+    found = find_refit_original(refit_profiles(str(original)), refit_pair(made_from))
+    assert found == ProfilePair(
+        profiles=str(old / "fleet-profiles.json"),
+        samples=str(original),
+        profiles_sha256=file_sha256(old / "fleet-profiles.json"),
+        samples_sha256=file_sha256(original),
+    )
+    # Not where the refit was given it, but beside the refit pair (a moved deployment).
+    beside = new / "run1.samples.json"
+    beside.write_bytes(original.read_bytes())
+    (new / "fleet-profiles.json").write_text("{}")
+    moved = find_refit_original(refit_profiles("gone/run1.samples.json"), refit_pair(made_from))
+    assert moved is not None and (moved.samples, moved.profiles) == (
+        str(beside),
+        str(new / "fleet-profiles.json"),
+    )
+    # The path as given comes first.
+    given_first = find_refit_original(refit_profiles(str(original)), refit_pair(made_from))
+    assert given_first is not None and given_first.samples == str(original)
+    # A refit that recorded no SHA-256 (an earlier profiler) takes the sidecar found.
+    assert find_refit_original(refit_profiles(str(original)), refit_pair({})) == found
+    assert find_refit_original(refit_profiles(str(original)), refit_pair([])) == found
+    assert find_refit_original(refit_profiles(str(original)), refit_pair({"refit": "x"})) == found
+
+    missing = refused("gone/lost.samples.json", made_from)
+    assert (missing.reason, missing.path, missing.source) == (
+        "the refit's original samples gone/lost.samples.json are not found "
+        f"(looked at gone/lost.samples.json, {new / 'lost.samples.json'})",
+        "$.refit_of",
+        str(new / "refit.json"),
+    )
+    once = refused(str(new / "lost.samples.json"), made_from)
+    assert once.reason.endswith(f"(looked at {new / 'lost.samples.json'})")
+
+    other = refused(str(original), {"refit": {"sha256": "f" * 64}})
+    assert (other.reason, other.path, other.source) == (
+        f"{original} is not the sidecar the refit was made from (SHA-256 differs)",
+        "$.refit.sha256",
+        str(refit_samples),
+    )
+
+    refit_samples.write_text("{")
+    with pytest.raises(ConfigError) as info:
+        find_refit_original(
+            refit_profiles(str(original)),
+            ProfilePair(profiles=str(new / "refit.json"), samples=str(refit_samples)),
+        )
+    unreadable = info.value
+    assert unreadable.reason.startswith("samples file is not valid JSON: ")
+    assert unreadable.source == str(refit_samples)
+    broken = old / "broken.samples.json"
+    broken.write_text("{")
+    bad = refused(str(broken), {})
+    assert bad.reason.startswith("samples file is not valid JSON: ") and bad.source == str(broken)
+
+    # A sidecar that does not name its profiles file: the one of its own name.
+    unnamed = old / "run2.samples.json"
+    unnamed.write_text(json.dumps({"profiles": 7}))
+    (old / "run2.json").write_text("{}")
+    assert find_refit_original(refit_profiles(str(unnamed)), refit_pair({})) == ProfilePair(
+        profiles=str(old / "run2.json"),
+        samples=str(unnamed),
+        profiles_sha256=file_sha256(old / "run2.json"),
+        samples_sha256=file_sha256(unnamed),
+    )
+    listed = old / "run3.samples.json"
+    listed.write_text(json.dumps([{"profiles": "fleet-profiles.json"}]))
+    (old / "run3.json").write_text("{}")
+    assert find_refit_original(refit_profiles(str(listed)), refit_pair({})).profiles == str(
+        old / "run3.json"
+    )
+    (old / "run3.json").unlink()
+    gone = refused(str(listed), {})
+    assert (gone.reason, gone.path, gone.source) == (
+        f"the refit's original profiles file {old / 'run3.json'} is not found",
+        "$.refit_of",
+        str(new / "refit.json"),
+    )
