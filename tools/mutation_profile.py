@@ -72,6 +72,7 @@ TESTS: dict[str, list[str]] = {
     "narwhal/profile/stability.py": ["tests/test_profile_attacks.py"],
     "narwhal/check/gate.py": ["tests/test_check_gate_rules.py", "tests/test_check_gate.py"],
     "narwhal/check/checks.py": [
+        "tests/test_check_run_rules.py",
         "tests/test_check_gate_rules.py",
         "tests/test_check_gate.py",
         "tests/test_check_api.py",
