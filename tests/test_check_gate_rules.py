@@ -24,6 +24,7 @@ from narwhal.errors import ConfigError
 from narwhal.profile.store import (
     SAMPLES_KIND,
     SCHEMA_VERSION,
+    CachedPrefill,
     CoefficientBand,
     EngineProfile,
     Profiles,
@@ -527,6 +528,41 @@ def test_every_fit_limit_is_shown_with_its_figure_and_limit() -> None:
     }  # fmt: skip
     assert named(results, "decode.points.active").detail == {"counted_from": "domain"}
     assert all(r.detail == {} for r in results if r.name.endswith(("_error", "_mape", "samples")))
+
+
+def test_a_cached_prefix_model_is_held_to_the_prefill_bounds() -> None:
+    cached = CachedPrefill(
+        a=0.02, b=5e-5, c=0.0, d=1e-6, cells=6, min_length=128, max_length=1024, max_cached=512,
+        block_size=16, mean_error=0.03, worst_error=0.06, loo_mean_error=0.07, loo_worst_error=0.11,
+        uncertainty=uncertainty(coefficients={"d": band(1e-6)}, mean_half_width=0.08,
+                                worst_half_width=0.12, min_samples=4),
+    )  # fmt: skip
+    results = limits_of(attrs.evolve(profiled(no_decode=True), cached_prefill=cached),
+                        config=config_for(None, engine("e0", 8101, roles=["prefill"]),
+                                          engine("e1", 8102, roles=["decode"])))  # fmt: skip
+    assert [r.name for r in results][:7] == [
+        "prefill.mean_error", "prefill.worst_error", "prefill.loo_mean_error",
+        "prefill.loo_worst_error", "prefill.interval_samples", "prefill.interval",
+        "prefill.interval_worst",
+    ]  # fmt: skip
+    assert lines(results[7:]) == [
+        "ok   prefix.mean_error e0: engine e0's cached-prefix fit mean error 3.00% within the "
+        "prefill bound 20.00% (measured 0.03; limit 0.2)",
+        "ok   prefix.worst_error e0: engine e0's cached-prefix fit worst-cell error 6.00% within "
+        "the prefill bound 50.00% (measured 0.06; limit 0.5)",
+        "ok   prefix.loo_mean_error e0: engine e0's leave-one-cell-out cached-prefix mean error "
+        "7.00% within the prefill bound 20.00% (measured 0.07; limit 0.2)",
+        "ok   prefix.loo_worst_error e0: engine e0's leave-one-cell-out cached-prefix worst error "
+        "11.00% within the prefill bound 50.00% (measured 0.11; limit 0.5)",
+        "ok   prefix.interval_samples e0: engine e0's cached-prefix TTFT model rests on at least 4 "
+        "repeat(s) per cell (measured 4; limit 3)",
+        "ok   prefix.interval e0: engine e0's mean cached-prefix TTFT prediction interval (90%, "
+        "relative half-width; coefficients d 1e-06 [5e-07, 1.5e-06]) 8.00% within the prefill "
+        "mean-error bound 20.00% (measured 0.08; limit 0.2)",
+        "ok   prefix.interval_worst e0: engine e0's widest cached-prefix TTFT prediction interval "
+        "(90%, relative half-width; coefficients d 1e-06 [5e-07, 1.5e-06]) 12.00% within the "
+        "prefill worst-point bound 50.00% (measured 0.12; limit 0.5)",
+    ]
 
 
 @pytest.mark.parametrize(
