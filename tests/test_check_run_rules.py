@@ -7,6 +7,7 @@ and one whole run's report. Fast: fake clients or a simulated fleet in memory, v
 from __future__ import annotations
 
 import json
+import socket
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,7 @@ def test_each_engine_is_reachable_or_says_why_not() -> None:
         "FAIL reachable e2: engine e2 at http://e2.test:8103 is unreachable: no answer "
         "(measured unreachable; limit identity within 2.5 s)",
     ]
+    assert [r.ok for r in results] == [True, False, False]
     assert [r.detail for r in results] == [attrs.asdict(ident), {}, {}]
 
 
@@ -191,8 +193,9 @@ def test_each_engine_is_reachable_or_says_why_not() -> None:
 
 
 async def test_engine_clients_are_closed_only_when_the_check_made_them() -> None:
-    doc = fleet_doc(engine("e0", 8101), engine("e1", 8102))
+    doc = fleet_doc(engine("e0", 8101, no_sim=True), engine("e1", 8102, no_sim=True))
     doc["engines"][1]["api_key"] = "sk-e1"
+    doc["engines"][0]["model"] = "m0"
     config = parse_fleet(doc | {"engine": {"connect_timeout_s": 1.5}})
 
     async with AsyncExitStack() as stack:
@@ -207,6 +210,7 @@ async def test_engine_clients_are_closed_only_when_the_check_made_them() -> None
             )
             assert client.connect_timeout_s == 1.5
         assert (own["e0"]._api_key, own["e1"]._api_key) == (None, "sk-e1")
+        assert (own["e0"].model, own["e1"].model) == ("m0", None)
         assert own["e0"]._http is not own["e1"]._http
         assert not any(c._http.is_closed for c in own.values())
     assert all(c._http.is_closed for c in own.values())
@@ -267,17 +271,33 @@ def test_a_refit_names_its_original_pair_or_fails_to(tmp_path: Path) -> None:
 async def test_a_whole_run_reports_every_check_in_order(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    doc = fleet_doc()
+    doc = fleet_doc(engine_contract={"connector": "NixlConnector"})
     config = parse_fleet(doc)
+    (tmp_path / "orig").mkdir()
     async with open_sim_fleet(config) as sim:
         live = await identities(config, sim.transport)
-        path = write_pair(tmp_path / "profiles.json", [sim_profile(n, i) for n, i in live.items()])
+        bound = [sim_profile(n, i) for n, i in live.items()]
+        write_pair(tmp_path / "orig" / "profiles.json", bound)
+        refit_of = str(tmp_path / "orig" / "profiles.samples.json")
+        path = write_pair(tmp_path / "profiles.json", bound, refit_of=refit_of)
         fleet = tmp_path / "fleet.json"
         fleet.write_text(json.dumps(doc | {"profiles": {"path": str(path)}}))
+        await trio.sleep(1)  # the run's clock does not start at zero
         start = trio.current_time()
         report = await run_check(fleet, transport=sim.transport)
         elapsed = trio.current_time() - start
-        broken = await run_check(tmp_path / "absent.json", transport=sim.transport)
+
+        # A profile of another generation: the hint names the fleet file the check read.
+        stale = [bound[0], sim_profile("e1", attrs.evolve(live["e1"], version="0.0.1"))]
+        (tmp_path / "stale").mkdir()
+        stale_path = write_pair(tmp_path / "stale" / "profiles.json", stale)
+        stale_fleet = tmp_path / "stale" / "fleet.json"
+        stale_fleet.write_text(json.dumps(doc | {"profiles": {"path": str(stale_path)}}))
+        restarted = await run_check(stale_fleet, transport=sim.transport)
+
+        invalid = tmp_path / "invalid.json"
+        invalid.write_text(json.dumps({"engines": []}))
+        broken = await run_check(invalid, transport=sim.transport)
     assert report.ok, report.lines()
     limits = [
         f"{axis}.{figure}"
@@ -293,6 +313,8 @@ async def test_a_whole_run_reports_every_check_in_order(
         ("fit_limit", None),
         ("reachable", "e0"),
         ("reachable", "e1"),
+        ("contract.connector", "e0"),
+        ("contract.connector", "e1"),
         ("pool", None),
         ("gate_f.profiles", None),
         ("gate_f.profile", "e0"),
@@ -303,6 +325,7 @@ async def test_a_whole_run_reports_every_check_in_order(
         ("gate_f.samples", "e1"),
         *[(name, "e0") for name in limits],
         *[(name, "e1") for name in limits],
+        ("gate_f.refit_original", None),
         ("kv_transfer", "e0->e1"),
         ("kv_transfer", "e1->e0"),
         ("generation.stable", "e0"),
@@ -314,11 +337,41 @@ async def test_a_whole_run_reports_every_check_in_order(
     assert report.profiles == ProfilePair(profiles=str(path), samples=str(samples),
                                           profiles_sha256=file_sha256(path),
                                           samples_sha256=file_sha256(samples))  # fmt: skip
-    assert report.refit_original is None
+    original = tmp_path / "orig" / "profiles.json"
+    assert report.refit_original == ProfilePair(profiles=str(original), samples=refit_of,
+                                                profiles_sha256=file_sha256(original),
+                                                samples_sha256=file_sha256(refit_of))  # fmt: skip
     assert report.duration_s == elapsed > 0
     assert len(report.started_at) == 25 and report.started_at.endswith("+00:00")
 
+    assert [(r.name, r.engine) for r in restarted.failures] == [("gate_f.generation", "e1")]
+    assert f"narwhal profile --fleet {stale_fleet} --engines e1 " in restarted.failures[0].message
+    assert restarted.refit_original is None
+
+    # A document that does not load: that one result, and the document as read.
     assert [(r.name, r.ok) for r in broken.results] == [("fleet", False)]
-    assert (broken.source, broken.document) == (str(tmp_path / "absent.json"), None)
+    assert (broken.source, broken.document) == (str(invalid), {"engines": []})
     assert len(broken.started_at) == 25 and broken.started_at.endswith("+00:00")
-    assert broken.identities == {} and broken.profiles is None
+    assert broken.identities == {} and broken.profiles is None and broken.refit_original is None
+
+
+async def test_a_run_over_real_sockets_closes_its_clients_and_names_each_failure(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # No transport given: the check makes (and closes) its own clients; nothing listens.
+    doc = fleet_doc(engine("e0", 8101, no_sim=True), engine("e1", 8102, no_sim=True))
+    with socket.socket() as a, socket.socket() as b:  # bound, not listening: refused
+        for e, sock in zip(doc["engines"], (a, b), strict=True):
+            sock.bind(("127.0.0.1", 0))
+            e["url"] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        report = await run_check(doc)
+    reachable = report.named("reachable")
+    assert [r.ok for r in reachable] == [False, False]
+    assert all(
+        r.message.startswith(f"engine {r.engine} at http://127.0.0.1:")
+        and " is unreachable: " in r.message
+        and not r.message.endswith(": no answer")
+        for r in reachable
+    ), [r.message for r in reachable]
+    assert report.identities == {"e0": None, "e1": None}
+    assert report.profiles is None and report.refit_original is None

@@ -63,7 +63,7 @@ def load_fleet_input(
     path of the first bad value.
     """
     source: str | None = None
-    document: Any = None
+    document: Any = None  # pragma: no mutate (equivalent: a start value that is not a mapping reports as None)
     try:
         if isinstance(fleet, FleetConfig):
             config, document = fleet, unstructure_fleet(fleet)
@@ -341,7 +341,7 @@ async def run_check(
         gate = gate_f(config, identities, fleet_source=source)
         results += gate.results
         original: ProfilePair | None = None
-        if gate.profiles is not None and gate.pair is not None:
+        if gate.profiles is not None and gate.pair is not None:  # pragma: no mutate (equivalent: gate_f sets both or neither; 'or' reads the same)
             results += check_fit_limits(config, gate.profiles, gate.samples)
             original, found = _refit_original(gate.profiles, gate.pair)
             results += found
