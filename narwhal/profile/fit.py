@@ -447,8 +447,8 @@ def _residual_bootstrap(
     rng = np.random.default_rng(seed)
     coefs = np.empty((resamples, dof))
     for r in range(resamples):
-        ys = np.array([p * float(np.median(rng.choice(pooled, size=k)))
-                       for p, k in zip(predicted, counts, strict=True)])  # fmt: skip  # pragma: no mutate (equivalent: one count per operating point, as predicted)
+        points = zip(predicted, counts, strict=True)  # pragma: no mutate (equivalent: one count per operating point, as predicted)
+        ys = np.array([p * float(np.median(rng.choice(pooled, size=k))) for p, k in points])
         coefs[r] = nonneg_lstsq(x, ys)
     return coefs
 
