@@ -16,13 +16,15 @@ import attrs
 import pytest
 
 from narwhal.check import check_contract, check_margin, check_stable
-from narwhal.check.gate import check_fit_limits, gate_f, verify_samples
+from narwhal.check.gate import check_fit_limits, find_refit_original, gate_f, verify_samples
 from narwhal.check.results import CheckResult, ProfilePair
 from narwhal.config import FleetConfig, parse_fleet
 from narwhal.engines.client import EngineIdentity
+from narwhal.errors import ConfigError
 from narwhal.profile.store import (
     SAMPLES_KIND,
     SCHEMA_VERSION,
+    CachedPrefill,
     CoefficientBand,
     EngineProfile,
     Profiles,
@@ -173,23 +175,24 @@ def test_a_pair_that_vanishes_while_read_is_unusable(
 
 
 def test_each_engine_without_an_accepted_profile_fails_with_the_reason(tmp_path: Path) -> None:
-    path = pair(tmp_path, sim_profile("e0", LIVE["e0"]))
+    # The engine without a profile comes first: the engines after it are still gated.
+    path = pair(tmp_path, sim_profile("e1", LIVE["e1"]))
     results = gate_f(config_for(path), LIVE).results
     assert [(r.name, r.engine, r.ok) for r in results] == [
         ("gate_f.profiles", None, True),
-        ("gate_f.profile", "e0", True),
-        ("gate_f.generation", "e0", True),
-        ("gate_f.profile", "e1", False),
-        ("gate_f.samples", "e0", True),
+        ("gate_f.profile", "e0", False),
+        ("gate_f.profile", "e1", True),
+        ("gate_f.generation", "e1", True),
+        ("gate_f.samples", "e1", True),
     ]
-    assert named(results, "gate_f.profile", "e1").line() == (
-        f"FAIL gate_f.profile e1: engine e1 has no accepted profile in {path} (it was not profiled) "
+    assert named(results, "gate_f.profile", "e0").line() == (
+        f"FAIL gate_f.profile e0: engine e0 has no accepted profile in {path} (it was not profiled) "
         "(measured none; limit an accepted profile)"
     )
-    rewrite_pair(path, edit_profiles=lambda p: p.update(excluded={"e1": "its decode fit failed"}))
+    rewrite_pair(path, edit_profiles=lambda p: p.update(excluded={"e0": "its decode fit failed"}))
     results = gate_f(config_for(path), LIVE).results
-    assert named(results, "gate_f.profile", "e1").message == (
-        f"engine e1 has no accepted profile in {path} (its decode fit failed)"
+    assert named(results, "gate_f.profile", "e0").message == (
+        f"engine e0 has no accepted profile in {path} (its decode fit failed)"
     )
 
 
@@ -355,7 +358,8 @@ def test_samples_that_give_another_profile_are_named_difference_by_difference(
         if edit is not None:
             edit(doc)
         chosen = attrs.evolve(profiles, engines=engines) if engines is not None else profiles
-        results = verify_samples(chosen, doc, ["e0", "absent"])  # no profile: Gate F's failure
+        # No profile: Gate F's failure, not this check's; the engines after it are still checked.
+        results = verify_samples(chosen, doc, ["absent", "e0"])
         assert [r.engine for r in results] == ["e0"]
         return results[0]
 
@@ -380,6 +384,7 @@ def test_samples_that_give_another_profile_are_named_difference_by_difference(
     four = verdict({**profiles.engines, "e0": attrs.evolve(e0, ttft=ttft)})
     assert four.message.endswith(" (and 1 more); re-profile it")
     assert four.message.count(" in profiles.json, the samples give ") == 3
+    assert four.message.count("; $.ttft.") == 2  # the differences shown, one after another
     assert [d["path"] for d in four.detail["differences"]] == [
         "$.ttft.a",
         "$.ttft.b",
@@ -523,6 +528,41 @@ def test_every_fit_limit_is_shown_with_its_figure_and_limit() -> None:
     }  # fmt: skip
     assert named(results, "decode.points.active").detail == {"counted_from": "domain"}
     assert all(r.detail == {} for r in results if r.name.endswith(("_error", "_mape", "samples")))
+
+
+def test_a_cached_prefix_model_is_held_to_the_prefill_bounds() -> None:
+    cached = CachedPrefill(
+        a=0.02, b=5e-5, c=0.0, d=1e-6, cells=6, min_length=128, max_length=1024, max_cached=512,
+        block_size=16, mean_error=0.03, worst_error=0.06, loo_mean_error=0.07, loo_worst_error=0.11,
+        uncertainty=uncertainty(coefficients={"d": band(1e-6)}, mean_half_width=0.08,
+                                worst_half_width=0.12, min_samples=4),
+    )  # fmt: skip
+    results = limits_of(attrs.evolve(profiled(no_decode=True), cached_prefill=cached),
+                        config=config_for(None, engine("e0", 8101, roles=["prefill"]),
+                                          engine("e1", 8102, roles=["decode"])))  # fmt: skip
+    assert [r.name for r in results][:7] == [
+        "prefill.mean_error", "prefill.worst_error", "prefill.loo_mean_error",
+        "prefill.loo_worst_error", "prefill.interval_samples", "prefill.interval",
+        "prefill.interval_worst",
+    ]  # fmt: skip
+    assert lines(results[7:]) == [
+        "ok   prefix.mean_error e0: engine e0's cached-prefix fit mean error 3.00% within the "
+        "prefill bound 20.00% (measured 0.03; limit 0.2)",
+        "ok   prefix.worst_error e0: engine e0's cached-prefix fit worst-cell error 6.00% within "
+        "the prefill bound 50.00% (measured 0.06; limit 0.5)",
+        "ok   prefix.loo_mean_error e0: engine e0's leave-one-cell-out cached-prefix mean error "
+        "7.00% within the prefill bound 20.00% (measured 0.07; limit 0.2)",
+        "ok   prefix.loo_worst_error e0: engine e0's leave-one-cell-out cached-prefix worst error "
+        "11.00% within the prefill bound 50.00% (measured 0.11; limit 0.5)",
+        "ok   prefix.interval_samples e0: engine e0's cached-prefix TTFT model rests on at least 4 "
+        "repeat(s) per cell (measured 4; limit 3)",
+        "ok   prefix.interval e0: engine e0's mean cached-prefix TTFT prediction interval (90%, "
+        "relative half-width; coefficients d 1e-06 [5e-07, 1.5e-06]) 8.00% within the prefill "
+        "mean-error bound 20.00% (measured 0.08; limit 0.2)",
+        "ok   prefix.interval_worst e0: engine e0's widest cached-prefix TTFT prediction interval "
+        "(90%, relative half-width; coefficients d 1e-06 [5e-07, 1.5e-06]) 12.00% within the "
+        "prefill worst-point bound 50.00% (measured 0.12; limit 0.5)",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -724,3 +764,112 @@ def test_a_generation_is_stable_only_when_every_field_is_unchanged() -> None:
     assert (vanished[0].ok, vanished[0].measured, vanished[0].detail) == (
         False, None, {"process_start_time": [BORN, None]}
     )  # fmt: skip
+
+
+# ------------------------------------------------------------ a refit's original pair
+
+
+def refit_profiles(refit_of: str | None) -> Profiles:
+    return Profiles(schema_version=SCHEMA_VERSION, created_at="2024-06-10T06:13:20+00:00",
+                    software={}, samples=SamplesRef(path="refit.samples.json", sha256="0" * 64),
+                    engines={}, refit_of=refit_of)  # fmt: skip
+
+
+def test_a_refit_is_traced_to_the_original_pair_it_was_made_from(tmp_path: Path) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    original = old / "run1.samples.json"
+    original.write_text(json.dumps({"profiles": "fleet-profiles.json"}))
+    (old / "fleet-profiles.json").write_text("{}")
+    refit_samples = new / "refit.samples.json"
+
+    def refit_pair(made_from: Any) -> ProfilePair:
+        refit_samples.write_text(json.dumps(made_from))
+        return ProfilePair(profiles=str(new / "refit.json"), samples=str(refit_samples))
+
+    def refused(refit_of: str, made_from: Any) -> Any:
+        with pytest.raises(ConfigError) as info:
+            find_refit_original(refit_profiles(refit_of), refit_pair(made_from))
+        return info.value
+
+    made_from = {"refit": {"sha256": file_sha256(original)}}
+    assert find_refit_original(refit_profiles(None), refit_pair(made_from)) is None
+    found = find_refit_original(refit_profiles(str(original)), refit_pair(made_from))
+    assert found == ProfilePair(
+        profiles=str(old / "fleet-profiles.json"),
+        samples=str(original),
+        profiles_sha256=file_sha256(old / "fleet-profiles.json"),
+        samples_sha256=file_sha256(original),
+    )
+    # Not where the refit was given it, but beside the refit pair (a moved deployment).
+    beside = new / "run1.samples.json"
+    beside.write_bytes(original.read_bytes())
+    (new / "fleet-profiles.json").write_text("{}")
+    moved = find_refit_original(refit_profiles("gone/run1.samples.json"), refit_pair(made_from))
+    assert moved is not None and (moved.samples, moved.profiles) == (
+        str(beside),
+        str(new / "fleet-profiles.json"),
+    )
+    # The path as given comes first.
+    given_first = find_refit_original(refit_profiles(str(original)), refit_pair(made_from))
+    assert given_first is not None and given_first.samples == str(original)
+    # A refit that recorded no SHA-256 (an earlier profiler) takes the sidecar found.
+    assert find_refit_original(refit_profiles(str(original)), refit_pair({})) == found
+    assert find_refit_original(refit_profiles(str(original)), refit_pair([])) == found
+    assert find_refit_original(refit_profiles(str(original)), refit_pair({"refit": "x"})) == found
+
+    missing = refused("gone/lost.samples.json", made_from)
+    assert (missing.reason, missing.path, missing.source) == (
+        "the refit's original samples gone/lost.samples.json are not found "
+        f"(looked at gone/lost.samples.json, {new / 'lost.samples.json'})",
+        "$.refit_of",
+        str(new / "refit.json"),
+    )
+    once = refused(str(new / "lost.samples.json"), made_from)
+    assert once.reason.endswith(f"(looked at {new / 'lost.samples.json'})")
+
+    other = refused(str(original), {"refit": {"sha256": "f" * 64}})
+    assert (other.reason, other.path, other.source) == (
+        f"{original} is not the sidecar the refit was made from (SHA-256 differs)",
+        "$.refit.sha256",
+        str(refit_samples),
+    )
+
+    refit_samples.write_text("{")
+    with pytest.raises(ConfigError) as info:
+        find_refit_original(
+            refit_profiles(str(original)),
+            ProfilePair(profiles=str(new / "refit.json"), samples=str(refit_samples)),
+        )
+    unreadable = info.value
+    assert unreadable.reason.startswith("samples file is not valid JSON: ")
+    assert unreadable.source == str(refit_samples)
+    broken = old / "broken.samples.json"
+    broken.write_text("{")
+    bad = refused(str(broken), {})
+    assert bad.reason.startswith("samples file is not valid JSON: ") and bad.source == str(broken)
+
+    # A sidecar that does not name its profiles file: the one of its own name.
+    unnamed = old / "run2.samples.json"
+    unnamed.write_text(json.dumps({"profiles": 7}))
+    (old / "run2.json").write_text("{}")
+    assert find_refit_original(refit_profiles(str(unnamed)), refit_pair({})) == ProfilePair(
+        profiles=str(old / "run2.json"),
+        samples=str(unnamed),
+        profiles_sha256=file_sha256(old / "run2.json"),
+        samples_sha256=file_sha256(unnamed),
+    )
+    listed = old / "run3.samples.json"
+    listed.write_text(json.dumps([{"profiles": "fleet-profiles.json"}]))
+    (old / "run3.json").write_text("{}")
+    assert find_refit_original(refit_profiles(str(listed)), refit_pair({})).profiles == str(
+        old / "run3.json"
+    )
+    (old / "run3.json").unlink()
+    gone = refused(str(listed), {})
+    assert (gone.reason, gone.path, gone.source) == (
+        f"the refit's original profiles file {old / 'run3.json'} is not found",
+        "$.refit_of",
+        str(new / "refit.json"),
+    )

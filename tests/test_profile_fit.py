@@ -18,6 +18,7 @@ from narwhal.profile.fit import (
     fit_decode,
     fit_ttft,
     interval_rejection,
+    mape,
     median_by_length,
     nonneg_lstsq,
     tpot_kv_limit,
@@ -380,3 +381,16 @@ def test_relative_least_squares_and_the_error_figure() -> None:
 
     assert mape([1.1, 2.2, 2.0], [1.0, 2.0, 2.0]) == pytest.approx(0.2 / 3)
     assert mape([], []) == 0.0
+
+
+def test_mape_refuses_series_of_unequal_length() -> None:
+    assert mape([1.1, 1.8], [1.0, 2.0]) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        mape([1.0], [1.0, 2.0])
+
+
+def test_a_bootstrap_keeps_the_seed_it_was_made_with() -> None:
+    repeats = [(128, 0.03), (256, 0.035), (512, 0.05), (1024, 0.09)]
+    fit = fit_ttft(median_by_length(repeats))
+    intervals = bootstrap_ttft(repeats, fit, resamples=20, seed=11)
+    assert (intervals.seed, intervals.resamples, intervals.min_samples) == (11, 20, 1)

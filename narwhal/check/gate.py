@@ -242,7 +242,7 @@ def verify_samples(
         if profile is None:
             continue
         entry = engines.get(name) if isinstance(engines, Mapping) else None
-        problem: str | None = None
+        problem: str | None  # every branch below sets it
         detail: dict[str, Any] = {}
         if not isinstance(entry, Mapping):
             problem = "the samples sidecar holds no entry for it"

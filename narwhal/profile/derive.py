@@ -49,7 +49,6 @@ from narwhal.profile.fit import (
     bootstrap_ttft,
     cached_rejection,
     cell_figures,
-    decode_fit_problem,
     fit_cached,
     fit_decode,
     fit_ttft,
@@ -298,10 +297,7 @@ def derive_decode(cells: Sequence[Sequence[Mapping[str, float]]]) -> DerivedDeco
     for cell in cells:
         tpot, active, kv = cell_figures(cell)
         points.append(DecodePoint(active=active, kv_tokens=kv, tpot_s=tpot))
-    problem = decode_fit_problem(points)
-    if problem is not None:
-        raise ValueError(problem)
-    fit = fit_decode(points)
+    fit = fit_decode(points)  # raises ValueError with decode_fit_problem's reason
     kv_max = int(max(iv["kv_tokens"] for c in cells for iv in c))
     return DerivedDecode(fit, bootstrap_decode(cells, fit), kv_max)
 
