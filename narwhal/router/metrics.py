@@ -193,6 +193,12 @@ class RouterMetrics:
             "as the producers reported them (usage.prompt_tokens_details).",
             ["engine", "source"], registry=r,
         )
+        self.consumer_cached_tokens = Counter(
+            "narwhal_prefix_consumer_cached_tokens",
+            "Prompt tokens consumers held in their prefix caches and so did not pull, as the router "
+            "predicted them (compare the consumer's vllm:prompt_tokens_by_source{source=\"local_cache_hit\"}).",
+            ["engine"], registry=r,
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
         r.register(_LiveState(state, events))
         state.journal.add_listener(self.on_record)
@@ -243,6 +249,8 @@ class RouterMetrics:
             if attempt.get("predicted_cached_tokens") is not None:
                 child(self.cached_tokens, producer, "predicted").inc(attempt["predicted_cached_tokens"])
                 child(self.cached_tokens, producer, "reported").inc(attempt.get("cached_tokens") or 0)
+            if consumer and attempt.get("consumer_predicted_cached_tokens") is not None:
+                child(self.consumer_cached_tokens, consumer).inc(attempt["consumer_predicted_cached_tokens"])
 
     def on_transition(self, transition: Transition) -> None:
         self.breaker_transitions.labels(transition.engine, transition.event).inc()
