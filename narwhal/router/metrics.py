@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from narwhal.router.breaker import Transition
 from narwhal.router.events import EventHub
+from narwhal.router.prefix import EventView
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
@@ -114,8 +115,26 @@ class _LiveState(Collector):
             labels=["engine", "source"],
         )
         for name, view in state.prefix.views.items():
-            views.add_metric([name, "events" if state.prefix.exact(name) else "placements"], len(view))
+            views.add_metric([name, "events" if isinstance(view, EventView) else "placements"], len(view))
+        for name, fallback in state.prefix.fallbacks.items():
+            views.add_metric([name, "placements"], len(fallback))
         yield views
+        stale = GaugeMetricFamily(
+            "narwhal_kv_events_stale",
+            "1 while an engine's KV events are taken for stale (replay probes find batches that never "
+            "arrived live, or its socket fails): its hits are priced from the prompts placed on it.",
+            labels=["engine"],
+        )
+        batches = CounterMetricFamily(
+            "narwhal_kv_events", "KV-event batches and replay probes per engine, by kind.", labels=["engine", "kind"]
+        )
+        for name, sub in state.kv_subscribers.items():
+            stale.add_metric([name], 0 if sub.stale is None else 1)
+            for kind, count in (("delivered", sub.delivered), ("live", sub.live), ("replays", sub.replays),
+                                ("probes", sub.probes), ("probe_gaps", sub.probe_gaps), ("resets", sub.resets)):  # fmt: skip
+                batches.add_metric([name, kind], count)
+        yield stale
+        yield batches
         ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
         ready.add_metric([], 1 if state.ready() else 0)
         yield ready
