@@ -96,6 +96,11 @@ def _zmq_endpoint(v: Any) -> bool:
     return m is not None and m.group(1) != "*" and 1 <= int(m.group(2)) <= 65535
 
 
+def _zmq_bind_endpoint(v: Any) -> bool:
+    m = _ZMQ_TCP.fullmatch(v) if isinstance(v, str) else None
+    return m is not None and 1 <= int(m.group(2)) <= 65535
+
+
 def _one_of(choices: Iterable[str]) -> str:
     return "expected one of " + ", ".join(repr(c) for c in choices)
 
@@ -115,6 +120,7 @@ _url = _rule(lambda v: isinstance(v, str) and _host_port(v) is not None,
 _name = _rule(lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None,
               "expected a name of letters, digits, '.', '_' and '-'")  # fmt: skip
 _zmq = _rule(_zmq_endpoint, "expected a tcp://host:port ZeroMQ endpoint (a host, not '*')")
+_zmq_bind = _rule(_zmq_bind_endpoint, "expected a tcp://host:port ZeroMQ endpoint to bind ('*' for every interface)")
 _opt = attrs.validators.optional
 
 
@@ -239,19 +245,46 @@ class KVEventsConfig:
     """Where an engine publishes its KV-cache events (vLLM's ``--kv-events-config``).
 
     The router subscribes to know exactly which prompt blocks the engine holds; a
-    simulated engine publishes there.
+    simulated engine publishes there. Name exactly one of ``endpoint`` and ``bind``.
 
     Attributes:
-        endpoint: The ZeroMQ PUB endpoint, ``tcp://host:port`` (vLLM's ``endpoint``
+        endpoint: The engine's ZeroMQ PUB endpoint the router connects to,
+            ``tcp://host:port`` (vLLM's ``endpoint`` ``tcp://*:P``, which vLLM binds,
             with the engine's host in place of ``*``).
+        bind: For an engine whose publisher connects outward (vLLM's ``endpoint`` is
+            not a wildcard: ``tcp://<router host>:P``): the address the router binds
+            its SUB socket on, ``tcp://*:P`` or ``tcp://<interface>:P``. One router
+            process per address: the engine connects to one.
         replay_endpoint: The ROUTER endpoint that replays missed batches; null means a
-            gap in the sequence numbers drops what is known of the engine's cache.
+            gap in the sequence numbers drops what is known of the engine's cache, and
+            a silent stream cannot be told from an idle engine.
         topic: The topic the engine publishes under.
+        probe_interval_s: Seconds between two replay probes: the router asks the
+            replay endpoint for batches newer than the last it saw, replays any it
+            missed, and falls back to the approximate view of the engine's cache when
+            two probes in a row find batches and none came live.
     """
 
-    endpoint: str = attrs.field(validator=_zmq)
+    endpoint: str | None = attrs.field(default=None, validator=_opt(_zmq))
+    bind: str | None = attrs.field(default=None, validator=_opt(_zmq_bind))
     replay_endpoint: str | None = attrs.field(default=None, validator=_opt(_zmq))
     topic: str = ""
+    probe_interval_s: float = attrs.field(default=5.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.endpoint is None and self.bind is None:
+            raise ConfigError("expected the engine's PUB endpoint (or bind, for a publisher that connects "
+                              "to the router)", path="$.endpoint")  # fmt: skip
+        if self.endpoint is not None and self.bind is not None:
+            raise ConfigError("expected endpoint or bind, not both: the router either connects to the "
+                              "engine's PUB socket or binds for the engine to connect", path="$.bind")  # fmt: skip
+
+    @property
+    def address(self) -> str:
+        """Where the router's SUB socket connects (``endpoint``) or binds (``bind``)."""
+        address = self.endpoint if self.endpoint is not None else self.bind
+        assert address is not None  # the validator guarantees it
+        return address
 
 
 @attrs.frozen(kw_only=True)
@@ -336,6 +369,10 @@ class SimConfig:
         prefix_caching: Whether the engine reuses KV of a previously seen prompt prefix.
         prompt_tokens_details: Whether usage reports ``prompt_tokens_details.cached_tokens``
             (vLLM's ``--enable-prompt-tokens-details``).
+        kv_events_connect: The engine's KV-event publisher connects to its
+            ``kv_events.endpoint`` instead of binding it, as vLLM's does for an endpoint
+            that is not a wildcard: a router connecting there gets no live batch while
+            the replay endpoint answers (a misconfigured engine, to test against).
         noise: Relative gaussian jitter (standard deviation) on every prefill and step.
         faults: Faults scripted from the start.
     """
@@ -353,6 +390,7 @@ class SimConfig:
     handoff_ttl_s: float = attrs.field(default=480.0, validator=_positive)
     prefix_caching: bool = False
     prompt_tokens_details: bool = False
+    kv_events_connect: bool = False
     noise: float = attrs.field(default=0.0, validator=_non_negative)
     faults: tuple[FaultSpec, ...] = attrs.field(default=(), converter=_fault_tuple)
 

@@ -3,6 +3,11 @@
 - :func:`plot_profile`: per engine, the TTFT fit over every prefill repeat and the
   per-length medians, and the decode fit against the cell medians (TPOT against active
   requests, one series per input length, fitted values beside the measured ones).
+- the cached-prefix model (``cached_prefill``, engines profiled with prefix caching):
+  TTFT against the cached length k, one series per prompt length L, every measured
+  repeat (k = 0 from the prefill sweep) beside the fitted curve
+  ``a + b*(L-k) + c*(L**2 - k**2) + d*k`` over 0..L-1 (:func:`cached_prefill_series`
+  is what it draws).
 - :func:`plot_bench`: CDFs of TTFT and TPOT over the scored requests, with the SLO
   line; failed requests count as misses (the curve tops out below 1).
 """
@@ -13,7 +18,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PlotUnavailable", "plot_bench", "plot_profile"]
+import attrs
+
+from narwhal.profile.fit import cached_prefill_s
+
+__all__ = ["CachedSeries", "PlotUnavailable", "cached_prefill_series", "plot_bench", "plot_profile"]
 
 
 class PlotUnavailable(RuntimeError):
@@ -31,8 +40,80 @@ def _pyplot() -> Any:
     return plt
 
 
+@attrs.frozen
+class CachedSeries:
+    """One prompt length's series of the cached-prefix plot.
+
+    Attributes:
+        length: The prompt length L.
+        samples: ``(cached k, TTFT s)`` of every measured repeat (k = 0: the prefill sweep's).
+        fitted: ``(k, TTFT s)`` of the fitted model, k over 0..L-1 (empty without a fit).
+    """
+
+    length: int
+    samples: tuple[tuple[int, float], ...]
+    fitted: tuple[tuple[float, float], ...]
+
+
+#: Points of each fitted curve.
+_CURVE_POINTS = 50
+
+
+def cached_prefill_series(engine: dict[str, Any]) -> list[CachedSeries]:
+    """The cached-prefix plot's data from one engine's sidecar entry, by prompt length;
+    empty where the engine has no cached-prefix sweep."""
+    prefix = engine.get("prefix") or {}
+    repeats = [r for r in prefix.get("repeats") or () if r.get("ttft_s") is not None]
+    if not repeats:
+        return []
+    plain = (engine.get("prefill") or {}).get("repeats") or ()
+    coef = (prefix.get("fit") or {}).get("coefficients")
+    out: list[CachedSeries] = []
+    for length in sorted({int(r["length"]) for r in repeats}):
+        samples = [(0, float(r["ttft_s"])) for r in plain if r.get("length") == length and r.get("ttft_s") is not None]
+        samples += [(int(r["cached"]), float(r["ttft_s"])) for r in repeats if r["length"] == length]
+        fitted: list[tuple[float, float]] = []
+        if coef:
+            top = length - 1  # a cache never serves the last prompt token
+            for i in range(_CURVE_POINTS + 1):
+                k = top * i / _CURVE_POINTS
+                fitted.append((k, cached_prefill_s(coef["a"], coef["b"], coef["c"], coef["d"], length, k)))
+        out.append(CachedSeries(length, tuple(sorted(samples)), tuple(fitted)))
+    return out
+
+
+def _plot_cached(plt: Any, name: str, engine: dict[str, Any], out: Path) -> Path | None:
+    series = cached_prefill_series(engine)
+    if not series:
+        return None
+    fit = (engine.get("prefix") or {}).get("fit") or {}
+    rejected = (engine.get("prefix") or {}).get("rejection")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, s in enumerate(series):
+        colour = f"C{i % 10}"
+        ax.scatter([k for k, _ in s.samples], [t * 1e3 for _, t in s.samples], s=8, alpha=0.5, color=colour,
+                   label=f"L = {s.length}, measured")  # fmt: skip
+        if s.fitted:
+            ax.plot([k for k, _ in s.fitted], [t * 1e3 for _, t in s.fitted], color=colour, label=f"L = {s.length}, fit")
+    ax.set_xlabel("cached prefix tokens k")
+    ax.set_ylabel("TTFT (ms)")
+    title = f"{name}: prefill with a cached prefix"
+    if fit.get("model"):
+        title += f"\n{fit['model']}"
+    if rejected:
+        title += " (rejected)"
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"{name}.prefix.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_profile(samples_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write ``<engine>.ttft.png`` and ``<engine>.decode.png`` for each profiled engine."""
+    """Write ``<engine>.ttft.png``, ``<engine>.decode.png`` and, for an engine with a
+    cached-prefix sweep, ``<engine>.prefix.png`` for each profiled engine."""
     plt = _pyplot()
     samples = json.loads(Path(samples_path).read_text())
     out = Path(out_dir)
@@ -88,6 +169,9 @@ def plot_profile(samples_path: str | Path, out_dir: str | Path) -> list[Path]:
             fig.savefig(path, dpi=110)
             plt.close(fig)
             written.append(path)
+        cached = _plot_cached(plt, name, engine, out)
+        if cached is not None:
+            written.append(cached)
     return written
 
 

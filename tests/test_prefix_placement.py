@@ -119,6 +119,25 @@ async def test_among_equal_consumers_the_one_holding_the_prefix_decodes(
         after = stack.engine("d1").stats.prompt_tokens
         assert after["external_kv_transfer"] - before["external_kv_transfer"] == 100
         assert after["local_cache_hit"] - before["local_cache_hit"] == 1024
+        # The journal has the consumer's side: the hit predicted there (what it did not
+        # pull) and the cached tokens its usage reported (vLLM counts pulled ones too).
+        cold, warm = stack.records[0]["attempts"][0], stack.records[-1]["attempts"][0]
+        assert (cold["consumer"], cold["consumer_predicted_cached_tokens"], cold["consumer_cached_tokens"]) == ("d1", 0, 1124)
+        assert (warm["consumer"], warm["consumer_predicted_cached_tokens"], warm["consumer_cached_tokens"]) == ("d1", 1024, 1124)
+        metrics = stack.router.metrics.exposition().decode()
+        assert 'narwhal_prefix_consumer_cached_tokens_total{engine="d1"} 1024.0' in metrics
+        assert 'narwhal_prefix_consumer_cached_tokens_total{engine="d0"} 0.0' in metrics
+
+
+async def test_a_same_worker_attempt_has_no_consumer_prediction(autojump_clock: trio.abc.Clock) -> None:
+    doc = fleet_doc(engine("e0", 8101, ["prefill", "decode"], **CACHING), controller={"slo": {"ttft_s": 0.5, "tpot_s": 0.05}})
+    async with open_stack(doc, priced=True) as stack:
+        for tag in "ab":
+            await stack.complete({"prompt": prompt(tag), "max_tokens": 2})
+        attempt = stack.records[-1]["attempts"][0]
+        assert attempt["same_worker"] and attempt["predicted_cached_tokens"] == 1024
+        # No KV handoff, nothing pulled; the decode leg hits the 70 whole blocks its prefill just cached.
+        assert attempt["consumer_predicted_cached_tokens"] is None and attempt["consumer_cached_tokens"] == 1120
 
 
 def test_the_consumers_cached_blocks_only_break_ties() -> None:
@@ -254,14 +273,17 @@ def test_bench_join_reports_prediction_error_per_producer(tmp_path: Any) -> None
 
     lines = []
     results = []
-    for i, (producer, predicted, observed, hit, reported) in enumerate([
-        ("p0", 0.100, 0.110, 1024, 1024), ("p0", 0.050, 0.050, 512, None), ("p1", 0.2, 0.1, 512, 0),
+    for i, (producer, predicted, observed, hit, reported, consumer, held, pulled) in enumerate([
+        ("p0", 0.100, 0.110, 1024, 1024, "d0", 1024, 1100), ("p0", 0.050, 0.050, 512, None, "d0", 0, None),
+        ("p1", 0.2, 0.1, 512, 0, "d1", None, None),
     ]):  # fmt: skip
         rid = f"r{i}"
         lines.append(json.dumps({
             "request_id": rid, "terminal_class": "ok", "status": 200, "ttft_s": observed, "producer": producer,
-            "output_len": 2, "attempts": [{"n": 1, "producer": producer, "predicted_ttft_s": predicted,
-                                           "predicted_cached_tokens": hit, "cached_tokens": reported}],
+            "consumer": consumer, "prompt_tokens": 1100, "output_len": 2,
+            "attempts": [{"n": 1, "producer": producer, "predicted_ttft_s": predicted,
+                          "predicted_cached_tokens": hit, "cached_tokens": reported, "consumer": consumer,
+                          "consumer_predicted_cached_tokens": held, "consumer_cached_tokens": pulled}],
         }))  # fmt: skip
         results.append(RequestResult(index=i, request_id=rid, route="completions", terminal_class="ok",
                                      status=200, output_len=2, ttft_s=observed + 0.001))  # fmt: skip
@@ -273,8 +295,14 @@ def test_bench_join_reports_prediction_error_per_producer(tmp_path: Any) -> None
     assert (by["p0"]["cached_tokens_predicted"], by["p0"]["cached_tokens_reported"]) == (1536, 1024)
     assert by["p0"]["cached_mispredictions"] == 0  # an unreported hit contradicts nothing
     assert by["p1"]["ttft_error"]["p50"] == pytest.approx(1.0) and by["p1"]["cached_mispredictions"] == 1
+    # Per consumer: what it was predicted to hold (not to pull) and what its usage said.
+    assert summary["prediction_by_consumer"] == {"d0": {
+        "n": 2, "prompt_tokens": 2200, "cached_tokens_predicted": 1024, "cached_tokens_reported": 1100, "reported": 1,
+    }}  # fmt: skip
     text = render_join(summary)
     assert "prediction (successes)" in text and "100.0%" in text
+    assert "consumer (successes)" in text
+    assert text.splitlines()[-1].split() == ["d0", "2", "2200", "1024", "46.5%", "1100"]
 
 
 # ------------------------------------------------------------ a shared-prefix workload

@@ -13,7 +13,9 @@ router's parts:
 
 Where the router priced placement, the summary also gives, per producer, the error
 of its TTFT predictions against the journaled TTFT (``|predicted - observed| /
-observed``) and the prefix-cache hits it predicted beside those the producer reported.
+observed``) and the prefix-cache hits it predicted beside those the producer reported;
+per consumer, the prompt tokens it was predicted to hold (and so not to pull) beside
+the ``cached_tokens`` its decode usage reported (vLLM counts pulled tokens there too).
 
 Journal lines of other clients are ignored; a journal line that is not JSON (a
 router killed mid-write) is counted and skipped; an id journaled twice is ambiguous
@@ -75,6 +77,7 @@ class JoinResult:
                 "outside_router_s": dist("outside_router_s"),
             },
             "prediction_by_producer": prediction_by_producer(both_ok),
+            "prediction_by_consumer": prediction_by_consumer(both_ok),
         }
 
 
@@ -105,6 +108,26 @@ def prediction_by_producer(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[
             "cached_mispredictions": sums[2],
         }
     return out
+
+
+def prediction_by_consumer(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per consumer: the prompt tokens it was predicted to hold (not to pull), over the
+    prompt tokens of those attempts, and the ``cached_tokens`` its usage reported."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        consumer, held = r.get("consumer"), r.get("consumer_predicted_cached_tokens")
+        if not isinstance(consumer, str) or held is None:
+            continue
+        c = out.setdefault(consumer, {"n": 0, "prompt_tokens": 0, "cached_tokens_predicted": 0,
+                                      "cached_tokens_reported": 0, "reported": 0})  # fmt: skip
+        c["n"] += 1
+        c["prompt_tokens"] += int(r.get("prompt_tokens") or 0)
+        c["cached_tokens_predicted"] += int(held)
+        reported = r.get("consumer_cached_tokens")
+        if reported is not None:
+            c["reported"] += 1
+            c["cached_tokens_reported"] += int(reported)
+    return dict(sorted(out.items()))
 
 
 def read_journal(path: str | os.PathLike[str], ids: Iterable[str]) -> tuple[dict[str, list[dict[str, Any]]], int]:
@@ -185,6 +208,9 @@ def join_row(rec: RequestResult, entry: Mapping[str, Any]) -> dict[str, Any]:
         "predicted_ttft_s": _number(last.get("predicted_ttft_s")),
         "predicted_cached_tokens": last.get("predicted_cached_tokens"),
         "cached_tokens": last.get("cached_tokens"),
+        "prompt_tokens": entry.get("prompt_tokens"),
+        "consumer_predicted_cached_tokens": last.get("consumer_predicted_cached_tokens"),
+        "consumer_cached_tokens": last.get("consumer_cached_tokens"),
     }
 
 
@@ -235,4 +261,13 @@ def render_join(summary: Mapping[str, Any]) -> str:
             p90 = f"{err['p90'] * 100:.1f}%" if err.get("p90") is not None else "-"
             lines.append(f"  {producer:<28}{err['n']:>7}{p50:>14}{p90:>8}{p['cached_tokens_predicted']:>18}"
                          f"{p['cached_tokens_reported']:>10}{p['cached_mispredictions']:>14}")  # fmt: skip
+    by_consumer = summary.get("prediction_by_consumer") or {}
+    if by_consumer:
+        lines += ["", f"  {'consumer (successes)':<28}{'n':>7}{'prompt':>10}{'held (not pulled)':>19}"
+                      f"{'share':>8}{'reported':>10}"]  # fmt: skip
+        for consumer, c in by_consumer.items():
+            share = f"{c['cached_tokens_predicted'] / c['prompt_tokens'] * 100:.1f}%" if c["prompt_tokens"] else "-"
+            reported = str(c["cached_tokens_reported"]) if c["reported"] else "-"
+            lines.append(f"  {consumer:<28}{c['n']:>7}{c['prompt_tokens']:>10}{c['cached_tokens_predicted']:>19}"
+                         f"{share:>8}{reported:>10}")  # fmt: skip
     return "\n".join(lines)

@@ -53,6 +53,7 @@ from narwhal.engines.stream import (
     status_of,
     stream_error,
     truncate,
+    usage_cached_tokens,
 )
 from narwhal.engines.wire import WireTransport
 from narwhal.errors import (
@@ -831,11 +832,7 @@ def _prompt_tokens(obj: Mapping[str, Any], choice: Mapping[str, Any]) -> int | N
 
 
 def _cached_tokens(obj: Mapping[str, Any]) -> int | None:
-    usage = obj.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    if isinstance(details, dict) and type(details.get("cached_tokens")) is int:
-        return int(details["cached_tokens"])
-    return None
+    return usage_cached_tokens(obj.get("usage"))
 
 
 def _header_value(value: str) -> bytes:

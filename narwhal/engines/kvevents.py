@@ -34,6 +34,7 @@ step that changed its cache: a reset of an idle engine goes out with its next st
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
@@ -266,15 +267,35 @@ class KVEventSubscriber:
     router started after the engine learns what is cached (``on_reset`` first, since
     what came before the buffer is unknown).
 
+    A live stream can be silent without an error: a vLLM engine binds its PUB socket
+    only for a wildcard endpoint and otherwise connects outward, publishing into
+    nothing while its replay endpoint still answers; a wrong topic filters every batch
+    out. So every ``probe_interval_s`` the subscriber asks the replay endpoint for the
+    batches from the last one it saw on: that batch unchanged and nothing after it is
+    an idle engine; newer batches are delivered (a gap found by the probe); an answer
+    without that batch means a new publisher (a restarted engine), and what is known
+    is dropped and replayed from 0. When ``STALE_AFTER`` probes in a row find new
+    batches and none arrived live in between, ``on_stale`` gets the likely cause;
+    the next live batch calls ``on_stale(None)``. A ZeroMQ error (an address to bind
+    in use, say) makes the stream stale too until live batches arrive.
+
     Args:
-        endpoint: The engine's PUB endpoint, ``tcp://host:port``.
+        endpoint: The engine's PUB endpoint, ``tcp://host:port`` (with ``bind``: the
+            address this SUB socket binds, which the engine's publisher connects to).
         on_batch: Receives ``(seq, batch)`` in order.
         on_reset: Receives the reason whenever what is known of the cache must be dropped.
         replay_endpoint: The engine's ROUTER replay endpoint, if it has one.
         topic: The topic to subscribe to.
         replay_timeout_s: How long a replay may take before it counts as failed.
         context: The ZeroMQ context (the process-wide one by default).
+        bind: Bind ``endpoint`` instead of connecting to it.
+        probe_interval_s: Seconds between replay probes; None: no probe.
+        on_stale: Receives the likely cause when the live stream is taken for stale,
+            and None when live batches arrive again.
     """
+
+    #: Probes in a row that found batches no live message brought before the stream is stale.
+    STALE_AFTER: Final = 2
 
     def __init__(
         self,
@@ -286,8 +307,14 @@ class KVEventSubscriber:
         topic: str = "",
         replay_timeout_s: float = 5.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        bind: bool = False,
+        probe_interval_s: float | None = None,
+        on_stale: Callable[[str | None], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.bind = bind
+        self.probe_interval_s = probe_interval_s
+        self._on_stale = on_stale
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode("utf-8")
         self.replay_timeout_s = replay_timeout_s
@@ -301,6 +328,19 @@ class KVEventSubscriber:
         self.resets = 0
         self.malformed = 0
         self._live_last: int | None = None
+        #: Live messages received; replay probes made; probes that found batches missed live.
+        self.live = 0
+        self.probes = 0
+        self.probe_gaps = 0
+        #: Probes in a row that found batches while none arrived live.
+        self.silent_probes = 0
+        #: Why the live stream is taken for stale (None while it is not).
+        self.stale: str | None = None
+        #: The topic the engine's replay answers name (builds that send one).
+        self.engine_topic: bytes | None = None
+        self._live_since_probe = 0
+        self._last: tuple[int, bytes] | None = None
+        self._last_error: str | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe and deliver until cancelled.
@@ -313,9 +353,15 @@ class KVEventSubscriber:
             try:
                 await self._subscribe()
             except zmq.ZMQError as exc:
-                log.warning("KV events from %s: %s; subscribing again in %g s", self.endpoint, exc, self.RETRY_S)
+                what = f"ZeroMQ error {'binding' if self.bind else 'subscribing to'} {self.endpoint}: {exc}"
+                # The same error again (an address in use, say) is not worth a warning a second.
+                level = logging.WARNING if what != self._last_error else logging.DEBUG
+                log.log(level, "KV events: %s; subscribing again in %g s", what, self.RETRY_S)
+                self._last_error = what
+                if self.stale is None:  # first, so that the fallback starts from what was known
+                    self._set_stale(what)
                 self._reset(f"ZeroMQ error: {exc}")
-                self.expected = self._live_last = None
+                self.expected = self._live_last = self._last = None
                 await trio.sleep(self.RETRY_S)
 
     #: Seconds between a ZeroMQ error and the next subscription.
@@ -326,10 +372,23 @@ class KVEventSubscriber:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-            sub.connect(self.endpoint)
+            if self.bind:
+                sub.bind(self.endpoint)
+            else:
+                sub.connect(self.endpoint)
+            self._last_error = None
             await self._catch_up(0, "subscribed")
+            interval = self.probe_interval_s if self.replay_endpoint is not None else None
+            next_probe = trio.current_time() + interval if interval else math.inf
             while True:
-                frames = await recv_multipart(sub)
+                frames = None
+                with trio.move_on_at(next_probe):
+                    frames = await recv_multipart(sub)
+                if frames is None:
+                    assert interval is not None
+                    await self._probe()
+                    next_probe = trio.current_time() + interval
+                    continue
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.malformed += 1
                     log.warning("KV events from %s: a message of %d frames", self.endpoint, len(frames))
@@ -339,6 +398,11 @@ class KVEventSubscriber:
             close_socket(sub)
 
     async def _receive(self, seq: int, payload: bytes) -> None:
+        self.live += 1
+        self._live_since_probe += 1
+        self.silent_probes = 0
+        if self.stale is not None:
+            self._set_stale(None)
         # Live batches of one publisher come in increasing order: one not above the
         # previous live batch comes from a new publisher, a new engine generation.
         restarted = self._live_last is not None and seq <= self._live_last
@@ -354,6 +418,7 @@ class KVEventSubscriber:
         self._deliver(seq, payload)
 
     def _deliver(self, seq: int, payload: bytes) -> None:
+        self._last = (seq, payload)
         try:
             batch = decode_batch(payload)
         except MalformedBatch as exc:
@@ -366,6 +431,55 @@ class KVEventSubscriber:
         self.delivered += 1
         self._on_batch(seq, batch)
 
+    def _set_stale(self, reason: str | None) -> None:
+        self.stale = reason
+        if reason is None:
+            log.info("KV events from %s arrive live again", self.endpoint)
+        if self._on_stale is not None:
+            self._on_stale(reason)
+
+    def _stale_reason(self) -> str:
+        """The likely cause of batches that reach the replay buffer and never arrive live."""
+        seen = f"{self.STALE_AFTER} replay probes in a row found batches that never arrived live"
+        topic = self.engine_topic
+        if topic is not None and not topic.startswith(self.topic):
+            return (f"{seen}: the engine publishes under topic {topic.decode(errors='replace')!r} and the "
+                    f"subscription is to {self.topic.decode(errors='replace')!r} (kv_events.topic)")  # fmt: skip
+        if self.bind:
+            return (f"{seen} on {self.endpoint} (bound by the router): the engine's publisher is not "
+                    "connected to it (its --kv-events-config endpoint must name this router's "
+                    "address and that port)")  # fmt: skip
+        return (f"{seen} from {self.endpoint}: the engine's publisher likely connects outward instead "
+                "of binding (vLLM binds its PUB socket only for a wildcard endpoint, tcp://*:PORT), or "
+                "something drops that port; start the engine with endpoint tcp://*:PORT, or set "
+                "kv_events.bind for the router to bind and the engine to connect")  # fmt: skip
+
+    async def _probe(self) -> None:
+        """Ask the replay endpoint for what came after the last batch seen (class docstring)."""
+        self.probes += 1
+        live, self._live_since_probe = self._live_since_probe, 0
+        last = self._last
+        got = await self._replay(last[0] if last is not None else 0)
+        if got is None:
+            return  # no answer: nothing learnt
+        if last is not None:
+            if not got or got[0] != last:
+                self._live_last = None  # the live stream's next batch is not a restart again
+                await self._catch_up(0, f"the engine's replay buffer no longer holds batch {last[0]} as "
+                                        "it was delivered (a restarted engine, or more batches missed "
+                                        "than it buffers)")  # fmt: skip
+                return
+            got = got[1:]
+        if not got:
+            return  # an idle engine
+        self.probe_gaps += 1
+        self.silent_probes = 0 if live else self.silent_probes + 1
+        log.info("KV events from %s: the replay probe found batches %d..%d not received live",
+                 self.endpoint, got[0][0], got[-1][0])  # fmt: skip
+        self._deliver_replayed(got)
+        if self.silent_probes >= self.STALE_AFTER and self.stale is None:
+            self._set_stale(self._stale_reason())
+
     def _reset(self, reason: ResetReason) -> None:
         self.resets += 1
         log.info("KV events from %s: dropping the cache view: %s", self.endpoint, reason)
@@ -376,6 +490,7 @@ class KVEventSubscriber:
         if start == 0:
             self._reset(why)
             self.expected = None
+            self._last = None
         if self.replay_endpoint is None:
             if start > 0:
                 self._reset(f"{why}; the engine has no replay endpoint")
@@ -392,6 +507,9 @@ class KVEventSubscriber:
             # the engine no longer buffers the first missing batch
             self._reset(f"{why}; the engine no longer buffers them")
             self.expected = None
+        self._deliver_replayed(got)
+
+    def _deliver_replayed(self, got: Sequence[tuple[int, bytes]]) -> None:
         for seq, payload in got:
             if self.expected is None or seq >= self.expected:
                 if self.expected is not None and seq > self.expected:
@@ -415,6 +533,8 @@ class KVEventSubscriber:
                     seq_frame, payload = frames[-2], frames[-1]
                     if seq_frame == END_SEQ:
                         return got
+                    if len(frames) == 4:  # [b"", topic, seq, payload]
+                        self.engine_topic = frames[1]
                     if len(seq_frame) == 8:
                         got.append((int.from_bytes(seq_frame, "big"), payload))
             log.warning("KV events: no replay from %s within %.1f s", self.replay_endpoint,

@@ -45,7 +45,15 @@ from narwhal.errors import (
     StreamClosed,
 )
 
-__all__ = ["DecodeStream", "EngineReply", "HttpxReply", "StreamOwner", "abandon"]
+__all__ = ["DecodeStream", "EngineReply", "HttpxReply", "StreamOwner", "abandon", "usage_cached_tokens"]
+
+
+def usage_cached_tokens(usage: Any) -> int | None:
+    """The ``prompt_tokens_details.cached_tokens`` of a usage object, if it has one."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if isinstance(details, dict) and type(details.get("cached_tokens")) is int:
+        return int(details["cached_tokens"])
+    return None
 
 
 class EngineReply(Protocol):
@@ -305,6 +313,12 @@ class DecodeStream:
         self.closed = False
         self._silence_scope: trio.CancelScope | None = None
         self._silence_s = 0.0  # pragma: no mutate (equivalent: set before use)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the engine reports it did not compute (its usage's
+        ``prompt_tokens_details.cached_tokens``), once it reported them."""
+        return usage_cached_tokens(self.usage)
 
     def watch_silence(self, scope: trio.CancelScope, seconds: float) -> None:
         """Move ``scope``'s deadline to ``seconds`` after every piece of the body that arrives.

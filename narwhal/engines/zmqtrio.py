@@ -34,7 +34,8 @@ async def recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes]:
         except zmq.Again:
             pass
         else:
-            await trio.lowlevel.checkpoint()
+            # Not cancellable: a message taken off the socket must reach the caller.
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return frames
         if _int_option(sock, zmq.EVENTS) & zmq.POLLIN:
             continue

@@ -93,6 +93,9 @@ class AdminApp:
                     "reserved_decode_requests": load.decode_requests,
                 }
             )
+            kv = state.kv_events_status(e.name)
+            if kv is not None:
+                engines[-1]["kv_events"] = kv
         slo = state.config.controller.slo
         body: dict[str, object] = {
             "engines": engines, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "in_flight": state.in_flight,

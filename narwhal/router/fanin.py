@@ -9,7 +9,8 @@ scrape and ``narwhal top`` see one router:
   gauges all add up); ``narwhal_breaker_state`` and ``narwhal_ready`` take the worst
   and the best worker respectively, and ``narwhal_workers_up`` counts the workers
   that answered. A worker that does not answer is left out (and not counted up).
-- ``/fleet``: engines merged by name (load summed, the worst breaker state).
+- ``/fleet``: engines merged by name (load summed, the worst breaker state, a worker's
+  stale ``kv_events`` before a live one).
 - ``/health``: ready when a worker is ready; each worker's own answer alongside.
 - ``/events``: the workers' live events, interleaved on one WebSocket.
 - ``PUT /fleet``: the document goes to every worker; 200 when each applied it (each
@@ -45,6 +46,8 @@ _BREAKER_ORDER = {"ok": 0, "starting": 1, "draining": 1, "quarantined": 1, "ejec
 #: Gauges whose workers' values do not add up: how they combine instead.
 _COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max, "narwhal_model_ready": max,
             "narwhal_engine_model": max,
+            # 1 where any worker prices the engine approximately for stale events.
+            "narwhal_kv_events_stale": max,
             # Each worker's others include the other workers: the largest view, not a sum.
             "narwhal_engine_others_requests": max}  # fmt: skip
 
@@ -98,6 +101,8 @@ def combine_fleets(fleets: Sequence[dict[str, Any]]) -> dict[str, Any]:
             seen["streak"] = max(seen.get("streak", 0), e.get("streak", 0))
             if _BREAKER_ORDER.get(e.get("breaker", "ok"), 0) > _BREAKER_ORDER.get(seen.get("breaker", "ok"), 0):
                 seen["breaker"] = e["breaker"]
+            if (e.get("kv_events") or {}).get("state") == "stale" != (seen.get("kv_events") or {}).get("state"):
+                seen["kv_events"] = e["kv_events"]  # a worker whose KV events are stale says so
     return {
         "engines": list(engines.values()),
         "slo": fleets[0].get("slo") if fleets else {},

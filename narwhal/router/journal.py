@@ -69,6 +69,14 @@ class AttemptRecord:
         cached_tokens: the producer's prefix-cache hit as its usage reported it
             (``prompt_tokens_details.cached_tokens``, which vLLM sends with
             ``--enable-prompt-tokens-details``; None when not reported).
+        consumer_predicted_cached_tokens: the consumer's own prefix-cache hit the
+            router's prefix index predicted: the prompt's leading tokens it holds and
+            so need not pull from the producer (None: a same-worker attempt, no view of
+            the consumer's cache, or the prompt's token ids unknown).
+        consumer_cached_tokens: the consumer's ``prompt_tokens_details.cached_tokens``
+            as its decode stream's usage reported it (None when not reported). vLLM
+            counts the tokens the consumer pulled in it as well as its own hit, so
+            after a whole handoff it is the prompt's length, not the hit alone.
     """
 
     n: int
@@ -87,6 +95,8 @@ class AttemptRecord:
     held_by: str | None = None
     predicted_cached_tokens: int | None = None
     cached_tokens: int | None = None
+    consumer_predicted_cached_tokens: int | None = None
+    consumer_cached_tokens: int | None = None
 
 
 # A new empty list per record, typed Any: the compiled build checks a class-body value

@@ -312,6 +312,9 @@ class RequestLifecycle:
         attempt.predicted_cached_tokens = reservation.predicted_cached_tokens
         if attempt.predicted_cached_tokens is None and cached is not None and prefix.enabled(reservation.producer):
             attempt.predicted_cached_tokens = cached(reservation.producer)
+        if cached is not None and not reservation.same_worker and prefix.enabled(reservation.consumer):
+            # What the consumer holds it need not pull from the producer.
+            attempt.consumer_predicted_cached_tokens = cached(reservation.consumer)
         with reservation:
             attempt.producer = reservation.producer
             attempt.consumer = reservation.consumer
@@ -497,6 +500,7 @@ class RequestLifecycle:
                             scope.deadline = now + silence
                     if burst_tokens:  # [DONE] came in the burst of the last tokens
                         last_token_at = clock()
+                    attempt.consumer_cached_tokens = stream.cached_tokens
         finally:
             state.in_flight_by_engine[name] -= 1
             reservation.release_decode()

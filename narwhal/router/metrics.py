@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from narwhal.router.breaker import Transition
 from narwhal.router.events import EventHub
+from narwhal.router.prefix import EventView
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
@@ -114,8 +115,26 @@ class _LiveState(Collector):
             labels=["engine", "source"],
         )
         for name, view in state.prefix.views.items():
-            views.add_metric([name, "events" if state.prefix.exact(name) else "placements"], len(view))
+            views.add_metric([name, "events" if isinstance(view, EventView) else "placements"], len(view))
+        for name, fallback in state.prefix.fallbacks.items():
+            views.add_metric([name, "placements"], len(fallback))
         yield views
+        stale = GaugeMetricFamily(
+            "narwhal_kv_events_stale",
+            "1 while an engine's KV events are taken for stale (replay probes find batches that never "
+            "arrived live, or its socket fails): its hits are priced from the prompts placed on it.",
+            labels=["engine"],
+        )
+        batches = CounterMetricFamily(
+            "narwhal_kv_events", "KV-event batches and replay probes per engine, by kind.", labels=["engine", "kind"]
+        )
+        for name, sub in state.kv_subscribers.items():
+            stale.add_metric([name], 0 if sub.stale is None else 1)
+            for kind, count in (("delivered", sub.delivered), ("live", sub.live), ("replays", sub.replays),
+                                ("probes", sub.probes), ("probe_gaps", sub.probe_gaps), ("resets", sub.resets)):  # fmt: skip
+                batches.add_metric([name, kind], count)
+        yield stale
+        yield batches
         ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
         ready.add_metric([], 1 if state.ready() else 0)
         yield ready
@@ -193,6 +212,12 @@ class RouterMetrics:
             "as the producers reported them (usage.prompt_tokens_details).",
             ["engine", "source"], registry=r,
         )
+        self.consumer_cached_tokens = Counter(
+            "narwhal_prefix_consumer_cached_tokens",
+            "Prompt tokens consumers held in their prefix caches and so did not pull, as the router "
+            "predicted them (compare the consumer's vllm:prompt_tokens_by_source{source=\"local_cache_hit\"}).",
+            ["engine"], registry=r,
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
         r.register(_LiveState(state, events))
         state.journal.add_listener(self.on_record)
@@ -243,6 +268,8 @@ class RouterMetrics:
             if attempt.get("predicted_cached_tokens") is not None:
                 child(self.cached_tokens, producer, "predicted").inc(attempt["predicted_cached_tokens"])
                 child(self.cached_tokens, producer, "reported").inc(attempt.get("cached_tokens") or 0)
+            if consumer and attempt.get("consumer_predicted_cached_tokens") is not None:
+                child(self.consumer_cached_tokens, consumer).inc(attempt["consumer_predicted_cached_tokens"])
 
     def on_transition(self, transition: Transition) -> None:
         self.breaker_transitions.labels(transition.engine, transition.event).inc()

@@ -20,6 +20,12 @@ Two kinds of view, chosen per engine:
   evictions under load, so it errs towards hits that are gone; the engine's reported
   ``cached_tokens`` corrects nothing here, it is journaled beside the prediction.
 
+An engine whose KV events stop arriving live while its replay endpoint shows new
+batches (:mod:`narwhal.router.prefixwatch`) is marked stale (:meth:`PrefixIndex.stale`):
+its hits are priced from a :class:`PlacementView` seeded with the blocks its events
+last held, which learns from placements as any approximate view, until live events
+flow again (:meth:`PrefixIndex.live`); its event view keeps following the replays.
+
 Blocks that hash more than tokens (a LoRA adapter, multimodal input, a cache salt)
 never match a plain prompt, nor does a block whose parent the view never saw stored
 (stored before the view followed the engine, or after a gap): a plain prompt reaches
@@ -102,6 +108,10 @@ class Chains:
                 self._refs[parent] += 1
         self._refs[cid] += 1
         return cid
+
+    def hold(self, cid: int) -> None:
+        """The caller holds the existing id ``cid`` once more."""
+        self._refs[cid] += 1
 
     def release(self, cid: int) -> None:
         """The caller holds ``cid`` no more; ids nothing holds are forgotten, up the chain."""
@@ -246,6 +256,10 @@ class EventView:
                 del self._held[cid]
             self.chains.release(cid)
 
+    def held_ids(self) -> list[int]:
+        """The chain ids of the blocks a plain prompt can reach."""
+        return list(self._held)
+
     def held_blocks(self, chain: Sequence[int], limit: int) -> int:
         return _count_held(chain, self._held, limit)
 
@@ -280,6 +294,20 @@ class PlacementView:
             self.chains.release(cid)
         self._lru.clear()
 
+    def seed(self, cids: Sequence[int]) -> None:
+        """Hold the blocks ``cids`` (ids of this view's :class:`Chains`), as if placed, least
+        recent first, within the capacity."""
+        for cid in cids:
+            if cid not in self._lru:
+                self.chains.hold(cid)
+                self._lru[cid] = None
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._lru) > self.capacity_blocks:
+            cid, _ = self._lru.popitem(last=False)
+            self.chains.release(cid)
+
     def record(self, ids: Sequence[int]) -> None:
         """The engine computed (or hit) ``ids``: its full blocks are now the most recent."""
         nodes: list[int] = []
@@ -296,9 +324,7 @@ class PlacementView:
         # Tail first, so that the head ends most recent and is evicted last.
         for cid in reversed(nodes):
             self._lru.move_to_end(cid)
-        while len(self._lru) > self.capacity_blocks:
-            cid, _ = self._lru.popitem(last=False)
-            self.chains.release(cid)
+        self._evict()
 
     def held_blocks(self, chain: Sequence[int], limit: int) -> int:
         return _count_held(chain, self._lru, limit)
@@ -325,7 +351,7 @@ class PromptLookup:
 
     def cached_tokens(self, engine: str) -> int:
         """Leading tokens of the prompt that ``engine`` would serve from its cache."""
-        view = self._index.views.get(engine)
+        view = self._index.view(engine)
         bs = view.block_size if view is not None else None
         if view is None or bs is None or engine not in self._index.active:
             return 0
@@ -355,6 +381,15 @@ class PrefixIndex:
         self.active: set[str] = set()
         #: The chain ids every view's blocks are held under.
         self.chains = Chains()
+        #: Engines whose KV events are stale (:meth:`stale`), and their approximate views.
+        self.stale_engines: set[str] = set()
+        self.fallbacks: dict[str, PlacementView] = {}
+        self._capacity: dict[str, int] = {}
+
+    def view(self, engine: str) -> EventView | PlacementView | None:
+        """The view ``engine``'s hits are priced from (an approximate one while its events are stale)."""
+        fallback = self.fallbacks.get(engine)
+        return fallback if fallback is not None else self.views.get(engine)
 
     def follow(self, engine: str) -> None:
         """``engine``'s KV events will be applied: keep an event view from now on."""
@@ -374,6 +409,35 @@ class PrefixIndex:
         else:
             self._replace(engine, PlacementView(block_size, capacity_tokens // block_size, chains=self.chains))
         self.active.add(engine)
+        self._capacity[engine] = capacity_tokens
+        fallback = self.fallbacks.get(engine)
+        if fallback is not None:
+            fallback.capacity_blocks = capacity_tokens // block_size
+        elif engine in self.stale_engines:
+            self._fall_back(engine)
+
+    def stale(self, engine: str) -> None:
+        """``engine``'s KV events no longer arrive live: price its hits from an approximate
+        view, seeded with what its events last said, until :meth:`live`."""
+        self.stale_engines.add(engine)
+        if engine not in self.fallbacks:
+            self._fall_back(engine)
+
+    def live(self, engine: str) -> None:
+        """``engine``'s KV events arrive live again: its event view prices its hits."""
+        self.stale_engines.discard(engine)
+        fallback = self.fallbacks.pop(engine, None)
+        if fallback is not None:
+            fallback.clear()
+
+    def _fall_back(self, engine: str) -> None:
+        view = self.views.get(engine)
+        if not isinstance(view, EventView) or view.block_size is None or engine not in self._capacity:
+            return  # made once the engine's block size and capacity are known (enable)
+        bs = view.block_size
+        fallback = PlacementView(bs, self._capacity[engine] // bs, chains=self.chains)
+        fallback.seed(view.held_ids())
+        self.fallbacks[engine] = fallback
 
     def disable(self, engine: str) -> None:
         """Prefix caching is off at ``engine`` (or unknown): price no hit there."""
@@ -384,20 +448,27 @@ class PrefixIndex:
     def forget(self, engine: str) -> None:
         """``engine`` left the fleet: drop its view."""
         self.active.discard(engine)
-        self.views.pop(engine, None)
+        self.live(engine)
+        self._capacity.pop(engine, None)
+        view = self.views.pop(engine, None)
+        if view is not None:
+            view.clear()  # its chain ids go back
 
     def enabled(self, engine: str) -> bool:
         """Whether ``engine``'s hits are priced."""
         return engine in self.active
 
     def exact(self, engine: str) -> bool:
-        """Whether ``engine``'s view comes from its KV events."""
-        return isinstance(self.views.get(engine), EventView)
+        """Whether ``engine``'s hits are priced from its KV events (it has an event view
+        and its events are not stale)."""
+        return isinstance(self.views.get(engine), EventView) and engine not in self.stale_engines
 
     def _replace(self, engine: str, view: EventView | PlacementView | None) -> None:
         old = self.views.pop(engine, None)
         if old is not None:
             old.clear()  # its chain ids go back
+        if not isinstance(view, EventView):
+            self.live(engine)  # no events to be stale
         if view is not None:
             self.views[engine] = view
 
@@ -412,7 +483,7 @@ class PrefixIndex:
 
     def placed(self, engine: str, ids: Sequence[int]) -> None:
         """The router sent prompt ``ids`` to ``engine`` (approximate views learn from it)."""
-        view = self.views.get(engine)
+        view = self.view(engine)
         if isinstance(view, PlacementView):
             view.record(ids)
 
@@ -422,8 +493,13 @@ class PrefixIndex:
         if isinstance(view, EventView):
             view.apply(batch)
 
-    def reset(self, engine: str) -> None:
-        """Forget what ``engine`` holds (a new generation, a lost event, a reset)."""
+    def reset(self, engine: str, *, events_only: bool = False) -> None:
+        """Forget what ``engine`` holds (a new generation, a lost event, a reset);
+        ``events_only`` keeps the approximate view of an engine whose events are stale
+        (what its event stream says it lost, the placements did not)."""
         view = self.views.get(engine)
         if view is not None:
             view.clear()
+        fallback = self.fallbacks.get(engine)
+        if fallback is not None and not events_only:
+            fallback.clear()

@@ -14,12 +14,20 @@ block size and its capacity, and its ``process_start_time_seconds``:
 An engine with a ``kv_events`` endpoint has a :class:`KVEventSubscriber` for the
 router's lifetime, whose batches and resets go to the index. Unreachable engines keep
 their view as it was until they answer again.
+
+When the subscriber takes an engine's live stream for stale (its replay probes find
+batches that never arrive live, or its socket fails), the engine's hits are priced
+from an approximate view until live batches flow again: a warning names the engine
+and the likely cause, a ``prefix`` event (``stale`` / ``live``) goes to the live
+events, and ``/health`` and ``/fleet`` show it (``kv_events`` per engine).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Final
+import time
+from collections.abc import Callable
+from typing import Any, Final
 
 import trio
 
@@ -42,9 +50,16 @@ class PrefixWatch:
     left it are let go with :meth:`remove`.
     """
 
-    def __init__(self, state: RouterState, *, refresh_s: float = PREFIX_REFRESH_S) -> None:
+    def __init__(
+        self,
+        state: RouterState,
+        *,
+        refresh_s: float = PREFIX_REFRESH_S,
+        publish: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.state = state
         self.refresh_s = refresh_s
+        self.publish = publish
         self._starts: dict[str, float | None] = {}
         self._scopes: dict[str, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
@@ -89,11 +104,14 @@ class PrefixWatch:
         if kv is None:
             return
         sub = KVEventSubscriber(
-            kv.endpoint,
+            kv.address,
+            bind=kv.bind is not None,
             replay_endpoint=kv.replay_endpoint,
             topic=kv.topic,
+            probe_interval_s=kv.probe_interval_s,
             on_batch=lambda _seq, batch: index.apply(name, batch),
-            on_reset=lambda _why: index.reset(name),
+            on_reset=lambda _why: index.reset(name, events_only=True),
+            on_stale=lambda why: self._stale(name, why),
         )
         index.follow(name)
         state.kv_subscribers[name] = sub
@@ -104,6 +122,19 @@ class PrefixWatch:
                 await sub.run(task_status=task_status)
 
         await nursery.start(follow)
+
+    def _stale(self, name: str, why: str | None) -> None:
+        index = self.state.prefix
+        if why is None:
+            log.info("engine %s: its KV events arrive live again; its exact prefix view prices its hits", name)
+            index.live(name)
+        else:
+            log.warning("engine %s: its KV-event stream is stale, so its hits are priced from the "
+                        "prompts placed on it until live events arrive: %s", name, why)  # fmt: skip
+            index.stale(name)
+        if self.publish is not None:
+            self.publish({"type": "prefix", "engine": name, "event": "live" if why is None else "stale",
+                          "at": time.time(), "detail": why})  # fmt: skip
 
     async def _refresh(self, name: str) -> None:
         state, index, starts = self.state, self.state.prefix, self._starts

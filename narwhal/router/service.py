@@ -182,7 +182,7 @@ async def open_router(
             await state.refresh_models()
             prefix_watch = None
             if config.controller.prefix_cache == "auto":
-                prefix_watch = PrefixWatch(state)
+                prefix_watch = PrefixWatch(state, publish=events.publish)
                 await nursery.start(prefix_watch.run)
             await state.bind_profiles()
             controller = None

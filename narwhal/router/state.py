@@ -256,6 +256,9 @@ class RouterState:
                 if isinstance(placement, PricedPlacement):
                     why = placement.unbound.get(name, "its profile is not bound yet")
                     engines[name]["pricing"] = "profile" if name in placement.profiles else f"load ({why})"
+                kv = self.kv_events_status(name)
+                if kv is not None:
+                    engines[name]["kv_events"] = kv
             else:
                 engines[name] = st
         body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable"}
@@ -265,6 +268,15 @@ class RouterState:
         if len(self.models) > 1:  # the router is ready while any model is: say which are not
             body["models"] = {m: "ready" if r is None else r for m, r in self.model_readiness().items()}
         return body
+
+    def kv_events_status(self, name: str) -> dict[str, Any] | None:
+        """How engine ``name``'s KV events arrive (None: they are not followed): ``live``,
+        or ``stale`` with the likely cause (its hits are then priced approximately)."""
+        sub = self.kv_subscribers.get(name)
+        if sub is None:
+            return None
+        return {"state": "live" if sub.stale is None else "stale", "detail": sub.stale,
+                "delivered": sub.delivered, "probe_gaps": sub.probe_gaps}  # fmt: skip
 
     def unready_reason(self) -> str | None:
         """Why the router cannot serve now (None: it can serve at least one model)."""

@@ -287,7 +287,8 @@ class SimEngine:
                 self.fabric.register(kv[0], kv[1], self)
             try:
                 if self.config.kv_events is not None:
-                    self.kv_publisher = SimKVPublisher(self.config.kv_events, wall_time=self.wall_time)
+                    self.kv_publisher = SimKVPublisher(self.config.kv_events, wall_time=self.wall_time,
+                                                       connect=self.sim.kv_events_connect)  # fmt: skip
                     self.kv_publisher.bind()
                     nursery.start_soon(self.kv_publisher.serve_replay)
                 task_status.started()

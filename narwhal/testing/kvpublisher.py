@@ -6,6 +6,12 @@ One PUB socket sends each step's events as ``(topic, seq, payload)``: ``seq`` an
 kept for the ROUTER replay endpoint, which answers ``[b"", start_seq]`` with every
 buffered batch from ``start_seq`` on, then the end marker. A restart of the engine is
 a new publisher: numbering starts at 0 again and the buffer is empty.
+
+Like vLLM's, the PUB socket binds or connects: it binds ``kv_events.endpoint`` (vLLM
+configured with ``tcp://*:P``), connects to ``kv_events.bind`` where the router binds
+(vLLM configured with the router's address), and connects to ``kv_events.endpoint``
+with ``connect=True`` (vLLM configured with a non-wildcard address while the router
+connects there too: nothing is delivered live, the replay endpoint still answers).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class SimKVPublisher:
         wall_time: The engine's wall clock, for each batch's ``ts``.
         buffer_steps: Batches kept for replay (vLLM's default).
         context: The ZeroMQ context (the process-wide one by default).
+        connect: Connect the PUB socket to ``endpoint`` rather than bind it (see above).
     """
 
     def __init__(
@@ -43,8 +50,10 @@ class SimKVPublisher:
         wall_time: Callable[[], float],
         buffer_steps: int = 10_000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        connect: bool = False,
     ) -> None:
         self.config = config
+        self.connect = connect
         self._wall_time = wall_time
         self._topic = config.topic.encode("utf-8")
         self._ctx = context if context is not None else zmq.Context.instance()
@@ -57,11 +66,19 @@ class SimKVPublisher:
         self._router: zmq.Socket[bytes] | None = None
 
     def bind(self) -> None:
-        """Bind the PUB (and replay ROUTER) sockets."""
+        """Open the PUB socket (bound or connected, see the module docstring) and bind the
+        replay ROUTER socket."""
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(self.config.endpoint)
         self._pub = pub
+        if self.config.bind is not None:
+            host, _, port = self.config.bind.removeprefix("tcp://").rpartition(":")
+            loopback = "[::1]" if host.startswith("[") else "127.0.0.1"
+            pub.connect(f"tcp://{loopback if host in ('*', '0.0.0.0', '[::]') else host}:{port}")
+        elif self.connect:
+            pub.connect(self.config.address)
+        else:
+            pub.bind(self.config.address)
         if self.config.replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
