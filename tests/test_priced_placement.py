@@ -146,3 +146,26 @@ async def test_one_target_alone_is_enough_to_place(autojump_clock: trio.abc.Cloc
     assert resp.status_code == 200, resp.text
     [attempt] = stack.records[0]["attempts"]
     assert (attempt["producer"], attempt["consumer"]) == ("p-fast", "d-fast")
+
+
+async def test_the_queue_ahead_counts_only_what_is_left_of_the_running_prefill(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # One producer: A (0.2 s of prefill) is sent at 0; B arrives at 0.1, while A runs.
+    # B waits for the 0.1 s left of A, not for all of A: predicted and observed TTFT agree.
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"], prefill={"a": 0.010, "b": 1e-4, "c": 0.0}),
+        engine("d0", 8102, ["decode"], decode={"c0": 0.004, "c1": 0.0002, "c2": 0.0}),
+        controller={"slo": {"ttft_s": 1.0}},
+    )
+    own = {n: 0.010 + 1e-4 * n for n in (1900, 400)}
+    async with open_stack(doc, priced=True) as stack:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stack.complete, {"prompt": " ".join(f"a{j}" for j in range(1900)), "max_tokens": 2})
+            await trio.sleep(0.1)
+            nursery.start_soon(stack.complete, {"prompt": " ".join(f"b{j}" for j in range(400)), "max_tokens": 2})
+        b = next(r for r in stack.records if r["prompt_tokens"] == 400)
+        expected = own[1900] - 0.1 + own[400]
+        assert b["ttft_s"] == pytest.approx(expected, rel=0.02)
+        assert b["attempts"][0]["predicted_ttft_s"] == pytest.approx(expected, rel=0.02)
+        assert stack.router.state.placement.head_done_s("p0") == 0.0  # nothing queued now
