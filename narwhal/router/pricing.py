@@ -24,6 +24,11 @@ When the fleet names a profiles pair whose fits bind to the engines running now
   candidate, when that capacity is a limit (``physical`` or ``tpot``); a ``measured``
   capacity is only the largest KV the sweep saw, the edge of the decode domain, and
   beyond it the consumer is priced conservatively like any point outside the domain;
+- the handoff: the client's first token comes out of the consumer after the prefill,
+  the KV pull and the consumer's next decode step, none of which the profile measures
+  per pair; the router measures it on every request (the journal's ``first_byte_s -
+  ttft_s``, a moving mean per consumer) and admission adds the chosen consumer's to
+  the producer's prediction before comparing it with the TTFT target;
 - ``controller.pricing: upper`` prices every prediction at its bootstrap upper bound
   (the profile's ``upper_factor``) instead of the point estimate;
 - an engine profiled for prefill only is never priced as a consumer.
@@ -69,7 +74,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import trio
@@ -87,6 +92,13 @@ log = logging.getLogger("narwhal.router.placement")
 #: to take at least this share of the TTFT target (queue and prefill) for a request of
 #: it, and the other producer would take less than this share once it held the prefix.
 REPLICATE_AT: Final = 0.5
+
+#: ... and the producer it is copied to would predict the prompt within this share of
+#: the target once it held the prefix (its queue now, its prefill with the hit).
+COPY_SERVES_WITHIN: Final = 0.5
+
+#: Weight of the newest request in the moving mean of a consumer's handoff time.
+HANDOFF_WEIGHT: Final = 0.1
 
 #: Starts copying a prefix to a producer: (producer, prefix token ids, model, predicted
 #: seconds of the copy's prefill); returns whether it started.
@@ -149,6 +161,9 @@ class PricedPlacement(Placement):
         self._capacity = trio.Event()
         #: Copies prefixes to producers (set while the router runs); None: never.
         self.replicate: Replicate | None = None
+        #: Per consumer, the moving mean of the handoff: a prefill's end to the first
+        #: token out of the consumer (the KV pull, the consumer's next decode step).
+        self.handoff_s: dict[str, float] = {}
         #: Producers computing a copied prefix now (one copy per producer at a time).
         self.replicating: set[str] = set()
         self._copies: dict[str, int] = {}
@@ -309,10 +324,13 @@ class PricedPlacement(Placement):
             if copy is not None:
                 self._start_copy(copy[0], prompt_ids[: copy[1]], copy[2], model)
         # A miss is a predicted miss of a target that is set (without a target, a
-        # quote's headroom only ranks: it is always negative).
-        if (self.slo.ttft_s is not None and p.headroom < 0) or (self.slo.tpot_s is not None and c.headroom < 0):
+        # quote's headroom only ranks: it is always negative). The client's first token
+        # comes after the prefill: the handoff to the consumer counts against the target.
+        handoff = self.handoff_s.get(c.engine, 0.0)
+        late = self.slo.ttft_s is not None and p.predicted_s + handoff > self.slo.ttft_s
+        if late or (self.slo.tpot_s is not None and c.headroom < 0):
             self.counters["refused"] += 1
-            raise _NoCapacity(p, c)
+            raise _NoCapacity(p, c, handoff)
         self.counters["priced"] += 1
         if c.out_of_domain:
             self.counters["out_of_domain"] += 1
@@ -350,7 +368,7 @@ class PricedPlacement(Placement):
             if held[n] >= k or n in self.replicating:
                 continue
             after = self.quote_producer(n, prompt_tokens, 0.0, k).predicted_s
-            if after < REPLICATE_AT * target and (best is None or after < best[0]):
+            if after < COPY_SERVES_WITHIN * target and (best is None or after < best[0]):
                 best = (after, n)
         return None if best is None else (best[1], k, held[best[1]])
 
@@ -384,6 +402,17 @@ class PricedPlacement(Placement):
         reservation.predicted_ttft_s = p.predicted_s if p is not None else None
         reservation.predicted_tpot_s = c.predicted_s if c is not None else None
         return reservation
+
+    def observe_handoff(self, consumer: str, seconds: float) -> None:
+        """One request's handoff: prefill done to its first token out of ``consumer``."""
+        h = self.handoff_s.get(consumer)
+        self.handoff_s[consumer] = seconds if h is None else h + HANDOFF_WEIGHT * (seconds - h)
+
+    def on_record(self, record: Mapping[str, Any]) -> None:
+        """Journal listener: the handoff of every request that got a first token."""
+        consumer, ttft, first = record.get("consumer"), record.get("ttft_s"), record.get("first_byte_s")
+        if isinstance(consumer, str) and isinstance(ttft, float) and isinstance(first, float) and first >= ttft:
+            self.observe_handoff(consumer, first - ttft)
 
     def engine_reported(self, name: str, running: int, waiting: int, own: int) -> None:
         """As :meth:`Placement.engine_reported`; requests waiting for capacity re-price
@@ -437,10 +466,13 @@ class PricedPlacement(Placement):
                 slo_deadline = deadline
                 if self.admission == "refuse" or self.clock() >= slo_deadline:
                     hit = miss.producer.cached_tokens
+                    handoff = miss.handoff_s
                     raise Refused(
-                        f"no placement meets the SLO: predicted TTFT {miss.producer.predicted_s * 1000:.1f} ms "
+                        f"no placement meets the SLO: predicted TTFT "
+                        f"{(miss.producer.predicted_s + handoff) * 1000:.1f} ms "
                         f"on {miss.producer.engine}{f' ({hit} prompt tokens cached there)' if hit else ''}, "
-                        f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}",
+                        f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}"
+                        f"{f' (TTFT with {handoff * 1000:.1f} ms of handoff to it)' if handoff else ''}",
                         retry_after_s=1.0,
                     ) from None
                 if not waited:
@@ -494,7 +526,8 @@ def best_consumer(quotes: Sequence[Quote]) -> Quote:
 
 
 class _NoCapacity(Exception):
-    def __init__(self, producer: Quote, consumer: Quote) -> None:
+    def __init__(self, producer: Quote, consumer: Quote, handoff_s: float = 0.0) -> None:
         super().__init__("no placement meets the SLO")
         self.producer = producer
         self.consumer = consumer
+        self.handoff_s = handoff_s

@@ -186,6 +186,8 @@ async def open_router(
                 prefix_watch = PrefixWatch(state)
                 await nursery.start(prefix_watch.run)
             await state.bind_profiles()
+            if isinstance(state.placement, PricedPlacement):
+                state.journal.add_listener(state.placement.on_record)
             if prefix_watch is not None and isinstance(state.placement, PricedPlacement):
                 await nursery.start(PrefixReplicator(state, state.placement).run)
             controller = None
