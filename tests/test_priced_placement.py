@@ -146,3 +146,56 @@ async def test_one_target_alone_is_enough_to_place(autojump_clock: trio.abc.Cloc
     assert resp.status_code == 200, resp.text
     [attempt] = stack.records[0]["attempts"]
     assert (attempt["producer"], attempt["consumer"]) == ("p-fast", "d-fast")
+
+
+async def test_the_queue_ahead_counts_only_what_is_left_of_the_running_prefill(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # One producer: A (0.2 s of prefill) is sent at 0; B arrives at 0.1, while A runs.
+    # B waits for the 0.1 s left of A, not for all of A: predicted and observed TTFT agree.
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"], prefill={"a": 0.010, "b": 1e-4, "c": 0.0}),
+        engine("d0", 8102, ["decode"], decode={"c0": 0.004, "c1": 0.0002, "c2": 0.0}),
+        controller={"slo": {"ttft_s": 1.0}},
+    )
+    own = {n: 0.010 + 1e-4 * n for n in (1900, 400)}
+    async with open_stack(doc, priced=True) as stack:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stack.complete, {"prompt": " ".join(f"a{j}" for j in range(1900)), "max_tokens": 2})
+            await trio.sleep(0.1)
+            nursery.start_soon(stack.complete, {"prompt": " ".join(f"b{j}" for j in range(400)), "max_tokens": 2})
+        b = next(r for r in stack.records if r["prompt_tokens"] == 400)
+        expected = own[1900] - 0.1 + own[400]
+        assert b["ttft_s"] == pytest.approx(expected, rel=0.02)
+        assert b["attempts"][0]["predicted_ttft_s"] == pytest.approx(expected, rel=0.02)
+        assert stack.router.state.placement.head_done_s("p0") == 0.0  # nothing queued now
+
+
+async def test_admission_counts_the_handoff_to_the_first_token(autojump_clock: trio.abc.Clock) -> None:
+    # The client's first token comes out of the consumer after the prefill and the KV
+    # pull (here 2.5e-4 s a token: 0.1 s for 400 tokens). A 400-token prefill takes
+    # 0.41 s, under the 0.5 s target alone, over it with the handoff the router has seen.
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"], prefill={"a": 0.010, "b": 1e-3, "c": 0.0}),
+        engine("d0", 8102, ["decode"], decode={"c0": 0.004, "c1": 0.0002, "c2": 0.0}, transfer_s_per_token=2.5e-4),
+        controller={"slo": {"ttft_s": 0.5}, "admission": "refuse"},
+    )
+
+    def words(tag: str, n: int) -> dict[str, Any]:
+        return {"prompt": " ".join(f"{tag}{j}" for j in range(n)), "max_tokens": 2}
+
+    async with open_stack(doc, priced=True) as stack:
+        placement = stack.router.state.placement
+        # Nothing seen yet: admitted, and its first token is late.
+        assert (await stack.complete(words("a", 400))).status_code == 200
+        first = stack.records[-1]
+        assert first["ttft_s"] == pytest.approx(0.41, rel=0.02) and first["first_byte_s"] > 0.5
+        assert placement.handoff_s["d0"] == pytest.approx(first["first_byte_s"] - first["ttft_s"])
+        # The same prompt again is refused, the handoff named.
+        resp = await stack.complete(words("b", 400))
+        assert resp.status_code == 503
+        message = resp.json()["error"]["message"]
+        assert re.search(r"predicted TTFT 51\d\.\d ms on p0, TPOT .* \(TTFT with 10\d\.\d ms of handoff to it\)", message)
+        # A shorter one fits with its handoff.
+        assert (await stack.complete(words("c", 300))).status_code == 200
+        assert stack.records[-1]["first_byte_s"] <= 0.5

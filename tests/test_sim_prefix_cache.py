@@ -135,6 +135,33 @@ async def test_at_least_one_prompt_token_is_computed(autojump_clock: trio.abc.Cl
         assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-llama"} 16.0' in metrics
 
 
+async def test_a_request_queued_behind_the_same_prefix_hits_it(autojump_clock: trio.abc.Clock) -> None:
+    # vLLM caches the blocks a step will compute when it schedules them (allocate_slots),
+    # not when the forward pass ends: a request scheduled behind one computing a prefix
+    # hits it. While an unrelated prefill runs, two requests sharing 160 tokens arrive:
+    # both are scheduled when it ends, and the second hits the first's 160.
+    async with one_engine(prefix_caching=True, block_size=16) as (_, engine, client):
+        shared = prompt(160, "s")
+        done: dict[str, float] = {}
+        t0 = trio.current_time()
+
+        async def send(text: str, tag: str) -> None:
+            await complete(client, text)
+            done[tag] = trio.current_time() - t0
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, prompt(200, "z"), "z")
+            await trio.sleep(0.001)
+            nursery.start_soon(send, f"{shared} {prompt(40, 'x')}", "x")
+            await trio.sleep(0.001)
+            nursery.start_soon(send, f"{shared} {prompt(40, 'y')}", "y")
+        assert engine.stats.prompt_tokens["local_cache_hit"] == 160
+        miss = PREFILL["a"] + PREFILL["b"] * 200 + PREFILL["c"] * 200**2
+        hit = PREFILL["a"] + PREFILL["b"] * 40 + PREFILL["c"] * (200**2 - 160**2)
+        assert done["x"] == pytest.approx(2 * miss, rel=0.01)
+        assert done["y"] == pytest.approx(2 * miss + hit, rel=0.01)
+
+
 async def test_usage_reports_cached_tokens_when_enabled(autojump_clock: trio.abc.Clock) -> None:
     async with one_engine(prefix_caching=True, prompt_tokens_details=True) as (_, _e, client):
         text = prompt(50)

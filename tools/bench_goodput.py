@@ -17,8 +17,10 @@ when matplotlib is installed (``pip install 'narwhal[plot]'``).
 
     python tools/bench_goodput.py --rates 4,8,12,16 --requests 200 --out runs/goodput.json
 
-``--workload shared-prefix`` runs the same fleet with prefix caching on and prompts
-that share prefixes: K prefixes (``--prefixes``) of P tokens (``--prefix-len``), chosen
+``--workload shared-prefix`` runs a prefill-bound fleet with prefix caching on
+(:data:`PREFIX_FLEET`: a fast and a slow producer whose costs are those of a
+32B-class model on an H100-class and an A100-class GPU, two consumers of the fast
+kind) and prompts that share prefixes: K prefixes (``--prefixes``) of P tokens (``--prefix-len``), chosen
 with Zipf (``--zipf-s``) or uniform popularity, each followed by 50-250 tokens of its
 own, against Narwhal hit-aware (the default), Narwhal hit-blind
 (``controller.prefix_cache: "off"``), Narwhal least-loaded and, when found,
@@ -28,7 +30,13 @@ session's history (a shared system prompt, the earlier turns and stand-ins for t
 answers) and adds 50-150 tokens; sessions start at the offered rate and a turn follows
 the previous one after an exponential think time of 1 s mean (open loop). Both report
 the producers' prefix-cache hit rate per router (``vllm:prefix_cache_hits`` over
-``vllm:prefix_cache_queries``) and the 503 count.
+``vllm:prefix_cache_queries``) beside the oracle's (:func:`oracle_hit_rate`: every
+prefix always on one producer, given the arrivals and the caches' capacity), the 503
+count, and, from each priced router's journal (``narwhal bench join``), the median
+TTFT prediction error per producer; then the issue's targets, each met or not.
+``--baseline TREE`` adds ``narwhal-today``: the priced router of another source tree
+(e.g. an export of the last release) on the same fleet and arrivals, for "no loss
+against today" on the uniform workload. ``--routers a,b`` runs a subset.
 
     python tools/bench_goodput.py --workload shared-prefix --rates 2,4,6,8 --requests 200
 
@@ -60,6 +68,8 @@ from typing import Any
 
 from proctools import free_port, start, stop, wait_http
 
+from narwhal.bench.journal import prediction_by_producer
+
 SLO = {"ttft_ms": 150, "tpot_ms": 10}
 SHARED_SLO = {"ttft_ms": 500, "tpot_ms": 50}
 PROMPT = "uniform:150:250"
@@ -67,29 +77,36 @@ OUTPUT = "uniform:20:60"
 
 
 def shared_prefix_trace(path: Path, *, rate: float, n: int, prefixes: int, prefix_len: int,
-                        zipf_s: float | None, seed: int, tag: str) -> None:  # fmt: skip
+                        zipf_s: float | None, seed: int, tag: str) -> list[tuple[str, int]]:  # fmt: skip
     """A JSON-lines trace: Poisson arrivals, a popular prefix and a tail of its own each.
 
     ``tag`` names the prefixes: another tag gives prefixes no engine has cached yet.
+    Returns each request's prompt and prefix number, in order.
     """
     rng = random.Random(seed)
     weights = [1.0 / (k + 1) ** zipf_s if zipf_s else 1.0 for k in range(prefixes)]
     heads = [" ".join(f"{tag}h{k}w{j}" for j in range(prefix_len)) for k in range(prefixes)]
     t = 0.0
+    out: list[tuple[str, int]] = []
     with path.open("w") as fh:
         for i in range(n):
             k = rng.choices(range(prefixes), weights)[0]
             tail = " ".join(f"r{i}w{j}" for j in range(rng.randint(50, 250)))
-            fh.write(json.dumps({"offset_s": t, "prompt": f"{heads[k]} {tail}", "output_len": rng.randint(20, 60)}) + "\n")
+            out.append((f"{heads[k]} {tail}", k))
+            fh.write(json.dumps({"offset_s": t, "prompt": out[-1][0], "output_len": rng.randint(20, 60)}) + "\n")
             t += rng.expovariate(rate)
+    return out
 
 
 def sessions_trace(path: Path, *, rate: float, n: int, prefixes: int, prefix_len: int, turns: int,
-                   seed: int, tag: str) -> None:  # fmt: skip
-    """Multi-turn sessions: each turn repeats the session's history and adds to it."""
+                   seed: int, tag: str) -> list[tuple[str, int]]:  # fmt: skip
+    """Multi-turn sessions: each turn repeats the session's history and adds to it.
+
+    Returns each request's prompt and its session's prefix number, in order.
+    """
     rng = random.Random(seed)
     heads = [" ".join(f"{tag}h{k}w{j}" for j in range(prefix_len)) for k in range(prefixes)]
-    lines: list[tuple[float, str, int]] = []
+    lines: list[tuple[float, str, int, int]] = []
     start, s = 0.0, 0
     while len(lines) < n:
         history, t = heads[s % prefixes], start
@@ -97,15 +114,62 @@ def sessions_trace(path: Path, *, rate: float, n: int, prefixes: int, prefix_len
             user = " ".join(f"s{s}t{turn}u{j}" for j in range(rng.randint(50, 150)))
             out = rng.randint(20, 60)
             history = f"{history} {user}"
-            lines.append((t, history, out))
+            lines.append((t, history, out, s % prefixes))
             history += " " + " ".join(f"s{s}t{turn}a{j}" for j in range(out))  # a stand-in answer
             t += rng.expovariate(1.0)
         s += 1
         start += rng.expovariate(rate)
     lines.sort(key=lambda x: x[0])
     with path.open("w") as fh:
-        for offset, prompt, out in lines[:n]:
+        for offset, prompt, out, _ in lines[:n]:
             fh.write(json.dumps({"offset_s": offset, "prompt": prompt, "output_len": out}) + "\n")
+    return [(prompt, group) for _, prompt, _, group in lines[:n]]
+
+
+def oracle_hit_rate(requests: list[tuple[str, int]], capacity_tokens: dict[str, int], block: int) -> float:
+    """The producers' prefix-cache hit rate (hit over queried prompt tokens) of the best
+    partition of prefixes over producers, given the arrivals and the caches' capacity.
+
+    The oracle sends every request of a prefix (a shared-prefix workload's head; every
+    turn of a session, by its system prompt) to the one producer that prefix is given:
+    prefixes in decreasing popularity, each to the producer with the fewest requests
+    per block of capacity given so far. Each producer caches as vLLM does (whole
+    blocks of the prompt, a request hits the longest run of its leading blocks held,
+    short of its last token; least recently used blocks go first when it is full), but
+    holds no block for a request in flight, so it keeps at least what an engine keeps:
+    no router placing on these producers can hit more than this, short of luck in the
+    engines' eviction order. Tokens are words, as on the simulated engines.
+    """
+    counts: dict[int, int] = {}
+    for _, group in requests:
+        counts[group] = counts.get(group, 0) + 1
+    given: dict[str, int] = dict.fromkeys(capacity_tokens, 0)
+    owner: dict[int, str] = {}
+    for group in sorted(counts, key=lambda g: (-counts[g], g)):
+        name = min(given, key=lambda n: (given[n] / capacity_tokens[n], n))
+        owner[group] = name
+        given[name] += counts[group]
+    caches: dict[str, dict[int, None]] = {name: {} for name in capacity_tokens}
+    hits = queries = 0
+    for prompt, group in requests:
+        words = prompt.split()
+        cache = caches[owner[group]]
+        keys: list[int] = []  # chained block keys, as the engines hash blocks
+        for i in range(len(words) // block):
+            keys.append(hash((keys[-1] if keys else 0, tuple(words[i * block:(i + 1) * block]))))
+        hit = 0
+        for key in keys[: (len(words) - 1) // block]:
+            if key not in cache:
+                break
+            hit += 1
+        hits += hit * block
+        queries += len(words)
+        for key in keys:  # most recently used last
+            cache.pop(key, None)
+            cache[key] = None
+        while len(cache) > capacity_tokens[owner[group]] // block:
+            del cache[next(iter(cache))]
+    return hits / queries if queries else 0.0
 
 
 def prefix_counters(urls: list[str]) -> tuple[float, float]:
@@ -134,14 +198,20 @@ def narwhal(*args: str) -> list[str]:
 
 
 def fleet(ports: dict[str, int], *, caching: bool = False) -> list[dict[str, Any]]:
-    def eng(name: str, role: str, prefill: dict[str, float], decode: dict[str, float]) -> dict[str, Any]:
+    """The simulated fleet: the uniform workload's (``caching`` off), or the
+    prefill-bound fleet of the shared-prefix and sessions workloads (``caching`` on)."""
+
+    def eng(name: str, role: str, prefill: dict[str, float], decode: dict[str, float],
+            **sim: Any) -> dict[str, Any]:  # fmt: skip
         return {
             "name": name, "url": f"http://127.0.0.1:{ports[name]}", "roles": [role], "model": "sim-llama",
             "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": ports[name + "-kv"]},
             "sim": {"model": "sim-llama", "prefill": prefill, "decode": decode, "noise": 0.01, "seed": len(name),
-                    "prefix_caching": caching, "prompt_tokens_details": caching},
+                    "prefix_caching": caching, "prompt_tokens_details": caching, **sim},
         }  # fmt: skip
 
+    if caching:
+        return prefix_fleet(eng)
     fast_decode = {"c0": 0.004, "c1": 0.0002, "c2": 1e-7}
     return [
         eng("p-fast", "prefill", {"a": 0.010, "b": 1e-4, "c": 0.0}, fast_decode),
@@ -149,6 +219,34 @@ def fleet(ports: dict[str, int], *, caching: bool = False) -> list[dict[str, Any
         eng("d-fast", "decode", {"a": 0.010, "b": 1e-4, "c": 0.0}, fast_decode),
         eng("d-slow", "decode", {"a": 0.010, "b": 1e-4, "c": 0.0}, {"c0": 0.012, "c1": 0.0006, "c2": 3e-7}),
     ]
+
+
+#: The prefill-bound fleet of the shared-prefix workloads, priced from the hardware: a
+#: 32B-class dense model (64 layers, hidden 5,120, 8 KV heads of 128: 64 GFLOP a
+#: prompt token, 6.6e5*L**2 FLOP of attention for L tokens, 256 KiB of bf16 KV a
+#: token), one engine a GPU of 80 GB: the weights leave about 8 GiB of KV, 32,768
+#: tokens. Prefill is compute-bound: the fast producer an H100-class GPU at ~35% of its
+#: 989 TFLOP/s dense bf16 (b = 64e9 / 346e12 = 1.85e-4 s a token), the slow one an
+#: A100-class at ~40% of 312 (b = 5.1e-4), c the attention at the same rates, a the
+#: fixed cost of a step (scheduling, launch, sampling). A 1,174-token prompt costs
+#: 245 ms on the fast producer and 640 ms on the slow one (above the 500 ms TTFT
+#: target: the slow producer meets it only with a cached prefix); with 1,024 tokens
+#: cached, 53 ms and 113 ms. Decode is memory-bound: both consumers H100-class
+#: (3.35 TB/s at ~75%: 64 GB of weights in 25 ms a step, 1e-7 s a resident KV token),
+#: so that TPOT stays well under 50 ms at the rates the producers carry (the fleet is
+#: prefill-bound). KV moves at 1e-5 s a token (256 KiB over ~25 GB/s).
+PREFIX_FLEET = {
+    "p-fast": ("prefill", {"a": 0.025, "b": 1.85e-4, "c": 1.9e-9}),
+    "p-slow": ("prefill", {"a": 0.035, "b": 5.1e-4, "c": 5.3e-9}),
+    "d-0": ("decode", {"a": 0.025, "b": 1.85e-4, "c": 1.9e-9}),
+    "d-1": ("decode", {"a": 0.025, "b": 1.85e-4, "c": 1.9e-9}),
+}
+PREFIX_DECODE = {"c0": 0.025, "c1": 1.5e-4, "c2": 1e-7}
+
+
+def prefix_fleet(eng: Any) -> list[dict[str, Any]]:
+    return [eng(name, role, prefill, PREFIX_DECODE, kv_capacity_tokens=32768, transfer_s_per_token=1e-5)
+            for name, (role, prefill) in PREFIX_FLEET.items()]  # fmt: skip
 
 
 def bench(urls: list[str], rate: float, n: int, out: Path, *, slo: dict[str, int],
@@ -165,6 +263,79 @@ def bench(urls: list[str], rate: float, n: int, out: Path, *, slo: dict[str, int
     )  # fmt: skip
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     return summary
+
+
+def refusals(results: Path, errors: dict[str, dict[str, Any]], slo_ms: dict[str, int]) -> list[dict[str, Any]]:
+    """The refused requests of one run: the prediction each names, how far over its
+    target it was (``margin``, a share of the target) and the router's median TTFT
+    prediction error on that producer (``error``)."""
+    out = []
+    for line in (results / "results.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("terminal_class") != "refused":
+            continue
+        message = (rec.get("error") or {}).get("message") or ""
+        m = re.search(r"predicted TTFT ([\d.]+) ms on (\S+?)[ ,].*TPOT ([\d.]+) ms", message)
+        if m is None:
+            out.append({"message": message, "margin": 0.0, "error": 0.0})
+            continue
+        ttft, producer, tpot = float(m[1]), m[2], float(m[3])
+        margin = max(ttft / slo_ms["ttft_ms"], tpot / slo_ms["tpot_ms"]) - 1.0
+        err = (errors.get(producer) or {}).get("ttft_error", {}).get("p50") or 0.0
+        out.append({"message": message, "margin": margin, "error": err})
+    return out
+
+
+def targets_met(routers: dict[str, Any], errors: dict[str, dict[str, dict[str, Any]]], rates: list[float], *,
+                shared: bool, oracle: dict[float, float], lead: str, slo_ms: dict[str, int]) -> dict[str, Any]:  # fmt: skip
+    """Print and return the issue's targets, each with its figures and whether it is met."""
+    out: dict[str, Any] = {}
+    print("\ntargets:")
+    if lead not in routers:
+        return out
+    points = routers[lead]["points"]
+    g = routers[lead]["goodput_at_90"]
+
+    def show(key: str, met: bool | None, text: str) -> None:
+        out[key] = {"met": met, "detail": text}
+        print(f"  [{'met' if met else 'NOT met' if met is not None else 'n/a'}] {key}: {text}")
+
+    if shared:
+        ca = routers.get("vllm-router-cache-aware")
+        if ca is not None:
+            base = ca["goodput_at_90"]
+            show("goodput >= 2x vllm-router cache_aware", (base > 0 and g >= 2 * base) or (base == 0 and g > 0),
+                 f"{g:.2f} vs {base:.2f} req/s" + (f" (x{g / base:.2f})" if base else ""))
+        measured = [p["prefix_hit_rate"] for p in points if p["prefix_hit_rate"] is not None]
+        best = [oracle[p["rate"]] for p in points if p["prefix_hit_rate"] is not None and p["rate"] in oracle]
+        if measured and best:
+            m, b = sum(measured) / len(measured), sum(best) / len(best)
+            show("hit rate within 10% of the best partition", m >= 0.9 * b,
+                 f"{m:.3f} vs oracle {b:.3f} (x{m / b:.3f}), mean over rates")
+        limit = next((p["rate"] for p in points if p["attainment"] < 0.9), None)
+        early = [p for p in points if limit is None or p["rate"] < limit]
+        refused = sum(p["by_class"].get("refused", 0) for p in early)
+        # A refusal names its predicted TTFT: one predicted over the target by less than
+        # the router's median prediction error on that producer may have been a success.
+        doubtful = [r for p in early for r in refusals(Path(p["results"]), errors.get(lead, {}), slo_ms)
+                    if r["margin"] <= r["error"]]  # fmt: skip
+        show("no 503 below the rate where the SLO is really exceeded", not doubtful,
+             f"{refused} refused below {f'{limit:g}/s' if limit is not None else 'the highest rate run'} "
+             "(the lowest rate where the hit-aware router's attainment fell below 0.9), "
+             f"{len(doubtful)} of them predicted over the target by no more than the median prediction error")
+    else:
+        for other in ("narwhal-today", "narwhal-hit-blind"):
+            if other in routers:
+                o = routers[other]["goodput_at_90"]
+                show(f"no loss against {other}", g >= 0.9 * o, f"{g:.2f} vs {o:.2f} req/s goodput at 90% "
+                     "(met: within 10%, the run-to-run noise of one point)")
+    worst = [(e["ttft_error"]["p50"], producer) for producer, e in errors.get(lead, {}).items()
+             if e["ttft_error"].get("n")]  # fmt: skip
+    if worst:
+        err = max(worst)[0]
+        show("median TTFT prediction error <= 15% per engine", err <= 0.15,
+             ", ".join(f"{p} {e:.3f}" for e, p in sorted(worst, key=lambda x: x[1])))
+    return out
 
 
 def main() -> int:
@@ -184,6 +355,10 @@ def main() -> int:
                         help="the replicas' engine load poll period, seconds (--replicas)")
     parser.add_argument("--profile-repeats", type=int, default=3,
                         help="narwhal profile --repeats (more on a noisy machine)")
+    parser.add_argument("--baseline", metavar="TREE",
+                        help="also run the priced router of another source tree (e.g. a checkout of the last "
+                             "release) as narwhal-today, same fleet and arrivals")
+    parser.add_argument("--routers", help="comma-separated subset of the routers to run (default: all)")
     args = parser.parse_args()
     if args.replicas == 1 or args.replicas < 0 or (args.replicas and args.workload != "uniform"):
         parser.error("--replicas takes N >= 2, with the uniform workload")
@@ -192,10 +367,12 @@ def main() -> int:
     slo_ms = SHARED_SLO if shared else SLO
     vr = args.vllm_router or shutil.which("vllm-router")
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-goodput-"))
-    names = ["p-fast", "p-slow", "d-fast", "d-slow"]
+    names = list(PREFIX_FLEET) if shared else ["p-fast", "p-slow", "d-fast", "d-slow"]
     ports = {k: free_port() for k in [*names, *(n + "-kv" for n in names), "priced", "least", "vr", "a1", "a2",
                                       "blind", "a3", "vrc"]}  # fmt: skip
     engines = fleet(ports, caching=shared)
+    producer_engines = [e for e in engines if e["roles"] == ["prefill"]]
+    consumer_engines = [e for e in engines if e["roles"] == ["decode"]]
     (tmp / "sim.json").write_text(json.dumps({"engines": engines}))
     plain = [{k: v for k, v in e.items() if k != "sim"} for e in engines]
     base = {"engines": plain, "engine": {"first_token_timeout_s": 30, "decode_read_timeout_s": 30}}
@@ -219,7 +396,9 @@ def main() -> int:
         print("profiling the fleet (narwhal profile) ...", file=sys.stderr, flush=True)
         profiled = subprocess.run(
             narwhal("profile", "--fleet", str(router_doc(ports["least"], ports["a2"], "profile")),
-                    "--prefill-lens", "64,128,256,512", "--decode-input-lens", "128,512", "--decode-concurrency", "1,4,8",
+                    "--prefill-lens", "128,512,1024,1536" if shared else "64,128,256,512",
+                    "--decode-input-lens", "512,1024" if shared else "128,512",
+                    "--decode-concurrency", "1,8,24" if shared else "1,4,8",
                     "--repeats", str(args.profile_repeats), "--out", str(profiles), "--quiet"),
             check=False, capture_output=True, text=True,
         )  # fmt: skip
@@ -251,25 +430,42 @@ def main() -> int:
                                    controller={"slo": slo, "admission": "refuse", "prefix_cache": "off"})  # fmt: skip
             targets = {"narwhal-hit-aware": targets.pop("narwhal-priced"),
                        "narwhal-hit-blind": [(blind_doc, ports["blind"])], **targets}  # fmt: skip
+        if args.baseline and not args.replicas:
+            port = free_port()
+            targets["narwhal-today"] = [(router_doc(port, free_port(), "today", profiles={"path": str(profiles)},
+                                                   controller={"slo": slo, "admission": "refuse"}), port)]  # fmt: skip
+        journals = {"narwhal-hit-aware": tmp / "priced", "narwhal-priced": tmp / "priced",
+                    "narwhal-hit-blind": tmp / "blind", "narwhal-today": tmp / "today"}  # fmt: skip
+        chosen = set(args.routers.split(",")) if args.routers else None
+        if chosen is not None:
+            targets = {k: v for k, v in targets.items() if k in chosen}
         for name, processes in targets.items():
             for i, (doc, port) in enumerate(processes):
-                procs.append(start(narwhal("serve", "--fleet", str(doc)), tmp / f"{name}-{i}.log"))
+                serve = narwhal("serve", "--fleet", str(doc))
+                if name == "narwhal-today":  # the other tree's narwhal, in a fresh interpreter
+                    serve = ["env", f"PYTHONPATH={Path(args.baseline).resolve()}", *serve]
+                procs.append(start(serve, tmp / f"{name}-{i}.log"))
                 wait_http(f"http://127.0.0.1:{port}/health")
         urls = {name: [f"http://127.0.0.1:{port}" for _, port in processes] for name, processes in targets.items()}
         policies = {"vllm-router": ("round_robin", "vr")}
         if shared:
             policies = {"vllm-router-rr": ("round_robin", "vr"), "vllm-router-cache-aware": ("cache_aware", "vrc")}
+        if chosen is not None:
+            policies = {k: v for k, v in policies.items() if k in chosen}
         for label, (policy, key) in policies.items() if vr and not args.replicas else ():
             cmd = [vr, "--vllm-pd-disaggregation", "--policy", policy, "--host", "127.0.0.1",
                    "--port", str(ports[key]), "--prometheus-port", str(free_port())]  # fmt: skip
-            for p in engines[:2]:
+            for p in producer_engines:
                 cmd += ["--prefill", p["url"]]
-            for d in engines[2:]:
+            for d in consumer_engines:
                 cmd += ["--decode", d["url"]]
             procs.append(start(cmd, tmp / f"{label}.log"))
             wait_http(f"http://127.0.0.1:{ports[key]}/health")
             urls[label] = [f"http://127.0.0.1:{ports[key]}"]
-        producers = [e["url"] for e in engines[:2]]
+        producers = [e["url"] for e in producer_engines]
+        capacity = {e["name"]: e["sim"].get("kv_capacity_tokens", 262144) for e in producer_engines}
+        block = 16
+        oracle: dict[float, float] = {}
         for rate in rates:
             for name, url in urls.items():  # url: one, or the replicas (round robin)
                 trace = None
@@ -279,8 +475,10 @@ def main() -> int:
                     trace = tmp / f"{name}-{rate:g}.trace.jsonl"
                     make = shared_prefix_trace if args.workload == "shared-prefix" else sessions_trace
                     extra = {"zipf_s": args.zipf_s or None} if make is shared_prefix_trace else {"turns": args.turns}
-                    make(trace, rate=rate, n=args.requests, prefixes=args.prefixes, prefix_len=args.prefix_len,
-                         seed=int(rate * 1000), tag=f"{len(results.get(name, []))}{name.replace('-', '')}", **extra)
+                    requests = make(trace, rate=rate, n=args.requests, prefixes=args.prefixes,
+                                    prefix_len=args.prefix_len, seed=int(rate * 1000),
+                                    tag=f"{len(results.get(name, []))}{name.replace('-', '')}", **extra)  # fmt: skip
+                    oracle.setdefault(rate, oracle_hit_rate(requests, capacity, block))
                 before = prefix_counters(producers) if shared else (0.0, 0.0)
                 summary = bench(url, rate, args.requests, tmp / f"{name}-{rate:g}", slo=slo_ms, trace=trace)
                 after = prefix_counters(producers) if shared else (0.0, 0.0)
@@ -290,7 +488,8 @@ def main() -> int:
                 by_class = summary["counts"]["by_class"]
                 results.setdefault(name, []).append(
                     {"rate": rate, "attainment": both["ratio"], "goodput_rps": summary["goodput_rps"],
-                     "by_class": by_class, "prefix_hit_rate": hit_rate}
+                     "by_class": by_class, "prefix_hit_rate": hit_rate, "oracle_hit_rate": oracle.get(rate),
+                     "results": str(tmp / f"{name}-{rate:g}")}
                 )  # fmt: skip
                 hits = f"  hit rate {hit_rate:.3f}" if hit_rate is not None else ""
                 print(f"  {name:<24} rate {rate:>5g}/s  attainment {both['ratio']:.3f}{hits}  "
@@ -299,28 +498,57 @@ def main() -> int:
         for proc in reversed(procs):
             stop(proc)
 
+    # TTFT prediction error per producer, from each priced router's journal (the
+    # journals are complete once the routers stopped).
+    errors: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, points in results.items():
+        journal = journals.get(name)
+        if journal is None or not journal.exists():
+            continue
+        rows: list[dict[str, Any]] = []
+        for point in points:
+            joined = subprocess.run(narwhal("bench", "join", "--results", point["results"], "--journal", str(journal)),
+                                    check=False, capture_output=True)  # fmt: skip
+            path = Path(point["results"]) / "join.jsonl"
+            if joined.returncode == 0 and path.exists():
+                lines = path.read_text().splitlines()
+                rows += [r for r in map(json.loads, lines) if r["client_class"] == "ok" and r["router_class"] == "ok"]
+        errors[name] = prediction_by_producer(rows)
+
     prompt = PROMPT if not shared else (
         f"{args.workload}: {args.prefixes} prefixes of {args.prefix_len} tokens"
         + (f", zipf s={args.zipf_s}" if args.workload == "shared-prefix" and args.zipf_s else "")
         + (f", {args.turns} turns" if args.workload == "sessions" else ", tails uniform:50:250")
     )
-    report: dict[str, Any] = {"slo": slo_ms, "workload": args.workload, "prompt": prompt, "output": OUTPUT,
+    report: dict[str, Any] = {"slo": slo_ms, "fleet": {e["name"]: e["sim"] for e in engines}, "workload": args.workload, "prompt": prompt, "output": OUTPUT,
                               "requests_per_point": args.requests,
                               "machine": {"cpus": os.cpu_count(), "load_average_1m": [load_before, os.getloadavg()[0]]},
                               "routers": {}}  # fmt: skip
     print(f"\nSLO: TTFT {slo_ms['ttft_ms']} ms, TPOT {slo_ms['tpot_ms']} ms; prompts {prompt}, outputs {OUTPUT}; "
           f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} CPUs)\n")
     print(f"{'router':<26}" + "".join(f"{r:>9g}/s" for r in rates) + "   goodput@90%" + ("   hit rate   503s" if shared else ""))
+    if shared:
+        print(f"{'(oracle hit rate)':<26}" + "".join(f"{oracle.get(r, 0):>11.3f}" for r in rates))
     for name, points in results.items():
         ok = [p for p in points if p["attainment"] >= 0.9]
         goodput = max((p["rate"] * p["attainment"] for p in ok), default=0.0)
-        report["routers"][name] = {"points": points, "goodput_at_90": goodput}
+        report["routers"][name] = {"points": points, "goodput_at_90": goodput, "ttft_error_by_producer": errors.get(name)}
         line = f"{name:<26}" + "".join(f"{p['attainment']:>11.3f}" for p in points) + f"   {goodput:.2f} req/s"
         if shared:
             rates_hit = [p["prefix_hit_rate"] for p in points if p["prefix_hit_rate"] is not None]
             refused = sum(p["by_class"].get("refused", 0) for p in points)
             line += f"   {sum(rates_hit) / len(rates_hit) if rates_hit else 0:.3f}   {refused}"
         print(line)
+        if shared:
+            print(f"{'  hit rate':<26}" + "".join(f"{p['prefix_hit_rate'] or 0:>11.3f}" for p in points))
+        print(f"{'  503s':<26}" + "".join(f"{p['by_class'].get('refused', 0):>11d}" for p in points))
+    print("\nTTFT prediction error per producer (|predicted - observed| / observed, router TTFT, successes):")
+    for name, by_producer in errors.items():
+        for producer, e in by_producer.items():
+            err = e["ttft_error"]
+            if err.get("n"):
+                print(f"  {name:<24} {producer:<8} n {err['n']:>5}  median {err['p50']:.3f}  p90 {err['p90']:.3f}"
+                      f"  cached tokens predicted {e['cached_tokens_predicted']} reported {e['cached_tokens_reported']}")
     routers = report["routers"]
     if args.replicas:
         report["replicas"] = {"n": args.replicas, "poll_s": args.poll}
@@ -342,6 +570,7 @@ def main() -> int:
                 print(f"{lead} / {other}: x{g / routers[other]['goodput_at_90']:.2f}")
             elif other in routers:
                 print(f"{lead} / {other}: {other} never reached 90% attainment")
+    report["targets"] = targets_met(routers, errors, rates, shared=shared, oracle=oracle, lead=lead, slo_ms=slo_ms)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

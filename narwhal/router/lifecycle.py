@@ -303,7 +303,7 @@ class RequestLifecycle:
         try:
             reservation = await state.placement.acquire(
                 self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline,
-                elapsed_s=placed_at - self.arrival, cached=cached, model=self.record.model,
+                elapsed_s=placed_at - self.arrival, cached=cached, model=self.record.model, prompt_ids=ids,
             )  # fmt: skip
         finally:
             attempt.placement_wait_s = state.clock() - placed_at
@@ -352,6 +352,13 @@ class RequestLifecycle:
         handoff_start = state.clock()
         handoff_deadline = handoff_start + cfg.handoff.max_age_s
         self._holder = reservation.producer
+        prompt = self.prompt
+        assert prompt is not None  # counted before the first attempt
+        ids = prompt.ids
+        if ids is not None:
+            # The producer caches the prompt's blocks when it schedules it, before computing
+            # them (vLLM's allocate_slots): a prompt queued behind this one hits them.
+            state.prefix.placed(reservation.producer, ids)
         with trio.CancelScope(deadline=handoff_deadline) as scope:
             state.in_flight_by_engine[reservation.producer] += 1
             try:
@@ -372,14 +379,8 @@ class RequestLifecycle:
         prefill_done = state.clock()
         reservation.release_prefill()
         attempt.cached_tokens = prefill.cached_tokens
-        prompt = self.prompt
-        assert prompt is not None  # counted before the first attempt
-        ids = prompt.ids
-        if ids is not None:
-            # Both engines now hold the prompt's blocks (a consumer caches what it pulls).
-            state.prefix.placed(reservation.producer, ids)
-            if not same_worker:
-                state.prefix.placed(reservation.consumer, ids)
+        if ids is not None and not same_worker:
+            state.prefix.placed(reservation.consumer, ids)  # a consumer caches what it pulls
         counted = prefill.prompt_tokens
         if counted is not None and counted > 0:
             if not prompt.exact:

@@ -330,8 +330,10 @@ class Placement:
         elapsed_s: float = 0.0,
         cached: Callable[[str], int] | None = None,
         model: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> Reservation:
-        """Reserve a pair serving ``model`` (least-loaded placement never waits; it ignores ``cached``).
+        """Reserve a pair serving ``model`` (least-loaded placement never waits; it ignores
+        ``cached`` and ``prompt_ids``).
 
         Cancellation is honoured here, but it does not yield to the scheduler: the
         request's next step is engine I/O, which does (a pass of the run loop per

@@ -4,8 +4,10 @@ When the fleet names a profiles pair whose fits bind to the engines running now
 (Gate F), each candidate is priced from its profile:
 
 - producer: predicted TTFT = the predicted prefill time of the prompts already
-  reserved on it (they run before this one) + this prompt's own prefill, times the
-  engine's correction factor (reactive control keeps it). The own prefill is the
+  reserved on it (they run before this one, in order), less the part of the oldest
+  one's already done (it started when it was sent or when the prefill before it
+  ended, whichever came last), + this prompt's own prefill, times the engine's
+  correction factor (reactive control keeps it). The own prefill is the
   fitted TTFT curve at the prompt's length L; where the router's prefix index says
   the producer holds the prompt's first k tokens, it is the curve's price of the
   uncached part: the profile's cached-prefix model ``a + b*(L-k) + c*(L**2 - k**2) +
@@ -22,9 +24,24 @@ When the fleet names a profiles pair whose fits bind to the engines running now
   candidate, when that capacity is a limit (``physical`` or ``tpot``); a ``measured``
   capacity is only the largest KV the sweep saw, the edge of the decode domain, and
   beyond it the consumer is priced conservatively like any point outside the domain;
+- the handoff: the client's first token comes out of the consumer after the prefill,
+  the KV pull and the consumer's next decode step, none of which the profile measures
+  per pair; the router measures it on every request (the journal's ``first_byte_s -
+  ttft_s``, a moving mean per consumer) and admission adds the chosen consumer's to
+  the producer's prediction before comparing it with the TTFT target;
 - ``controller.pricing: upper`` prices every prediction at its bootstrap upper bound
   (the profile's ``upper_factor``) instead of the point estimate;
 - an engine profiled for prefill only is never priced as a consumer.
+
+A prefix held only where a request of it queues is copied to another producer (see
+:meth:`PricedPlacement.replication`): when the producers holding most of a prompt are
+predicted to spend at least half the TTFT target on it (:data:`REPLICATE_AT`) and
+another producer would serve the prompt within that half once it held the prefix, the
+router has that producer compute the prefix in the background (a one-token request of
+the prefix alone, :mod:`narwhal.router.replicate`), priced into its queue like any
+prefill. Without it a producer whose miss cannot meet the TTFT target (a slow one, a
+long shared prefix) would never be given a request of a prefix it lacks, and would
+stay idle while the producers holding the prefixes saturate.
 
 Among consumers predicted equal (TPOT within 1 %), the one whose own prefix cache holds
 most of the prompt wins: it pulls fewer blocks from the producer (see
@@ -53,10 +70,11 @@ fallback is counted and reported.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import trio
@@ -66,9 +84,25 @@ from narwhal.errors import Refused
 from narwhal.profile.store import EngineProfile
 from narwhal.router.placement import Placement, Reservation
 
-__all__ = ["CONSUMER_TIE", "PricedPlacement", "Quote", "best_consumer"]
+__all__ = ["CONSUMER_TIE", "REPLICATE_AT", "PricedPlacement", "Quote", "Replicate", "best_consumer"]
 
 log = logging.getLogger("narwhal.router.placement")
+
+#: A prefix is copied to another producer when the best producer holding it is predicted
+#: to take at least this share of the TTFT target (queue and prefill) for a request of
+#: it, and the other producer would take less than this share once it held the prefix.
+REPLICATE_AT: Final = 0.5
+
+#: ... and the producer it is copied to would predict the prompt within this share of
+#: the target once it held the prefix (its queue now, its prefill with the hit).
+COPY_SERVES_WITHIN: Final = 0.5
+
+#: Weight of the newest request in the moving mean of a consumer's handoff time.
+HANDOFF_WEIGHT: Final = 0.1
+
+#: Starts copying a prefix to a producer: (producer, prefix token ids, model, predicted
+#: seconds of the copy's prefill); returns whether it started.
+Replicate = Callable[[str, Sequence[int], "str | None", float], bool]
 
 
 @attrs.frozen
@@ -116,9 +150,23 @@ class PricedPlacement(Placement):
         self.tpot_correction: dict[str, float] = dict.fromkeys(self.loads, 1.0)
         #: Predicted prefill seconds reserved per producer (the queue ahead of a new one).
         self.prefill_work_s: dict[str, float] = dict.fromkeys(self.loads, 0.0)
+        #: Per producer, its reserved prefills in the order they were placed: key ->
+        #: (predicted seconds, when placed); and when its last prefill ended.
+        self._prefills: dict[str, dict[int, tuple[float, float]]] = {n: {} for n in self.loads}
+        self._last_done: dict[str, float] = {}
+        self._keys = itertools.count()
         self.unbound: dict[str, str] = {}
-        self.counters = {"priced": 0, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0}
+        self.counters = {"priced": 0, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0,
+                         "replicated": 0}  # fmt: skip
         self._capacity = trio.Event()
+        #: Copies prefixes to producers (set while the router runs); None: never.
+        self.replicate: Replicate | None = None
+        #: Per consumer, the moving mean of the handoff: a prefill's end to the first
+        #: token out of the consumer (the KV pull, the consumer's next decode step).
+        self.handoff_s: dict[str, float] = {}
+        #: Producers computing a copied prefix now (one copy per producer at a time).
+        self.replicating: set[str] = set()
+        self._copies: dict[str, int] = {}
 
     # ----------------------------------------------------------------- prices
 
@@ -149,10 +197,21 @@ class PricedPlacement(Placement):
     ) -> Quote:
         """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
         own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
-        queue = self.prefill_work_s[name] + self.others_prefill_s(name)
+        queue = self.prefill_work_s[name] - self.head_done_s(name) + self.others_prefill_s(name)
         predicted = elapsed_s + (queue + own) * self.ttft_correction[name]
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s),
                      cached_tokens=cached_tokens, own_s=own)  # fmt: skip
+
+    def head_done_s(self, name: str) -> float:
+        """Predicted seconds already done of the oldest prefill reserved on ``name``: it
+        started when it was placed or when the prefill before it ended, whichever came
+        last (an engine runs its prefills in order), and is never counted done."""
+        queued = self._prefills.get(name)
+        if not queued:
+            return 0.0
+        work, placed_at = next(iter(queued.values()))
+        started = max(placed_at, self._last_done.get(name, placed_at))
+        return min(max(self.clock() - started, 0.0), work)
 
     def others_prefill_s(self, name: str) -> float:
         """Predicted prefill seconds of the prompts others queued on ``name``."""
@@ -244,12 +303,15 @@ class PricedPlacement(Placement):
         elapsed_s: float = 0.0,
         cached: Callable[[str], int] | None = None,
         model: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> Reservation:
         """Reserve the best pair serving ``model`` now; raise ``_NoCapacity`` when none meets the SLO.
 
         ``elapsed_s`` is the time the request has spent in the router already (token
         counting, earlier placement waits): it counts against the TTFT target.
-        ``cached`` says how many leading prompt tokens an engine's cache holds.
+        ``cached`` says how many leading prompt tokens an engine's cache holds;
+        ``prompt_ids`` (the prompt's token ids) lets a busy prefix be copied to another
+        producer (:meth:`replication`).
         """
         quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s, cached, model)
         if quotes is None:
@@ -257,16 +319,75 @@ class PricedPlacement(Placement):
             reservation = super().choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
             return self._reserve(reservation, prompt_tokens, None, None)
         p, c = quotes
+        if prompt_ids is not None and cached is not None and self.replicate is not None:
+            copy = self.replication(prompt_tokens, cached, model)
+            if copy is not None:
+                self._start_copy(copy[0], prompt_ids[: copy[1]], copy[2], model)
         # A miss is a predicted miss of a target that is set (without a target, a
-        # quote's headroom only ranks: it is always negative).
-        if (self.slo.ttft_s is not None and p.headroom < 0) or (self.slo.tpot_s is not None and c.headroom < 0):
+        # quote's headroom only ranks: it is always negative). The client's first token
+        # comes after the prefill: the handoff to the consumer counts against the target.
+        handoff = self.handoff_s.get(c.engine, 0.0)
+        late = self.slo.ttft_s is not None and p.predicted_s + handoff > self.slo.ttft_s
+        if late or (self.slo.tpot_s is not None and c.headroom < 0):
             self.counters["refused"] += 1
-            raise _NoCapacity(p, c)
+            raise _NoCapacity(p, c, handoff)
         self.counters["priced"] += 1
         if c.out_of_domain:
             self.counters["out_of_domain"] += 1
         reservation = Reservation(self, p.engine, c.engine, prompt_tokens, prompt_tokens + max_tokens)
         return self._reserve(reservation, prompt_tokens, p, c)
+
+    def replication(
+        self, prompt_tokens: int, cached: Callable[[str], int], model: str | None = None
+    ) -> tuple[str, int, int] | None:
+        """The producer to copy this prompt's cached prefix to, the prefix's length in
+        tokens and how much of it that producer holds already; None when no copy is due.
+
+        Due when the prompt's longest cached prefix (k tokens, at least half the prompt)
+        is held only by producers whose best predicted TTFT for the prompt is at least
+        :data:`REPLICATE_AT` of the target, and another producer that lacks it, copies
+        nothing now, and would then predict the prompt (its queue now, plus its prefill
+        with k cached) within that share. The copy itself is not in that prediction: it
+        runs behind the producer's queued prefills and before the ones placed after it,
+        which are priced with it (:meth:`_start_copy` reserves it).
+        """
+        target = self.slo.ttft_s
+        if target is None:
+            return None
+        names = self._priced_candidates(self.prefill_engines, frozenset(), model)
+        held = {n: cached(n) for n in names}
+        k = max(held.values(), default=0)
+        if k <= 0 or 2 * k < prompt_tokens:
+            return None
+        holders = [n for n in names if held[n] >= k]
+        busy = min(self.quote_producer(n, prompt_tokens, 0.0, k).predicted_s for n in holders)
+        if busy < REPLICATE_AT * target:
+            return None
+        best: tuple[float, str] | None = None
+        for n in names:
+            if held[n] >= k or n in self.replicating:
+                continue
+            after = self.quote_producer(n, prompt_tokens, 0.0, k).predicted_s
+            if after < COPY_SERVES_WITHIN * target and (best is None or after < best[0]):
+                best = (after, n)
+        return None if best is None else (best[1], k, held[best[1]])
+
+    def _start_copy(self, producer: str, ids: Sequence[int], held: int, model: str | None) -> None:
+        """Copy prefix ``ids`` (``held`` of its tokens cached there) to ``producer``; its
+        prefill is reserved there until :meth:`copied`."""
+        assert self.replicate is not None
+        work = self.prefill_s(producer, len(ids), held)
+        if self.replicate(producer, ids, model, work):
+            self.replicating.add(producer)
+            self.counters["replicated"] += 1
+            self._copies[producer] = self._add_work(producer, work)
+
+    def copied(self, producer: str, work_s: float) -> None:
+        """The copy of a prefix to ``producer`` ended (done or failed): release its work."""
+        self.replicating.discard(producer)
+        key = self._copies.pop(producer, None)
+        if key is not None:
+            self._release_work(producer, work_s, key)
 
     def _reserve(self, reservation: Reservation, prompt_tokens: int, p: Quote | None, c: Quote | None) -> Reservation:
         producer = reservation.producer
@@ -275,12 +396,23 @@ class PricedPlacement(Placement):
             reservation.predicted_cached_tokens = p.cached_tokens
         else:
             work = self._ttft(self.profiles[producer], prompt_tokens) if producer in self.profiles else 0.0
-        self.prefill_work_s[producer] += work
-        reservation.on_release_prefill = lambda: self._release_work(producer, work)
+        key = self._add_work(producer, work)
+        reservation.on_release_prefill = lambda: self._release_work(producer, work, key)
         reservation.on_release_decode = self._capacity_changed
         reservation.predicted_ttft_s = p.predicted_s if p is not None else None
         reservation.predicted_tpot_s = c.predicted_s if c is not None else None
         return reservation
+
+    def observe_handoff(self, consumer: str, seconds: float) -> None:
+        """One request's handoff: prefill done to its first token out of ``consumer``."""
+        h = self.handoff_s.get(consumer)
+        self.handoff_s[consumer] = seconds if h is None else h + HANDOFF_WEIGHT * (seconds - h)
+
+    def on_record(self, record: Mapping[str, Any]) -> None:
+        """Journal listener: the handoff of every request that got a first token."""
+        consumer, ttft, first = record.get("consumer"), record.get("ttft_s"), record.get("first_byte_s")
+        if isinstance(consumer, str) and isinstance(ttft, float) and isinstance(first, float) and first >= ttft:
+            self.observe_handoff(consumer, first - ttft)
 
     def engine_reported(self, name: str, running: int, waiting: int, own: int) -> None:
         """As :meth:`Placement.engine_reported`; requests waiting for capacity re-price
@@ -291,8 +423,19 @@ class PricedPlacement(Placement):
         if load is not None and load.others < before:
             self._capacity_changed()
 
-    def _release_work(self, producer: str, work: float) -> None:
-        self.prefill_work_s[producer] = max(0.0, self.prefill_work_s[producer] - work)
+    def _add_work(self, producer: str, work: float) -> int:
+        """Reserve ``work`` predicted prefill seconds on ``producer``, behind its queue."""
+        key = next(self._keys)
+        self.prefill_work_s[producer] += work
+        self._prefills.setdefault(producer, {})[key] = (work, self.clock())
+        return key
+
+    def _release_work(self, producer: str, work: float, key: int) -> None:
+        if producer in self.prefill_work_s:
+            self.prefill_work_s[producer] = max(0.0, self.prefill_work_s[producer] - work)
+        queued = self._prefills.get(producer)
+        if queued is not None and queued.pop(key, None) is not None:
+            self._last_done[producer] = self.clock()
         self._capacity_changed()
 
     def _capacity_changed(self) -> None:
@@ -309,6 +452,7 @@ class PricedPlacement(Placement):
         elapsed_s: float = 0.0,
         cached: Callable[[str], int] | None = None,
         model: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` predicted to meet the SLO, waiting for capacity
         (admission ``wait``)."""
@@ -316,16 +460,19 @@ class PricedPlacement(Placement):
         start = self.clock()
         while True:
             try:
-                return self.choose(prompt_tokens, max_tokens, avoid=avoid,
-                                   elapsed_s=elapsed_s + self.clock() - start, cached=cached, model=model)  # fmt: skip
+                return self.choose(prompt_tokens, max_tokens, avoid=avoid, elapsed_s=elapsed_s + self.clock() - start,
+                                   cached=cached, model=model, prompt_ids=prompt_ids)  # fmt: skip
             except _NoCapacity as miss:
                 slo_deadline = deadline
                 if self.admission == "refuse" or self.clock() >= slo_deadline:
                     hit = miss.producer.cached_tokens
+                    handoff = miss.handoff_s
                     raise Refused(
-                        f"no placement meets the SLO: predicted TTFT {miss.producer.predicted_s * 1000:.1f} ms "
+                        f"no placement meets the SLO: predicted TTFT "
+                        f"{(miss.producer.predicted_s + handoff) * 1000:.1f} ms "
                         f"on {miss.producer.engine}{f' ({hit} prompt tokens cached there)' if hit else ''}, "
-                        f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}",
+                        f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}"
+                        f"{f' (TTFT with {handoff * 1000:.1f} ms of handoff to it)' if handoff else ''}",
                         retry_after_s=1.0,
                     ) from None
                 if not waited:
@@ -345,10 +492,12 @@ class PricedPlacement(Placement):
         self.ttft_correction.setdefault(name, 1.0)
         self.tpot_correction.setdefault(name, 1.0)
         self.prefill_work_s.setdefault(name, 0.0)
+        self._prefills.setdefault(name, {})
 
     def remove_engine(self, name: str) -> None:
         super().remove_engine(name)
-        for table in (self.ttft_correction, self.tpot_correction, self.prefill_work_s, self.profiles, self.unbound):
+        for table in (self.ttft_correction, self.tpot_correction, self.prefill_work_s, self.profiles, self.unbound,
+                      self._prefills, self._last_done):  # fmt: skip
             table.pop(name, None)
 
 
@@ -377,7 +526,8 @@ def best_consumer(quotes: Sequence[Quote]) -> Quote:
 
 
 class _NoCapacity(Exception):
-    def __init__(self, producer: Quote, consumer: Quote) -> None:
+    def __init__(self, producer: Quote, consumer: Quote, handoff_s: float = 0.0) -> None:
         super().__init__("no placement meets the SLO")
         self.producer = producer
         self.consumer = consumer
+        self.handoff_s = handoff_s

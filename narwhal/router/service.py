@@ -27,6 +27,7 @@ from narwhal.router.metrics import RouterMetrics
 from narwhal.router.prefixwatch import PrefixWatch
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import probe_at_start, run_probes
+from narwhal.router.replicate import PrefixReplicator
 from narwhal.router.state import RouterState
 
 __all__ = ["Prepare", "Router", "open_router"]
@@ -185,6 +186,10 @@ async def open_router(
                 prefix_watch = PrefixWatch(state, publish=events.publish)
                 await nursery.start(prefix_watch.run)
             await state.bind_profiles()
+            if isinstance(state.placement, PricedPlacement):
+                state.journal.add_listener(state.placement.on_record)
+            if prefix_watch is not None and isinstance(state.placement, PricedPlacement):
+                await nursery.start(PrefixReplicator(state, state.placement).run)
             controller = None
             if config.controller.reactive.enabled and isinstance(state.placement, PricedPlacement):
                 controller = ReactiveController(

@@ -13,8 +13,10 @@ finished producer requests stay *held* for a consumer
 Prefix caching (``prefix_caching``) works as vLLM's (see
 :mod:`narwhal.testing.blockpool`): at admission a request hits the longest run of
 cached whole blocks of its prompt, short of the last prompt token (at least one token
-is always computed); its blocks are cached as they fill, prompt and generated tokens
-alike. A prefill of L prompt tokens of which k are cached costs
+is always computed); its prompt blocks are cached when it is admitted to the prefill
+queue, before they are computed, as vLLM's ``allocate_slots`` caches the blocks a step
+will compute when it schedules them (so a request admitted behind another that computes
+the same prefix hits it), and generated tokens' blocks as they fill. A prefill of L prompt tokens of which k are cached costs
 ``a + b*(L-k) + c*(L**2 - k**2) + d*k`` seconds: the linear term pays the new tokens, the
 quadratic term the attention pairs they add, each new token attending over the cached
 prefix and the new tokens before it (``L**2 - k**2`` is the full prompt's pairs minus
@@ -445,6 +447,8 @@ class Scheduler:
             else:
                 seq.state = "prefill"
                 self._prefill_q.append(seq)
+                # vLLM caches the full blocks a step will compute when it schedules them.
+                self._cache_computed(seq, seq.prompt_len)
             seq.admitted.set()
         self.refresh()
 
@@ -475,7 +479,6 @@ class Scheduler:
         for source, n in (("local_compute", computed), ("local_cache_hit", cached)):
             m.prompt_tokens_by_source[source] += n
             s.prompt_tokens[source] += n
-        self._cache_computed(seq, seq.prompt_len)
         if self._emit(seq, self.clock()):
             seq.state = "running"
             self._running.append(seq)
