@@ -309,6 +309,18 @@ async def test_lazy_stream_counts_a_burst_of_token_events_as_one_chunk() -> None
     assert len(chunks) == 3 and stream.tokens == 5 and stream.finish_reason == "length"
 
 
+async def test_lazy_stream_splits_a_burst_that_ends_the_stream() -> None:
+    # Tokens, the finishing event and [DONE] in one read: the tokens are one chunk,
+    # relayed as they came; the finishing event is parsed.
+    run = token([1]) + token([2, 3])
+    last = token([4], finish="length")
+    stream = open_stream(Reply([run + last + DONE]), lazy=True)
+    chunks = [c async for c in stream]
+    assert (chunks[0].kind, chunks[0].raw, chunks[0].data, chunks[0].count) == ("token", run, None, 3)
+    assert chunks[1].token_ids == (4,) and chunks[1].finish_reason == "length"
+    assert len(chunks) == 2 and stream.tokens == 4 and stream.done and stream.finish_reason == "length"
+
+
 async def test_done_before_any_token_is_an_empty_stream() -> None:
     stream = open_stream(Reply([event({"choices": []}), DONE]), leg="probe")
     err = await fails(stream)

@@ -19,7 +19,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 
 from narwhal.errors import BadRequest, NotFound, Refused
-from narwhal.http import Handler, HTTPServer, Request, ResponseWriter, ServerLimits
+from narwhal.http import Handler, HTTPServer, Request, ResponseWriter, ServerLimits, sockwatch
 
 MemoryPair = trio.StapledStream[trio.testing.MemorySendStream, trio.testing.MemoryReceiveStream]
 
@@ -886,5 +886,107 @@ async def test_real_socket_keepalive_pipelining_and_disconnect() -> None:
             await trio.sleep(0.1)
             await stream.aclose()
             await cancelled.wait()
+            await server.shutdown(5.0)
+    assert server.open_connections == 0
+
+
+async def test_real_socket_watch_is_one_task_for_every_request() -> None:
+    """Over TCP the requests that outlast ``disconnect_check_s`` are watched from the
+    server's one socket-watch task, not a task each: their sockets are in its set while
+    they run and out of it once answered; a client that goes away cancels its handler."""
+    if not sockwatch.available():
+        pytest.skip("no epoll: a task per watch")
+    started = trio.Semaphore(0)
+    release = trio.Event()
+    cancelled = trio.Event()
+
+    async def handler(request: Request, writer: ResponseWriter) -> None:
+        started.release()
+        if request.path == "/hang":
+            try:
+                await trio.sleep_forever()
+            finally:
+                cancelled.set()
+        await release.wait()
+        await echo(request, writer)
+
+    spawns = _WatchSpawns()
+    server = HTTPServer(handler, LIMITS)
+    assert server.socket_watch is not None
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                (host, port), *_ = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+                streams = [await trio.open_tcp_stream(host, port) for _ in range(3)]
+                for i, stream in enumerate(streams):
+                    await stream.send_all(b"GET /s%d HTTP/1.1\r\nHost: x\r\n\r\n" % i)
+                for _ in streams:
+                    await started.acquire()
+                await trio.sleep(LIMITS.disconnect_check_s * 4)  # every watch has started
+                assert len(server.socket_watch) == 3
+                release.set()
+                for i, stream in enumerate(streams):
+                    raw = b""
+                    while not raw.endswith(b"GET /s%d " % i):
+                        raw += await stream.receive_some()
+                    await stream.aclose()
+                assert len(server.socket_watch) == 0
+                stream = await trio.open_tcp_stream(host, port)
+                await stream.send_all(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+                await started.acquire()
+                await trio.sleep(LIMITS.disconnect_check_s * 4)
+                assert len(server.socket_watch) == 1
+                await stream.aclose()
+                await cancelled.wait()
+                assert len(server.socket_watch) == 0
+                await server.shutdown(5.0)
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+    assert spawns.count == 0
+    assert server.open_connections == 0
+
+
+async def test_real_socket_watch_stops_reading_ahead_at_the_limit() -> None:
+    """Pipelined bytes the watch reads while a request runs are kept for the next
+    request, up to the read-ahead bound; then the socket leaves the watch (TCP pushes
+    back) and the request still completes."""
+    if not sockwatch.available():
+        pytest.skip("no epoll: a task per watch")
+    started = trio.Event()
+    release = trio.Event()
+
+    async def handler(request: Request, writer: ResponseWriter) -> None:
+        if request.path == "/slow":
+            started.set()
+            await release.wait()
+        await echo(request, writer)
+
+    server = HTTPServer(handler, LIMITS)
+    assert server.socket_watch is not None
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            (host, port), *_ = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                await stream.send_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+                await started.wait()
+                await trio.sleep(LIMITS.disconnect_check_s * 4)
+                assert len(server.socket_watch) == 1
+                # A pipelined request, then more than the watch may read ahead.
+                await stream.send_all(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+                await trio.sleep(0.1)
+                assert len(server.socket_watch) == 1  # read ahead, still watching
+                await stream.send_all(b"X" * (2 * 65536))
+                for _ in range(200):
+                    if len(server.socket_watch) == 0:
+                        break
+                    await trio.sleep(0.01)
+                assert len(server.socket_watch) == 0
+                release.set()
+                raw = b""
+                while b"GET /next " not in raw:
+                    raw += await stream.receive_some()
+                assert raw.count(b"HTTP/1.1 200 ") == 2  # /slow, then the pipelined /next
             await server.shutdown(5.0)
     assert server.open_connections == 0

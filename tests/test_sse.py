@@ -367,13 +367,27 @@ def test_feed_tokens_takes_only_bursts_of_usual_token_events() -> None:
     assert len(events) == RECORDED_EVENTS
     decoder = SSEDecoder()
     burst = b"".join(events[:5])
-    assert decoder.feed_tokens(burst) == 5
-    # Not all usual token events: nothing consumed, feed() takes it.
+    assert decoder.feed_tokens(burst) == (5, burst, [])
+    # Not opening with a usual token event: nothing consumed, feed() takes it.
     tail = b"".join(events[RECORDED_TOKENS - 1 :])  # the finishing event, usage, [DONE]
-    assert decoder.feed_tokens(tail) == 0
+    assert decoder.feed_tokens(tail) == (0, b"", [])
     assert [e.data for e in decoder.feed(tail)] == [e.data for e in REFERENCE[RECORDED_TOKENS - 1 :]]
     # A burst cut inside an event is left to feed() as well.
-    assert decoder.feed_tokens(burst[:-10]) == 0
+    assert decoder.feed_tokens(burst[:-10]) == (0, b"", [])
     assert decoder.feed(burst[:-10]) == REFERENCE[:4]
-    assert decoder.feed_tokens(burst[-10:]) == 0  # the decoder holds a partial line
+    assert decoder.feed_tokens(burst[-10:]) == (0, b"", [])  # the decoder holds a partial line
     assert decoder.feed(burst[-10:]) == [REFERENCE[4]]
+
+
+def test_feed_tokens_splits_a_burst_after_its_opening_token_events() -> None:
+    # The last tokens, the finishing event, usage and [DONE] in one read (what a
+    # zero-latency or batching engine sends): the tokens are one run, the rest events.
+    events = [e + b"\n\n" for e in RECORDING.split(b"\n\n") if e]
+    run = b"".join(events[RECORDED_TOKENS - 4 : RECORDED_TOKENS - 1])
+    burst = run + b"".join(events[RECORDED_TOKENS - 1 :])
+    decoder = SSEDecoder()
+    count, got_run, rest = decoder.feed_tokens(burst)
+    assert (count, got_run) == (3, run)
+    assert rest == REFERENCE[RECORDED_TOKENS - 1 :]
+    # Nothing is held back: the next read starts clean.
+    assert decoder.feed(events[0]) == [REFERENCE[0]]

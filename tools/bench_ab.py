@@ -8,10 +8,13 @@ A runs the checkout at ``--a`` (a ``git worktree`` of the base, say), B the one 
 At each concurrency it alternates load-generator runs between them (ABAB..., then
 BABA...) for ``--rounds`` rounds and prints each side's median router CPU per request
 and client TTFT p50, and B/A. Requests ask for ``--max-tokens`` output tokens (16; 256
-weighs the per-token path).
+weighs the per-token path). Given two values (``--max-tokens 16,256``), each
+concurrency runs both, and each side's per-token CPU is the difference of its medians
+divided by the extra tokens (as ``bench_overhead.py`` computes it).
 
     git worktree add /tmp/base HEAD~1
     python tools/bench_ab.py --a /tmp/base --concurrency 1,16 --rounds 21
+    python tools/bench_ab.py --a /tmp/base --concurrency 16 --max-tokens 16,256
 """
 
 from __future__ import annotations
@@ -50,9 +53,13 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--requests", type=int, default=400, help="requests per load-generator run")
     parser.add_argument("--rounds", type=int, default=7, help="runs per side and concurrency")
-    parser.add_argument("--max-tokens", type=int, default=16,
-                        help="output tokens per request (256 weighs the per-token path)")
+    parser.add_argument("--max-tokens", default="16",
+                        help="output tokens per request (256 weighs the per-token path); two values, "
+                             "e.g. 16,256, also give per-token CPU")
     args = parser.parse_args()
+    token_counts = [int(x) for x in args.max_tokens.split(",")]
+    if len(token_counts) > 2:
+        raise SystemExit("--max-tokens takes one or two values")
     checkouts = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
     for side, path in checkouts.items():
         if not (path / "narwhal" / "__init__.py").is_file():
@@ -86,22 +93,31 @@ def main() -> int:
             wait_http(f"http://127.0.0.1:{ports[side]}/health")
         print(f"A: {checkouts['A']} {envs['A'] or ''}\nB: {checkouts['B']} {envs['B'] or ''}")
         for c in (int(x) for x in args.concurrency.split(",")):
-            cpu: dict[str, list[float]] = {"A": [], "B": []}
-            ttft: dict[str, list[float]] = {"A": [], "B": []}
-            for side in "AB":  # warm connections and caches
-                loadgen(f"http://127.0.0.1:{ports[side]}", c, max(2 * c, 50), args.max_tokens)
-            for r in range(args.rounds):
-                for side in "AB" if r % 2 == 0 else "BA":
-                    before = cpu_seconds(pids[side])
-                    out = loadgen(f"http://127.0.0.1:{ports[side]}", c, args.requests, args.max_tokens)
-                    cpu[side].append((cpu_seconds(pids[side]) - before) / max(out["requests"], 1) * 1e3)
-                    ttft[side].append(pct(out["ttft_s"], 0.5) * 1e3)
-            a, b = statistics.median(cpu["A"]), statistics.median(cpu["B"])
-            print(
-                f"c={c:<3} cpu ms/request A {a:.3f} B {b:.3f} B/A {b / a:.3f}; ttft p50 ms "
-                f"A {statistics.median(ttft['A']):.2f} B {statistics.median(ttft['B']):.2f}",
-                flush=True,
-            )
+            medians: dict[str, list[float]] = {"A": [], "B": []}
+            for tokens in token_counts:
+                cpu: dict[str, list[float]] = {"A": [], "B": []}
+                ttft: dict[str, list[float]] = {"A": [], "B": []}
+                for side in "AB":  # warm connections and caches
+                    loadgen(f"http://127.0.0.1:{ports[side]}", c, max(2 * c, 50), tokens)
+                for r in range(args.rounds):
+                    for side in "AB" if r % 2 == 0 else "BA":
+                        before = cpu_seconds(pids[side])
+                        out = loadgen(f"http://127.0.0.1:{ports[side]}", c, args.requests, tokens)
+                        cpu[side].append((cpu_seconds(pids[side]) - before) / max(out["requests"], 1) * 1e3)
+                        ttft[side].append(pct(out["ttft_s"], 0.5) * 1e3)
+                a, b = statistics.median(cpu["A"]), statistics.median(cpu["B"])
+                medians["A"].append(a)
+                medians["B"].append(b)
+                label = f" tokens={tokens}" if len(token_counts) > 1 else ""
+                print(
+                    f"c={c:<3}{label} cpu ms/request A {a:.3f} B {b:.3f} B/A {b / a:.3f}; ttft p50 ms "
+                    f"A {statistics.median(ttft['A']):.2f} B {statistics.median(ttft['B']):.2f}",
+                    flush=True,
+                )
+            if len(token_counts) == 2:
+                extra = token_counts[1] - token_counts[0]
+                a, b = ((m[1] - m[0]) / extra * 1e3 for m in (medians["A"], medians["B"]))
+                print(f"c={c:<3} cpu us/token A {a:.2f} B {b:.2f} B/A {b / a:.3f}", flush=True)
     finally:
         for proc in reversed(procs):
             stop(proc)

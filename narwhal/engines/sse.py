@@ -182,22 +182,28 @@ class SSEDecoder:
             return parts
         return None
 
-    def feed_tokens(self, chunk: bytes) -> int:
-        """Consume ``chunk`` if it is nothing but token events of the usual shape
-        (:func:`scan_token_event`) and return their token count; else consume nothing
-        and return 0 (then :meth:`feed` it)."""
+    def feed_tokens(self, chunk: bytes) -> tuple[int, bytes, list[SSEEvent]]:
+        """Consume ``chunk`` if it opens with token events of the usual shape
+        (:func:`scan_token_event`) and is whole one-line ``data:`` events: return the
+        token count of that opening run, its bytes, and the events after it (a burst's
+        finishing event, usage, ``[DONE]``: :func:`parse_chunk` them). Else consume
+        nothing and return ``(0, b"", [])`` (then :meth:`feed` it)."""
         if not chunk:
-            return 0
+            return 0, b"", []
         parts = self._simple_parts(chunk)
         if parts is None:
-            return 0
+            return 0, b"", []
         total = 0
-        for part in parts:
+        end = 0
+        for i, part in enumerate(parts):
             count = scan_token_event(part[6:])
             if not count:
-                return 0
+                if not total:
+                    return 0, b"", []
+                return total, chunk[:end], [SSEEvent(p[6:]) for p in parts[i:]]
             total += count
-        return total
+            end += len(part) + 2
+        return total, chunk, []
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Consume ``chunk`` and return the events it completed, in order."""

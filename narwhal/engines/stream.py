@@ -267,9 +267,10 @@ class DecodeStream:
 
     A ``lazy`` stream counts token events of the usual shape without parsing them
     (:func:`~narwhal.engines.sse.scan_token_event`): their chunks carry ``count`` and
-    ``raw`` only, and token events that arrived together (with nothing else) come as one
-    chunk whose ``count`` is their total and ``raw`` their bytes. A forwarder that
-    relays bytes and accounts tokens needs no more.
+    ``raw`` only, and token events that arrived together (at the start of a read) come
+    as one chunk whose ``count`` is their total and ``raw`` their bytes; the events after
+    them in that read (a finishing event, usage, ``[DONE]``) come one by one. A
+    forwarder that relays bytes and accounts tokens needs no more.
     """
 
     def __init__(
@@ -420,10 +421,13 @@ class DecodeStream:
         if self._silence_scope is not None:
             self._silence_scope.deadline = now + self._silence_s
         if self._lazy:
-            count = self._decoder.feed_tokens(data)
+            count, run, rest = self._decoder.feed_tokens(data)
             if count:
-                # A burst of token events and nothing else: one chunk, relayed as it came.
-                self._events.append(Chunk("token", data, None, (), count))
+                # A burst of token events: one chunk, relayed as it came; what follows
+                # them in the burst (the finishing event, usage, [DONE]) is classified
+                # event by event.
+                self._events.append(Chunk("token", run, None, (), count))
+                self._events.extend(rest)
                 return
         try:
             self._events.extend(self._decoder.feed(data))

@@ -3,11 +3,13 @@
 Each connection is a keep-alive loop that reads a request head (``header_timeout_s``,
 or ``keepalive_timeout_s`` while idle between requests), reads the whole body
 (``body_timeout_s``, ``max_body_bytes``), then calls the handler inside a cancel
-scope while a reader task watches the connection (from the moment the request has
-lasted ``disconnect_check_s``; most requests end sooner and never need one): if the
-client goes away the request's ``disconnected`` event is set and the handler is
-cancelled. Bytes the reader sees meanwhile are pipelined requests and are kept for
-the next cycle.
+scope while the connection is watched (from the moment the request has lasted
+``disconnect_check_s``; most requests end sooner and never need it): if the client
+goes away the request's ``disconnected`` event is set and the handler is cancelled.
+Bytes read meanwhile are pipelined requests and are kept for the next cycle. A
+socket is watched by the server's :class:`~narwhal.http.sockwatch.SocketWatch` (one
+task for every watched socket, where ``epoll`` exists); any other stream by a reader
+task of its own.
 
 Protocol errors are answered with h11's ``error_status_hint`` (400/431/501) and
 ``Connection: close``; a slow client gets 408. A handler that raises before it
@@ -30,6 +32,7 @@ import json
 import logging
 import math
 import operator
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -173,6 +176,10 @@ class Connection:
         self.carry = False  # bytes of the next request were read ahead
         self.nursery: trio.Nursery | None = None
         self.watcher: _Watcher | None = None  # the current request's disconnect watcher
+        # Or, for a socket, the descriptor the server's socket watch polls for this
+        # request (-1: none), and the bytes it read ahead.
+        self.polled_fd = -1
+        self.read_ahead = 0
         self.detached = False  # the handler took the raw stream (protocol upgrade)
         # The response side is ours (h11 parses requests only): see response_head().
         self.http11 = True  # the request was HTTP/1.1 (else 1.0: no chunking, no keep-alive)
@@ -413,6 +420,8 @@ class Connection:
         finally:
             self.request = None
             self.handler_scope = None
+            if self.polled_fd >= 0:
+                self.unpoll()
             watcher: _Watcher | None = self.watcher
             if watcher is not None:
                 watcher.scope.cancel()
@@ -421,12 +430,49 @@ class Connection:
         return await self.finish(request, writer, failure)
 
     def start_watcher(self, request: Request) -> None:
-        """Start ``request``'s disconnect watcher, if the request is still being handled."""
-        if self.request is not request or self.watcher is not None or self.detached:
+        """Start ``request``'s disconnect watcher, if the request is still being handled:
+        its socket in the server's socket watch, else a task (any other stream)."""
+        if self.request is not request or self.watcher is not None or self.polled_fd >= 0 or self.detached:
             return
+        sock = self.io.socket
+        socket_watch = self.server.socket_watch
+        if sock is not None and socket_watch is not None:
+            fd = sock.fileno()
+            if fd >= 0:
+                self.read_ahead = 0
+                socket_watch.watch(fd, self.on_readable)
+                self.polled_fd = fd
+                return
         assert self.nursery is not None
         self.watcher = watcher = _Watcher()
         self.nursery.start_soon(self.watch, watcher)
+
+    def unpoll(self) -> None:
+        """Take the request's socket out of the server's socket watch."""
+        socket_watch = self.server.socket_watch
+        if socket_watch is not None and self.polled_fd >= 0:
+            socket_watch.unwatch(self.polled_fd)
+        self.polled_fd = -1
+
+    def on_readable(self) -> None:
+        """The polled socket is readable (called by the socket watch's task): what
+        :meth:`watch` does after each wait, without blocking."""
+        try:
+            data = os.read(self.polled_fd, _RECV_SIZE)
+        except BlockingIOError:
+            return  # readable no more (an event that was already stale)
+        except OSError:
+            data = b""  # reset: gone, as for a read of the stream
+        if not data:
+            self.eof = True
+            self.unpoll()
+            self.client_gone()
+            return
+        self.h11.receive_data(data)
+        self.carry = True
+        self.read_ahead += len(data)
+        if self.read_ahead >= max(self.limits.max_header_bytes, _RECV_SIZE):
+            self.unpoll()  # enough read ahead: let TCP push back
 
     async def call_handler(
         self, request: Request, writer: ResponseWriter, scope: trio.CancelScope
@@ -479,6 +525,8 @@ class Connection:
         if request is None:
             raise RuntimeError("detach() outside a request")
         self.detached = True  # no watcher starts from now on
+        if self.polled_fd >= 0:
+            self.unpoll()
         if self.watcher is not None:
             await self.watcher.stop()
         head = [f"{request.method} {request.target} HTTP/1.1\r\n".encode("latin-1")]

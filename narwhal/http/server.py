@@ -18,6 +18,7 @@ import trio
 from narwhal.http.connection import Connection
 from narwhal.http.delayed import DelayedCalls
 from narwhal.http.messages import Handler, Request, ResponseWriter, ServerLimits
+from narwhal.http.sockwatch import SocketWatch, available
 
 __all__ = ["HTTPServer", "Handler", "ListenError", "Request", "ResponseWriter", "ServerLimits"]
 
@@ -63,6 +64,8 @@ class HTTPServer:
         self._closed_lot = trio.lowlevel.ParkingLot()
         #: Starts the disconnect watchers of requests that outlast ``disconnect_check_s``.
         self.watch_starts = DelayedCalls(limits.disconnect_check_s)
+        #: Watches the sockets of those requests, all from one task (where epoll exists).
+        self.socket_watch: SocketWatch | None = SocketWatch() if available() else None
 
     @property
     def in_flight(self) -> int:

@@ -440,9 +440,14 @@ class RequestLifecycle:
         last_token_at = prefill_done  # pragma: no mutate (equivalent: set before read)
         burst_tokens = False  # pragma: no mutate (equivalent: set before read)
         name = reservation.consumer
+        # The silence deadline runs: set at the end of the first token's burst, then moved
+        # by the stream on every read; a write that waits for the client lifts it.
+        armed = False
 
         def disarm() -> None:
             # A write that must wait for the client: backpressure is not engine silence.
+            nonlocal armed
+            armed = False
             scope.deadline = math.inf
 
         state.in_flight_by_engine[name] += 1
@@ -487,18 +492,21 @@ class RequestLifecycle:
                             out.append(shape(chunk.raw))
                         if stream.buffered:
                             continue  # more of this burst already arrived
-                        # The end of a burst: one write for everything that arrived together,
-                        # then the silence deadline runs from now.
+                        # The end of a burst: one write for everything that arrived together;
+                        # the silence deadline runs from the read (the stream moved it), or
+                        # from now after the first token or a write that waited.
                         if out and self.committed:
                             data = b"".join(out)
                             out.clear()
                             await respond.send(data, on_wait=disarm)
-                        if tokens:
+                        if tokens and (burst_tokens or not armed):
                             now = clock()
                             if burst_tokens:
                                 last_token_at = now
                                 burst_tokens = False  # pragma: no mutate (equivalent: None reads false too; True is killed)
-                            scope.deadline = now + silence
+                            if not armed:
+                                scope.deadline = now + silence
+                                armed = True
                     if burst_tokens:  # [DONE] came in the burst of the last tokens
                         last_token_at = clock()
                     attempt.consumer_cached_tokens = stream.cached_tokens
