@@ -197,11 +197,16 @@ def main() -> int:
             if workers > 1:
                 serve_cmd += ["--workers", str(workers)]
             env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
+            # Run from tmp: `python -m` puts the working directory ahead of PYTHONPATH,
+            # and a checkout there would be imported instead of TREE.
+            cwd = None if tree is None else tmp
             loaded = subprocess.run([sys.executable, "-c", "import narwhal.engines.wire as m; print(m.__file__)"],
-                                    env=env, capture_output=True, text=True, check=True).stdout.strip()
+                                    env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+            if tree is not None and not loaded.startswith(tree):
+                raise SystemExit(f"--narwhal {name}: imports {loaded}, not from {tree}")
             build_of[name] = "compiled" if loaded.endswith(".so") else "pure Python"
             print(f"  {name}: {build_of[name]} ({loaded}), {workers} worker(s)", file=sys.stderr, flush=True)
-            narwhal = start(serve_cmd, tmp / f"{name}.log", env=env)
+            narwhal = start(serve_cmd, tmp / f"{name}.log", env=env, cwd=cwd)
             procs.append(narwhal)
             wait_http(f"http://127.0.0.1:{port}/health")
             targets.append((name, f"http://127.0.0.1:{port}", narwhal.pid))
