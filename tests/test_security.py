@@ -23,10 +23,11 @@ import trio
 import trio.testing
 
 import narwhal.router.app
+import narwhal.router.placement
 from narwhal.config import FaultSpec, parse_fleet
 from narwhal.logs import JSONFormatter
+from narwhal.router.placement import Placement
 from narwhal.router.service import open_router
-from narwhal.router.state import RouterState
 from narwhal.testing import SimApp
 
 from .loadkit import Outcome, exchange
@@ -256,12 +257,14 @@ async def test_engine_keys_are_sent_and_never_shown(
 async def test_a_router_bug_is_a_bare_500(
     autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def broken(self: RouterState, parsed_body: dict[str, Any], kind: str) -> Any:
-        raise RuntimeError("secret internal detail at /srv/narwhal/state.py")
+    async def broken(self: Placement, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("secret internal detail at /srv/narwhal/placement.py")
 
-    # Patched on the router state, an interpreted class in both builds (in the compiled
-    # build the lifecycle's call to a module function is bound when compiled).
-    monkeypatch.setattr(RouterState, "count_prompt", broken)
+    # Patched on placement, an interpreted class in both builds (setup.py: the compiled
+    # build binds calls to compiled functions and methods, such as the router state's,
+    # when it compiles them, so that a patch there does not reach the lifecycle).
+    assert narwhal.router.placement.__file__.endswith(".py")
+    monkeypatch.setattr(Placement, "acquire", broken)
     async with open_stack() as stack:
         out = await post(stack, BODY)
     assert out.status == 500

@@ -49,6 +49,13 @@ prints attainment per rate and goodput at 90% side by side, and the ratio of the
 replicas' to the one router's.
 
     python tools/bench_goodput.py --replicas 2 --poll 0.25 --rates 8,12,16,20 --requests 200
+
+``--workers N`` adds, to the uniform workload's routers, the priced router served by
+``narwhal serve --workers N`` (one port; the workers share engine load by reading the
+engines' load every ``--poll`` seconds), beside the same router with one worker, so
+that placement quality with workers is measured against it on the same arrivals.
+
+    python tools/bench_goodput.py --workers 2 --rates 4,8,12,16 --requests 120
 """
 
 from __future__ import annotations
@@ -352,7 +359,9 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=0,
                         help="N >= 2: N router replicas behind a round-robin client against one router")
     parser.add_argument("--poll", type=float, default=0.25,
-                        help="the replicas' engine load poll period, seconds (--replicas)")
+                        help="the replicas' or workers' engine load poll period, seconds (--replicas, --workers)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="N >= 2: also the priced router with narwhal serve --workers N (uniform workload)")
     parser.add_argument("--profile-repeats", type=int, default=3,
                         help="narwhal profile --repeats (more on a noisy machine)")
     parser.add_argument("--baseline", metavar="TREE",
@@ -362,6 +371,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.replicas == 1 or args.replicas < 0 or (args.replicas and args.workload != "uniform"):
         parser.error("--replicas takes N >= 2, with the uniform workload")
+    if args.workers < 1 or (args.workers > 1 and (args.workload != "uniform" or args.replicas)):
+        parser.error("--workers takes N >= 1; N >= 2 with the uniform workload and without --replicas")
     rates = [float(r) for r in args.rates.split(",")]
     shared = args.workload != "uniform"
     slo_ms = SHARED_SLO if shared else SLO
@@ -369,7 +380,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-goodput-"))
     names = list(PREFIX_FLEET) if shared else ["p-fast", "p-slow", "d-fast", "d-slow"]
     ports = {k: free_port() for k in [*names, *(n + "-kv" for n in names), "priced", "least", "vr", "a1", "a2",
-                                      "blind", "a3", "vrc"]}  # fmt: skip
+                                      "blind", "a3", "vrc", "workers", "a4"]}  # fmt: skip
     engines = fleet(ports, caching=shared)
     producer_engines = [e for e in engines if e["roles"] == ["prefill"]]
     consumer_engines = [e for e in engines if e["roles"] == ["decode"]]
@@ -412,6 +423,16 @@ def main() -> int:
             "narwhal-priced": [(priced_doc, ports["priced"])],
             "narwhal-least-loaded": [(least_doc, ports["least"])],
         }
+        workers: dict[str, int] = {}
+        if args.workers > 1:
+            name = f"narwhal-priced-{args.workers}-workers"
+            doc = router_doc(ports["workers"], ports["a4"], "workers", profiles={"path": str(profiles)},
+                             controller={"slo": slo, "admission": "refuse"})  # fmt: skip
+            data = json.loads(doc.read_text())
+            data["server"]["engine_load_poll_s"] = args.poll
+            doc.write_text(json.dumps(data))
+            targets[name] = [(doc, ports["workers"])]
+            workers[name] = args.workers
         if args.replicas:
             targets = {"one-router": targets["narwhal-priced"]}
             for label, poll in (("shared", args.poll), ("blind", 0.0)):
@@ -441,7 +462,8 @@ def main() -> int:
             targets = {k: v for k, v in targets.items() if k in chosen}
         for name, processes in targets.items():
             for i, (doc, port) in enumerate(processes):
-                serve = narwhal("serve", "--fleet", str(doc))
+                extra = ["--workers", str(workers[name])] if name in workers else []
+                serve = narwhal("serve", "--fleet", str(doc), *extra)
                 if name == "narwhal-today":  # the other tree's narwhal, in a fresh interpreter
                     serve = ["env", f"PYTHONPATH={Path(args.baseline).resolve()}", *serve]
                 procs.append(start(serve, tmp / f"{name}-{i}.log"))

@@ -14,7 +14,10 @@ then measures with a load generator in its own process (``tools/loadgen.py``):
     connections, relay the stream bytes as they come; nothing else), so that the CPU a
     Python router cannot avoid is a figure of the same run (``--no-floor`` leaves it out),
 
-at concurrency 1, 16 and 64: requests/s, added p50/p99 latency to the first token
+at concurrency 1, 16 and 64. ``--narwhal NAME=TREE[:WORKERS]`` (repeatable) runs (b) once
+per Narwhal tree (a checkout whose ``narwhal`` package ``python -m narwhal`` imports with
+``PYTHONPATH=TREE``: a pure-Python one and one compiled in place, README "Install"), each
+as its own target, side by side in the same run; WORKERS is its ``--workers``. Measured: requests/s, added p50/p99 latency to the first token
 and to the last token (against (a) at the same concurrency), router CPU seconds per
 request (from /proc), and per-token forwarding cost (router CPU per extra output
 token, from a short-output and a long-output run). The targets alternate within each
@@ -74,9 +77,29 @@ def start_sims(engines: list[dict[str, Any]], tmp: Path) -> subprocess.Popen[byt
     return sims
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+    """CPU seconds of ``pid`` and its live descendants (``narwhal serve --workers N``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = _stat(p)
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+        todo += children.get(p, [])
+    return total
 
 
 def loadgen(url: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
@@ -139,6 +162,9 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=256, help="output length of the per-token run")
     parser.add_argument("--vllm-router", help="path of the vllm-router executable")
     parser.add_argument("--workers", type=int, default=1, help="narwhal serve --workers")
+    parser.add_argument("--narwhal", action="append", default=[], metavar="NAME=TREE[:WORKERS]",
+                        help="a Narwhal target run with PYTHONPATH=TREE (repeatable; default: one "
+                        "target 'narwhal', the package this interpreter imports, with --workers)")
     parser.add_argument("--no-floor", action="store_true",
                         help="leave out (d), the floor: tools/floor_relay.py")
     parser.add_argument("--rounds", type=int, default=3,
@@ -148,29 +174,42 @@ def main() -> int:
     vr = args.vllm_router or shutil.which("vllm-router")
 
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-bench-"))
-    ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "router", "admin", "vr", "floor")}
+    ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "vr", "floor")}
     engines = pd_engines(ports)
-    router_doc = {
-        "server": {"host": "127.0.0.1", "port": ports["router"], "admin_port": ports["admin"],
-                   "max_concurrent_requests": 100000},
-        "engines": engines,
-        "journal": {"path": str(tmp / "journal.jsonl"), "fsync": False},
-    }
-    (tmp / "router.json").write_text(json.dumps(router_doc))
+    builds = [parse_build(spec) for spec in args.narwhal] or [("narwhal", None, args.workers)]
     procs: list[subprocess.Popen[bytes]] = []
     rows: list[dict[str, Any]] = []
+    build_of: dict[str, str] = {}
     try:
         procs.append(start_sims(engines, tmp))
-        serve_cmd = [sys.executable, "-m", "narwhal", "--log-level", "WARNING", "serve", "--fleet", str(tmp / "router.json")]
-        if args.workers > 1:
-            serve_cmd += ["--workers", str(args.workers)]
-        narwhal = start(serve_cmd, tmp / "narwhal.log")
-        procs.append(narwhal)
-        wait_http(f"http://127.0.0.1:{ports['router']}/health")
-        targets: list[tuple[str, str, int | None]] = [
-            ("engines", f"http://127.0.0.1:{ports['d']}", None),
-            ("narwhal", f"http://127.0.0.1:{ports['router']}", narwhal.pid),
-        ]
+        targets: list[tuple[str, str, int | None]] = [("engines", f"http://127.0.0.1:{ports['d']}", None)]
+        for name, tree, workers in builds:
+            port = free_port()
+            router_doc = {
+                "server": {"host": "127.0.0.1", "port": port, "admin_port": free_port(),
+                           "max_concurrent_requests": 100000},
+                "engines": engines,
+                "journal": {"path": str(tmp / f"{name}.journal.jsonl"), "fsync": False},
+            }
+            (tmp / f"{name}.json").write_text(json.dumps(router_doc))
+            serve_cmd = [sys.executable, "-m", "narwhal", "--log-level", "WARNING", "serve",
+                         "--fleet", str(tmp / f"{name}.json")]
+            if workers > 1:
+                serve_cmd += ["--workers", str(workers)]
+            env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
+            # Run from tmp: `python -m` puts the working directory ahead of PYTHONPATH,
+            # and a checkout there would be imported instead of TREE.
+            cwd = None if tree is None else tmp
+            loaded = subprocess.run([sys.executable, "-c", "import narwhal.engines.wire as m; print(m.__file__)"],
+                                    env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+            if tree is not None and not loaded.startswith(tree):
+                raise SystemExit(f"--narwhal {name}: imports {loaded}, not from {tree}")
+            build_of[name] = "compiled" if loaded.endswith(".so") else "pure Python"
+            print(f"  {name}: {build_of[name]} ({loaded}), {workers} worker(s)", file=sys.stderr, flush=True)
+            narwhal = start(serve_cmd, tmp / f"{name}.log", env=env, cwd=cwd)
+            procs.append(narwhal)
+            wait_http(f"http://127.0.0.1:{port}/health")
+            targets.append((name, f"http://127.0.0.1:{port}", narwhal.pid))
         if vr:
             vrp = start([vr, "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{ports['p']}",
                          "--decode", f"http://127.0.0.1:{ports['d']}", "--policy", "round_robin",
@@ -215,10 +254,23 @@ def main() -> int:
     report = summarize(rows, per_token, levels)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "per_token_cpu_us": per_token, "summary": report,
-                                          "machine": {"cpus": os.cpu_count()}}, indent=2))
+                                          "machine": {"cpus": os.cpu_count()},
+                                          "builds": {name: {"tree": tree, "workers": workers, "build": build_of[name]}
+                                                     for name, tree, workers in builds}}, indent=2))
     print_table(rows, per_token, report)
     print(f"\nwritten to {args.out}")
     return 0
+
+
+def parse_build(spec: str) -> tuple[str, str | None, int]:
+    """``NAME=TREE[:WORKERS]`` -> (name, tree, workers)."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise SystemExit(f"--narwhal {spec!r}: expected NAME=TREE[:WORKERS]")
+    tree, _, workers = rest.partition(":")
+    if not (Path(tree) / "narwhal" / "__init__.py").is_file():
+        raise SystemExit(f"--narwhal {spec!r}: {tree} has no narwhal package")
+    return name, str(Path(tree).resolve()), int(workers or 1)
 
 
 def summarize(rows: list[dict[str, Any]], per_token: dict[str, float], levels: list[int]) -> dict[str, Any]:
@@ -227,10 +279,9 @@ def summarize(rows: list[dict[str, Any]], per_token: dict[str, float], levels: l
     for c in levels:
         base = by[("engines", c)]
         level: dict[str, Any] = {}
-        for name in ("narwhal", "vllm-router", "floor"):
-            r = by.get((name, c))
-            if r is None:
-                continue
+        names = [t for t, lc in by if lc == c and t != "engines"]
+        for name in names:
+            r = by[(name, c)]
             level[name] = {
                 "added_ttft_p50_ms": r["ttft_p50_ms"] - base["ttft_p50_ms"],
                 "added_ttft_p99_ms": r["ttft_p99_ms"] - base["ttft_p99_ms"],
@@ -239,17 +290,22 @@ def summarize(rows: list[dict[str, Any]], per_token: dict[str, float], levels: l
                 "rps_vs_engines": r["rps"] / base["rps"],
                 "cpu_ms_per_request": r["router_cpu_ms_per_request"],
             }
-        if "narwhal" in level and "vllm-router" in level:
-            n, v = level["narwhal"], level["vllm-router"]
-            level["narwhal_vs_vllm_router"] = {
-                "added_ttft_p50_ratio": n["added_ttft_p50_ms"] / v["added_ttft_p50_ms"] if v["added_ttft_p50_ms"] > 0 else None,
-                "cpu_per_request_ratio": n["cpu_ms_per_request"] / v["cpu_ms_per_request"] if v["cpu_ms_per_request"] else None,
+        narwhals = [n for n in names if n not in ("vllm-router", "floor")]
+        if "vllm-router" in level:
+            v = level["vllm-router"]
+            level["vs_vllm_router"] = {
+                name: {
+                    "added_ttft_p50_ratio": level[name]["added_ttft_p50_ms"] / v["added_ttft_p50_ms"] if v["added_ttft_p50_ms"] > 0 else None,
+                    "cpu_per_request_ratio": level[name]["cpu_ms_per_request"] / v["cpu_ms_per_request"] if v["cpu_ms_per_request"] else None,
+                    "rps_ratio": by[(name, c)]["rps"] / by[("vllm-router", c)]["rps"],
+                }
+                for name in narwhals
             }
         if "floor" in level and level["floor"]["cpu_ms_per_request"]:
             floor_cpu = level["floor"]["cpu_ms_per_request"]
             level["cpu_vs_floor"] = {
                 name: level[name]["cpu_ms_per_request"] / floor_cpu
-                for name in ("narwhal", "vllm-router") if name in level
+                for name in [*narwhals, "vllm-router"] if name in level
             }
         out[str(c)] = level
     out["per_token_cpu_us"] = per_token
@@ -261,19 +317,26 @@ def verdicts(report: dict[str, Any], per_token: dict[str, float], levels: list[i
     """The performance targets, each with the figure measured and whether it is met."""
     checks: list[dict[str, Any]] = []
     for c in levels:
-        ratios = report[str(c)].get("narwhal_vs_vllm_router")
-        if ratios is None:
+        for name, ratios in report[str(c)].get("vs_vllm_router", {}).items():
+            limit = 1.0 if c <= 16 else 1.5
+            ttft = ratios["added_ttft_p50_ratio"]
+            checks.append({"target": f"{name}: added ttft p50 at c={c} <= {limit:g}x vllm-router's",
+                           "value": ttft, "met": ttft is not None and ttft <= limit})
+            cpu = ratios["cpu_per_request_ratio"]
+            checks.append({"target": f"{name}: router cpu/request at c={c} <= 1.5x vllm-router's",
+                           "value": cpu, "met": cpu is not None and cpu <= 1.5})
+            if c >= 64:
+                rps = ratios["rps_ratio"]
+                checks.append({"target": f"{name}: req/s at c={c} >= vllm-router's", "value": rps,
+                               "met": rps >= 1.0})
+    vr_token = per_token.get("vllm-router")
+    for name, us in per_token.items():
+        if name in ("vllm-router", "floor"):
             continue
-        limit = 1.0 if c <= 16 else 1.5
-        ttft = ratios["added_ttft_p50_ratio"]
-        checks.append({"target": f"added ttft p50 at c={c} <= {limit:g}x vllm-router's", "value": ttft,
-                       "met": ttft is not None and ttft <= limit})
-        cpu = ratios["cpu_per_request_ratio"]
-        checks.append({"target": f"router cpu/request at c={c} <= 1.5x vllm-router's", "value": cpu,
-                       "met": cpu is not None and cpu <= 1.5})
-    if "narwhal" in per_token:
-        checks.append({"target": "per-token forwarding cost <= 20 us", "value": per_token["narwhal"],
-                       "met": per_token["narwhal"] <= 20.0})
+        checks.append({"target": f"{name}: per-token forwarding cost <= 20 us", "value": us, "met": us <= 20.0})
+        if vr_token:
+            checks.append({"target": f"{name}: per-token forwarding cost <= vllm-router's",
+                           "value": us / vr_token, "met": us <= vr_token})
     return checks
 
 
@@ -291,9 +354,10 @@ def print_table(rows: list[dict[str, Any]], per_token: dict[str, float], report:
             if name == "cpu_vs_floor":
                 print(f"  c={c:<3} cpu/request against the floor's (a Python/trio relay that does "
                       "nothing else): " + ", ".join(f"{k} x{r:.2f}" for k, r in v.items()))
-            elif name == "narwhal_vs_vllm_router":
-                print(f"  c={c:<3} narwhal / vllm-router: added ttft p50 x{v['added_ttft_p50_ratio'] or float('nan'):.2f}, "
-                      f"cpu/request x{v['cpu_per_request_ratio'] or float('nan'):.2f}")
+            elif name == "vs_vllm_router":
+                for target, ratios in v.items():
+                    print(f"  c={c:<3} {target} / vllm-router: added ttft p50 x{ratios['added_ttft_p50_ratio'] or float('nan'):.2f}, "
+                          f"cpu/request x{ratios['cpu_per_request_ratio'] or float('nan'):.2f}, req/s x{ratios['rps_ratio']:.2f}")
             else:
                 print(f"  c={c:<3} {name:<12} ttft +{v['added_ttft_p50_ms']:.2f} p50 / +{v['added_ttft_p99_ms']:.2f} p99, "
                       f"last token +{v['added_total_p50_ms']:.2f} p50 / +{v['added_total_p99_ms']:.2f} p99, "

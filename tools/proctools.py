@@ -39,9 +39,13 @@ def wait_port(port: int, timeout: float = 60.0) -> None:
     raise RuntimeError(f"nothing listens on port {port}")
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` in its own session with its output in ``log``."""
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+def start(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session with its output in ``log`` (``env``, ``cwd``: its own)."""
+    return subprocess.Popen(
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
+    )
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:

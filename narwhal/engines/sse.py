@@ -21,6 +21,8 @@ from typing import Any, Final, Literal, NamedTuple
 
 import attrs
 
+from narwhal.errors import caused
+
 __all__ = [
     "Chunk",
     "ChunkKind",
@@ -462,7 +464,7 @@ def parse_data(data: bytes, raw: bytes | None = None, *, lazy: bool = False) -> 
     try:
         obj = json_loads(data)
     except ValueError as exc:  # orjson.JSONDecodeError and json's are ValueErrors
-        raise MalformedEvent(f"stream event is not JSON: {exc}") from None
+        raise caused(MalformedEvent(f"stream event is not JSON: {exc}"), None)
     if type(obj) is not dict:
         raise MalformedEvent("stream event is not a JSON object")
     if raw is None:

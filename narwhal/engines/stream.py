@@ -43,6 +43,7 @@ from narwhal.errors import (
     EngineProtocolError,
     EngineStreamError,
     StreamClosed,
+    caused,
 )
 
 __all__ = ["DecodeStream", "EngineReply", "HttpxReply", "StreamOwner", "abandon", "usage_cached_tokens"]
@@ -362,13 +363,16 @@ class DecodeStream:
                     self._finished = True
                     if self._eof:
                         # The body ended in the middle of an event.
-                        raise self._closed_error() from None
-                    raise EngineProtocolError(
-                        f"engine {self.engine} sent a malformed stream event: {exc}",
-                        engine=self.engine,
-                        leg=self.leg,
-                        public=f"engine {self._owner.public_name} sent a malformed stream event",
-                    ) from None
+                        raise caused(self._closed_error(), None)
+                    raise caused(
+                        EngineProtocolError(
+                            f"engine {self.engine} sent a malformed stream event: {exc}",
+                            engine=self.engine,
+                            leg=self.leg,
+                            public=f"engine {self._owner.public_name} sent a malformed stream event",
+                        ),
+                        None,
+                    )
                 kind = chunk.kind
                 if kind == "token":
                     now = self.last_activity_at  # when its bytes arrived
@@ -411,7 +415,7 @@ class DecodeStream:
             return
         except httpx.HTTPError as exc:
             self._finished = True
-            raise self._owner.map_error(exc, self.leg) from exc
+            raise caused(self._owner.map_error(exc, self.leg), exc)
         except BaseException:
             # A read the caller cancels unwinds httpx's body iterator, which cannot
             # resume; remember that so the next call reports it instead of a clean end.
@@ -433,12 +437,15 @@ class DecodeStream:
             self._events.extend(self._decoder.feed(data))
         except SSEError as exc:
             self._finished = True
-            raise EngineProtocolError(
-                f"engine {self.engine} sent an unusable event stream: {exc}",
-                engine=self.engine,
-                leg=self.leg,
-                public=f"engine {self._owner.public_name} sent an unusable event stream",
-            ) from None
+            raise caused(
+                EngineProtocolError(
+                    f"engine {self.engine} sent an unusable event stream: {exc}",
+                    engine=self.engine,
+                    leg=self.leg,
+                    public=f"engine {self._owner.public_name} sent an unusable event stream",
+                ),
+                None,
+            )
 
     def _closed_error(self) -> StreamClosed:
         return StreamClosed(

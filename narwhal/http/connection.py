@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import h11
 import trio
 
-from narwhal.errors import NarwhalError, Refused
+from narwhal.errors import NarwhalError, Refused, caused
 from narwhal.http.messages import BODYLESS_STATUSES, Request, ResponseWriter
 from narwhal.netio import StreamIO
 
@@ -221,7 +221,7 @@ class Connection:
         try:
             return self.h11.next_event()
         except h11.RemoteProtocolError as exc:
-            raise _Reject(exc.error_status_hint) from exc
+            raise caused(_Reject(exc.error_status_hint), exc)
 
     def response_head(
         self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None
@@ -410,7 +410,7 @@ class Connection:
         writer = ResponseWriter(self, head_only=self.head_only)
         self.request = request
         self.handler_scope = trio.CancelScope()
-        self.watcher = None
+        self._forget_watcher()
         if self.limits.disconnect_check_s > 0:
             self.server.watch_starts.call_later(self.start_watcher, request)
         else:
@@ -428,6 +428,12 @@ class Connection:
         if watcher is not None:
             await watcher.stop()  # it feeds h11: it must be done reading before the next read
         return await self.finish(request, writer, failure)
+
+    def _forget_watcher(self) -> None:
+        # A method, not `self.watcher = None` inline: mypy would narrow the attribute
+        # to None for the rest of `serve`, and the compiled build checks reads against
+        # the narrowed type (start_watcher sets it meanwhile).
+        self.watcher = None
 
     def start_watcher(self, request: Request) -> None:
         """Start ``request``'s disconnect watcher, if the request is still being handled:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from narwhal.errors import BadRequest
+from narwhal.errors import BadRequest, caused
 
 if TYPE_CHECKING:
     from narwhal.http.connection import Connection
@@ -101,13 +101,16 @@ class Request:
         try:
             return json.loads(self.body)
         except json.JSONDecodeError as exc:
-            raise BadRequest(
-                f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
-            ) from exc
+            raise caused(
+                BadRequest(
+                    f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
+                ),
+                exc,
+            )
         except UnicodeDecodeError as exc:
-            raise BadRequest("request body is not valid UTF-8") from exc
+            raise caused(BadRequest("request body is not valid UTF-8"), exc)
         except RecursionError as exc:
-            raise BadRequest("request body is nested too deeply") from exc
+            raise caused(BadRequest("request body is nested too deeply"), exc)
 
 
 class ResponseWriter:

@@ -51,6 +51,7 @@ from narwhal.errors import (
     NarwhalError,
     Refused,
     SilenceTimeout,
+    caused,
 )
 from narwhal.http.server import Request, ResponseWriter
 from narwhal.router.journal import AttemptRecord, RequestRecord
@@ -272,7 +273,7 @@ class RequestLifecycle:
                     # An engine's 400 for an over-long prompt reads as the router's own.
                     over = engine_context_length(err, parsed, record.prompt_tokens)
                     if over is not None:
-                        raise over from err
+                        raise caused(over, err)
                     raise
 
     def _may_retry(self, err: EngineError, n: int, max_attempts: int) -> bool:

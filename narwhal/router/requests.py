@@ -23,6 +23,7 @@ from narwhal.errors import (
     EngineHTTPError,
     NarwhalError,
     Unsupported,
+    caused,
 )
 
 __all__ = [
@@ -105,9 +106,9 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise BadRequest("request body is not valid JSON", code="invalid_json") from None
+        raise caused(BadRequest("request body is not valid JSON", code="invalid_json"), None)
     except RecursionError:
-        raise too_deep from None
+        raise caused(too_deep, None)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     if _deeper_than(body, MAX_BODY_DEPTH):
