@@ -10,10 +10,13 @@ import pytest
 
 from narwhal.profile.fit import (
     Band,
+    DecodeFit,
     DecodePoint,
     Intervals,
     TTFTFit,
+    bootstrap_decode,
     bootstrap_ttft,
+    cell_figures,
     decode_fit_problem,
     fit_decode,
     fit_ttft,
@@ -394,3 +397,81 @@ def test_a_bootstrap_keeps_the_seed_it_was_made_with() -> None:
     fit = fit_ttft(median_by_length(repeats))
     intervals = bootstrap_ttft(repeats, fit, resamples=20, seed=11)
     assert (intervals.seed, intervals.resamples, intervals.min_samples) == (11, 20, 1)
+
+
+def _cells(noise: float, wobble: float = 1.0, seed: int = 7) -> list[list[dict[str, float]]]:
+    """Window intervals of six decode cells: three streams of unequal length in each,
+    with the load seen by each interval varying (by ``wobble``) around the cell's."""
+    rng = np.random.default_rng(seed)
+    cells = []
+    for n, length in itertools.product((1, 4, 8), (256, 1024)):
+        cell = []
+        for stream, count in ((3, 5), (7, 3), (11, 4)):
+            for i in range(count):
+                active, kv = n + wobble * 0.25 * (i % 2), n * (length + 20) + wobble * 40.0 * i
+                tpot = (0.005 + 0.0008 * active + 2e-7 * kv) * float(np.exp(rng.normal(0, noise)))
+                cell.append({"stream": stream, "seconds": tpot, "active": active, "kv_tokens": kv})
+        cells.append(cell)
+    return cells
+
+
+def _decode_fit(cells: list[list[dict[str, float]]]) -> DecodeFit:
+    return fit_decode([DecodePoint(a, k, t) for t, a, k in map(cell_figures, cells)])
+
+
+def test_the_decode_bootstrap_is_the_documented_window_bootstrap() -> None:
+    """An independent rendering, draw for draw: in every cell one draw of window positions
+    for all its streams, each stream's own intervals at those positions, TPOT the median of
+    the streams' mean interval, the load the mean over every drawn interval; a refit with an
+    intercept of one; percentile bands at the given level of as many resamples as asked,
+    stored with how they were made."""
+    cells = _cells(0.1)
+    fit = _decode_fit(cells)
+    iv = bootstrap_decode(cells, fit, resamples=60, level=0.8, seed=5)
+    assert (iv.resamples, iv.level, iv.seed, iv.min_samples) == (60, 0.8, 5, 12)
+    rng = np.random.default_rng(5)
+    coefs = []
+    for _ in range(60):
+        x, y = [], []
+        for cell in cells:
+            streams = [[c for c in cell if c["stream"] == s] for s in (3, 7, 11)]
+            u = rng.random(max(len(s) for s in streams))
+            drawn = [[s[int(v * len(s))] for v in u[: len(s)]] for s in streams]
+            y.append(float(np.median([np.mean([c["seconds"] for c in d]) for d in drawn])))
+            load = np.mean([[c["active"], c["kv_tokens"]] for d in drawn for c in d], axis=0)
+            x.append([1.0, *load])
+        coefs.append(nonneg_lstsq(np.array(x), np.array(y)))
+    draws = np.array(coefs)
+    for i, key in enumerate(("c0", "c1", "c2")):
+        low, high = np.percentile(draws[:, i], [10, 90])
+        band = iv.coefficients[key]
+        assert band.value == (fit.c0, fit.c1, fit.c2)[i]
+        assert (band.low, band.high) == pytest.approx((min(low, band.value), max(high, band.value)))
+    corners = [(p.active, p.kv_tokens) for p in fit.points] + [(fit.active_max, fit.kv_max)]
+    points = [{"active": a, "kv_tokens": k} for a, k in corners]
+    assert [point for point, _ in iv.predictions] == points
+    for (a, k), (_, band) in zip(corners, iv.predictions, strict=True):
+        low, high = np.percentile(draws @ np.array([1.0, a, k]), [10, 90])
+        assert band.value == fit.predict(a, k)
+        assert (band.low, band.high) == pytest.approx((min(low, band.value), max(high, band.value)))
+
+
+def test_noise_free_decode_cells_give_bands_that_are_their_point_values() -> None:
+    cells = _cells(0.0, wobble=0.0)
+    fit = _decode_fit(cells)
+    iv = bootstrap_decode(cells, fit, resamples=20)
+    for band in [*iv.coefficients.values(), *(b for _, b in iv.predictions)]:
+        assert (band.low, band.high) == pytest.approx((band.value, band.value), rel=1e-6, abs=1e-12)
+
+
+def test_a_decode_cell_is_the_median_stream_and_the_mean_load() -> None:
+    def iv(stream: int, seconds: float, active: float, kv: float) -> dict[str, float]:
+        return {"stream": stream, "seconds": seconds, "active": active, "kv_tokens": kv}
+
+    # Per-stream means 0.01, 0.03 and 0.02: the median is 0.02; pooling the seven
+    # intervals would give 0.11 / 7.
+    cell = [iv(0, 0.01, 3, 100), iv(0, 0.01, 3, 100), iv(0, 0.01, 3, 100), iv(0, 0.01, 3, 100),
+            iv(1, 0.03, 2, 300), iv(2, 0.02, 1, 200), iv(2, 0.02, 1, 200)]  # fmt: skip
+    assert cell_figures(cell) == pytest.approx((0.02, 16 / 7, 1100 / 7))
+    with pytest.raises(ValueError, match=r"^a decode cell needs at least one interval$"):
+        cell_figures([])
