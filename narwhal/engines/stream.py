@@ -364,15 +364,7 @@ class DecodeStream:
                     if self._eof:
                         # The body ended in the middle of an event.
                         raise caused(self._closed_error(), None)
-                    raise caused(
-                        EngineProtocolError(
-                            f"engine {self.engine} sent a malformed stream event: {exc}",
-                            engine=self.engine,
-                            leg=self.leg,
-                            public=f"engine {self._owner.public_name} sent a malformed stream event",
-                        ),
-                        None,
-                    )
+                    raise caused(self._protocol_error("a malformed stream event", exc), None)
                 kind = chunk.kind
                 if kind == "token":
                     now = self.last_activity_at  # when its bytes arrived
@@ -437,15 +429,16 @@ class DecodeStream:
             self._events.extend(self._decoder.feed(data))
         except SSEError as exc:
             self._finished = True
-            raise caused(
-                EngineProtocolError(
-                    f"engine {self.engine} sent an unusable event stream: {exc}",
-                    engine=self.engine,
-                    leg=self.leg,
-                    public=f"engine {self._owner.public_name} sent an unusable event stream",
-                ),
-                None,
-            )
+            raise caused(self._protocol_error("an unusable event stream", exc), None)
+
+    def _protocol_error(self, what: str, exc: Exception) -> EngineProtocolError:
+        """The engine sent ``what`` (its detail for the log; the client sees no detail)."""
+        return EngineProtocolError(
+            f"engine {self.engine} sent {what}: {exc}",
+            engine=self.engine,
+            leg=self.leg,
+            public=f"engine {self._owner.public_name} sent {what}",
+        )
 
     def _closed_error(self) -> StreamClosed:
         return StreamClosed(
