@@ -45,8 +45,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Module -> the tests that exercise its rules (mutmut runs, for each mutant, those of
-#: them that reach the mutated function).
+#: Module -> the tests that exercise its rules, files or single tests (``file::test``);
+#: mutmut runs, for each mutant, those of them that reach the mutated function.
 MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/breaker.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # The fault matrix exercises probes too, but its 200-odd cases per mutant are too slow here.
@@ -57,6 +57,17 @@ MODULES: dict[str, tuple[str, ...]] = {
     # a run of the request path's functions (--only) under an hour on two cores.
     "narwhal/router/lifecycle.py": (
         "tests/test_lifecycle_rules.py", "tests/test_router_failures.py", "tests/test_router_basic.py",
+        # The attempt's prefix-cache predictions (the file's fast tests: a second each).
+        *(
+            f"tests/test_prefix_placement.py::test_{name}" for name in (
+                "the_engine_holding_the_prefix_wins_over_a_faster_cold_one",
+                "the_consumer_learns_the_prompt_it_pulled",
+                "among_equal_consumers_the_one_holding_the_prefix_decodes",
+                "a_same_worker_attempt_has_no_consumer_prediction",
+                "prefix_cache_off_prices_no_hit",
+                "an_engine_without_prefix_caching_gets_no_view",
+            )
+        ),
     ),
     "narwhal/engines/stream.py": ("tests/test_decode_stream.py", "tests/test_engine_client.py"),
     "narwhal/engines/connector.py": ("tests/test_connector.py", "tests/test_engine_client.py"),
@@ -87,7 +98,7 @@ def _configure(tree: Path, module: str, tests: tuple[str, ...]) -> None:
     cfg.set("mutmut", "source_paths", "narwhal")
     cfg.set("mutmut", "only_mutate", "\n" + module)
     cfg.set("mutmut", "also_copy", "\nconfig\nfixtures")
-    present = [t for t in tests if (tree / t).exists()]
+    present = [t for t in tests if (tree / t.partition("::")[0]).exists()]  # a file or a test of one
     cfg.set("mutmut", "pytest_add_cli_args_test_selection", "\n" + "\n".join(present))
     with open(tree / "setup.cfg", "w") as f:
         cfg.write(f)
@@ -159,6 +170,14 @@ def run_module(
     total = sum(counts[s] for s in counts if s not in ("skipped", "not checked"))
     detail = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     print(f"{module}: {killed}/{total} killed ({100 * killed / max(total, 1):.1f}%) in {elapsed:.0f} s [{detail}]", flush=True)
+    by_function: dict[str, list[int]] = {}
+    for name, status in statuses.items():
+        if status not in ("skipped", "not checked"):
+            tally = by_function.setdefault(name.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0], [0, 0])
+            tally[0] += status in KILLED
+            tally[1] += 1
+    for function, (k, t) in sorted(by_function.items()):
+        print(f"    {function}: {k}/{t}")
     if survivors:
         for name, status in sorted(statuses.items()):
             if status not in KILLED:
