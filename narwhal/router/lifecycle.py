@@ -132,17 +132,19 @@ class RequestLifecycle:
         self.record = RequestRecord(
             request_id=self.request_id, arrival=time.time(), route=kind
         )
-        self.parsed: ParsedRequest | None = None
-        self.prompt: PromptCount | None = None
-        self.committed = False
-        self.visible = False
+        # (Both set by _serve before any read.)
+        self.parsed: ParsedRequest | None = None  # pragma: no mutate (equivalent: set before read)
+        self.prompt: PromptCount | None = None  # pragma: no mutate (equivalent: set before read)
+        self.committed = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
+        self.visible = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
         #: Streamed events received but not yet written (sent before a terminal event).
         self._unsent: list[bytes] = []
         self.tokens = 0
-        self.prompt_tokens = 0
-        self.max_tokens = 0
+        # (Both set by _serve, from the prompt's count, before any read.)
+        self.prompt_tokens = 0  # pragma: no mutate (equivalent: set before read)
+        self.max_tokens = 0  # pragma: no mutate (equivalent: set before read)
         #: The engine whose leg is running (the one a deadline that fires now blames).
-        self._holder: str | None = None
+        self._holder: str | None = None  # pragma: no mutate (equivalent: _attempt sets it before any read)
 
     # ------------------------------------------------------------------ entry point
 
@@ -176,10 +178,11 @@ class RequestLifecycle:
                 # (503 before the first token, a terminal event after it).
                 record.terminal_class = "shutdown"
                 record.error = "router shutting down"
-                record.status = 200 if self.committed else 503
-                resp = self.response
-                if not resp.finished and (self.committed or not resp.started):
-                    await self._fail(Refused("router shutting down", retry_after_s=1.0))
+                record.status = 503  # (_fail makes it 200 when it ends a committed stream)
+                # Not a response whose head is being written (it cannot become a 503); a
+                # finished one takes no terminal event (its end() writes nothing more).
+                if self.committed or not self.response.started:
+                    await self._fail(Refused("router shutting down"))
             raise
         except Exception as exc:
             log.exception("request %s failed with an internal error", self.request_id)
@@ -234,7 +237,7 @@ class RequestLifecycle:
     async def _serve(self) -> None:
         state = self.state
         if state.in_flight > self.config.server.max_concurrent_requests:
-            raise Refused("too many concurrent requests (server.max_concurrent_requests)", retry_after_s=1.0)
+            raise Refused("too many concurrent requests (server.max_concurrent_requests)")
         parsed = self.parsed = parse_request(self.request.body, self.kind)
         record = self.record
         record.stream = parsed.stream
@@ -242,7 +245,7 @@ class RequestLifecycle:
         tok = self.prompt = await state.count_prompt(parsed.body, self.kind)
         self.prompt_tokens = tok.count
         record.prompt_tokens = tok.count if tok.exact else None  # the producer's count, later
-        max_model_len = tok.max_model_len if tok.max_model_len is not None else state.models.get(model or "")
+        max_model_len = tok.max_model_len if tok.max_model_len is not None else _max_model_len(state, model)
         self.max_tokens = parsed.output_limit(tok.count, max_model_len)
         record.requested_output_len = self.max_tokens
         # An estimate is not grounds for refusing: the engines check the exact length.
@@ -391,7 +394,7 @@ class RequestLifecycle:
             if not prompt.exact:
                 # The estimate let the request through; the exact count may not fit the
                 # output it asks for: refuse before the decode leg rather than after.
-                limit = state.models.get(self.record.model or "")
+                limit = _max_model_len(state, self.record.model)
                 parsed = self.parsed
                 assert parsed is not None
                 if parsed.max_tokens is None:  # the engines' default follows the exact count
@@ -548,6 +551,11 @@ class RequestLifecycle:
         else:
             body = json.dumps(acc.body(self.prompt_tokens)).encode()
             await respond.respond(200, (_JSON_CONTENT, (_REQUEST_ID, self.request_id)), body)
+
+
+def _max_model_len(state: RouterState, model: str | None) -> int | None:
+    """The length limit the engines of ``model`` report (None: unknown, or no model known)."""
+    return None if model is None else state.models.get(model)
 
 
 def _is_usage(data: dict[str, Any] | None) -> bool:
