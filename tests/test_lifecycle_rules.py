@@ -30,6 +30,7 @@ from narwhal.errors import (
 from narwhal.router.lifecycle import terminal_class_for
 from narwhal.router.placement import Placement, Reservation
 
+from .loadkit import Outcome, read_response, request_bytes
 from .routerkit import Stack, engine, fleet_doc, open_stack, scripted_decodes
 
 BODY = {"prompt": "one two three four", "max_tokens": 6}
@@ -366,8 +367,10 @@ async def test_a_consumer_timeout_blames_the_consumer(
         assert st.last_error == resp.json()["error"]["message"]
         assert breaker.states["p0"].streak == 0
     assert resp.status_code == 504
-    [attempt] = stack.records[0]["attempts"]
+    [rec] = stack.records
+    [attempt] = rec["attempts"]
     assert (attempt["outcome"], attempt["deadline"], attempt["held_by"]) == (klass, deadline, "d0")
+    assert attempt["error"] == rec["error"] == resp.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("leg", "culprit"), [("prefill", "p0"), ("decode", "d0")])
@@ -509,6 +512,23 @@ def small_model(**controller: str) -> dict[str, Any]:
     return fleet_doc(*engines, controller=controller) if controller else fleet_doc(*engines)
 
 
+async def test_a_token_id_prompt_over_the_context_is_refused_before_engine_work(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Token ids are counted exactly with no /tokenize: the limit is the one the engines
+    # reported. 60 ids and 4 output tokens fit in 64; 61 do not, and no engine is asked.
+    async with open_stack(small_model()) as stack:
+        fits = await stack.complete({"prompt": list(range(1, 61)), "max_tokens": 4})
+        over = await stack.complete({"prompt": list(range(1, 62)), "max_tokens": 4})
+        prefills = [b for b in stack.engine("p0").requests_seen if "prompt" in b]
+    assert fits.status_code == 200 and over.status_code == 400
+    assert over.json()["error"]["message"] == (
+        "this model's maximum context length is 64 tokens; the request has 61 prompt tokens "
+        "and asks for 4 output tokens"
+    )
+    assert len(prefills) == 1 and stack.engine("p0").stats.calls.get("/tokenize", 0) == 0
+
+
 async def test_an_estimated_prompt_that_exactly_fits_is_served(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -539,6 +559,47 @@ async def test_an_output_limit_follows_the_exact_count(
     assert rec["prompt_tokens"] > 30 and rec["requested_output_len"] == 64 - rec["prompt_tokens"]
     assert rec["output_len"] == rec["requested_output_len"]
     assert lengths.observations.get("chat", 0) == (1 if mode == "estimate" else 0)
+
+
+def _producer_usage(usage: dict[str, Any] | None) -> Any:
+    """A ``wrap`` for :func:`open_stack`: p0's prefill answers carry ``usage`` in place of
+    their own (None: no usage at all), and no prompt token ids."""
+
+    class Wrapped(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            resp = await self.inner.handle_async_request(request)
+            if request.url.host != "p0.test" or request.url.path != "/v1/completions":
+                return resp
+            body = json.loads(await resp.aread())
+            await resp.aclose()
+            for holder in (body, *body["choices"]):  # the other place a count is read from
+                holder.pop("prompt_token_ids", None)
+            body.pop("usage", None)
+            if usage is not None:
+                body["usage"] = usage
+            return httpx.Response(resp.status_code, json=body)
+
+    return Wrapped
+
+
+@pytest.mark.parametrize(
+    "usage", [None, {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1}], ids=["none", "zero"]
+)
+async def test_a_producer_that_reports_no_prompt_count_leaves_the_estimate(
+    autojump_clock: trio.abc.Clock, usage: dict[str, Any] | None
+) -> None:
+    # A prefill answer without a prompt count, or with a count of zero, is no count: the
+    # request is served on its estimate, the journal has no count, nothing is learned.
+    async with open_stack(wrap=_producer_usage(usage)) as stack:
+        resp = await stack.complete(BODY)
+        lengths = stack.router.state.prompt_lengths
+    assert resp.status_code == 200, resp.text
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["prompt_tokens"], rec["output_len"]) == ("ok", None, 6)
+    assert lengths.observations.get("completions", 0) == 0
 
 
 # ------------------------------------------------------------------ every attempt ends
@@ -621,6 +682,20 @@ async def test_a_retry_cut_in_placement_blames_no_earlier_engine(
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(("mode", "journaled"), [("tokenize", 4), ("estimate", None)])
+async def test_a_prompt_count_is_journaled_only_when_exact(
+    autojump_clock: trio.abc.Clock, mode: str, journaled: int | None
+) -> None:
+    # The prefill fails, so the producer never counted the prompt: the journal has the
+    # router's own count when it is exact, and no estimate.
+    async with open_stack(fleet_doc(controller={"prompt_tokens": mode})) as stack:
+        stack.engine("p0").inject(FaultSpec(kind="http_error", on="prefill", status=500, times=1))
+        resp = await stack.complete(BODY)
+    assert resp.status_code == 502
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["prompt_tokens"]) == ("prefill_failed", journaled)
+
+
 async def test_an_attempt_refused_after_the_exact_count_ends_invalid(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -632,7 +707,15 @@ async def test_an_attempt_refused_after_the_exact_count_ends_invalid(
     [rec] = stack.records
     [attempt] = rec["attempts"]
     assert (rec["terminal_class"], rec["prompt_tokens"]) == ("invalid_request", 61)
-    assert (attempt["outcome"], attempt["producer"]) == ("invalid_request", "p0")
+    message = (
+        "this model's maximum context length is 64 tokens; the request has 61 prompt tokens "
+        "and asks for 4 output tokens"
+    )
+    assert resp.json()["error"]["message"] == message and rec["error"] == message
+    # No deadline fired: the attempt names none and no engine held one.
+    assert (attempt["outcome"], attempt["producer"], attempt["deadline"], attempt["held_by"]) == (
+        "invalid_request", "p0", None, None,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------ how a request ends
@@ -768,7 +851,7 @@ async def test_requests_over_the_concurrency_limit_are_refused(
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["message"] == "too many concurrent requests (server.max_concurrent_requests)"
     [rec] = [r for r in stack.records if r["terminal_class"] != "ok"]
-    assert (rec["terminal_class"], rec["attempts"]) == ("refused", [])
+    assert (rec["terminal_class"], rec["attempts"], rec["output_len"]) == ("refused", [], 0)
 
 
 
@@ -908,8 +991,8 @@ async def test_a_failure_mid_burst_sends_the_burst_then_the_error(
 
 @pytest.mark.parametrize(
     ("rid", "kept"),
-    [("a", True), ("r" * 200, True), ("r" * 201, False), ("caf\u00e9", False), ("tab\there", False)],
-    ids=["one-char", "200-chars", "201-chars", "non-ascii", "unprintable"],
+    [("a", True), ("r" * 200, True), ("", False), ("r" * 201, False), ("caf\u00e9", False), ("tab\there", False)],
+    ids=["one-char", "200-chars", "empty", "201-chars", "non-ascii", "unprintable"],
 )
 async def test_a_clients_request_id_is_kept_when_short_printable_ascii(
     autojump_clock: trio.abc.Clock, rid: str, kept: bool
@@ -932,3 +1015,66 @@ async def test_a_success_clears_both_engines_failure_streaks(
         assert states[engine_name].streak == 1
         assert (await stack.complete(BODY)).status_code == 200
         assert (states["p0"].streak, states["d0"].streak) == (0, 0)
+
+
+# ------------------------------------------------------------------ a client that stops reading
+
+
+class _Pausing(trio.abc.ReceiveStream):
+    """A client's end that reads the answer's head and first event, then reads nothing
+    for ``pause_s`` (``math.inf``: never again)."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream, pause_s: float) -> None:
+        self.stream, self.pause_s = stream, pause_s
+        self.seen_event = self.paused = False
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if self.seen_event and not self.paused:
+            self.paused = True
+            await trio.sleep(self.pause_s)
+        data = await self.stream.receive_some(max_bytes)
+        self.seen_event = self.seen_event or b"data: " in data
+        return data
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def test_a_write_that_waits_for_the_client_is_not_engine_silence(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Over a lockstep stream every write waits until the client reads it (true
+    # backpressure, which the in-memory network does not have). After the first token
+    # the client stops reading for 5 silence bounds: the engine kept sending, the
+    # router's write waited, and the stream still ends whole.
+    async with open_stack(fleet_doc(engine={"decode_read_timeout_s": 2.0})) as stack:
+        client, server = trio.testing.lockstep_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stack.router.server.handle_connection, server)
+            await client.send_all(request_bytes({**BODY, "max_tokens": 20, "stream": True}, request_id="slow"))
+            out = await read_response(_Pausing(client, 10.0), Outcome("slow"))
+            await trio.sleep(1.0)  # the router's last write returns once the client read it
+            await client.aclose()
+    assert out.ok and out.tokens == 20
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["output_len"]) == ("ok", 20)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_shutdown_while_the_answers_write_waits_for_the_client(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    # The client never reads: the answer's first write (a stream's head and first token,
+    # or the whole answer) waits when the shutdown's grace period ends. A response
+    # already started cannot become a 503: the request ends quietly, journaled as shut down.
+    async with open_stack() as stack:
+        client, server = trio.testing.lockstep_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stack.router.server.handle_connection, server)
+            await client.send_all(request_bytes({**BODY, "stream": stream}, request_id="stuck"))
+            await trio.sleep(1.0)
+            await stack.router.shutdown(2.0)
+            await client.aclose()
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["status"]) == ("shutdown", 503)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

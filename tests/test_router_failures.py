@@ -317,7 +317,9 @@ async def test_request_deadline(autojump_clock: trio.abc.Clock, leg: str, holder
         assert trio.current_time() - t0 == pytest.approx(1.0, abs=1e-6)
     assert resp.status_code == 504
     [record] = stack.records
-    assert record["terminal_class"] == "deadline_exceeded"
+    message = "request deadline exceeded (engine.request_timeout_s)"
+    assert resp.json()["error"]["message"] == message
+    assert (record["terminal_class"], record["error"]) == ("deadline_exceeded", message)
     # The attempt in flight when the request deadline fired, and the engine holding it.
     [attempt] = record["attempts"]
     assert attempt["outcome"] == "deadline_exceeded"
