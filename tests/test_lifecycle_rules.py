@@ -94,6 +94,23 @@ async def test_a_priced_attempt_records_its_predictions(autojump_clock: trio.abc
     assert attempt["predicted_tpot_s"] == pytest.approx(STEP_S, rel=0.5)
 
 
+async def test_a_retrys_predicted_ttft_counts_the_time_already_spent(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Attempt 1 fails on d0 once its prefill is done: attempt 2's predicted TTFT (from
+    # arrival) is that time plus its own prefill, which is what it then measures.
+    async with open_stack(two_consumers(recovery={"max_attempts": 2}), priced=True) as stack:
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, times=1))
+        with Reservation(stack.router.state.placement, "p0", "d1", 10, 10):
+            resp = await stack.complete(BODY)
+    assert resp.status_code == 200
+    first, second = stack.records[0]["attempts"]
+    assert (first["consumer"], second["consumer"]) == ("d0", "d1")
+    assert first["predicted_ttft_s"] == pytest.approx(PREFILL_S, abs=1e-6)
+    assert second["predicted_ttft_s"] == pytest.approx(2 * PREFILL_S, abs=1e-6)
+    assert second["ttft_s"] == pytest.approx(2 * PREFILL_S, abs=1e-6)
+
+
 async def test_in_flight_counts_concurrent_requests(autojump_clock: trio.abc.Clock) -> None:
     # Two requests on the same pair at once: each leg counts itself in and out (the
     # stack checks every count is back at zero).
@@ -559,6 +576,30 @@ async def test_an_output_limit_follows_the_exact_count(
     assert rec["prompt_tokens"] > 30 and rec["requested_output_len"] == 64 - rec["prompt_tokens"]
     assert rec["output_len"] == rec["requested_output_len"]
     assert lengths.observations.get("chat", 0) == (1 if mode == "estimate" else 0)
+
+
+class _NoModels(httpx.AsyncBaseTransport):
+    """A ``wrap``: every engine's ``/v1/models`` lists no model."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": []})
+        return await self.inner.handle_async_request(request)
+
+
+async def test_engines_that_list_no_model_still_serve(autojump_clock: trio.abc.Clock) -> None:
+    # No model is known (the document names none, the engines list none): requests are
+    # served all the same, and the answer names no model rather than a guess.
+    async with open_stack(wrap=_NoModels) as stack:
+        assert stack.router.state.models == {}
+        resp = await stack.complete({**BODY, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["model"] == "" and resp.json()["usage"]["completion_tokens"] == 2
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["model"]) == ("ok", None)
 
 
 def _producer_usage(usage: dict[str, Any] | None) -> Any:

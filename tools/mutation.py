@@ -57,6 +57,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     # a run of the request path's functions (--only) under an hour on two cores.
     "narwhal/router/lifecycle.py": (
         "tests/test_lifecycle_rules.py", "tests/test_router_failures.py", "tests/test_router_basic.py",
+        "tests/test_multimodel.py",  # placement by the request's model
         # The attempt's prefix-cache predictions (the file's fast tests: a second each).
         *(
             f"tests/test_prefix_placement.py::test_{name}" for name in (
