@@ -257,3 +257,15 @@ async def test_an_engine_unreachable_at_start_is_learned_when_readmitted(autojum
         assert "db1" in {r["consumer"] for r in stack.records}
         for record in stack.records:
             assert_in_pool(record)
+
+
+async def test_each_model_learns_its_own_prompt_lengths(autojump_clock: trio.abc.Clock) -> None:
+    # Each model has its own tokenizer: a producer's exact count teaches the estimator
+    # of the request's model only.
+    async with open_stack(two_models()) as stack:
+        state = stack.router.state
+        assert not state.exact_prompt_counts
+        resp = await stack.client.post("/v1/completions", json={"model": B, "prompt": "one two three", "max_tokens": 2})
+        assert resp.status_code == 200
+        learned = {m: state.prompt_lengths_for(m).observations.get("completions", 0) for m in (A, B)}
+    assert learned == {A: 0, B: 1}
