@@ -281,10 +281,12 @@ async def test_a_non_streaming_answer_without_usage_counts_its_own(
     assert resp.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
 
 
+@pytest.mark.parametrize("stream", [True, False])
 async def test_tpot_ends_at_the_last_token_not_the_last_event(
-    autojump_clock: trio.abc.Clock,
+    autojump_clock: trio.abc.Clock, stream: bool
 ) -> None:
-    # Tokens 1 s apart, then the usage 10 s later: output time is up to the last token.
+    # Tokens 1 s apart, then the usage 10 s later: output time is up to the last token,
+    # whether the events are relayed (each burst written) or collected into one answer.
     steps = [
         (1.0, _token(1)),
         (1.0, _token(2)),
@@ -294,11 +296,50 @@ async def test_tpot_ends_at_the_last_token_not_the_last_event(
     ]
     async with open_stack(wrap=scripted_decodes(steps)) as stack:
         await _at_start()
-        _, raw = await _stream_raw(stack, {**BODY, "max_tokens": 3})
-    assert raw.endswith(_DONE)
+        if stream:
+            _, raw = await _stream_raw(stack, {**BODY, "max_tokens": 3})
+            assert raw.endswith(_DONE)
+        else:
+            assert (await stack.complete({**BODY, "max_tokens": 3})).status_code == 200
     [rec] = stack.records
     assert rec["tpot_s"] == pytest.approx(3.0 / 2, abs=1e-9)
     assert rec["first_byte_s"] == pytest.approx(PREFILL_S + 1.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("read_timeout_s", [10.0, 100.0])
+async def test_an_event_before_the_first_token_leaves_the_first_token_deadline(
+    autojump_clock: trio.abc.Clock, read_timeout_s: float
+) -> None:
+    # The consumer sends a metadata event, then nothing: the first-token deadline (30 s
+    # after the decode leg started) fires, not a silence bound counted from that event.
+    steps = [(0.0, _usage(4, 0))]
+    doc = fleet_doc(engine={"decode_read_timeout_s": read_timeout_s})
+    async with open_stack(doc, wrap=scripted_decodes(steps, hang=True)) as stack:
+        await _at_start()
+        resp = await stack.complete(BODY)
+    assert resp.status_code == 504
+    assert resp.json()["error"]["message"] == "no token within engine.first_token_timeout_s (30 s)"
+    [rec] = stack.records
+    assert rec["latency_s"] == pytest.approx(PREFILL_S + 30.0, abs=1e-9)
+
+
+async def test_a_stream_that_stops_after_a_relayed_metadata_event_is_silence(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The usage event is relayed (the client asked for it), then the consumer sends
+    # nothing: the silence bound runs from that event's write, as from any other.
+    steps = [(0.0, _token(1)), (1.0, _usage(4, 1))]
+    doc = fleet_doc(engine={"decode_read_timeout_s": 5.0})
+    async with open_stack(doc, wrap=scripted_decodes(steps, hang=True)) as stack:
+        await _at_start()
+        _, raw = await _stream_raw(stack, {**BODY, "stream_options": {"include_usage": True}})
+    events = _events(raw)
+    assert json.loads(events[-1])["error"]["message"] == (
+        "engine went silent between tokens (no chunk for 5 s after 1 tokens)"
+    )
+    [rec] = stack.records
+    assert rec["terminal_class"] == "silence_timeout"
+    assert rec["latency_s"] == pytest.approx(PREFILL_S + 1.0 + 5.0, abs=1e-9)
 
 
 # ------------------------------------------------------------------ failures: blame and names
