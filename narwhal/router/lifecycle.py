@@ -510,7 +510,7 @@ class RequestLifecycle:
                                 burst_tokens = False  # pragma: no mutate (equivalent: None reads false too; True is killed)
                             if not armed:
                                 scope.deadline = now + silence
-                                armed = True
+                                armed = True  # pragma: no mutate (equivalent: re-armed at each burst, the deadline is the one the read set; only slower)
                     if burst_tokens:  # [DONE] came in the burst of the last tokens
                         last_token_at = clock()
                     attempt.consumer_cached_tokens = stream.cached_tokens
