@@ -476,9 +476,9 @@ async def test_a_retry_avoids_the_engine_that_failed(autojump_clock: trio.abc.Cl
             resp = await stack.complete(BODY)
     assert resp.status_code == 200
     attempts = stack.records[0]["attempts"]
-    assert [(a["consumer"], a["outcome"]) for a in attempts] == [
-        ("d0", "decode_failed"),
-        ("d1", "ok"),
+    assert [(a["n"], a["consumer"], a["outcome"]) for a in attempts] == [
+        (1, "d0", "decode_failed"),
+        (2, "d1", "ok"),
     ]
 
 
