@@ -61,6 +61,21 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/engines/stream.py": ("tests/test_decode_stream.py", "tests/test_engine_client.py"),
     "narwhal/engines/connector.py": ("tests/test_connector.py", "tests/test_engine_client.py"),
     "narwhal/errors.py": ("tests/test_errors.py", "tests/test_engine_client.py", "tests/test_router_failures.py"),
+    # The load-level comparisons (hundreds of requests each, half a minute a run) prove
+    # that pricing pays off; the rules themselves are held by the quick tests.
+    "narwhal/router/pricing.py": (
+        "tests/test_pricing_rules.py", "tests/test_priced_placement.py", "tests/test_prefix_placement.py",
+        "tests/test_prefix_replication.py", "tests/test_reactive.py",
+        "--deselect=tests/test_priced_placement.py::test_priced_placement_holds_the_slo_for_more_requests",
+        "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
+        "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
+    ),
+    "narwhal/router/state.py": (
+        "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",
+        "tests/test_fleet_reload.py", "tests/test_kvevents_stale.py", "tests/test_readmission.py",
+        "tests/test_router_basic.py", "tests/test_priced_placement.py",
+        "--deselect=tests/test_priced_placement.py::test_priced_placement_holds_the_slo_for_more_requests",
+    ),
 }  # fmt: skip
 
 #: mutmut's statuses that count as a killed mutant.
@@ -87,7 +102,9 @@ def _configure(tree: Path, module: str, tests: tuple[str, ...]) -> None:
     cfg.set("mutmut", "source_paths", "narwhal")
     cfg.set("mutmut", "only_mutate", "\n" + module)
     cfg.set("mutmut", "also_copy", "\nconfig\nfixtures")
-    present = [t for t in tests if (tree / t).exists()]
+    # Test files (those present) and pytest options (``--deselect=FILE::TEST`` keeps a
+    # slow test of a selected file out of every mutant's run).
+    present = [t for t in tests if t.startswith("-") or (tree / t).exists()]
     cfg.set("mutmut", "pytest_add_cli_args_test_selection", "\n" + "\n".join(present))
     with open(tree / "setup.cfg", "w") as f:
         cfg.write(f)
