@@ -244,7 +244,8 @@ async def test_an_engine_on_trial_takes_one_request_at_a_time(autojump_clock: tr
 
 def listing(answers: dict[str, Any]) -> Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]:
     """A ``wrap``: the engines named answer ``GET /v1/models`` with the ``data`` given
-    (``"hang"``: never; ``"slow"``: their own answer, after 2 s)."""
+    (``"hang"``: never; ``"slow"``: their own answer, after 2 s; ``("late", data)``:
+    ``data``, after 2 s)."""
 
     class Wrapped(httpx.AsyncBaseTransport):
         def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
@@ -259,6 +260,9 @@ def listing(answers: dict[str, Any]) -> Callable[[httpx.AsyncBaseTransport], htt
                 if answer == "slow":
                     await trio.sleep(2.0)
                     return await self.inner.handle_async_request(request)
+                if isinstance(answer, tuple):  # ("late", data): data, after 2 s
+                    await trio.sleep(2.0)
+                    answer = answer[1]
                 return httpx.Response(200, json={"object": "list", "data": answer})
             return await self.inner.handle_async_request(request)
 
@@ -416,3 +420,117 @@ async def test_each_model_of_several_learns_its_own_prompt_lengths(autojump_cloc
         a.observe("completions", 100, 50)
         estimate = await state.count_prompt({"model": "a", "prompt": "x" * 100}, "completions")
         assert estimate.count == a.estimate("completions", 100) != shared.estimate("completions", 100)
+
+
+# ----------------------------------------------------------------- built from the document
+
+
+async def test_the_state_is_built_from_every_setting_of_the_document(autojump_clock: trio.abc.Clock) -> None:
+    from narwhal.router.placement import Placement
+
+    p0 = engine("p0", 8101, ["prefill"])
+    p0.update(model="sim-llama", api_key="k0")
+    doc = fleet_doc(
+        p0, engine("d0", 8102, ["decode"]), engine("b0", 8103, ["prefill", "decode"]),
+        recovery={"eject_after": 4, "failure_quarantine_s": 2.5, "probe_interval_s": 7.0,
+                  "retry_budget": {"ratio": 0.3, "min_retries_per_s": 2.0, "window_s": 12.0}},
+        journal={"path": "elsewhere/j.jsonl", "queue_size": 17, "fsync": False},
+        engine={"connect_timeout_s": 3.0},
+        server={"engine_urls_in_errors": True},
+        controller={"slo": {"ttft_s": 0.7, "tpot_s": 0.04}, "admission": "wait", "pricing": "upper"},
+    )  # fmt: skip
+    config = parse_fleet(doc)
+    state = RouterState(config)  # its own journal, least-loaded placement
+    breaker = state.breaker
+    assert (breaker.eject_after, breaker.quarantine_s, breaker.probe_interval_s) == (4, 2.5, 7.0)
+    assert breaker._peers["d0"] and breaker._peers["p0"]  # each role's engines know each other
+    budget = state.retry_budget
+    assert (budget.ratio, budget.min_retries_per_s, budget.window_s) == (0.3, 2.0, 12.0)
+    journal = state.journal
+    assert journal.path is not None and journal.path.as_posix() == "elsewhere/j.jsonl" and journal.fsync is False
+    assert journal._send.statistics().max_buffer_size == 17
+    assert type(state.placement) is Placement
+    assert state.placement.prefill_engines == ["p0", "b0"] and state.placement.decode_engines == ["d0", "b0"]
+    assert state.placement.models == {"p0": frozenset({"sim-llama"})}
+    assert state.models == {"sim-llama": None}
+    assert not state.exact_prompt_counts
+    assert state.in_flight == 0 and state.in_flight_by_engine == {"p0": 0, "d0": 0, "b0": 0}
+    client = state.clients["p0"]
+    assert (client.url, client.name, client.model, client._api_key, client.connect_timeout_s) == (
+        "http://p0.test:8101", "p0", "sim-llama", "k0", 3.0)
+    assert client.connector == config.engines[0].connector
+    assert client.public_name == "p0 at http://p0.test:8101"
+    assert state.clients["d0"].model is None and state.clients["d0"]._api_key is None
+    assert state.phase == {} and state.phase_errors == {} and state.kv_subscribers == {}
+    assert state.clock is trio.current_time and breaker._clock is trio.current_time
+    assert budget._clock is trio.current_time
+    await state.aclose()
+
+    priced = RouterState(config, journal=Journal(None), profiles=Profiles(
+        schema_version=1, created_at="now", software={}, samples=None, engines={}))  # type: ignore[arg-type]
+    placement = priced.placement
+    assert isinstance(placement, PricedPlacement)
+    assert placement.slo == config.controller.slo and placement.admission == "wait" and placement.pricing == "upper"
+    assert placement.profiles == {} and placement.clock is trio.current_time
+    assert placement.prefill_engines == ["p0", "b0"] and placement.decode_engines == ["d0", "b0"]
+    assert placement.models == {"p0": frozenset({"sim-llama"})}
+    assert priced.exact_prompt_counts  # priced placement counts exactly by default
+    breaker.eject("p0", "down")
+    assert not state.placeable("p0")
+    priced.breaker.eject("p0", "down")
+    assert not placement.available("p0") and placement.available("b0")
+    for mode, expected in (("tokenize", True), ("estimate", False), ("auto", False)):
+        other = attrs.evolve(config, controller=attrs.evolve(config.controller, prompt_tokens=mode))
+        assert RouterState(other, journal=Journal(None)).exact_prompt_counts is expected
+    for mode, expected in (("tokenize", True), ("estimate", False), ("auto", True)):
+        other = attrs.evolve(config, controller=attrs.evolve(config.controller, prompt_tokens=mode))
+        assert RouterState(other, journal=Journal(None), profiles=priced.profiles).exact_prompt_counts is expected
+
+
+async def test_health_shows_how_each_engines_kv_events_arrive(autojump_clock: trio.abc.Clock) -> None:
+    from narwhal.engines.kvevents import KVEventSubscriber
+
+    async with open_state() as (state, _fleet, _):
+        assert state.kv_events_status("p0") is None
+        assert "kv_events" not in state.health(detail=True)["engines"]["p0"]
+        sub = KVEventSubscriber("tcp://p0.test:5557", on_batch=lambda seq, batch: None, on_reset=lambda why: None)
+        sub.delivered, sub.probe_gaps = 12, 3
+        state.kv_subscribers["p0"] = sub
+        live = {"state": "live", "detail": None, "delivered": 12, "probe_gaps": 3}
+        assert state.kv_events_status("p0") == live
+        assert state.health(detail=True)["engines"]["p0"]["kv_events"] == live
+        sub.stale = "no live batch in 2 probes"
+        assert state.kv_events_status("p0") == {
+            "state": "stale", "detail": "no live batch in 2 probes", "delivered": 12, "probe_gaps": 3,
+        }  # fmt: skip
+        assert state.health(detail=False)["engines"] == {"p0": "ok", "d0": "ok"}
+
+
+async def test_an_engine_forgotten_while_it_lists_its_models_leaves_no_limit_behind(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # d1 answers /v1/models late, with a small context; it leaves the fleet meanwhile.
+    doc = fleet_doc(engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]))
+    answers: dict[str, Any] = {"p0": [{"id": "a", "max_model_len": 4096}], "d0": [{"id": "a", "max_model_len": 4096}],
+                               "d1": ("late", [{"id": "a", "max_model_len": 1024}])}  # fmt: skip
+    async with open_state(doc, wrap=listing(answers)) as (state, _fleet, _):
+        state.placement.set_roles(["p0"], ["d0"])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(state.refresh_models)
+            await trio.sleep(1.0)
+            await state.forget_engine("d1")
+        assert state.models == {"a": 4096}  # d1's 1,024 tokens bound the model no longer
+        assert "d1" not in state._reported
+
+
+async def test_the_breaker_keeps_the_permitted_roles_whatever_placement_is_assigned(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    doc = fleet_doc(engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]))
+    async with open_state(doc) as (state, _fleet, _):
+        assert state.breaker._peers == {"p0": [["p0"]], "d0": [["d0", "d1"]], "d1": [["d0", "d1"]]}
+        state.assign_roles = lambda members: (["p0"], ["d1"])  # reactive control's choice
+        state.phase["d1"] = "starting"
+        state.refresh_roles()
+        assert state.placement.decode_engines == ["d1"]
+        assert state.breaker._peers == {"p0": [["p0"]], "d0": [["d0"]], "d1": []}
