@@ -352,12 +352,16 @@ def test_a_placed_pair_carries_its_predictions_and_reserves_prompt_and_output() 
     assert r.predicted_cached_tokens is None
     assert pl.counters == {"priced": 1, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0,
                            "replicated": 0}  # fmt: skip
+    pl.choose(10, 2)
+    assert pl.counters["priced"] == 2
 
 
 def test_a_pair_out_of_the_decode_domain_is_counted_when_chosen() -> None:
     pl = priced(profiles={"p0": profile("p0"), "d0": profile("d0", kv_tokens=(100.0, 1000.0))})
     pl.choose(1000, 200)
     assert pl.counters["out_of_domain"] == 1 and pl.counters["priced"] == 1
+    pl.choose(1000, 200)
+    assert pl.counters["out_of_domain"] == 2
 
 
 def test_a_predicted_ttft_miss_is_refused_at_or_under_the_target_it_is_placed() -> None:
@@ -399,6 +403,19 @@ def test_without_a_priced_pair_placement_falls_back_to_least_load_and_reserves_t
     r.release()
     r2.release()
     assert pl.prefill_work_s == pytest.approx({"p0": 0.0, "p1": 0.0, "d0": 0.0})
+    assert pl.counters["fallback"] == 2
+
+
+def test_a_model_without_a_priced_pair_falls_back_within_its_own_engines() -> None:
+    models = {"p0": ["m"], "d0": ["m"], "p1": ["n"], "d1": ["n"]}
+    pl = priced(["p0", "p1"], ["d0", "d1"], profiles={"p0": profile("p0"), "d0": profile("d0")}, models=models)
+    for _ in range(2):  # least-loaded placement rotates among equals: twice, to see any other engine
+        r = pl.choose(100, 10, model="n")
+        assert (r.producer, r.consumer, r.predicted_ttft_s) == ("p1", "d1", None)
+        r.release()
+    assert pl.counters == {"priced": 0, "fallback": 2, "out_of_domain": 0, "refused": 0, "waited": 0,
+                           "replicated": 0}  # fmt: skip
+    assert pl.choose(100, 10, model="m").predicted_ttft_s is not None
 
 
 # ----------------------------------------------------------------- admission
@@ -490,12 +507,20 @@ async def test_a_drop_in_others_load_wakes_waiting_requests(autojump_clock: trio
     async with trio.open_nursery() as nursery:
         nursery.start_soon(one)
         await trio.sleep(0.2)
-        pl.engine_reported("d0", 1, 0, 0)  # unchanged: still waiting
+        refused = pl.counters["refused"]
+        pl.engine_reported("d0", 1, 0, 0)  # unchanged: not priced again
         await trio.sleep(0.1)
-        assert not placed
+        assert not placed and pl.counters["refused"] == refused
+        pl.engine_reported("d0", 2, 0, 0)  # more: neither
+        await trio.sleep(0.1)
+        assert not placed and pl.counters["refused"] == refused
+        pl.engine_reported("d0", 1, 0, 0)  # less, still no room: priced again, waits on
+        await trio.sleep(0.1)
+        assert not placed and pl.counters["refused"] == refused + 1
         pl.engine_reported("d0", 0, 0, 0)
-    assert placed == [pytest.approx(0.3)]
+    assert placed == [pytest.approx(0.5)]
     pl.engine_reported("gone", 0, 0, 0)  # an engine placement does not know: ignored
+    assert "gone" not in pl.loads
 
 
 async def test_role_changes_wake_waiting_requests(autojump_clock: trio.abc.Clock) -> None:
@@ -563,11 +588,15 @@ def test_an_added_engine_is_priced_uncorrected_with_an_empty_queue_and_a_removed
     pl.unbound["p1"] = "gone"
     pl.set_roles(["p0"], ["d0"])
     pl.remove_engine("p1")
-    for table in (pl.ttft_correction, pl.tpot_correction, pl.prefill_work_s, pl.profiles, pl.unbound):
+    for table in (pl.ttft_correction, pl.tpot_correction, pl.prefill_work_s, pl.profiles, pl.unbound, pl.loads):
         assert "p1" not in table
     assert pl.head_done_s("p1") == 0.0
     r.release()  # released again after it left: nothing to release
     assert "p1" not in pl.prefill_work_s
+    # An engine that never had a profile, a prefill or a reason to be unbound leaves too.
+    pl.add_engine("p2")
+    pl.remove_engine("p2")
+    assert "p2" not in pl.loads and "p2" not in pl.prefill_work_s
 
 
 # ----------------------------------------------------------------- copying a busy prefix
@@ -672,3 +701,18 @@ def test_choosing_starts_the_copy_reserves_its_work_and_releases_it_when_copied(
     pl.choose(1000, 10, cached=held.__getitem__, prompt_ids=ids).release()
     assert started[-1][0] == "p1" and "p1" not in pl.replicating and pl.counters["replicated"] == 2
     assert pl.prefill_work_s["p1"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_consumers_tie_within_one_percent_on_the_same_side_of_the_target() -> None:
+    from narwhal.router.pricing import CONSUMER_TIE, best_consumer
+
+    def q(engine: str, tpot: float, cached: int | None = None) -> Quote:
+        return Quote(engine, tpot, 1.0 - tpot / 0.05, cached_tokens=cached)
+
+    # Exactly one percent slower still ties; one cached token breaks the tie.
+    assert best_consumer([q("d0", 0.0100), q("d1", 0.0100 * (1.0 + CONSUMER_TIE), 1024)]).engine == "d1"
+    assert best_consumer([q("d0", 0.0100), q("d1", 0.01005, 1)]).engine == "d1"
+    assert best_consumer([q("d0", 0.0100, 0), q("d1", 0.01005)]).engine == "d0"
+    # Exactly at the target is meeting it: the same side as a consumer under it.
+    assert best_consumer([q("d0", 0.0499), q("d1", 0.05, 1024)]).engine == "d1"
+    assert best_consumer([q("d0", 0.0499, 1024)]).engine == "d0"
