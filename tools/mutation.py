@@ -13,7 +13,9 @@ Mutants no test reaches count as survivors.
 
 A run over every module takes tens of minutes on two cores; one module takes a few.
 ``--only`` narrows a run to some functions (mutant names are ``module.x_function__mutmut_N``
-or ``module.xǁClassǁmethod__mutmut_N``), to confirm that new tests kill what they aim at.
+or ``module.xǁClassǁmethod__mutmut_N``), to confirm that new tests kill what they aim at;
+``--tests`` runs a part of the module's tests instead (a mutant they kill is killed by the
+whole selection too: a quick confirmation, and a lower bound of the score).
 
 Equivalent mutants. A surviving mutant is either a missing test (write one that asserts
 the behaviour: the error's status, message and fields, the journal's record, the log
@@ -75,6 +77,20 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/engines/stream.py": ("tests/test_decode_stream.py", "tests/test_engine_client.py"),
     "narwhal/engines/connector.py": ("tests/test_connector.py", "tests/test_engine_client.py"),
     "narwhal/errors.py": ("tests/test_errors.py", "tests/test_engine_client.py", "tests/test_router_failures.py"),
+    # The load-level comparisons (hundreds of requests each, half a minute a run) prove
+    # that pricing pays off; the rules themselves are held by the quick tests.
+    "narwhal/router/pricing.py": (
+        "tests/test_pricing_rules.py", "tests/test_priced_placement.py", "tests/test_prefix_placement.py",
+        "tests/test_prefix_replication.py", "tests/test_reactive.py",
+        "--deselect=tests/test_priced_placement.py::test_priced_placement_holds_the_slo_for_more_requests",
+        "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
+        "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
+    ),
+    # The state's own tests, and the router's that read it (readiness, models, counting).
+    "narwhal/router/state.py": (
+        "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",
+        "tests/test_router_basic.py",
+    ),
 }  # fmt: skip
 
 #: mutmut's statuses that count as a killed mutant.
@@ -101,7 +117,9 @@ def _configure(tree: Path, module: str, tests: tuple[str, ...]) -> None:
     cfg.set("mutmut", "source_paths", "narwhal")
     cfg.set("mutmut", "only_mutate", "\n" + module)
     cfg.set("mutmut", "also_copy", "\nconfig\nfixtures")
-    present = [t for t in tests if (tree / t.partition("::")[0]).exists()]  # a file or a test of one
+    # Test files or tests (``FILE::TEST``) of files present, and pytest options
+    # (``--deselect=FILE::TEST`` keeps a slow test of a selected file out of every mutant's run).
+    present = [t for t in tests if t.startswith("-") or (tree / t.split("::")[0]).exists()]
     cfg.set("mutmut", "pytest_add_cli_args_test_selection", "\n" + "\n".join(present))
     with open(tree / "setup.cfg", "w") as f:
         cfg.write(f)
@@ -148,14 +166,15 @@ def _diffs(tree: Path, module: str, names: list[str]) -> dict[str, str]:
 
 
 def run_module(
-    source: Path, module: str, children: int, survivors: bool, only: tuple[str, ...] = ()
+    source: Path, module: str, children: int, survivors: bool, only: tuple[str, ...] = (),
+    tests: tuple[str, ...] = (),
 ) -> tuple[int, int, float]:
     """Mutate one module (only the mutants whose names match a glob of ``only``, when
-    given); (killed, total, seconds)."""
+    given) with its tests (or ``tests``, when given); (killed, total, seconds)."""
     with tempfile.TemporaryDirectory(prefix="narwhal-mutation-") as scratch:
         tree = Path(scratch)
         _copy_tree(source, tree)
-        _configure(tree, module, MODULES[module])
+        _configure(tree, module, tests or MODULES[module])
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["PYTHONPATH"] = str(tree)
         t0 = time.monotonic()
@@ -200,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         "--only", action="append", default=[], metavar="GLOB",
         help="mutate only the functions whose mutant names match (e.g. '*_may_retry*'); repeatable",
     )  # fmt: skip
+    parser.add_argument(
+        "--tests", action="append", default=[], metavar="PATH",
+        help="run these tests instead of the module's selection (a part of it: a mutant they "
+             "kill, the whole selection kills too); repeatable",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     modules = args.modules or list(MODULES)
     unknown = [m for m in modules if m not in MODULES]
@@ -207,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no test selection for {', '.join(unknown)} (known: {', '.join(MODULES)})")
     killed = total = 0
     for module in modules:
-        k, t, _ = run_module(args.tree.resolve(), module, args.children, args.survivors, tuple(args.only))
+        k, t, _ = run_module(args.tree.resolve(), module, args.children, args.survivors, tuple(args.only),
+                             tuple(args.tests))
         killed += k
         total += t
     if len(modules) > 1:

@@ -136,7 +136,7 @@ class PricedPlacement(Placement):
         admission: str,
         available: Callable[[str], bool] = lambda name: True,
         clock: Callable[[], float] = trio.current_time,
-        pricing: str = "point",
+        pricing: str = "point",  # pragma: no mutate (equivalent: any word but "upper" prices the point estimate)
         models: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         super().__init__(prefill_engines, decode_engines, available=available, models=models)
@@ -418,9 +418,11 @@ class PricedPlacement(Placement):
         """As :meth:`Placement.engine_reported`; requests waiting for capacity re-price
         when the others' share of an engine shrank."""
         load = self.loads.get(name)
-        before = load.others if load is not None else 0
+        if load is None:  # not (or no longer) an engine of this placement
+            return
+        before = load.others
         super().engine_reported(name, running, waiting, own)
-        if load is not None and load.others < before:
+        if load.others < before:
             self._capacity_changed()
 
     def _add_work(self, producer: str, work: float) -> int:
@@ -456,7 +458,7 @@ class PricedPlacement(Placement):
     ) -> Reservation:
         """Reserve a pair serving ``model`` predicted to meet the SLO, waiting for capacity
         (admission ``wait``)."""
-        waited = False
+        waited = False  # pragma: no mutate (equivalent: falsy alike)
         start = self.clock()
         while True:
             try:
@@ -492,7 +494,6 @@ class PricedPlacement(Placement):
         self.ttft_correction.setdefault(name, 1.0)
         self.tpot_correction.setdefault(name, 1.0)
         self.prefill_work_s.setdefault(name, 0.0)
-        self._prefills.setdefault(name, {})
 
     def remove_engine(self, name: str) -> None:
         super().remove_engine(name)

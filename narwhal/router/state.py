@@ -75,12 +75,13 @@ class RouterState:
         rec = config.recovery
         prefill = [e.name for e in config.engines if e.can_prefill]
         decode = [e.name for e in config.engines if e.can_decode]
+        roles = {"prefill": prefill, "decode": decode}  # pragma: no mutate (equivalent: the breaker reads each role's engines, never its name)
         self.breaker = Breaker(
             list(self.engines),
             eject_after=rec.eject_after,
             quarantine_s=rec.failure_quarantine_s,
             probe_interval_s=rec.probe_interval_s,
-            roles={"prefill": prefill, "decode": decode},
+            roles=roles,
             clock=clock,
         )
         self.profiles = profiles
@@ -160,8 +161,9 @@ class RouterState:
         members = self.members()
         prefill, decode = self.assign_roles(members)
         self.placement.set_roles(prefill, decode)
-        permitted = _permitted_roles(members)
-        self.breaker.set_roles({"prefill": permitted[0], "decode": permitted[1]})
+        permitted_prefill, permitted_decode = _permitted_roles(members)
+        roles = {"prefill": permitted_prefill, "decode": permitted_decode}  # pragma: no mutate (equivalent: as in __init__)
+        self.breaker.set_roles(roles)
         self.placement.notify_released()
 
     def add_engine(self, engine: EngineConfig, *, phase: str | None = "starting") -> None:
@@ -367,6 +369,8 @@ class RouterState:
             try:
                 with trio.move_on_after(self.config.engine.connect_timeout_s):
                     listed = await self.clients[name].models()
+                    if name not in self.clients:  # it left the fleet meanwhile: its listing is no limit
+                        return
                     self._reported[name] = {
                         m["id"]: m.get("max_model_len") if type(m.get("max_model_len")) is int else None
                         for m in listed
