@@ -14,7 +14,7 @@ import copy
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -48,10 +48,12 @@ from narwhal.profile.store import (
 
 __all__ = ["refit_pair"]
 
+T = TypeVar("T")
+
 _FRESH = "run a fresh sweep (narwhal profile) against the current engine processes"
 
 
-def _refuse(message: str, source: str, path: str = "$") -> ConfigError:
+def _refuse(message: str, source: str, path: str) -> ConfigError:
     return ConfigError(f"{message}; {_FRESH}", path=path, source=source)
 
 
@@ -59,7 +61,16 @@ def _repeats(entry: Mapping[str, Any], name: str, source: str) -> list[tuple[int
     try:
         return prefill_repeats(entry, f"$.engines.{name}")
     except ConfigError as exc:
-        raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path or "$") from None
+        raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path) from None
+
+
+def _parse(cl: type[T], obj: Any, source: str, where: str) -> T:
+    """``obj`` (found at ``where`` in the sidecar) as ``cl``; a malformed one is refused
+    with the sidecar's JSON path of its first invalid value."""
+    try:
+        return parse_as(cl, obj, source=source)
+    except ConfigError as exc:
+        raise _refuse(exc.reason, source, where + exc.path.removeprefix("$")) from None
 
 
 def _bound_snapshot(entry: Any, engine_url: str, name: str, source: str) -> EngineProfile:
@@ -71,7 +82,7 @@ def _bound_snapshot(entry: Any, engine_url: str, name: str, source: str) -> Engi
     if not isinstance(raw_identity, Mapping):
         raise _refuse(f"the samples of engine {name!r} are not bound to an engine generation",
                       source, f"{where}.identity")  # fmt: skip
-    identity = parse_as(EngineIdentity, raw_identity, source=source)
+    identity = _parse(EngineIdentity, raw_identity, source, f"{where}.identity")
     if identity.url != engine_url:
         raise _refuse(f"the samples of engine {name!r} were taken at {identity.url}, the fleet "
                       f"has it at {engine_url}", source, f"{where}.identity.url")  # fmt: skip
@@ -80,7 +91,7 @@ def _bound_snapshot(entry: Any, engine_url: str, name: str, source: str) -> Engi
         status = entry.get("status")
         raise _refuse(f"the samples hold no profile snapshot for engine {name!r} "
                       f"(status {status!r})", source, f"{where}.profile")  # fmt: skip
-    profile = parse_as(EngineProfile, snapshot, source=source)
+    profile = _parse(EngineProfile, snapshot, source, f"{where}.profile")
     if profile.identity != identity:
         raise _refuse(f"the profile snapshot of engine {name!r} is bound to another generation "
                       "than its samples", source, f"{where}.profile.identity")  # fmt: skip
@@ -162,7 +173,7 @@ def refit_pair(
         if rejection is not None:
             prefill["rejection"] = rejection
             entry.update(status="rejected", reason=f"refitted TTFT curve rejected: {rejection}")
-            entry.pop("profile", None)
+            del entry["profile"]  # the snapshot checked above: the curve it held is refused
             outcomes.append(EngineOutcome(e.name, "rejected", entry["reason"]))
             progress.warn(e.name, entry["reason"])
             continue
