@@ -73,6 +73,10 @@ def test_the_new_sidecar_is_the_old_one_with_median_curves(
     # The saved curve is an earlier fitter's, as in a pair to repair; the fleet section
     # holds more than the engine list.
     old["engines"]["e0"]["profile"]["ttft"] |= {"a": 0.5, "b": 0.0, "c": 0.0}
+    # Figures and a status from before are replaced, not kept.
+    for name in ("e0", "e1"):
+        old["engines"][name]["prefill"] |= {"medians": "stale", "intervals": "stale"}
+        old["engines"][name] |= {"status": "stale", "reason": "stale"}
     old["fleet"] = {"engines": ["e0", "e1"], "note": "kept"}
     source = _write(tmp_path, old)
     stream = io.StringIO()
@@ -99,6 +103,7 @@ def test_the_new_sidecar_is_the_old_one_with_median_curves(
         repeats = _repeats(old, name)
         derived = derive_ttft(repeats)
         assert after["prefill"]["fit_before_refit"] == before["prefill"]["fit"]
+        assert set(after["prefill"]) == set(before["prefill"]) | {"fit_before_refit"}
         assert after["prefill"]["medians"] == [
             {"length": n, "ttft_s": m, "repeats": 3} for n, m in median_by_length(repeats).items()
         ]
@@ -124,6 +129,15 @@ def test_the_new_sidecar_is_the_old_one_with_median_curves(
         old["engines"]["e0"]["profile"], EngineProfile).decode
     # The source is read, never written.
     assert json.loads(source.read_text()) == old
+
+
+def test_an_unreadable_sidecar_is_named_for_what_it_is(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.samples.json"
+    broken.write_text("{")
+    with pytest.raises(ConfigError, match=r"^.*broken\.samples\.json: samples file is not valid JSON"):
+        refit_pair(_config(), broken, tmp_path / "refit.json")
+    with pytest.raises(ConfigError, match=r"cannot read samples file: No such file"):
+        refit_pair(_config(), tmp_path / "gone.samples.json", tmp_path / "refit.json")
 
 
 def test_only_the_selected_engines_are_refitted(saved: dict[str, Any], tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ request to sweep the current engine processes afresh.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -122,11 +121,11 @@ def refit_pair(
     obj = read_json(source, "samples file")
     if not isinstance(obj, dict) or obj.get("kind") != SAMPLES_KIND:
         raise _refuse("not a narwhal profile samples file", source, "$.kind")
+    # The original sidecar, and the profiles file it names: an --out whose pair holds
+    # either. (Its own name's profiles file, x.json beside x.samples.json, needs no entry:
+    # an --out of x.json or x pairs it with x.samples.json, the original.)
     original = Path(source).resolve()
-    protected = {
-        original,
-        original.with_name(original.name.removesuffix(".samples.json") + ".json"),
-    }
+    protected = {original}
     if isinstance(obj.get("profiles"), str):
         protected.add(original.with_name(obj["profiles"]))
     if {profiles_path.resolve(), samples_path.resolve()} & protected:
@@ -144,14 +143,16 @@ def refit_pair(
     repeats = {e.name: _repeats(entries[e.name], e.name, source) for e in selected}
     check_output(out, overwrite=overwrite)
 
-    new = copy.deepcopy(obj)
+    # The sidecar as read (this refit's own parse of the file, read by nothing else) is
+    # edited into the new one; the file itself is never written.
+    new = obj
     new["created_at"] = now_iso()
     new["software"] = software_identity()
     new["profiles"] = profiles_path.name
     new["refit"] = {"from": source, "sha256": file_sha256(source),
                     "fitter": "TTFT curve fitted to the median of the repeats at each exact "
                               "length; decode model and KV capacity copied"}  # fmt: skip
-    new["engines"] = {e.name: copy.deepcopy(entries[e.name]) for e in selected}
+    new["engines"] = {e.name: entries[e.name] for e in selected}
     new["fleet"] = dict(obj.get("fleet") or {}) | {"engines": [e.name for e in selected]}
     outcomes: list[EngineOutcome] = []
     for e in selected:
