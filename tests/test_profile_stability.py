@@ -4,11 +4,14 @@ summary statistics, the stability document and its lines, and the repeated sweep
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import statistics
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -94,9 +97,13 @@ def test_the_figures_of_a_profile_are_its_coefficients_errors_and_predictions() 
         ("prefix_at.100x48", m.predict(100, 48)), ("prefix_at.1024x512", m.predict(1024, 512)),
     ]  # fmt: skip
     assert type(figures["kv_capacity.tokens"]) is float
-    # 31 tokens: half is 15, no whole block; 32 tokens: one block of 16.
-    assert [k for k in engine_figures(p, [31.0, 32.0], []) if k.startswith("prefix_at")] == [
-        "prefix_at.32x16"]
+    # 31 tokens: half is 15, no whole block; 32 tokens: one block of 16; 63: one block.
+    assert [k for k in engine_figures(p, [31.0, 32.0, 63.0], []) if k.startswith("prefix_at")] == [
+        "prefix_at.32x16", "prefix_at.63x16"]
+    # Blocks of one token: half of 3 is one cached token.
+    ones = attrs.evolve(p, cached_prefill=attrs.evolve(m, block_size=1))
+    assert [k for k in engine_figures(ones, [1.0, 3.0], []) if k.startswith("prefix_at")] == [
+        "prefix_at.3x1"]
     bare = _profile(decode=False, kv=False, cached=False, loo=None)
     assert list(engine_figures(bare, [512.0], [(1.0, 100.0)])) == [
         "ttft.a", "ttft.b", "ttft.c", "ttft.mean_error", "ttft_at.512"]
@@ -138,6 +145,9 @@ def test_runs_are_summarised_per_figure_over_the_runs_that_profiled_the_engine(
     t = _profile(2.5).ttft
     assert e0["figures"]["ttft_at.1024"]["values"][2] == t.predict(1024)
     assert "tpot_at.4x2000" in e0["figures"]
+    # An --out without the .json suffix: the document is <out>.stability.json beside it.
+    stability(runs, operating, ["e0"], files, str(tmp_path / "bare"))
+    assert (tmp_path / "bare.stability.json").is_file()
 
 
 def test_the_summary_of_one_figure() -> None:
@@ -218,3 +228,62 @@ async def test_an_existing_later_run_is_refused_before_any_sweep(
             await profile_repeatedly(config, s, 2, transport=sim.transport,
                                      progress=Progress(quiet=True))  # fmt: skip
     assert sorted(p.name for p in await trio.Path(tmp_path).iterdir()) == ["profiles.run2.json"]
+
+
+async def test_the_runs_are_made_in_order_and_compared_at_run_ones_operating_points(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The orchestration alone, the sweep replaced by a stand-in that records how it was
+    called and writes a sidecar per run: run k gets its own pair, the given seed plus
+    k - 1 (none without one), the caller's transport, progress and fleet source; the
+    operating points are run 1's, missing parts of an entry count as none."""
+    from narwhal.profile import stability as module
+    from narwhal.profile.runner import EngineOutcome, ProfileRun
+
+    calls: list[dict[str, Any]] = []
+    entries = [
+        {"e0": {"prefill": {"effective_lens": [128, 512]},
+                "decode": {"cell_medians": [{"active": 1, "kv_tokens": 300}]}},
+         "e1": {"prefill": {}}},
+        {"e0": {"prefill": {"effective_lens": [999]}, "decode": {"cell_medians": []}}},
+    ]
+
+    async def stand_in(config: Any, settings: Any, **kwargs: Any) -> ProfileRun:
+        calls.append({"out": settings.out, "seed": settings.seed} | kwargs)
+        profiles, samples = pair_paths(settings.out)
+        samples.write_text(json.dumps({"engines": entries[len(calls) - 1]}))
+        outcomes = (EngineOutcome("e0", "ok", None, _profile(len(calls))),
+                    EngineOutcome("e1", "ok", None, _profile(2.0 * len(calls))),
+                    EngineOutcome("e2", "failed", "unreachable"))  # fmt: skip
+        return ProfileRun(profiles, samples, outcomes)
+
+    monkeypatch.setattr(module, "run_profile", stand_in)
+    config = profilekit.fleet(profilekit.engine("e0", 8101))
+    transport, progress = object(), Progress(io.StringIO(), tty=False)
+    s = profilekit.settings(tmp_path, seed=None)
+    runs, doc = await profile_repeatedly(config, s, 2, transport=transport,  # type: ignore[arg-type]
+                                         progress=progress, config_source="f.json")  # fmt: skip
+    assert calls == [
+        {"out": str(tmp_path / "profiles.json"), "seed": None, "transport": transport,
+         "progress": progress, "config_source": "f.json"},
+        {"out": str(tmp_path / "profiles.run2.json"), "seed": None, "transport": transport,
+         "progress": progress, "config_source": "f.json"},
+    ]  # fmt: skip
+    assert [r.samples_path.name for r in runs] == ["profiles.samples.json",
+                                                   "profiles.run2.samples.json"]  # fmt: skip
+    assert list(doc["engines"]) == ["e0", "e1", "e2"]
+    e0 = doc["engines"]["e0"]["figures"]
+    assert [k for k in e0 if "_at." in k] == ["ttft_at.128", "ttft_at.512", "tpot_at.1x300",
+                                              "prefix_at.128x64", "prefix_at.512x256"]  # fmt: skip
+    e1 = doc["engines"]["e1"]["figures"]  # no lengths recorded, no decode record: none
+    assert not [k for k in e1 if "_at." in k] and e1["ttft.a"]["values"] == [0.04, 0.08]
+    assert doc["engines"]["e2"] == {"runs_ok": 0, "runs": 2, "figures": {}}
+    # A run's sidecar that cannot be read is named for what it is.
+    entries[0] = {}
+    calls.clear()
+    monkeypatch.setattr(module, "read_json", lambda path, what: (_ for _ in ()).throw(
+        ConfigError(f"cannot read {what}")))
+    with pytest.raises(ConfigError, match=r"^cannot read samples file"):
+        await profile_repeatedly(config, attrs.evolve(s, seed=5, overwrite=True), 2,
+                                 progress=progress)  # fmt: skip
+    assert [c["seed"] for c in calls] == [5, 6]
