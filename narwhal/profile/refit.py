@@ -67,8 +67,8 @@ def _parse(cl: type[T], obj: Any, source: str, where: str) -> T:
     """``obj`` (found at ``where`` in the sidecar) as ``cl``; a malformed one is refused
     with the sidecar's JSON path of its first invalid value."""
     try:
-        return parse_as(cl, obj, source=source)
-    except ConfigError as exc:
+        return parse_as(cl, obj)
+    except ConfigError as exc:  # its reason, at its path in the sidecar
         raise _refuse(exc.reason, source, where + exc.path.removeprefix("$")) from None
 
 
