@@ -19,6 +19,13 @@ from narwhal.profile import ProfileRun, ProfileSettings, Progress, run_profile
 
 PREFILL = {"a": 0.02, "b": 5e-5, "c": 2e-8}
 DECODE = {"c0": 0.005, "c1": 0.0008, "c2": 2e-7}
+#: The smallest sweep a profile passes its gates with: four prefill lengths, 2 x 2 decode cells.
+SMALL: dict[str, Any] = {
+    "prefill_lens": (128, 256, 512, 1024),
+    "decode_input_lens": (128, 512),
+    "decode_concurrency": (1, 4),
+    "decode_tokens": 16,
+}
 #: Virtual seconds a whole profiling run may take in a test (a hang guard).
 RUN_LIMIT_S = 3600.0
 

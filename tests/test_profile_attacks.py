@@ -28,12 +28,7 @@ from narwhal.testing import open_sim_fleet
 from tests import profilekit
 from tests.checkkit import LIMIT_S
 
-SMALL = {
-    "prefill_lens": (128, 256, 512, 1024),
-    "decode_input_lens": (128, 512),
-    "decode_concurrency": (1, 4),
-    "decode_tokens": 16,
-}
+SMALL = profilekit.SMALL
 
 
 async def test_refit_fits_the_medians_of_noisy_repeats_not_the_old_curve_or_the_means(

@@ -57,6 +57,21 @@ def test_ttft_fit_is_non_negative_where_free_least_squares_is_not() -> None:
     assert all(fit.predict(n) <= fit.predict(n + 1) for n in range(0, 5000, 250))
 
 
+def test_lengths_are_squared_in_floating_point_and_medians_kept_as_floats() -> None:
+    # int64 squares wrap beyond 3.04e9 tokens; a float design does not. (Coefficients
+    # for which every term shows at these lengths.)
+    a, b, c = 20.0, 2e-8, 2e-17
+    huge = {n: a + b * n + c * n * n for n in (1_000_000_000, 2_000_000_000, 4_000_000_000,
+                                                8_000_000_000)}  # fmt: skip
+    fit = fit_ttft(huge)
+    assert (fit.a, fit.b, fit.c) == pytest.approx((a, b, c), rel=1e-6)
+    iv = bootstrap_ttft([(n, t) for n, t in huge.items() for _ in range(3)], fit, resamples=5)
+    for _, band in iv.predictions:  # noise-free repeats: every refit is the fit
+        assert (band.low, band.high) == pytest.approx((band.value, band.value), rel=1e-6)
+    whole = fit_ttft({128: 1, 512: 2, 1024: 3, 2048: 5})  # whole seconds: stored as floats
+    assert all(type(m) is float for m in whole.medians)
+
+
 def test_ttft_fit_needs_four_lengths() -> None:
     # Three lengths leave a leave-one-length-out fold two points for three coefficients.
     with pytest.raises(ValueError, match="at least 4"):
@@ -390,6 +405,26 @@ def test_mape_refuses_series_of_unequal_length() -> None:
     assert mape([1.1, 1.8], [1.0, 2.0]) == pytest.approx(0.1)
     with pytest.raises(ValueError):
         mape([1.0], [1.0, 2.0])
+
+
+def test_no_more_ratios_than_coefficients_are_pooled_as_they_are() -> None:
+    """The widening by sqrt(n / (n - dof)) needs more ratios than coefficients; with as
+    many, the ratios are drawn unwidened (no division by zero)."""
+    from narwhal.profile.fit import _residual_bootstrap
+
+    x = np.array([[1.0, 1.0], [1.0, 2.0]])
+    coefs = _residual_bootstrap(x, [3.0, 5.0], [1, 1], [1.0, 1.2], resamples=40, seed=1)
+    rng = np.random.default_rng(1)
+    expected = [nonneg_lstsq(x, np.array([3.0 * rng.choice([1.0, 1.2]), 5.0 * rng.choice([1.0, 1.2])]))
+                for _ in range(40)]  # fmt: skip
+    assert coefs == pytest.approx(np.array(expected))
+    # One more ratio: widened by sqrt(3 / 1) about 1.
+    wide = _residual_bootstrap(x, [3.0, 5.0], [1, 1], [1.0, 1.2, 0.8], resamples=40, seed=1)
+    rng = np.random.default_rng(1)
+    ratios = 1.0 + (np.array([1.0, 1.2, 0.8]) - 1.0) * np.sqrt(3.0)
+    expected = [nonneg_lstsq(x, np.array([3.0 * rng.choice(ratios), 5.0 * rng.choice(ratios)]))
+                for _ in range(40)]  # fmt: skip
+    assert wide == pytest.approx(np.array(expected))
 
 
 def test_a_bootstrap_keeps_the_seed_it_was_made_with() -> None:

@@ -67,10 +67,16 @@ TESTS: dict[str, list[str]] = {
     # fleets of test_check_verify.py / test_profile_attacks.py reach these modules too,
     # but at ~15 s a surviving mutant on a small machine; their rules are pinned by
     # direct tests in the files below.
-    # test_profile_derive.py reaches the decode and cached-prefix fits that the fit tests do not.
-    "narwhal/profile/fit.py": ["tests/test_profile_fit.py", "tests/test_profile_derive.py"],
+    # test_profile_fit_cached.py pins the cached-prefix fit; test_profile_derive.py reaches
+    # the fits through the derivation the profiler and the preflight share.
+    "narwhal/profile/fit.py": [
+        "tests/test_profile_fit.py",
+        "tests/test_profile_fit_cached.py",
+        "tests/test_profile_derive.py",
+    ],
     "narwhal/profile/derive.py": ["tests/test_profile_derive.py", "tests/test_profile_fit.py"],
-    "narwhal/profile/stability.py": ["tests/test_profile_attacks.py"],
+    "narwhal/profile/refit.py": ["tests/test_profile_refit.py"],
+    "narwhal/profile/stability.py": ["tests/test_profile_stability.py"],
     "narwhal/check/gate.py": ["tests/test_check_gate_rules.py", "tests/test_check_gate.py"],
     "narwhal/check/checks.py": [
         "tests/test_check_run_rules.py",

@@ -10,11 +10,10 @@ request to sweep the current engine processes afresh.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -48,10 +47,12 @@ from narwhal.profile.store import (
 
 __all__ = ["refit_pair"]
 
+T = TypeVar("T")
+
 _FRESH = "run a fresh sweep (narwhal profile) against the current engine processes"
 
 
-def _refuse(message: str, source: str, path: str = "$") -> ConfigError:
+def _refuse(message: str, source: str, path: str) -> ConfigError:
     return ConfigError(f"{message}; {_FRESH}", path=path, source=source)
 
 
@@ -59,7 +60,16 @@ def _repeats(entry: Mapping[str, Any], name: str, source: str) -> list[tuple[int
     try:
         return prefill_repeats(entry, f"$.engines.{name}")
     except ConfigError as exc:
-        raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path or "$") from None
+        raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path) from None
+
+
+def _parse(cl: type[T], obj: Any, source: str, where: str) -> T:
+    """``obj`` (found at ``where`` in the sidecar) as ``cl``; a malformed one is refused
+    with the sidecar's JSON path of its first invalid value."""
+    try:
+        return parse_as(cl, obj)
+    except ConfigError as exc:  # its reason, at its path in the sidecar
+        raise _refuse(exc.reason, source, where + exc.path.removeprefix("$")) from None
 
 
 def _bound_snapshot(entry: Any, engine_url: str, name: str, source: str) -> EngineProfile:
@@ -71,7 +81,7 @@ def _bound_snapshot(entry: Any, engine_url: str, name: str, source: str) -> Engi
     if not isinstance(raw_identity, Mapping):
         raise _refuse(f"the samples of engine {name!r} are not bound to an engine generation",
                       source, f"{where}.identity")  # fmt: skip
-    identity = parse_as(EngineIdentity, raw_identity, source=source)
+    identity = _parse(EngineIdentity, raw_identity, source, f"{where}.identity")
     if identity.url != engine_url:
         raise _refuse(f"the samples of engine {name!r} were taken at {identity.url}, the fleet "
                       f"has it at {engine_url}", source, f"{where}.identity.url")  # fmt: skip
@@ -80,7 +90,7 @@ def _bound_snapshot(entry: Any, engine_url: str, name: str, source: str) -> Engi
         status = entry.get("status")
         raise _refuse(f"the samples hold no profile snapshot for engine {name!r} "
                       f"(status {status!r})", source, f"{where}.profile")  # fmt: skip
-    profile = parse_as(EngineProfile, snapshot, source=source)
+    profile = _parse(EngineProfile, snapshot, source, f"{where}.profile")
     if profile.identity != identity:
         raise _refuse(f"the profile snapshot of engine {name!r} is bound to another generation "
                       "than its samples", source, f"{where}.profile.identity")  # fmt: skip
@@ -111,11 +121,11 @@ def refit_pair(
     obj = read_json(source, "samples file")
     if not isinstance(obj, dict) or obj.get("kind") != SAMPLES_KIND:
         raise _refuse("not a narwhal profile samples file", source, "$.kind")
+    # The original sidecar, and the profiles file it names: an --out whose pair holds
+    # either. (Its own name's profiles file, x.json beside x.samples.json, needs no entry:
+    # an --out of x.json or x pairs it with x.samples.json, the original.)
     original = Path(source).resolve()
-    protected = {
-        original,
-        original.with_name(original.name.removesuffix(".samples.json") + ".json"),
-    }
+    protected = {original}
     if isinstance(obj.get("profiles"), str):
         protected.add(original.with_name(obj["profiles"]))
     if {profiles_path.resolve(), samples_path.resolve()} & protected:
@@ -133,14 +143,16 @@ def refit_pair(
     repeats = {e.name: _repeats(entries[e.name], e.name, source) for e in selected}
     check_output(out, overwrite=overwrite)
 
-    new = copy.deepcopy(obj)
+    # The sidecar as read (this refit's own parse of the file, read by nothing else) is
+    # edited into the new one; the file itself is never written.
+    new = obj
     new["created_at"] = now_iso()
     new["software"] = software_identity()
     new["profiles"] = profiles_path.name
     new["refit"] = {"from": source, "sha256": file_sha256(source),
                     "fitter": "TTFT curve fitted to the median of the repeats at each exact "
                               "length; decode model and KV capacity copied"}  # fmt: skip
-    new["engines"] = {e.name: copy.deepcopy(entries[e.name]) for e in selected}
+    new["engines"] = {e.name: entries[e.name] for e in selected}
     new["fleet"] = dict(obj.get("fleet") or {}) | {"engines": [e.name for e in selected]}
     outcomes: list[EngineOutcome] = []
     for e in selected:
@@ -162,7 +174,7 @@ def refit_pair(
         if rejection is not None:
             prefill["rejection"] = rejection
             entry.update(status="rejected", reason=f"refitted TTFT curve rejected: {rejection}")
-            entry.pop("profile", None)
+            del entry["profile"]  # the snapshot checked above: the curve it held is refused
             outcomes.append(EngineOutcome(e.name, "rejected", entry["reason"]))
             progress.warn(e.name, entry["reason"])
             continue

@@ -89,7 +89,7 @@ def engine_figures(
         out |= {"prefix.a": m.a, "prefix.b": m.b, "prefix.c": m.c, "prefix.d": m.d,
                 "prefix.mean_error": m.mean_error, "prefix.loo_mean_error": m.loo_mean_error}  # fmt: skip
         for n in lengths:
-            k = min(n // 2 // m.block_size, (n - 1) // m.block_size) * m.block_size
+            k = n // (2 * m.block_size) * m.block_size  # at most half: a token is left to compute
             if k > 0:
                 out[f"prefix_at.{n:g}x{k:g}"] = m.predict(n, k)
     return out
@@ -168,7 +168,7 @@ async def profile_repeatedly(
         runs.append(await run_profile(config, one, transport=transport, progress=progress,
                                       config_source=config_source))  # fmt: skip
     by_run = [{o.name: o.profile for o in r.outcomes} for r in runs]
-    names = [o.name for o in runs[0].outcomes]
+    names = [o.name for o in runs[0].outcomes]  # pragma: no mutate (equivalent: every run profiles the same engines in the same order)
     first = read_json(runs[0].samples_path, "samples file")
     operating: dict[str, tuple[list[float], list[tuple[float, float]]]] = {}
     for name in names:
