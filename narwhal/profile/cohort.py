@@ -373,10 +373,9 @@ async def run_cell(
     Raises:
         EngineError: a stream's request failed (the engine is unusable for profiling).
     """
-    concurrency = len(prompts)
-    input_len = len(prompts[0])
-    if concurrency < 1 or any(len(p) != input_len for p in prompts):
+    if not prompts or any(len(p) != len(prompts[0]) for p in prompts):
         raise ValueError("a cell needs prompts of one length")
+    concurrency, input_len = len(prompts), len(prompts[0])
     send, recv = trio.open_memory_channel[Message](max(16, 4 * concurrency))
     window_opened = trio.Event()
     collector = CohortCollector(concurrency, on_open=window_opened.set)
