@@ -71,6 +71,8 @@ TESTS: dict[str, list[str]] = {
     "narwhal/profile/fit.py": ["tests/test_profile_fit.py", "tests/test_profile_derive.py"],
     "narwhal/profile/derive.py": ["tests/test_profile_derive.py", "tests/test_profile_fit.py"],
     "narwhal/profile/stability.py": ["tests/test_profile_attacks.py"],
+    "narwhal/profile/store.py": ["tests/test_profile_store_rules.py"],
+    "narwhal/profile/cohort.py": ["tests/test_profile_cohort.py"],
     "narwhal/check/gate.py": ["tests/test_check_gate_rules.py", "tests/test_check_gate.py"],
     "narwhal/check/checks.py": [
         "tests/test_check_run_rules.py",
