@@ -76,6 +76,7 @@ TESTS: dict[str, list[str]] = {
     "narwhal/profile/sweep.py": ["tests/test_profile_sweep_rules.py"],
     "narwhal/profile/progress.py": ["tests/test_profile_cli_rules.py"],
     "narwhal/profile/cli.py": ["tests/test_profile_cli_rules.py"],
+    "narwhal/profile/runner.py": ["tests/test_profile_runner_rules.py"],
     "narwhal/check/gate.py": ["tests/test_check_gate_rules.py", "tests/test_check_gate.py"],
     "narwhal/check/checks.py": [
         "tests/test_check_run_rules.py",

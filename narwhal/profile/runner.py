@@ -629,9 +629,10 @@ def _existing_pair(
     outcomes = []
     for name in kept:
         profile = existing.engines.get(name)
-        why = existing.excluded.get(name)
-        status: Status = "ok" if profile is not None else "rejected"
-        outcomes.append(EngineOutcome(name, status, None if profile else why, profile))
+        if profile is not None:
+            outcomes.append(EngineOutcome(name, "ok", None, profile))
+        else:
+            outcomes.append(_excluded(name, existing.excluded.get(name)))
     merged = {
         "previous": {"profiles_sha256": file_sha256(profiles_path),
                      "samples_sha256": existing.samples.sha256,
@@ -641,3 +642,13 @@ def _existing_pair(
         "at": now_iso(),
     }  # fmt: skip
     return kept, outcomes, merged
+
+
+def _excluded(name: str, why: str | None) -> EngineOutcome:
+    """The outcome of an engine the pair excludes, from its ``"<status>: <reason>"``
+    (as :func:`write_pair` writes it; written again, it must not gain another prefix)."""
+    statuses: tuple[Status, ...] = ("rejected", "failed")
+    for status in statuses:
+        if why is not None and why.startswith(f"{status}: "):
+            return EngineOutcome(name, status, why[len(status) + 2 :])
+    return EngineOutcome(name, "rejected", why)
