@@ -40,6 +40,7 @@ class Script:
     usage: dict[str, Any] | None = None
     ids: Callable[[int], tuple[Any, ...]] = lambda i: (i + 7,)
     raise_at_end: EngineError | None = None
+    tail_s: float = 0.0  # the body's end (usage, [DONE]) after the last token
 
 
 def tokens(first: float, step: float, n: int, **kw: Any) -> Script:
@@ -61,6 +62,7 @@ class _Stream:
     async def __anext__(self) -> Chunk:
         s, i = self.script, self._next
         if i == len(s.times):
+            await trio.sleep(s.tail_s)
             if s.raise_at_end is not None:
                 raise s.raise_at_end
             self.done, self.finish_reason, self.usage = s.done, s.finish, s.usage
@@ -227,9 +229,14 @@ async def test_a_stream_short_of_its_length_rejects_the_cell(autojump_clock: tri
     scripts = [tokens(0.5, 0.25, 6, usage=usage()), tokens(1.125, 0.25, 5, usage=usage(5))]
     result = await cell(FakeClient(scripts), 2)
     assert result.reason == "stream 1 produced 5 tokens; 6 were requested"
+    scripts = [tokens(0.5, 0.25, 6, usage=usage()), Script([], usage=usage(0))]
+    result = await cell(FakeClient(scripts), 2)
+    assert result.reason == "stream 1 produced 0 tokens; 6 were requested"
+    started = result.engine_metrics["before"]["at"]
+    assert result.open_at is None and result.streams[1]["completed_at"] == started
     # Usage without counts (or with other types) is not a contradiction; an engine that
     # reports no usage at all is taken by its identified tokens.
-    for u in (None, {"completion_tokens": "6", "prompt_tokens": 8.0}, {}):
+    for u in (None, {"completion_tokens": "6", "prompt_tokens": "9"}, {}):
         ok = await cell(FakeClient([tokens(0.5, 0.25, 6, usage=u), tokens(1.125, 0.25, 6, usage=u)]), 2)
         assert ok.kept, ok.reason
         assert [s["usage_completion_tokens"] for s in ok.streams] == [None, None]
@@ -253,6 +260,7 @@ async def test_a_token_event_without_one_valid_id_rejects_the_cell(
     assert not result.kept and result.reason == problem
     # The cohort stops at the first failing stream: stream 0 never reported.
     [row] = result.streams
+    assert result.close_at is None  # the failing stream did not complete
     assert (row["stream"], row["problem"], row["tokens"], row["done"]) == (1, problem, 2, False)
     assert (await cell(FakeClient([tokens(0.5, 0.25, 6, usage=usage(), ids=lambda i: (0,))]), 1,
                        steps=1)).kept  # fmt: skip
@@ -303,6 +311,13 @@ async def test_a_stream_ending_without_a_finish_reason_still_closes_the_window(
     result = await cell(FakeClient(scripts), 2)
     assert result.close_at == 1.75 and result.streams[0]["completed_at"] == 1.75
     assert result.reason == "stream 0 finished with None, not 'length'"
+    # With one, the window closes at the event that carries it, not at the body's end.
+    scripts = two_streams(tail_s=0.5)
+    scripts[0].tail_s = 0.5
+    result = await cell(FakeClient(scripts), 2)
+    started = result.engine_metrics["before"]["at"]
+    assert result.close_at == pytest.approx(started + 1.75) and result.kept
+    assert [s["completed_at"] - started for s in result.streams] == pytest.approx([1.75, 2.375])
 
 
 async def test_the_engines_gauges_are_recorded_however_metrics_answer(
@@ -328,6 +343,12 @@ async def test_gauges_answered_within_ten_seconds_count(autojump_clock: trio.abc
     assert m["before"]["at"] == 0.0 and m["before"]["running"] == 2
     assert m["in_window"]["at"] == 9.5 and m["in_window"]["kv_tokens"] is None
     assert m["itl_mean_s"] is None
+
+
+async def test_the_engines_mean_itl_spans_the_cell(autojump_clock: trio.abc.Clock) -> None:
+    client = FakeClient([tokens(0.5, 0.25, 6, usage=usage())],
+                        [metrics(itl=(1.0, 10)), metrics(), metrics(itl=(1.25, 11))])  # fmt: skip
+    assert (await cell(client, 1, steps=1)).engine_metrics["itl_mean_s"] == 0.25
 
 
 @pytest.mark.parametrize(
@@ -357,9 +378,10 @@ async def test_unreadable_gauges_flag_nothing(autojump_clock: trio.abc.Clock) ->
 
 
 async def test_prompts_must_share_one_length() -> None:
-    with pytest.raises(ValueError, match="a cell needs prompts of one length"):
+    with pytest.raises(ValueError) as info:
         await run_cell(FakeClient([]), [[1, 2], [1, 2, 3]], max_tokens=4,  # type: ignore[arg-type]
                        limits=StreamLimits(), min_window_steps=1)  # fmt: skip
+    assert str(info.value) == "a cell needs prompts of one length"
     with pytest.raises(ValueError, match="a cell needs prompts of one length"):
         await run_cell(FakeClient([]), [], max_tokens=4,  # type: ignore[arg-type]
                        limits=StreamLimits(), min_window_steps=1)  # fmt: skip
@@ -422,3 +444,9 @@ def test_load_counts_streams_from_their_first_token_until_their_last() -> None:
     assert infer_load(c, 10, 2.5) == (2, 12 + 11)
     assert infer_load(c, 10, 3.0) == (1, 11)  # stream 0 is gone at its completion
     assert math.isclose(infer_load(c, 10, 2.999)[1], 23)
+    # A stream not yet started, or gone, before others in the cohort's order.
+    late = CohortCollector(3)
+    for msg in (FirstToken(1, 1.0), FirstToken(2, 1.0), Completed(1, 2.0), FirstToken(0, 5.0)):
+        late.feed(msg)
+    assert infer_load(late, 10, 1.5) == (2, 22)
+    assert infer_load(late, 10, 3.0) == (1, 11)
