@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from narwhal.profile.runner import (
     SWEEP_CLOCK,
     EngineOutcome,
     ProfileRun,
+    _clients,
     _excluded,
     check_output,
     select_engines,
@@ -142,6 +145,26 @@ async def test_the_sweep_clock_is_the_wall_clock_advanced_by_the_runs_clock(
     assert sweep_clock() == pytest.approx(first + 1000)
 
 
+async def test_clients_share_a_given_transport_or_own_their_connections() -> None:
+    e0_doc = engine("e0", 8101) | {"model": "m0", "api_key": "k0"}
+    e0_doc["sim"]["model"] = "m0"
+    config = fleet(e0_doc, engine("e1", 8102),
+                   engine={"connect_timeout_s": 2.5})  # fmt: skip
+    given = httpx.MockTransport(lambda request: httpx.Response(599))
+    async with AsyncExitStack() as stack:
+        shared = _clients(stack, config, config.engines, given)
+        own = _clients(stack, config, config.engines[1:], None)
+        assert list(shared) == ["e0", "e1"] and list(own) == ["e1"]
+        e0 = shared["e0"]
+        assert (e0.name, e0.url, e0.model, e0._api_key) == ("e0", "http://e0.test:8101", "m0", "k0")
+        assert e0.connector == config.engines[0].connector and e0.connect_timeout_s == 2.5
+        assert e0._http is shared["e1"]._http and not e0._owns_client
+        assert e0._http.timeout == httpx.Timeout(None, connect=2.5)
+        assert own["e1"]._owns_client and own["e1"].connect_timeout_s == 2.5
+    assert own["e1"]._http.is_closed  # the run closes the clients it built
+    assert not e0._http.is_closed  # and leaves the caller's transport to the caller
+
+
 def test_the_recorded_sweep_settings_leave_out_where_it_was_written() -> None:
     s = ProfileSettings(**(TINY | {"engines": ("e0",), "out": "x.json", "overwrite": True}))
     got = sweep_settings(s, 99)
@@ -174,6 +197,7 @@ async def test_a_run_records_every_step_and_writes_the_pair(
     assert run.profiles_path == tmp_path / "profiles.json"
     assert run.samples_path == tmp_path / "profiles.samples.json"
     assert doc["schema_version"] == SCHEMA_VERSION and doc["kind"] == SAMPLES_KIND
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", doc["created_at"])
     assert doc["fleet"] == {"source": "f.json", "engines": ["e0"]}
     assert doc["profiles"] == "profiles.json" and doc["software"] == software_identity()
     assert doc["sweep"] == json.loads(json.dumps(sweep_settings(tiny(tmp_path), 11) | {
