@@ -17,12 +17,14 @@ from narwhal.profile.cli import main
 from narwhal.profile.progress import Progress
 from narwhal.profile.runner import EngineOutcome, ProfileRun, ProfileSettings
 
+FLEET = ('{"engines": [{"name": "p0", "url": "http://p0.test:1", "roles": ["prefill", "decode"],'
+         ' "connector": {"type": "NixlConnector", "kv_host": "h", "kv_port": 2}}]}')  # fmt: skip
 SWEEP = ["--prefill-lens", "16,64,128,512", "--decode-input-lens", "32,128",
          "--decode-concurrency", "1,2"]  # fmt: skip
 
 
 def a_run(*outcomes: EngineOutcome, out: str = "runs/profiles.json") -> ProfileRun:
-    return ProfileRun(Path(out), Path(out).with_name("profiles.samples.json"), outcomes)
+    return ProfileRun(Path(out), Path(out).with_suffix(".samples.json"), outcomes)
 
 
 class Calls:
@@ -92,8 +94,7 @@ def test_a_fleet_file_is_loaded_and_named(
 ) -> None:
     calls = Calls(monkeypatch)
     fleet = tmp_path / "fleet.json"
-    fleet.write_text('{"engines": [{"name": "p0", "url": "http://p0.test:1", "roles": ["prefill", "decode"],'
-                     ' "connector": {"type": "NixlConnector", "kv_host": "h", "kv_port": 2}}]}')  # fmt: skip
+    fleet.write_text(FLEET)
     assert main(["--fleet", str(fleet), *SWEEP]) == 0
     config, _, kw = calls.profile[0]
     assert [e.name for e in config.engines] == ["p0"] and kw["config_source"] == str(fleet)
@@ -131,26 +132,29 @@ def test_a_refit_takes_the_samples_out_and_engines(
     assert config == load_default_fleet() and (samples, out) == ("old.samples.json", "new.json")
     assert kw["overwrite"] is True and kw["engines"] == ("e1",) and kw["progress"].quiet
     assert calls.profile == []
-    assert capsys.readouterr().out.startswith("wrote new.json and profiles.samples.json\n")
+    assert capsys.readouterr().out.startswith("wrote new.json and new.samples.json\n")
     Calls(monkeypatch, EngineOutcome("e1", "rejected", "no"))
     assert main(argv) == 1
 
 
 def test_repeated_runs_report_each_run_and_the_stability(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     calls = Calls(monkeypatch)
-    assert main([*SWEEP, "--repeat", "2", "--seed", "4", "--out", "r/p.json"]) == 0
-    _, settings, repeat, kw = calls.repeated[0]
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(FLEET)
+    assert main(["--fleet", str(fleet), *SWEEP, "--repeat", "2", "--seed", "4", "--out", "r/p.json"]) == 0
+    config, settings, repeat, kw = calls.repeated[0]
+    assert [e.name for e in config.engines] == ["p0"]
     assert repeat == 2 and settings.out == "r/p.json" and settings.seed == 4
-    assert kw["config_source"] is None and isinstance(kw["progress"], Progress)
+    assert kw["config_source"] == str(fleet) and isinstance(kw["progress"], Progress)
     assert calls.profile == []
     assert capsys.readouterr().out.splitlines() == [
         "run 1 of 2",
-        "wrote runs/profiles.run1.json and runs/profiles.samples.json",
+        "wrote runs/profiles.run1.json and runs/profiles.run1.samples.json",
         "  sim-0: ok",
         "run 2 of 2",
-        "wrote runs/profiles.run2.json and runs/profiles.samples.json",
+        "wrote runs/profiles.run2.json and runs/profiles.run2.samples.json",
         "  sim-0: ok",
         "run-to-run stability over 2 runs (wrote r/p.stability.json):",
         "  sim-0: 2 of 2 runs profiled",
@@ -177,9 +181,12 @@ def test_plots_are_asked_for_the_first_pair_only(
     assert main([*SWEEP, "--plot"]) == 0
     assert plotted == [(Path("runs/profiles.samples.json"), Path("runs/plots"))]
     assert "  plot: runs/plots/sim-0.ttft.png\n" in capsys.readouterr().out
-    assert main([*SWEEP, "--repeat", "2", "--plot"]) == 0
-    assert [p[0] for p in plotted[1:]] == [Path("runs/profiles.samples.json")]
+    assert main([*SWEEP, "--repeat", "3", "--plot"]) == 0
+    assert [p[0] for p in plotted[1:]] == [Path("runs/profiles.run1.samples.json")]
     assert main(SWEEP) == 0 and len(plotted) == 2  # no --plot, no plots
+    assert main(["--refit-samples", "s.json", "--out", "refit/p.json", "--plot"]) == 0
+    assert plotted[2:] == [(Path("refit/p.samples.json"), Path("refit/plots"))]
+    assert main(["--refit-samples", "s.json", "--out", "refit/p.json"]) == 0 and len(plotted) == 3
 
     def unavailable(samples: Path, folder: Path) -> list[Path]:
         raise narwhal.plots.PlotUnavailable("plots need matplotlib")
@@ -194,6 +201,8 @@ def test_plots_are_asked_for_the_first_pair_only(
     [
         ([], "--prefill-lens, --decode-input-lens, --decode-concurrency required (or --refit-samples)"),
         (["--prefill-lens", ","], "argument --prefill-lens: expected at least one integer"),
+        (["--prefill-lens", "8,x"],
+         "argument --prefill-lens: expected comma-separated integers, got '8,x'"),
         (["--engines", " , "], "argument --engines: expected comma-separated engine names"),
         (["--prefix-fractions", "0.5,x"],
          "argument --prefix-fractions: expected comma-separated fractions or 'none', got '0.5,x'"),
@@ -251,9 +260,13 @@ def test_an_interrupted_run_says_what_is_kept(
 def test_help_and_argv_default(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # The help is the command's reference: every option, its argument and what it does.
+    # After changing an option, write the new text with
+    #   COLUMNS=100 python3 -c "from narwhal.profile.cli import _parser; print(_parser().format_help(), end='')" > tests/golden/narwhal-profile-help.txt
+    monkeypatch.setenv("COLUMNS", "100")
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("usage: narwhal profile ") and "--refit-samples SAMPLES" in text
+    assert text == (Path(__file__).parent / "golden" / "narwhal-profile-help.txt").read_text()
     calls = Calls(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["narwhal-profile", *SWEEP, "--seed", "5"])
     assert main() == 0 and calls.profile[0][1].seed == 5
