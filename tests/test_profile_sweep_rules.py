@@ -5,10 +5,12 @@ records (the samples, the dropped lengths and cells, the progress lines)."""
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -67,11 +69,16 @@ class Engine:
         self.tokenize_delay = 0.0
         self.count_offset = 0
         self.extra_s = 0.0
+        self.caps: list[int] = []  # the first tokenizations give at most these many ids
+        self.reset_answers: list[bool] = []  # answers to the resets before ``reset``
+        self.reset_delay = 0.0
 
     async def tokenize(self, text: str) -> Tokenized:
         await trio.sleep(self.tokenize_delay)
         self.texts.append(text)
         ids = tuple(WORDS.index(w) * 10 + j for w in text.split() for j in range(self.per_word))
+        if self.caps:
+            ids = ids[: self.caps.pop(0)]
         return Tokenized(len(ids) + self.count_offset, self.max_model_len, ids)
 
     async def metrics(self) -> EngineMetrics:
@@ -81,10 +88,12 @@ class Engine:
         return self.answer
 
     async def reset_prefix_cache(self) -> bool:
+        await trio.sleep(self.reset_delay)
         self.resets += 1
-        if self.reset:
+        answer = self.reset_answers.pop(0) if self.reset_answers else self.reset
+        if answer:
             self.seen.clear()
-        return self.reset
+        return answer
 
     async def prefill(self, body: dict[str, Any], *, transfer: bool) -> Any:
         assert transfer is False and body["temperature"] == 0.0 and set(body) == {"prompt", "temperature"}
@@ -102,6 +111,17 @@ class Engine:
 def plain() -> tuple[Progress, io.StringIO]:
     out = io.StringIO()
     return Progress(out, tty=False), out
+
+
+class Statuses(Progress):
+    """Records the transient status updates a terminal would show."""
+
+    def __init__(self) -> None:
+        super().__init__(io.StringIO(), tty=False)
+        self.shown: list[str] = []
+
+    def status(self, name: str, text: str) -> None:
+        self.shown.append(f"{name}: {text}")
 
 
 def facts(max_model_len: int = 4096, kv: int | None = None) -> EngineFacts:
@@ -126,6 +146,8 @@ async def test_bounded_waits_up_to_its_limit(autojump_clock: trio.abc.Clock) -> 
     ("reported", "tokens"),
     [
         (("1000", "2500.9"), 3500),
+        (("1",), 1),
+        (("1000", "0"), None),
         (("1000", None), None),
         (("many",), None),
         (("0",), None),
@@ -228,12 +250,25 @@ async def test_a_short_tokenization_is_retried_with_more_words_then_refused(
     assert [len(t.split()) for t in e.texts] == [12, 13, 14, 15]
 
 
+async def test_a_tokenization_of_exactly_the_length_is_taken(autojump_clock: trio.abc.Clock) -> None:
+    e = Engine()
+    assert len(await PromptFactory(e, seed=1, tokens_per_word=1.25)(10)) == 10  # type: ignore[arg-type]
+    assert [len(t.split()) for t in e.texts] == [10]
+    e = Engine()
+    e.caps = [1]  # one token only: the next text is scaled by the whole shortfall
+    assert len(await PromptFactory(e, seed=1)(10)) == 10  # type: ignore[arg-type]
+    assert [len(t.split()) for t in e.texts] == [12, 12 * 10 + 2]
+
+
 async def test_tokenizing_a_prompt_is_bounded(autojump_clock: trio.abc.Clock) -> None:
     e = Engine()
     e.tokenize_delay = 3.0
     with pytest.raises(EngineTimeout, match="did not answer /tokenize within 2 s"):
         await PromptFactory(e, seed=1, timeout_s=2.0)(8)  # type: ignore[arg-type]
     assert len(await PromptFactory(e, seed=1, timeout_s=3.5)(8)) == 8  # type: ignore[arg-type]
+    e.tokenize_delay = 600.5  # the default limit is ten minutes
+    with pytest.raises(EngineTimeout, match="did not answer /tokenize within 600 s"):
+        await PromptFactory(e, seed=1)(8)  # type: ignore[arg-type]
 
 
 async def test_the_prefill_sweep_records_lengths_warmups_repeats_and_medians(
@@ -275,7 +310,7 @@ async def test_the_prefill_sweep_records_lengths_warmups_repeats_and_medians(
 
 async def test_the_median_is_of_the_repeats(autojump_clock: trio.abc.Clock) -> None:
     e = Engine()
-    extra = iter([0.0, 0.5, 0.1] * 3)
+    extra = itertools.cycle([0.0, 0.5, 0.1])
     original = e.prefill
 
     async def varying(body: dict[str, Any], *, transfer: bool) -> Any:
@@ -284,10 +319,17 @@ async def test_the_median_is_of_the_repeats(autojump_clock: trio.abc.Clock) -> N
 
     e.prefill = varying  # type: ignore[method-assign]
     record: dict[str, Any] = {}
+    statuses = Statuses()
     medians = await prefill_sweep(e, facts(), (10, 20, 30), record, repeats=3, warmup=0,  # type: ignore[arg-type]
                                   prompt=PromptFactory(e, seed=1), timeout_s=10.0,  # type: ignore[arg-type]
-                                  progress=plain()[0])  # fmt: skip
+                                  progress=statuses)  # fmt: skip
     assert medians[10] == pytest.approx(0.001 + 1e-3 + 0.1) and record["warmup"] == []
+    assert statuses.shown == [f"f0: prefill: {n} tokens, repeat {r}/3"
+                              for n in (10, 20, 30) for r in (1, 2, 3)]  # fmt: skip
+    statuses = Statuses()
+    await prefill_sweep(e, facts(), (10, 20, 30), {}, repeats=1, warmup=2,  # type: ignore[arg-type]
+                        prompt=PromptFactory(e, seed=1), timeout_s=10.0, progress=statuses)  # type: ignore[arg-type]  # fmt: skip
+    assert statuses.shown[:6] == [f"f0: prefill: warming up at {n} tokens" for n in (10, 10, 20, 20, 30, 30)]
 
 
 async def test_too_few_lengths_or_a_miscounted_prompt_reject_the_sweep(
@@ -332,6 +374,8 @@ def test_prefix_cells_hold_whole_blocks_short_of_the_last_token() -> None:
     assert plan_prefix_cells((3999,), (0.5,), block_size=16, max_model_len=4000) == [(3999, 1984)]
     assert plan_prefix_cells((17,), (0.5, 0.99), block_size=16, max_model_len=4000) == [(17, 16)]
     assert plan_prefix_cells((16,), (0.99,), block_size=16, max_model_len=4000) == []
+    # Even a whole-prompt share leaves the last token to compute (whole blocks before it).
+    assert plan_prefix_cells((64, 63), (1.0,), block_size=16, max_model_len=4000) == [(63, 48), (64, 48)]
 
 
 async def test_the_prefix_sweep_warms_each_prefix_then_measures_the_prompt(
@@ -342,6 +386,15 @@ async def test_the_prefix_sweep_warms_each_prefix_then_measures_the_prompt(
     record: dict[str, Any] = {}
     await prefix_sweep(e, [(64, 32), (64, 48)], record, repeats=2,  # type: ignore[arg-type]
                        prompt=PromptFactory(e, seed=1), timeout_s=10.0, progress=progress)  # type: ignore[arg-type]  # fmt: skip
+    statuses, big = Statuses(), Engine()
+    await prefix_sweep(big, [(640, 320), (640, 480)], {}, repeats=2,  # type: ignore[arg-type]
+                       prompt=PromptFactory(big, seed=2), timeout_s=10.0, progress=statuses)  # type: ignore[arg-type]  # fmt: skip
+    assert statuses.shown == [f"f0: prefix: cell {i}/2: 640 tokens, {k} cached, repeat {r}/2"
+                              for i, k in ((1, 320), (2, 480)) for r in (1, 2)]  # fmt: skip
+    assert statuses.warnings == [] and statuses.stream.getvalue().splitlines() == [  # type: ignore[attr-defined]
+        "f0: prefix: 640 tokens, 320 cached: median TTFT 33.00 ms over 2 repeats",
+        "f0: prefix: 640 tokens, 480 cached: median TTFT 17.00 ms over 2 repeats",
+    ]
     assert record["cells"] == [{"length": 64, "cached": 32}, {"length": 64, "cached": 48}]
     assert record["reset"] == "POST /reset_prefix_cache before every cell" and e.resets == 2
     assert [len(w) for w in e.prefills] == [32, 64, 32, 64, 48, 64, 48, 64]
@@ -364,6 +417,21 @@ async def test_without_the_reset_route_the_cache_is_asked_once(autojump_clock: t
     assert e.resets == 1
     assert record["reset"] == ("not offered (POST /reset_prefix_cache refused): unique prompts "
                                "only")  # fmt: skip
+    # An engine that stops accepting it is not asked again, and the record says where.
+    e = Engine()
+    e.reset_answers = [True, True, False]
+    record = {}
+    await prefix_sweep(e, [(64, 16), (64, 32), (64, 48), (128, 64)], record, repeats=1,  # type: ignore[arg-type]
+                       prompt=PromptFactory(e, seed=1), timeout_s=10.0, progress=plain()[0])  # type: ignore[arg-type]  # fmt: skip
+    assert e.resets == 3
+    assert record["reset"] == ("POST /reset_prefix_cache before cells 1-2, refused from cell 3 "
+                               "on: unique prompts only there")  # fmt: skip
+    e = Engine()
+    e.reset_delay = 3.0
+    with pytest.raises(EngineTimeout) as info:
+        await prefix_sweep(e, [(64, 16)], {}, repeats=1, prompt=PromptFactory(e, seed=1),  # type: ignore[arg-type]
+                           timeout_s=2.0, progress=plain()[0])  # fmt: skip
+    assert str(info.value) == "engine f0 did not answer POST /reset_prefix_cache within 2 s"
 
 
 async def test_an_evicted_prefix_is_measured_again_then_refused(autojump_clock: trio.abc.Clock) -> None:
@@ -404,6 +472,8 @@ def test_decode_cells_fit_the_context_and_the_kv_cache() -> None:
     cells, dropped = plan_cells((100,), (1, 2, 3), decode_tokens=10, max_model_len=4096,
                                 kv_cache_size_tokens=224)  # fmt: skip
     assert cells == [(100, 1, 11), (100, 2, 12)]  # 2 x 112 = 224 fits exactly
+    assert plan_cells((100,), (3,), decode_tokens=10, max_model_len=4096,
+                      kv_cache_size_tokens=300)[0] == []  # 3 x 113 = 339  # fmt: skip
     assert dropped == [{"input_len": 100, "concurrency": 3, "max_tokens": 13,
                         "reason": "3 streams of 113 tokens need 339 KV tokens; the engine "
                                   "holds 224"}]  # fmt: skip
@@ -432,6 +502,17 @@ async def test_the_decode_sweep_runs_every_planned_cell_and_records_each(
                                       min_window_steps=40, prompt=PromptFactory(client, seed=1),
                                       limits=StreamLimits(), progress=progress)  # fmt: skip
         assert kept == []  # 8 steps never give 40 with the whole cohort
+        record = {}
+        statuses = Statuses()
+        with trio.fail_after(600):
+            await decode_sweep(client, attrs.evolve(got, kv_cache_size_tokens=83), (32, 64), (1, 2),
+                               record, decode_tokens=8, min_window_steps=40,
+                               prompt=PromptFactory(client, seed=1), limits=StreamLimits(),
+                               progress=statuses)  # fmt: skip
+        assert [(d["input_len"], d["concurrency"]) for d in record["dropped_cells"]] == [
+            (32, 2), (64, 2)]  # 2 x (32 + 10) = 84 > 83  # fmt: skip
+        assert statuses.shown == ["e0: decode: cell 1/2: input 32 x 1 streams",
+                                  "e0: decode: cell 2/2: input 64 x 1 streams"]  # fmt: skip
         record = {}
         with trio.fail_after(600):
             kept = await decode_sweep(client, got, (32, 4090), (1, 2), record, decode_tokens=8,
