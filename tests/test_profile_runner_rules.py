@@ -419,3 +419,83 @@ async def test_a_mixed_up_pair_is_not_merged_into(tmp_path: Path) -> None:
         await attempt(tiny(tmp_path, engines=("e0",)))
     with pytest.raises(ConfigError, match="already exist; pass --overwrite"):
         await attempt(tiny(tmp_path))
+
+
+class _NoBlockSize(MetricsRewrite):
+    def line(self, text: str) -> str | None:
+        return text.replace('block_size="', 'other_size="')
+
+
+@pytest.mark.parametrize(
+    ("roles", "changes", "wrap", "skipped"),
+    [
+        (["prefill", "decode"], {}, _NoBlockSize,
+         "the engine reports no block_size in vllm:cache_config_info"),
+        (["decode"], {}, None, "the engine's roles do not include prefill"),
+        (["prefill", "decode"], {"prefix_fractions": (0.01,)}, None,
+         "no prefill length holds a cached prefix of whole 16-token blocks"),
+    ],
+)
+async def test_each_reason_to_skip_the_cached_prefix_sweep_is_recorded_and_warned(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, roles: list[str], changes: dict[str, Any],
+    wrap: Any, skipped: str,
+) -> None:  # fmt: skip
+    e0 = engine("e0", 8101, prefix_caching=True) | {"roles": roles}
+    config = fleet(e0, engine("p1", 8102) | {"roles": ["prefill"]})
+    _, doc, _ = await profile(config, tiny(tmp_path, engines=("e0",),
+                                           **({"prefix_fractions": (0.5,)} | changes)), wrap)  # fmt: skip
+    entry = doc["engines"]["e0"]
+    assert entry["status"] == "ok" and entry["prefix"] == {"skipped": skipped}
+    assert (f"the engine reports prefix caching enabled but its cached-prefix sweep was skipped "
+            f"({skipped}): placement prices its hits from the TTFT curve alone") in entry["warnings"]  # fmt: skip
+
+
+async def test_an_engine_restarted_mid_sweep_is_failed(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    class Restarting(MetricsRewrite):
+        """Each /metrics answer gives a later process start time (a new generation)."""
+
+        starts = 0
+
+        def line(self, text: str) -> str | None:
+            if text.startswith("process_start_time_seconds "):
+                Restarting.starts += 1
+                return f"process_start_time_seconds {1_700_000_000 + Restarting.starts}"
+            return text
+
+    run, doc, lines = await profile(fleet(engine("e0", 8101)), tiny(tmp_path), Restarting)
+    outcome, e0 = run.outcomes[0], doc["engines"]["e0"]
+    assert outcome.status == "failed" and outcome.profile is None
+    assert outcome.reason is not None and outcome.reason.startswith(
+        "engine e0 changed generation during the sweep (EngineIdentity(")  # fmt: skip
+    assert outcome.reason.endswith("); its samples span two processes")
+    assert e0["identity"] != e0["identity_after"] and "profile" not in e0
+    assert e0["wall_clock"]["finished_at"] > e0["wall_clock"]["started_at"]
+    assert lines[-1] == f"e0: warning: failed: {outcome.reason}"
+
+
+async def test_no_usable_decode_cell_rejects_the_engine(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    run, doc, _ = await profile(fleet(engine("e0", 8101)), tiny(tmp_path, min_window_steps=40))
+    outcome, e0 = run.outcomes[0], doc["engines"]["e0"]
+    problem = e0["decode"]["rejection"]
+    assert problem.startswith("0 usable decode cells; the fit needs at least ")
+    assert outcome.status == "rejected" and outcome.reason == (
+        f"decode fit impossible: {problem}; select shorter --decode-input-lens or fewer streams")
+    assert len(e0["rejected_cells"]) == 6 and e0["decode"]["cell_medians"] == []
+
+
+async def test_a_poor_decode_fit_is_warned(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
+    config = fleet(engine("e0", 8101, noise=0.05, seed=4),
+                   profiles={"max_decode_fit_mape": 1e-6, "max_decode_cv_mape": 1e-6})  # fmt: skip
+    _, doc, _ = await profile(config, tiny(tmp_path, decode_input_lens=(16, 64), decode_tokens=6))
+    e0 = doc["engines"]["e0"]
+    fit = e0["decode"]["fit"]
+    assert e0["status"] == "ok" and e0["warnings"] == [
+        f"decode fit MAPE {fit['fit_mape']:.1%} exceeds profiles.max_decode_fit_mape 0.0%; "
+        "narwhal check will refuse it",
+        f"leave-one-cell-out MAPE {fit['cv_mape']:.1%} exceeds profiles.max_decode_cv_mape "
+        "0.0%; narwhal check will refuse it",
+    ]  # fmt: skip
