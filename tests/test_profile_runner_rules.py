@@ -414,6 +414,16 @@ async def test_a_mixed_up_pair_is_not_merged_into(tmp_path: Path) -> None:
     assert (info.value.reason, info.value.path, info.value.source) == (
         "the existing samples hold no engines; pass --overwrite to replace the pair",
         "$.engines", str(samples))  # fmt: skip
+    for text, reason in (("[]", "the existing samples hold no engines; pass --overwrite to replace "
+                                 "the pair"),
+                         ("{", "samples file is not valid JSON: ")):  # fmt: skip
+        samples.write_text(text)
+        data = json.loads(profiles.read_text())
+        data["samples"]["sha256"] = file_sha256(samples)
+        profiles.write_text(json.dumps(data))
+        with pytest.raises(ConfigError) as info:
+            await attempt(tiny(tmp_path, engines=("e0",)))
+        assert info.value.reason.startswith(reason) and info.value.source == str(samples)
     samples.write_text("{}")
     with pytest.raises(ConfigError, match="SHA-256 differs"):
         await attempt(tiny(tmp_path, engines=("e0",)))
