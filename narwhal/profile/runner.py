@@ -91,7 +91,7 @@ Status = Literal["ok", "rejected", "failed"]
 
 # The validators' factories run once, when the class is defined; their checks are
 # module functions so that what each check does is tested (and mutated) on every call.
-def _lens(minimum: int, what: str, floor: int = 1) -> Any:
+def _lens(minimum: int, what: str, floor: int) -> Any:
     return lambda _inst, _attr, value: _check_lens(value, minimum, what, floor)  # pragma: no mutate (unreachable: runs at class definition, before a mutant is active; the check is tested)
 
 
@@ -148,7 +148,7 @@ class ProfileSettings:
         converter=tuple, validator=_lens(2, "decode-input-lens", CODE_TOKENS)
     )
     decode_concurrency: tuple[int, ...] = attrs.field(
-        converter=tuple, validator=_lens(2, "decode-concurrency")
+        converter=tuple, validator=_lens(2, "decode-concurrency", 1)
     )
     repeats: int = attrs.field(default=5, validator=_at_least(1))
     warmup: int = attrs.field(default=1, validator=_at_least(0))
