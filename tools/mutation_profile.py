@@ -77,6 +77,12 @@ TESTS: dict[str, list[str]] = {
     "narwhal/profile/derive.py": ["tests/test_profile_derive.py", "tests/test_profile_fit.py"],
     "narwhal/profile/refit.py": ["tests/test_profile_refit.py"],
     "narwhal/profile/stability.py": ["tests/test_profile_stability.py"],
+    "narwhal/profile/store.py": ["tests/test_profile_store_rules.py"],
+    "narwhal/profile/cohort.py": ["tests/test_profile_cohort.py"],
+    "narwhal/profile/sweep.py": ["tests/test_profile_sweep_rules.py"],
+    "narwhal/profile/progress.py": ["tests/test_profile_cli_rules.py"],
+    "narwhal/profile/cli.py": ["tests/test_profile_cli_rules.py"],
+    "narwhal/profile/runner.py": ["tests/test_profile_runner_rules.py"],
     "narwhal/check/gate.py": ["tests/test_check_gate_rules.py", "tests/test_check_gate.py"],
     "narwhal/check/checks.py": [
         "tests/test_check_run_rules.py",

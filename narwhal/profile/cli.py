@@ -122,7 +122,7 @@ def _load(path: str | None) -> FleetConfig:
     return load_fleet(path) if path is not None else load_default_fleet()
 
 
-def _report(run: ProfileRun, *, plot: bool = False) -> int:
+def _report(run: ProfileRun, *, plot: bool) -> int:
     print(f"wrote {run.profiles_path} and {run.samples_path}")
     for o in run.outcomes:
         text = f"  {o.name}: {o.status}" + (f": {o.reason}" if o.reason else "")
@@ -165,8 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    except SystemExit as exc:  # --help
-        return exc.code if isinstance(exc.code, int) else 0
+    except SystemExit:  # --help (argparse's only exit here: its errors raise _UsageError)
+        return 0
     progress = Progress(quiet=args.quiet)
     try:
         config = _load(args.fleet)

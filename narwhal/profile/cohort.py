@@ -210,7 +210,7 @@ class CellResult:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form kept in the sidecar."""
-        return attrs.asdict(self, recurse=False) | {
+        return attrs.asdict(self, recurse=False) | {  # pragma: no mutate (equivalent: recursing copies equal rows and dicts)
             "intervals": list(self.intervals),
             "outside": list(self.outside),
             "streams": list(self.streams),
@@ -258,11 +258,11 @@ async def _run_stream(
         await start.wait()
         tokens = 0
         previous: float | None = None
-        completed = False
+        completed = False  # pragma: no mutate (equivalent: falsy alike)
         problem: str | None = None
         error: EngineError | None = None
-        done = False
-        finish: str | None = None
+        done = False  # pragma: no mutate (equivalent: set from the stream after the loop; after an exception unread, as the cell raises the error)
+        finish: str | None = None  # pragma: no mutate (equivalent: likewise)
         usage: Mapping[str, Any] | None = None
         with trio.CancelScope(deadline=trio.current_time() + limits.first_token_s) as scope:
             try:
@@ -281,7 +281,7 @@ async def _run_stream(
                             previous = now
                             scope.deadline = now + limits.between_tokens_s
                         if chunk.finish_reason is not None and not completed:
-                            completed = True
+                            completed = True  # pragma: no mutate (equivalent: a second Completed is ignored, the collector keeps a stream's first)
                             await send.send(Completed(stream, now))
                     done, finish, usage = probe.done, probe.finish_reason, probe.usage
             except EngineError as exc:
@@ -373,11 +373,10 @@ async def run_cell(
     Raises:
         EngineError: a stream's request failed (the engine is unusable for profiling).
     """
-    concurrency = len(prompts)
-    input_len = len(prompts[0])
-    if concurrency < 1 or any(len(p) != input_len for p in prompts):
+    if not prompts or any(len(p) != len(prompts[0]) for p in prompts):
         raise ValueError("a cell needs prompts of one length")
-    send, recv = trio.open_memory_channel[Message](max(16, 4 * concurrency))
+    concurrency, input_len = len(prompts), len(prompts[0])
+    send, recv = trio.open_memory_channel[Message](max(16, 4 * concurrency))  # pragma: no mutate (equivalent: the capacity only buffers; the collector reads each message when it is sent)
     window_opened = trio.Event()
     collector = CohortCollector(concurrency, on_open=window_opened.set)
     before = await _metrics_now(client)
@@ -413,13 +412,9 @@ async def run_cell(
         raise failure.error
     reason = failure.problem if failure is not None else None
     if reason is None:
+        # Without a failure the cohort ended with every stream's report.
         for i in range(concurrency):
-            end = collector.ends.get(i)
-            reason = (
-                _stream_problem(end, input_len, max_tokens)
-                if end is not None
-                else f"stream {i} ended without reporting"
-            )
+            reason = _stream_problem(collector.ends[i], input_len, max_tokens)
             if reason is not None:
                 break
     needed = concurrency * min_window_steps
@@ -493,7 +488,7 @@ def _saturation(in_window: Mapping[str, Any] | None, concurrency: int) -> str | 
     if not in_window or "running" not in in_window:
         return None
     running, waiting = in_window["running"], in_window["waiting"]
-    inferred = in_window.get("inferred_active", concurrency)
+    inferred = in_window["inferred_active"]
     if waiting > 0 or running < inferred:
         return (f"near saturation: the engine reported {running} running and {waiting} waiting "
                 f"requests while the client inferred {inferred} active of {concurrency}")  # fmt: skip

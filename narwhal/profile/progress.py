@@ -35,7 +35,7 @@ class Progress:
             tty = bool(isatty()) if callable(isatty) else False
         self.tty = tty
         self.quiet = quiet
-        self._status_shown = False
+        self._status_shown = False  # pragma: no mutate (equivalent: falsy alike)
         self.warnings: list[str] = []
 
     def _write(self, text: str) -> None:
@@ -47,7 +47,7 @@ class Progress:
     def _clear_status(self) -> None:
         if self._status_shown:
             self._write(_CLEAR)
-            self._status_shown = False
+            self._status_shown = False  # pragma: no mutate (equivalent: falsy alike)
 
     def engine(self, name: str, index: int, total: int, url: str) -> None:
         """An engine's sweep starts."""

@@ -50,7 +50,6 @@ from narwhal.profile.fit import (
 )
 from narwhal.profile.progress import Progress
 from narwhal.profile.store import (
-    PROFILES_KIND,
     SAMPLES_KIND,
     SCHEMA_VERSION,
     EngineProfile,
@@ -89,14 +88,17 @@ __all__ = [
 Status = Literal["ok", "rejected", "failed"]
 
 
-def _lens(minimum: int, what: str, floor: int = 1) -> Any:
-    def check(_inst: Any, _attr: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
-        if len(set(value)) < minimum:
-            raise ValueError(f"{what} needs at least {minimum} distinct values")
-        if any(v < floor for v in value):
-            raise ValueError(f"{what} values must be at least {floor}")
+# The validators' factories run once, when the class is defined; their checks are
+# module functions so that what each check does is tested (and mutated) on every call.
+def _lens(minimum: int, what: str, floor: int) -> Any:
+    return lambda _inst, _attr, value: _check_lens(value, minimum, what, floor)  # pragma: no mutate (unreachable: runs at class definition, before a mutant is active; the check is tested)
 
-    return check
+
+def _check_lens(value: tuple[int, ...], minimum: int, what: str, floor: int) -> None:
+    if len(set(value)) < minimum:
+        raise ValueError(f"{what} needs at least {minimum} distinct values")
+    if any(v < floor for v in value):
+        raise ValueError(f"{what} values must be at least {floor}")
 
 
 def _fractions(_inst: Any, _attr: attrs.Attribute[Any], value: tuple[float, ...]) -> None:
@@ -105,11 +107,12 @@ def _fractions(_inst: Any, _attr: attrs.Attribute[Any], value: tuple[float, ...]
 
 
 def _at_least(floor: int) -> Any:
-    def check(_inst: Any, attr: attrs.Attribute[Any], value: int) -> None:
-        if value < floor:
-            raise ValueError(f"{attr.name.replace('_', '-')} must be at least {floor}")
+    return lambda _inst, attr, value: _check_at_least(value, floor, attr)  # pragma: no mutate (unreachable: runs at class definition, before a mutant is active; the check is tested)
 
-    return check
+
+def _check_at_least(value: int, floor: int, attr: attrs.Attribute[Any]) -> None:
+    if value < floor:
+        raise ValueError(f"{attr.name.replace('_', '-')} must be at least {floor}")
 
 
 @attrs.frozen(kw_only=True)
@@ -144,7 +147,7 @@ class ProfileSettings:
         converter=tuple, validator=_lens(2, "decode-input-lens", CODE_TOKENS)
     )
     decode_concurrency: tuple[int, ...] = attrs.field(
-        converter=tuple, validator=_lens(2, "decode-concurrency")
+        converter=tuple, validator=_lens(2, "decode-concurrency", 1)
     )
     repeats: int = attrs.field(default=5, validator=_at_least(1))
     warmup: int = attrs.field(default=1, validator=_at_least(0))
@@ -204,7 +207,7 @@ def software_identity() -> dict[str, str]:
         try:
             out[package] = metadata.version(package)
         except metadata.PackageNotFoundError:  # pragma: no cover - installed with narwhal
-            out[package] = "unknown"
+            out[package] = "unknown"  # pragma: no mutate (unreachable: installed with narwhal, as the line above says)
     return out
 
 
@@ -512,7 +515,6 @@ def write_pair(profiles_path: Path, samples_path: Path, samples: dict[str, Any],
     write_json(samples_path, samples)
     doc = Profiles(
         schema_version=SCHEMA_VERSION,
-        kind=PROFILES_KIND,
         created_at=samples["created_at"],
         software=software_identity(),
         samples=SamplesRef(path=samples_path.name, sha256=file_sha256(samples_path)),
@@ -629,9 +631,10 @@ def _existing_pair(
     outcomes = []
     for name in kept:
         profile = existing.engines.get(name)
-        why = existing.excluded.get(name)
-        status: Status = "ok" if profile is not None else "rejected"
-        outcomes.append(EngineOutcome(name, status, None if profile else why, profile))
+        if profile is not None:
+            outcomes.append(EngineOutcome(name, "ok", None, profile))  # pragma: no mutate (equivalent: a kept profile is written as the profile; its outcome's status is not read)
+        else:
+            outcomes.append(_excluded(name, existing.excluded.get(name)))
     merged = {
         "previous": {"profiles_sha256": file_sha256(profiles_path),
                      "samples_sha256": existing.samples.sha256,
@@ -641,3 +644,13 @@ def _existing_pair(
         "at": now_iso(),
     }  # fmt: skip
     return kept, outcomes, merged
+
+
+def _excluded(name: str, why: str | None) -> EngineOutcome:
+    """The outcome of an engine the pair excludes, from its ``"<status>: <reason>"``
+    (as :func:`write_pair` writes it; written again, it must not gain another prefix)."""
+    statuses: tuple[Status, ...] = ("rejected", "failed")
+    for status in statuses:
+        if why is not None and why.startswith(f"{status}: "):
+            return EngineOutcome(name, status, why[len(status) + 2 :])
+    return EngineOutcome(name, "rejected", why)

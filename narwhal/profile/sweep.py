@@ -309,7 +309,7 @@ def plan_prefix_cells(
     cells: set[tuple[int, int]] = set()
     for n in sorted(set(lengths)):
         if n + 1 > max_model_len:
-            continue
+            continue  # pragma: no mutate (equivalent to break: the lengths are sorted, none after it fits)
         most = (n - 1) // block_size * block_size
         for f in fractions:
             k = min(int(f * n) // block_size * block_size, most)
@@ -351,15 +351,19 @@ async def prefix_sweep(
     name = client.name
     record.update(cells=[{"length": n, "cached": k} for n, k in cells], warm=[], repeats=[],
                   mismatched=[])  # fmt: skip
-    reset: bool | None = None
+    offered = True  # until the engine refuses the reset
     for i, (n, k) in enumerate(cells, 1):
-        if reset is not False:
-            reset = await bounded(client, timeout_s, "POST /reset_prefix_cache",
-                                  client.reset_prefix_cache)  # fmt: skip
-            if "reset" not in record:
-                record["reset"] = ("POST /reset_prefix_cache before every cell" if reset else
-                                   "not offered (POST /reset_prefix_cache refused): unique "
+        if offered:
+            offered = await bounded(client, timeout_s, "POST /reset_prefix_cache",
+                                    client.reset_prefix_cache)  # fmt: skip
+            if offered:
+                record["reset"] = "POST /reset_prefix_cache before every cell"
+            elif i == 1:
+                record["reset"] = ("not offered (POST /reset_prefix_cache refused): unique "
                                    "prompts only")  # fmt: skip
+            else:
+                record["reset"] = (f"POST /reset_prefix_cache before cells 1-{i - 1}, refused "
+                                   f"from cell {i} on: unique prompts only there")  # fmt: skip
         times = []
         for r in range(repeats):
             progress.status(name, f"prefix: cell {i}/{len(cells)}: {n} tokens, {k} cached, "
@@ -463,7 +467,7 @@ async def decode_sweep(
         )
         record["cells"].append(cell.as_dict())
         if cell.kept:
-            assert cell.tpot_s is not None and cell.kv_tokens is not None
+            assert cell.tpot_s is not None and cell.kv_tokens is not None  # pragma: no mutate (equivalent: a kept cell has both figures; the assert informs the type checker)
             kept.append(cell)
             progress.line(name, f"decode: cell input {n} x {c} streams: median TPOT "
                                 f"{cell.tpot_s * 1e3:.3f} ms at {cell.kv_tokens:.0f} resident KV "
