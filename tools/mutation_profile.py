@@ -84,7 +84,7 @@ TESTS: dict[str, list[str]] = {
     "narwhal/check/record.py": ["tests/test_check_record_rules.py", "tests/test_check_record.py"],
     "narwhal/check/results.py": ["tests/test_check_results.py"],
     "narwhal/check/simulate.py": ["tests/test_check_simulate.py"],
-    "narwhal/check/cli.py": ["tests/test_check_cli.py"],
+    "narwhal/check/cli.py": ["tests/test_check_cli_rules.py", "tests/test_check_cli.py"],
 }
 
 
