@@ -4,6 +4,7 @@ fault fails, every word of the result, and the pairs that are not probed."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -186,16 +187,23 @@ async def test_pairs_with_an_unreachable_engine_are_not_probed(autojump_clock: t
 
 
 async def test_the_probe_names_the_model_the_producer_serves(autojump_clock: trio.abc.Clock) -> None:
-    """With no model declared, the probe asks for the producer's reported model: the
-    simulated engine answers a request for another model with 404."""
-    config = fleet(engine("p0", 8101, ["prefill"], model="m1"), engine("d0", 8102, ["decode"], model="m1"))
-    async with running(config) as (sim, clients):
+    """With no model declared, the probe asks for the producer's reported model (the
+    simulated engine answers a request for another model with 404), and pairs only
+    engines that serve the same model."""
+    config = fleet(
+        engine("p0", 8101, ["prefill"], model="m1"), engine("d0", 8102, ["decode"], model="m2"),
+        engine("d1", 8103, ["decode"], model="m1"),
+    )  # fmt: skip
+    async with open_sim_fleet(config) as sim, AsyncExitStack() as stack:
+        recording = _Recording(sim.transport)
+        clients = open_clients(stack, config, recording)
         live: dict[str, EngineIdentity | None] = dict(await identities(config, sim.transport))
         with trio.fail_after(LIMIT_S):
             (result,) = await probe_transfers(config, clients, live)
-            p, c = config.engines
+            p, c, _ = config.engines
             wrong = await probe_pair(p, c, clients, timeout_s=TIMEOUT_S, model="m2")
-    assert result.ok, result.line()
+    assert result.engine == "p0->d1" and result.ok, result.line()
+    assert [body["model"] for _, body in recording.bodies[:2]] == ["m1", "m1"]
     assert not wrong.ok and wrong.detail["stage"] == "prefill"
 
 
@@ -203,10 +211,12 @@ class _Recording(httpx.AsyncBaseTransport):
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner
         self.bodies: list[tuple[str, dict[str, Any]]] = []
+        self.request_ids: list[str | None] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.method == "POST":
             self.bodies.append((request.url.host, json.loads(await request.aread())))
+            self.request_ids.append(request.headers.get("x-request-id"))
         return await self.inner.handle_async_request(request)
 
 
@@ -232,5 +242,13 @@ async def test_the_probe_asks_for_two_greedy_tokens_of_a_prompt_that_names_it(
         assert body["temperature"] == 0 and body["model"] == "m1"
     assert decode["max_tokens"] == 2
     assert prefill["prompt"] == decode["prompt"] and prefill2["prompt"] != prefill["prompt"]
+    # The decode takes the producer's KV: it carries the handoff, naming the producer's
+    # KV endpoint.
+    params = decode["kv_transfer_params"]
+    assert params["remote_host"] == "p0.kv.test" and params["remote_port"] == 23101, params
+    # Each leg is named as the probe's in the engines' logs, with ids of its own.
+    ids = recording.request_ids
+    assert all(re.fullmatch(r"check-[0-9a-f]{12}-[pd]", str(i)) for i in ids), ids
+    assert [str(i)[-1] for i in ids] == ["p", "d", "p", "d"] and len(set(ids)) == 4
     # No model named anywhere: the request names none.
     assert "model" not in prefill2

@@ -3,6 +3,7 @@ field of the index, and each way a record fails to verify or to match."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from narwhal.check.record import (
     write_record,
 )
 from narwhal.check.results import CheckReport, CheckResult, ProfilePair
-from narwhal.config import parse_fleet
+from narwhal.config import parse_fleet, unstructure_fleet
 from narwhal.errors import ConfigError
 from narwhal.profile.store import file_sha256
 from tests.checkkit import fleet_doc, identity_of
@@ -252,3 +253,18 @@ def test_record_matches_fleet_and_pair(tmp_path: Path) -> None:
     # A document that names no pair matches on its hash alone.
     bare = write_record(report(tmp_path, source=False), tmp_path / "bare")
     assert record_matches(bare, fleet_doc())
+
+
+def test_the_fleet_hash_is_of_the_documented_canonical_form(tmp_path: Path) -> None:
+    """SHA-256 of the validated document with every default, keys sorted, no whitespace:
+    what another tool must compute to compare a fleet with a record."""
+    doc = fleet_doc()
+    canonical = json.dumps(unstructure_fleet(parse_fleet(doc)), sort_keys=True, separators=(",", ":"))
+    assert fleet_sha256(doc) == hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def test_a_record_whose_check_result_went_missing_says_so(tmp_path: Path) -> None:
+    rec = write_record(report(tmp_path), tmp_path / "rec")
+    (tmp_path / "rec" / "check.json").unlink()
+    with pytest.raises(ConfigError, match=r"check\.json: cannot read check result: "):
+        rec.check()
