@@ -3,6 +3,7 @@ fault fails, every word of the result, and the pairs that are not probed."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import AsyncIterator, Mapping
@@ -252,3 +253,19 @@ async def test_the_probe_asks_for_two_greedy_tokens_of_a_prompt_that_names_it(
     assert [str(i)[-1] for i in ids] == ["p", "d", "p", "d"] and len(set(ids)) == 4
     # No model named anywhere: the request names none.
     assert "model" not in prefill2
+
+
+async def test_the_probe_checks_the_kv_endpoint_itself(autojump_clock: trio.abc.Clock) -> None:
+    """A producer's client that does not know the connector accepts any endpoint; the
+    probe still holds the descriptor to the endpoint the fleet document configures."""
+    config = two()
+    fault = FaultSpec(kind="malformed_descriptor", on="prefill", variant="wrong_endpoint")
+    async with running(config) as (sim, clients):
+        sim.engines["p0"].inject(fault)
+        bare = copy.copy(clients["p0"])
+        bare.connector = None
+        p, c = config.engines
+        with trio.fail_after(LIMIT_S):
+            r = await probe_pair(p, c, {**clients, "p0": bare}, timeout_s=TIMEOUT_S)
+    failed(r, "descriptor", r.detail["error"])
+    assert "p0" in r.detail["error"] and "p0.kv.test:23101" in r.detail["error"], r.detail["error"]

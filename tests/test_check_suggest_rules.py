@@ -369,3 +369,20 @@ def test_past_a_dozen_flexible_engines_the_relatively_fastest_prefill_first(tmp_
     assert s.candidates == 12 and s.best is not None
     assert s.best.producers == ("e04", "e07", "e09", "e00", "e01", "e02", "e03", "e05", "e06", "e08", "e10")
     assert s.best.consumers == ("e11", "e12")
+
+
+def test_a_consumer_at_full_utilisation_has_no_steady_step(tmp_path: Path) -> None:
+    """100 requests/s of 10 tokens at 0.001 s per request-step: utilisation exactly 1,
+    where T = c0 / (1 - u) has no value; and beyond it."""
+    engines = [engine("p", 8101, ["prefill"], no_sim=True), engine("d", 8102, ["decode"], no_sim=True)]
+    profiles = [prof("p", prefill={"a": 0.001, "b": 0.0, "c": 0.0}),
+                prof("d", decode={"c0": 0.001, "c1": 0.001, "c2": 0.0})]  # fmt: skip
+    for rate, pressure in ((100.0, 1.0), (150.0, 1.5)):
+        s = suggest(tmp_path / str(rate), profiles, engines, workload(rate, "10", "fixed:10"))
+        assert s.best is not None and not s.holds
+        assert s.best.decode == pytest.approx(pressure) and s.best.prefill == pytest.approx(rate * 0.001)
+        assert s.best.prefill_rates == {"p": pytest.approx(rate)}
+        assert s.best.decode_rates == {"d": pytest.approx(rate)}
+        assert s.best.step_s == {"d": None}
+        assert s.best.active == {"d": math.inf} and s.best.kv_tokens == {"d": math.inf}
+        assert s.best.ttft_pk_mean_s is not None and s.best.ttft_pk_mean_s > 0.001

@@ -146,17 +146,17 @@ async def probe_pair(
         body = _body(producer.model or model)
         handoff = await _prefill(clients[producer.name], body, timeout_s)
         detail["prefill_s"] = trio.current_time() - start
-        endpoint = (producer.connector.kv_host, producer.connector.kv_port)
         try:
+            # Against the endpoint the fleet document configures (the connector's), even
+            # where the producer's client was made without it.
             validate_descriptor(
                 handoff.parameters(),
                 connector=producer.connector,
-                expected_endpoint=endpoint,
-                engine=producer.name,
+                engine=producer.name,  # pragma: no mutate (equivalent: the result keeps the message, which does not name it)
             )
         except InvalidDescriptor as exc:
             raise _Failed("descriptor", str(exc)) from exc
-        detail["endpoint"] = f"{endpoint[0]}:{endpoint[1]}"
+        detail["endpoint"] = f"{producer.connector.kv_host}:{producer.connector.kv_port}"
         decode_start = trio.current_time()
         await _first_token(clients[consumer.name], handoff, timeout_s)
         detail["first_token_s"] = trio.current_time() - decode_start
