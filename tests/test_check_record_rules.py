@@ -268,3 +268,20 @@ def test_a_record_whose_check_result_went_missing_says_so(tmp_path: Path) -> Non
     (tmp_path / "rec" / "check.json").unlink()
     with pytest.raises(ConfigError, match=r"check\.json: cannot read check result: "):
         rec.check()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"profiles": {"profiles": 5, "samples": "s"}},
+        {"profiles_source": {"profiles": "p"}},
+        {"refit_original": {"profiles": ["x"], "samples": "s"}},
+        {"engines": {"e0": {"url": 5}}},
+    ],
+)
+def test_a_malformed_entry_names_the_record(tmp_path: Path, changes: dict[str, Any]) -> None:
+    write_record(report(tmp_path), tmp_path / "rec")
+    rewrite(tmp_path / "rec", **changes)
+    with pytest.raises(ConfigError) as info:
+        load_record(tmp_path / "rec")
+    assert str(tmp_path / "rec" / INDEX) in str(info.value)
