@@ -127,7 +127,7 @@ async def test_the_check_exits_by_its_verdict(checked: list[Any], tmp_path: Path
     checked[0] = CheckReport(results=(OK, BAD), source="f.json")
     code, out, err = await run(["--fleet", "f.json", "--json"])
     assert (code, err) == (1, "")
-    assert json.loads(out) == json.loads(json.dumps(checked[0].to_json()))
+    assert out == json.dumps(checked[0].to_json(), indent=1) + "\n"
 
 
 async def test_profiles_given_name_the_source(checked: list[Any], tmp_path: Path) -> None:

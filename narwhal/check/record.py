@@ -202,7 +202,7 @@ def write_record(
         "fleet": {"file": _FLEET, "source": report.source, "sha256": fleet_sha256(report.document)},
         "profiles": jsonable(in_use),
         "profiles_source": jsonable(report.profiles),
-        "refit_original": jsonable(original) if original is not None else None,
+        "refit_original": jsonable(original),  # None stays None
         "refit_original_source": jsonable(report.refit_original),
         "check": {
             "file": _CHECK,
