@@ -259,6 +259,7 @@ async def test_suggest_slo_reads_the_pair_and_the_workload(tmp_path: Path) -> No
     assert (code, err) == (0, "") and out.startswith("narwhal check --suggest-slo: 1 requests/s")
     code, out, err = await run([*argv, "--profiles", str(pair), "--json"])
     assert code == 0 and json.loads(out)["holds"] is True
+    assert out == json.dumps(json.loads(out), indent=1) + "\n"
     fleet.write_text(json.dumps(fleet_doc() | {"profiles": {"path": str(pair)}}))
     w.write_text(json.dumps({"rate": 1000, "input_len": "fixed:100", "output_len": "fixed:4"}))
     code, out, err = await run(argv)

@@ -36,8 +36,8 @@ def test_ttft_of_is_the_quadratic_at_every_length() -> None:
     assert got.tolist() == [0.5, 0.5 + 0.5 + 0.5, 0.5 + 1.0 + 2.0]
 
 
-def test_ttft_of_takes_lengths_as_floats() -> None:
-    """Integer lengths would overflow int64 in the square past about 3.04e9 tokens."""
+def test_ttft_of_prices_huge_integer_lengths_without_overflow() -> None:
+    """The square of 3.04e9 tokens is past int64: the curve is priced in floats."""
     p = prof("p", prefill={"a": 0.0, "b": 0.0, "c": 1.0})
     assert ttft_of(p, np.array([3_037_000_500])).tolist() == [3_037_000_500.0**2]
 

@@ -66,6 +66,7 @@ BASE = {"rate": 1, "input_len": "10", "output_len": "10"}
         (BASE | {"rate": True}, "expected a finite number > 0 @ $.rate"),
         (BASE | {"rate": "1"}, "expected a finite number > 0 @ $.rate"),
         (BASE | {"rate": -1}, "expected a finite number > 0 @ $.rate"),
+        (BASE | {"rate": 0}, "expected a finite number > 0 @ $.rate"),
         (BASE | {"rate": 1e400}, "expected a finite number > 0 @ $.rate"),
         (BASE | {"burstiness": 0}, "expected a number > 0 @ $.burstiness"),
         (BASE | {"burstiness": 1e400}, "expected a number > 0 @ $.burstiness"),

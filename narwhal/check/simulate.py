@@ -72,7 +72,7 @@ class _Consumer:
 def ttft_of(profile: EngineProfile, lengths: np.ndarray) -> np.ndarray:
     """The TTFT curve of ``profile`` at every prompt length of ``lengths`` (seconds)."""
     t = profile.ttft
-    x = np.asarray(lengths, dtype=float)
+    x = np.asarray(lengths)  # the float coefficients make every term a float
     out: np.ndarray = t.a + t.b * x + t.c * x * x
     return out
 
