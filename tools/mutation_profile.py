@@ -90,6 +90,13 @@ TESTS: dict[str, list[str]] = {
         "tests/test_check_gate.py",
         "tests/test_check_api.py",
     ],
+    "narwhal/check/pools.py": ["tests/test_check_pools_rules.py", "tests/test_check_pools.py"],
+    "narwhal/check/probes.py": ["tests/test_check_probe_rules.py", "tests/test_check_probes.py"],
+    "narwhal/check/suggest.py": ["tests/test_check_suggest_rules.py", "tests/test_check_suggest.py"],
+    "narwhal/check/record.py": ["tests/test_check_record_rules.py", "tests/test_check_record.py"],
+    "narwhal/check/results.py": ["tests/test_check_results.py"],
+    "narwhal/check/simulate.py": ["tests/test_check_simulate.py"],
+    "narwhal/check/cli.py": ["tests/test_check_cli_rules.py", "tests/test_check_cli.py"],
 }
 
 

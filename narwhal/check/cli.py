@@ -88,8 +88,8 @@ def _parser() -> argparse.ArgumentParser:
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     try:
         args = _parser().parse_args(list(argv))
-    except SystemExit as exc:  # --help
-        raise _Exit(exc.code if isinstance(exc.code, int) else 0) from None
+    except SystemExit:  # --help, argparse's only exit here (its errors raise _UsageError)
+        raise _Exit(0) from None
     if args.suggest_slo and args.workload is None:
         raise _UsageError("--suggest-slo needs --workload")
     if args.workload is not None and not args.suggest_slo:
@@ -119,7 +119,7 @@ def _fleet_input(args: argparse.Namespace) -> FleetInput:
 
 class _Exit(Exception):
     def __init__(self, code: int) -> None:
-        super().__init__(code)
+        super().__init__(code)  # pragma: no mutate (equivalent: the exit status is read from .code)
         self.code = code
 
 

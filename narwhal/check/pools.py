@@ -30,10 +30,6 @@ def engine_models(
     return out
 
 
-def _names(names: list[str]) -> str:
-    return ", ".join(names) if names else "none"
-
-
 def check_pools(
     config: FleetConfig, identities: Mapping[str, EngineIdentity | None]
 ) -> list[CheckResult]:
@@ -71,12 +67,12 @@ def check_pools(
         if missing:
             message = (
                 f"model {model!r} has no reachable engine with the {' or '.join(missing)} role "
-                f"(its engines: {_names([e.name for e in pool])}"
-                + (f"; unreachable: {_names(down)}" if down else "")
+                f"(its engines: {', '.join(e.name for e in pool)}"
+                + (f"; unreachable: {', '.join(down)}" if down else "")
                 + ")"
             )
         else:
-            message = f"model {model!r}: producers {_names(producers)}; consumers {_names(consumers)}"
+            message = f"model {model!r}: producers {', '.join(producers)}; consumers {', '.join(consumers)}"
         results.append(
             CheckResult(
                 name="pool",

@@ -101,8 +101,13 @@ class DeploymentRecord:
 
 
 def _canonical_sha256(data: Any) -> str:
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    text = json.dumps(
+        data,
+        sort_keys=True,
+        separators=(",", ":"),
+        allow_nan=False,  # pragma: no mutate (equivalent: a validated fleet holds finite numbers only)
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def fleet_sha256(fleet: FleetConfig | str | os.PathLike[str] | Mapping[str, Any]) -> str:
@@ -126,7 +131,7 @@ def fleet_sha256(fleet: FleetConfig | str | os.PathLike[str] | Mapping[str, Any]
 
 def _copy_pair(pair: ProfilePair, directory: Path, sub: str) -> ProfilePair:
     target = directory / sub
-    target.mkdir(parents=True, exist_ok=True)
+    target.mkdir()  # in the record's new or empty directory
     copies = []
     for source, expected in (
         (pair.profiles, pair.profiles_sha256),
@@ -197,7 +202,7 @@ def write_record(
         "fleet": {"file": _FLEET, "source": report.source, "sha256": fleet_sha256(report.document)},
         "profiles": jsonable(in_use),
         "profiles_source": jsonable(report.profiles),
-        "refit_original": jsonable(original) if original is not None else None,
+        "refit_original": jsonable(original),  # None stays None
         "refit_original_source": jsonable(report.refit_original),
         "check": {
             "file": _CHECK,

@@ -27,7 +27,7 @@ FLEET = "fleet"
 def jsonable(value: Any) -> Any:
     """``value`` with tuples as lists, attrs classes as dicts and non-finite floats as strings."""
     if attrs.has(type(value)):
-        return jsonable(attrs.asdict(value, recurse=False))
+        return jsonable(attrs.asdict(value, recurse=False))  # pragma: no mutate (equivalent: attrs' recursion gives the same dicts and lists)
     if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -80,7 +80,7 @@ class CheckResult:
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON-able data."""
-        out: dict[str, Any] = jsonable(attrs.asdict(self, recurse=False))
+        out: dict[str, Any] = jsonable(self)
         return out
 
 
@@ -155,8 +155,8 @@ class CheckReport:
             "duration_s": self.duration_s,
             "engines": {n: _identity(i) for n, i in self.identities.items()},
             "engines_after": {n: _identity(i) for n, i in self.identities_after.items()},
-            "profiles": jsonable(self.profiles) if self.profiles else None,
-            "refit_original": jsonable(self.refit_original) if self.refit_original else None,
+            "profiles": jsonable(self.profiles),  # None stays None
+            "refit_original": jsonable(self.refit_original),
             "failures": len(self.failures),
             "results": [r.to_json() for r in self.results],
         }

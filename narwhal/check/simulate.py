@@ -72,7 +72,7 @@ class _Consumer:
 def ttft_of(profile: EngineProfile, lengths: np.ndarray) -> np.ndarray:
     """The TTFT curve of ``profile`` at every prompt length of ``lengths`` (seconds)."""
     t = profile.ttft
-    x = np.asarray(lengths, dtype=float)
+    x = np.asarray(lengths)  # the float coefficients make every term a float
     out: np.ndarray = t.a + t.b * x + t.c * x * x
     return out
 
@@ -101,11 +101,11 @@ def simulate_split(
     warmup_fraction: float = 0.1,
 ) -> SimulatedRun:
     """Simulate the requests (arrival offsets, prompt and output lengths) on one split."""
-    t_arr = np.asarray(arrivals, dtype=float)
+    t_arr = np.asarray(arrivals, dtype=float)  # pragma: no mutate (equivalent: integer offsets give the same times)
     ins = [int(x) for x in inputs]
     outs = [int(x) for x in outputs]
     n = len(t_arr)
-    done = _prefill(producers, t_arr, np.asarray(ins, dtype=float))
+    done = _prefill(producers, t_arr, np.asarray(ins))  # ttft_of takes them as floats
     first = [math.nan] * n
     last = [math.nan] * n
     generated = [0] * n
@@ -161,6 +161,6 @@ def simulate_split(
         tpot_s=tpot,
         requests=n,
         warmup=warmup,
-        peak_kv={p.name: c.peak_kv for p, c in zip(consumers, pool, strict=True)},
-        peak_active={p.name: c.peak_active for p, c in zip(consumers, pool, strict=True)},
+        peak_kv={c.profile.name: c.peak_kv for c in pool},
+        peak_active={c.profile.name: c.peak_active for c in pool},
     )
