@@ -38,6 +38,18 @@ TTFT prediction error per producer; then the issue's targets, each met or not.
 (e.g. an export of the last release) on the same fleet and arrivals, for "no loss
 against today" on the uniform workload. ``--routers a,b`` runs a subset.
 
+``--warmup-s S`` (shared-prefix and sessions workloads) leaves the requests scheduled in
+each run's first S seconds unscored, for every router alike (``narwhal bench --warmup``:
+they are sent, they load the fleet and fill its caches, but are not in the attainment's
+denominator). Each run starts with caches cold for its prefixes, and until the prefixes
+are cached where they are needed every router loses requests that it would not lose
+later; a run of a few hundred requests lasts seconds, so that start weighs on its
+figure more than it does on a fleet serving the same prefixes for hours. With it the
+tool reports the steady state (the attainment and goodput of the scored requests) and,
+beside it, every request's (``all requests``), so that the start-up is not hidden.
+
+    python tools/bench_goodput.py --workload shared-prefix --rates 12,16,20,24 --requests 600 --warmup-s 10
+
     python tools/bench_goodput.py --workload shared-prefix --rates 2,4,6,8 --requests 200
 
 ``--replicas N`` measures router replicas instead: the same fleet and the same arrivals
@@ -76,6 +88,8 @@ from typing import Any
 from proctools import free_port, start, stop, wait_http
 
 from narwhal.bench.journal import prediction_by_producer
+from narwhal.bench.records import RequestResult
+from narwhal.bench.report import SLO as Targets
 
 SLO = {"ttft_ms": 150, "tpot_ms": 10}
 SHARED_SLO = {"ttft_ms": 500, "tpot_ms": 50}
@@ -256,11 +270,35 @@ def prefix_fleet(eng: Any) -> list[dict[str, Any]]:
             for name, (role, prefill) in PREFIX_FLEET.items()]  # fmt: skip
 
 
+def warmup_count(trace: Path, seconds: float) -> int:
+    """The requests of ``trace`` scheduled in its first ``seconds``."""
+    return sum(json.loads(line)["offset_s"] < seconds for line in trace.read_text().splitlines())
+
+
+def all_requests(results: Path, slo_ms: dict[str, int]) -> tuple[float | None, int]:
+    """SLO attainment over every request of a run, warm-up ones included (the same rule
+    as ``narwhal bench``'s: refused and failed requests are misses), and its 503s."""
+    slo = Targets(ttft_s=slo_ms["ttft_ms"] / 1000, tpot_s=slo_ms["tpot_ms"] / 1000)
+    names = {f.name for f in RequestResult.__attrs_attrs__}
+    rows = [RequestResult(**{k: v for k, v in json.loads(line).items() if k in names})
+            for line in (results / "results.jsonl").read_text().splitlines()]  # fmt: skip
+    rows = [r for r in rows if r.terminal_class != "client_cancelled"]
+    refused = sum(r.terminal_class == "refused" for r in rows)
+    return (sum(map(slo.meets, rows)) / len(rows) if rows else None), refused
+
+
+def goodput_at_90(points: list[dict[str, Any]], key: str = "attainment") -> float:
+    """The highest offered rate whose attainment (``key``) is at least 0.9, times it."""
+    return max((p["rate"] * p[key] for p in points if p[key] is not None and p[key] >= 0.9), default=0.0)
+
+
 def bench(urls: list[str], rate: float, n: int, out: Path, *, slo: dict[str, int],
-          trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """``narwhal bench`` against ``urls`` (several: round robin, as a load balancer would)."""
+          trace: Path | None = None, warmup: int = 0) -> dict[str, Any]:  # fmt: skip
+    """``narwhal bench`` against ``urls`` (several: round robin, as a load balancer would);
+    the first ``warmup`` requests are not scored."""
     workload = (["--trace", str(trace)] if trace is not None else
                 ["--rate", str(rate), "--input-len", PROMPT, "--output-len", OUTPUT])  # fmt: skip
+    workload += ["--warmup", str(warmup)] if warmup else []
     targets = [arg for url in urls for arg in ("--url", url)]
     subprocess.run(
         narwhal("bench", *targets, "--out", str(out), "--overwrite", *workload, "--num-requests",
@@ -273,13 +311,13 @@ def bench(urls: list[str], rate: float, n: int, out: Path, *, slo: dict[str, int
 
 
 def refusals(results: Path, errors: dict[str, dict[str, Any]], slo_ms: dict[str, int]) -> list[dict[str, Any]]:
-    """The refused requests of one run: the prediction each names, how far over its
+    """The refused requests of one run (scored ones): the prediction each names, how far over its
     target it was (``margin``, a share of the target) and the router's median TTFT
     prediction error on that producer (``error``)."""
     out = []
     for line in (results / "results.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if rec.get("terminal_class") != "refused":
+        if rec.get("terminal_class") != "refused" or rec.get("warmup"):
             continue
         message = (rec.get("error") or {}).get("message") or ""
         m = re.search(r"predicted TTFT ([\d.]+) ms on (\S+?)[ ,].*TPOT ([\d.]+) ms", message)
@@ -368,7 +406,12 @@ def main() -> int:
                         help="also run the priced router of another source tree (e.g. a checkout of the last "
                              "release) as narwhal-today, same fleet and arrivals")
     parser.add_argument("--routers", help="comma-separated subset of the routers to run (default: all)")
+    parser.add_argument("--warmup-s", type=float, default=0.0,
+                        help="leave the requests of each run's first S seconds unscored, every router alike "
+                             "(shared-prefix, sessions); both figures are reported")
     args = parser.parse_args()
+    if args.warmup_s < 0 or (args.warmup_s and args.workload == "uniform"):
+        parser.error("--warmup-s takes S >= 0 seconds, with the shared-prefix or sessions workload")
     if args.replicas == 1 or args.replicas < 0 or (args.replicas and args.workload != "uniform"):
         parser.error("--replicas takes N >= 2, with the uniform workload")
     if args.workers < 1 or (args.workers > 1 and (args.workload != "uniform" or args.replicas)):
@@ -502,19 +545,24 @@ def main() -> int:
                                     tag=f"{len(results.get(name, []))}{name.replace('-', '')}", **extra)  # fmt: skip
                     oracle.setdefault(rate, oracle_hit_rate(requests, capacity, block))
                 before = prefix_counters(producers) if shared else (0.0, 0.0)
-                summary = bench(url, rate, args.requests, tmp / f"{name}-{rate:g}", slo=slo_ms, trace=trace)
+                warmup = warmup_count(trace, args.warmup_s) if trace is not None and args.warmup_s else 0
+                summary = bench(url, rate, args.requests, tmp / f"{name}-{rate:g}", slo=slo_ms, trace=trace,
+                                warmup=warmup)  # fmt: skip
                 after = prefix_counters(producers) if shared else (0.0, 0.0)
                 queries = after[1] - before[1]
                 hit_rate = (after[0] - before[0]) / queries if queries else None
                 both = summary["attainment"]["both"]
                 by_class = summary["counts"]["by_class"]
+                every, refused_all = all_requests(tmp / f"{name}-{rate:g}", slo_ms)
                 results.setdefault(name, []).append(
                     {"rate": rate, "attainment": both["ratio"], "goodput_rps": summary["goodput_rps"],
                      "by_class": by_class, "prefix_hit_rate": hit_rate, "oracle_hit_rate": oracle.get(rate),
+                     "warmup_requests": warmup, "attainment_all": every, "refused_all": refused_all,
                      "results": str(tmp / f"{name}-{rate:g}")}
                 )  # fmt: skip
                 hits = f"  hit rate {hit_rate:.3f}" if hit_rate is not None else ""
-                print(f"  {name:<24} rate {rate:>5g}/s  attainment {both['ratio']:.3f}{hits}  "
+                also = f" (all requests {every:.3f}, {warmup} warm-up)" if warmup and every is not None else ""
+                print(f"  {name:<24} rate {rate:>5g}/s  attainment {both['ratio']:.3f}{also}{hits}  "
                       f"refused {by_class.get('refused', 0)}", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         for proc in reversed(procs):
@@ -543,18 +591,23 @@ def main() -> int:
         + (f", {args.turns} turns" if args.workload == "sessions" else ", tails uniform:50:250")
     )
     report: dict[str, Any] = {"slo": slo_ms, "fleet": {e["name"]: e["sim"] for e in engines}, "workload": args.workload, "prompt": prompt, "output": OUTPUT,
-                              "requests_per_point": args.requests,
+                              "requests_per_point": args.requests, "warmup_s": args.warmup_s,
                               "machine": {"cpus": os.cpu_count(), "load_average_1m": [load_before, os.getloadavg()[0]]},
                               "routers": {}}  # fmt: skip
     print(f"\nSLO: TTFT {slo_ms['ttft_ms']} ms, TPOT {slo_ms['tpot_ms']} ms; prompts {prompt}, outputs {OUTPUT}; "
-          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} CPUs)\n")
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} CPUs)")
+    if args.warmup_s:
+        print(f"steady state: the requests of each run's first {args.warmup_s:g} s are not scored (every router "
+              "alike); 'all requests' rows score every request")
+    print()
     print(f"{'router':<26}" + "".join(f"{r:>9g}/s" for r in rates) + "   goodput@90%" + ("   hit rate   503s" if shared else ""))
     if shared:
         print(f"{'(oracle hit rate)':<26}" + "".join(f"{oracle.get(r, 0):>11.3f}" for r in rates))
     for name, points in results.items():
-        ok = [p for p in points if p["attainment"] >= 0.9]
-        goodput = max((p["rate"] * p["attainment"] for p in ok), default=0.0)
+        goodput = goodput_at_90(points)
         report["routers"][name] = {"points": points, "goodput_at_90": goodput, "ttft_error_by_producer": errors.get(name)}
+        if args.warmup_s:
+            report["routers"][name]["goodput_at_90_all"] = goodput_at_90(points, "attainment_all")
         line = f"{name:<26}" + "".join(f"{p['attainment']:>11.3f}" for p in points) + f"   {goodput:.2f} req/s"
         if shared:
             rates_hit = [p["prefix_hit_rate"] for p in points if p["prefix_hit_rate"] is not None]
@@ -564,6 +617,11 @@ def main() -> int:
         if shared:
             print(f"{'  hit rate':<26}" + "".join(f"{p['prefix_hit_rate'] or 0:>11.3f}" for p in points))
         print(f"{'  503s':<26}" + "".join(f"{p['by_class'].get('refused', 0):>11d}" for p in points))
+        if args.warmup_s:
+            print(f"{'  all requests':<26}" + "".join(f"{p['attainment_all'] or 0:>11.3f}" for p in points)
+                  + f"   {report['routers'][name]['goodput_at_90_all']:.2f} req/s"
+                  + f"{'':10}{sum(p['refused_all'] for p in points)}")  # fmt: skip
+            print(f"{'  503s, all requests':<26}" + "".join(f"{p['refused_all']:>11d}" for p in points))
     print("\nTTFT prediction error per producer (|predicted - observed| / observed, router TTFT, successes):")
     for name, by_producer in errors.items():
         for producer, e in by_producer.items():
@@ -589,7 +647,10 @@ def main() -> int:
                   "vllm-router")  # fmt: skip
         for other in others:
             if other in routers and routers[other]["goodput_at_90"] > 0:
-                print(f"{lead} / {other}: x{g / routers[other]['goodput_at_90']:.2f}")
+                every = ""
+                if args.warmup_s and routers[other]["goodput_at_90_all"] > 0:
+                    every = f" (all requests x{routers[lead]['goodput_at_90_all'] / routers[other]['goodput_at_90_all']:.2f})"
+                print(f"{lead} / {other}: x{g / routers[other]['goodput_at_90']:.2f}{every}")
             elif other in routers:
                 print(f"{lead} / {other}: {other} never reached 90% attainment")
     report["targets"] = targets_met(routers, errors, rates, shared=shared, oracle=oracle, lead=lead, slo_ms=slo_ms)

@@ -1,0 +1,72 @@
+"""``tools/bench_goodput.py``'s steady-state scoring (``--warmup-s``): which requests are
+warm-up, every request's attainment beside the scored ones', and goodput at 90%.
+
+The script is loaded by its path (it imports ``proctools`` from ``tools/``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+@pytest.fixture(scope="module")
+def tool() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(TOOLS))
+    try:
+        spec = importlib.util.spec_from_file_location("_bench_goodput", TOOLS / "bench_goodput.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
+def test_warmup_counts_the_requests_scheduled_before_the_cutoff(tool: ModuleType, tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    tool.shared_prefix_trace(trace, rate=10.0, n=200, prefixes=4, prefix_len=32, zipf_s=1.1, seed=1, tag="x")
+    offsets = [json.loads(line)["offset_s"] for line in trace.read_text().splitlines()]
+    n = tool.warmup_count(trace, 5.0)
+    assert 0 < n < 200
+    assert all(o < 5.0 for o in offsets[:n]) and all(o >= 5.0 for o in offsets[n:])
+    assert tool.warmup_count(trace, 0.0) == 0
+
+
+def row(**fields: Any) -> dict[str, Any]:
+    base = {"index": 0, "request_id": "r", "route": "completions", "warmup": False, "terminal_class": "ok",
+            "ttft_s": 0.1, "tpot_s": 0.01, "output_len": 10, "scored": True}  # fmt: skip
+    return {**base, **fields}
+
+
+def test_every_request_is_scored_warmup_included_as_narwhal_bench_scores(tool: ModuleType, tmp_path: Path) -> None:
+    rows = [
+        row(warmup=True, terminal_class="refused", ttft_s=None, tpot_s=None, scored=False),
+        row(warmup=True),
+        row(warmup=True),
+        row(ttft_s=0.6),  # late: a miss
+        row(tpot_s=0.06),  # slow stream: a miss
+        row(),
+        row(tpot_s=None),  # one token: nothing to miss
+        row(terminal_class="client_cancelled", ttft_s=None, tpot_s=None, scored=False),  # the bench stopped it
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    attainment, refused = tool.all_requests(tmp_path, {"ttft_ms": 500, "tpot_ms": 50})
+    assert (attainment, refused) == (4 / 7, 1)  # the scored ones alone: 2 / 4
+
+
+def test_goodput_at_90_takes_the_highest_rate_held(tool: ModuleType) -> None:
+    points = [{"rate": 10.0, "attainment": 1.0, "all": 0.95}, {"rate": 20.0, "attainment": 0.95, "all": 0.85},
+              {"rate": 30.0, "attainment": 0.5, "all": None}]  # fmt: skip
+    assert tool.goodput_at_90(points) == pytest.approx(19.0)
+    assert tool.goodput_at_90(points, "all") == pytest.approx(9.5)
+    assert tool.goodput_at_90([{"rate": 5.0, "attainment": 0.8}]) == 0.0
