@@ -42,8 +42,8 @@ from setuptools import setup
 # callers introspect with inspect.signature and replace per instance to inject faults,
 # neither of which a compiled class allows); router/placement.py and pricing.py
 # (PricedPlacement derives from Placement, so both or neither, and pricing chains an
-# error with `raise ... from`, see narwhal.errors.caused); router/metrics.py (the work
-# is prometheus_client's, and its collector derives from an interpreted class).
+# error with `raise ... from`, see narwhal.errors.caused); router/metrics.py (its
+# collectors derive from prometheus_client's Collector, an interpreted class).
 COMPILED = [
     "narwhal/netio.py",
     "narwhal/http/connection.py",

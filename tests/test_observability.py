@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 import trio
 import trio.testing
 import trio_websocket
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.config import FaultSpec
+from narwhal.router.state import RouterState
 
 from .routerkit import fleet_doc, open_stack
 
@@ -87,3 +90,136 @@ async def test_events_requires_websocket(autojump_clock: trio.abc.Clock) -> None
             assert (await admin.get("/events")).status_code == 400
             assert (await admin.post("/metrics")).status_code == 405
             assert (await admin.get("/health")).status_code == 200
+
+
+class _ReferenceMetrics:
+    """The router's counters and histograms as prometheus_client's own Counter and
+    Histogram keep them (how RouterMetrics fed them before it kept plain counters)."""
+
+    def __init__(self, state: RouterState) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        from narwhal.router import metrics as m
+
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        lat, tpot, err = m._LATENCY_BUCKETS, m._TPOT_BUCKETS, m._ERROR_BUCKETS
+        self.requests = Counter("narwhal_requests", "Client requests by route and terminal class.",
+                                ["route", "terminal_class"], registry=r)
+        self.model_requests = Counter("narwhal_model_requests", "Client requests by model and terminal class.",
+                                      ["model", "terminal_class"], registry=r)
+        self.ttft = Histogram("narwhal_router_ttft_seconds", "Router TTFT: arrival to producer HTTP completion.",
+                              ["route"], buckets=lat, registry=r)
+        self.first_byte = Histogram("narwhal_router_first_byte_seconds",
+                                    "Arrival to the first generated decode output.", ["route"], buckets=lat, registry=r)
+        self.tpot = Histogram("narwhal_router_tpot_seconds", "Prefill completion to final token over output_len - 1.",
+                              ["route"], buckets=tpot, registry=r)
+        self.duration = Histogram("narwhal_request_duration_seconds", "Arrival to terminal outcome.",
+                                  ["route"], buckets=lat, registry=r)
+        self.output_tokens = Counter("narwhal_output_tokens", "Identified output tokens delivered.", ["route"],
+                                     registry=r)
+        self.retries = Counter("narwhal_retries", "Fresh attempts after a transient fault.", registry=r)
+        self.placements = Counter("narwhal_placement_decisions", "Attempts placed, by producer and consumer.",
+                                  ["producer", "consumer"], registry=r)
+        self.refusals = Counter("narwhal_placement_refusals", "Requests refused for lack of capacity.", registry=r)
+        self.attempt_outcomes = Counter("narwhal_attempts", "Attempts by engine role and outcome.",
+                                        ["engine", "role", "outcome"], registry=r)
+        self.breaker_transitions = Counter("narwhal_breaker_transitions", "Breaker transitions by engine and event.",
+                                           ["engine", "event"], registry=r)
+        self.ttft_error = Histogram(
+            "narwhal_ttft_prediction_error_ratio",
+            "|predicted - observed| / observed router TTFT of priced attempts, by producer.",
+            ["engine"], buckets=err, registry=r)
+        self.cached_tokens = Counter(
+            "narwhal_prefix_cached_tokens",
+            "Prompt tokens served by producers' prefix caches: as the router predicted them and "
+            "as the producers reported them (usage.prompt_tokens_details).", ["engine", "source"], registry=r)
+        self.consumer_cached_tokens = Counter(
+            "narwhal_prefix_consumer_cached_tokens",
+            "Prompt tokens consumers held in their prefix caches and so did not pull, as the router "
+            "predicted them (compare the consumer's vllm:prompt_tokens_by_source{source=\"local_cache_hit\"}).",
+            ["engine"], registry=r)
+        r.register(m._LiveState(state, None))
+
+    def on_record(self, record: dict) -> None:
+        route, klass = record["route"], record["terminal_class"]
+        self.requests.labels(route, klass).inc()
+        if record.get("model"):
+            self.model_requests.labels(record["model"], klass).inc()
+        if klass == "refused":
+            self.refusals.inc()
+        if record.get("latency_s") is not None:
+            self.duration.labels(route).observe(record["latency_s"])
+        if klass == "ok":
+            for family, name in ((self.ttft, "ttft_s"), (self.first_byte, "first_byte_s"), (self.tpot, "tpot_s")):
+                if record.get(name) is not None:
+                    family.labels(route).observe(record[name])
+        if record.get("output_len"):
+            self.output_tokens.labels(route).inc(record["output_len"])
+        attempts = record.get("attempts") or []
+        if len(attempts) > 1:
+            self.retries.inc(len(attempts) - 1)
+        for attempt in attempts:
+            producer, consumer = attempt.get("producer"), attempt.get("consumer")
+            if producer and consumer:
+                self.placements.labels(producer, consumer).inc()
+                self.attempt_outcomes.labels(producer, "prefill", attempt["outcome"]).inc()
+                self.attempt_outcomes.labels(consumer, "decode", attempt["outcome"]).inc()
+            if not producer or attempt.get("ttft_s") is None:
+                continue
+            predicted, observed = attempt.get("predicted_ttft_s"), attempt["ttft_s"]
+            if predicted is not None and observed > 0:
+                self.ttft_error.labels(producer).observe(abs(predicted - observed) / observed)
+            if attempt.get("predicted_cached_tokens") is not None:
+                self.cached_tokens.labels(producer, "predicted").inc(attempt["predicted_cached_tokens"])
+                self.cached_tokens.labels(producer, "reported").inc(attempt.get("cached_tokens") or 0)
+            if consumer and attempt.get("consumer_predicted_cached_tokens") is not None:
+                self.consumer_cached_tokens.labels(consumer).inc(attempt["consumer_predicted_cached_tokens"])
+
+
+def _attempt(**fields: object) -> dict:
+    base = {"producer": "p0", "consumer": "d0", "outcome": "ok", "ttft_s": 0.02, "predicted_ttft_s": None,
+            "predicted_cached_tokens": None, "cached_tokens": None, "consumer_predicted_cached_tokens": None}
+    return {**base, **fields}
+
+
+async def test_metrics_exposition_is_prometheus_clients(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RouterMetrics' counters and histograms expose exactly what prometheus_client's
+    Counter and Histogram expose for the same records and transitions: every sample,
+    label, bucket, float sum and family in the same order."""
+    import time as time_module
+
+    from narwhal.router.metrics import RouterMetrics
+
+    # One instant for every _created stamp of both (children are created at different moments).
+    monkeypatch.setattr(time_module, "time", lambda: 1_700_000_000.25)
+    doc = fleet_doc(recovery={"eject_after": 1, "probe_interval_s": 1000.0})
+    async with open_stack(doc) as stack:
+        state = stack.router.state
+        ours, reference = RouterMetrics(state), _ReferenceMetrics(state)
+        state.journal.add_listener(reference.on_record)
+        state.breaker.add_listener(lambda t: reference.breaker_transitions.labels(t.engine, t.event).inc())
+        for _ in range(2):
+            assert (await stack.complete({"prompt": "a b c", "max_tokens": 4})).status_code == 200
+        stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=500, times=1))
+        assert (await stack.complete({"prompt": "a b c", "max_tokens": 4})).status_code == 502
+        records = [
+            {"route": "chat", "terminal_class": "ok", "model": "m1", "latency_s": 0.0123456789, "ttft_s": 0.005,
+             "first_byte_s": 0.1, "tpot_s": 0.001, "output_len": 7,
+             "attempts": [_attempt(outcome="decode_failed", ttft_s=None), _attempt(predicted_ttft_s=0.03,
+                          predicted_cached_tokens=16, cached_tokens=None, consumer_predicted_cached_tokens=8)]},
+            {"route": "completions", "terminal_class": "refused", "latency_s": 1e-9, "attempts": []},
+            {"route": "chat", "terminal_class": "ok", "model": "m1", "latency_s": 120.0, "ttft_s": 60.0,
+             "first_byte_s": 61.0, "tpot_s": 5.0, "output_len": 1, "attempts": [_attempt(predicted_ttft_s=0.02)]},
+            {"route": "completions", "terminal_class": "deadline_exceeded", "latency_s": None,
+             "attempts": [_attempt(producer=None, consumer=None, outcome="deadline_exceeded")]},
+        ]
+        for record in records:
+            ours.on_record(record)
+            reference.on_record(record)
+        for engine, event in (("d0", "ejected"), ("d0", "restored"), ("p0", "quarantined")):
+            transition = type("T", (), {"engine": engine, "event": event})()
+            ours.on_transition(transition)
+            reference.breaker_transitions.labels(engine, event).inc()
+        assert ours.exposition().decode() == generate_latest(reference.registry).decode()

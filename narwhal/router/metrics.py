@@ -1,7 +1,8 @@
 """Prometheus metrics of the router.
 
 Counters and histograms are fed from the journal's record stream and the breaker's
-transitions (listeners), so the request path does no extra work for them; gauges of
+transitions (listeners), so the request path does no extra work for them (plain
+additions, exposed in prometheus_client's format when scraped); gauges of
 live state (in-flight per engine, reservations, breaker state) are read at scrape
 time by a custom collector. Each router has its own registry, so several routers in
 one process (tests, ``--workers``) never share series.
@@ -9,12 +10,17 @@ one process (tests, ``--workers``) never share series.
 
 from __future__ import annotations
 
+import bisect
+import math
+import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from narwhal.router.breaker import Transition
 from narwhal.router.events import EventHub
@@ -32,6 +38,8 @@ _LATENCY_BUCKETS = (
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 _BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "held": 3, "trial": 4}
 _ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+#: ``_created`` samples, unless switched off as prometheus_client switches them off.
+_USE_CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
 
 
 class _LiveState(Collector):
@@ -154,125 +162,211 @@ class _LiveState(Collector):
         yield model_ready
 
 
+class _Counter:
+    """A counter family whose updates are plain float additions (no lock, no method
+    chain); :meth:`samples` gives what ``prometheus_client.Counter`` exposes for the
+    same updates (``_total``, then ``_created`` per child, in the order children appeared)."""
+
+    __slots__ = ("cells", "doc", "labelnames", "name")
+
+    def __init__(self, name: str, doc: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.doc = doc
+        self.labelnames = labelnames
+        #: labels -> [value, created]
+        self.cells: dict[tuple[str, ...], list[float]] = {}
+        if not labelnames:
+            self.cells[()] = [0.0, time.time()]
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        cell = self.cells.get(labels)
+        if cell is None:
+            cell = self.cells[labels] = [0.0, time.time()]
+        cell[0] += amount
+
+    def metric(self) -> Metric:
+        metric = Metric(self.name, self.doc, "counter")
+        names = self.labelnames
+        for labels, (value, created) in list(self.cells.items()):
+            series = dict(zip(names, labels, strict=True))
+            metric.add_sample(self.name + "_total", series, value)
+            if _USE_CREATED:
+                metric.add_sample(self.name + "_created", series, created)
+        return metric
+
+
+class _Histogram:
+    """A histogram family updated without locks; :meth:`metric` gives what
+    ``prometheus_client.Histogram`` exposes for the same observations (cumulative
+    ``_bucket`` samples with the same ``le`` labels, ``_count``, ``_sum`` summed in
+    the same order, ``_created``)."""
+
+    __slots__ = ("bounds", "cells", "doc", "labelnames", "le", "name")
+
+    def __init__(self, name: str, doc: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.doc = doc
+        self.labelnames = labelnames
+        bounds = [float(b) for b in buckets]
+        if bounds[-1] != math.inf:
+            bounds.append(math.inf)
+        self.bounds = tuple(bounds)
+        self.le = tuple(floatToGoString(b) for b in bounds)  # type: ignore[no-untyped-call]
+        #: labels -> (counts per bucket, not cumulative; [sum, created])
+        self.cells: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+
+    def observe(self, labels: tuple[str, ...], amount: float) -> None:
+        cell = self.cells.get(labels)
+        if cell is None:
+            cell = self.cells[labels] = ([0] * len(self.bounds), [0.0, time.time()])
+        cell[1][0] += amount
+        if amount <= math.inf:  # (NaN falls in no bucket, as prometheus_client has it)
+            cell[0][bisect.bisect_left(self.bounds, amount)] += 1
+
+    def metric(self) -> Metric:
+        metric = Metric(self.name, self.doc, "histogram")
+        names = self.labelnames
+        for labels, (counts, (total, created)) in list(self.cells.items()):
+            series = dict(zip(names, labels, strict=True))
+            acc = 0.0
+            for le, n in zip(self.le, counts, strict=True):
+                acc += n
+                metric.add_sample(self.name + "_bucket", {**series, "le": le}, acc)
+            metric.add_sample(self.name + "_count", series, acc)
+            if self.bounds[0] >= 0:
+                metric.add_sample(self.name + "_sum", series, total)
+            if _USE_CREATED:
+                metric.add_sample(self.name + "_created", series, created)
+        return metric
+
+
+class _Families(Collector):
+    """The counter and histogram families, in the order the registry lists them."""
+
+    def __init__(self, families: list[_Counter | _Histogram]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families:
+            yield family.metric()
+
+
 class RouterMetrics:
-    """The router's metric families, fed by journal records and breaker transitions."""
+    """The router's metric families, fed by journal records and breaker transitions.
+
+    A record updates plain counters (it runs once per request, on the event loop: no
+    lock is needed); the families are built from them when scraped, with the samples,
+    labels and order that ``prometheus_client``'s Counter and Histogram would give.
+    """
 
     def __init__(self, state: RouterState, events: EventHub | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter(
-            "narwhal_requests", "Client requests by route and terminal class.", ["route", "terminal_class"], registry=r
+        self.requests = _Counter(
+            "narwhal_requests", "Client requests by route and terminal class.", ("route", "terminal_class")
         )
-        self.model_requests = Counter(
-            "narwhal_model_requests", "Client requests by model and terminal class.", ["model", "terminal_class"],
-            registry=r,
+        self.model_requests = _Counter(
+            "narwhal_model_requests", "Client requests by model and terminal class.", ("model", "terminal_class")
         )
-        self.ttft = Histogram(
+        self.ttft = _Histogram(
             "narwhal_router_ttft_seconds", "Router TTFT: arrival to producer HTTP completion.",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            ("route",), _LATENCY_BUCKETS,
         )
-        self.first_byte = Histogram(
+        self.first_byte = _Histogram(
             "narwhal_router_first_byte_seconds", "Arrival to the first generated decode output.",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            ("route",), _LATENCY_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = _Histogram(
             "narwhal_router_tpot_seconds", "Prefill completion to final token over output_len - 1.",
-            ["route"], buckets=_TPOT_BUCKETS, registry=r,
+            ("route",), _TPOT_BUCKETS,
         )
-        self.duration = Histogram(
-            "narwhal_request_duration_seconds", "Arrival to terminal outcome.",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        self.duration = _Histogram(
+            "narwhal_request_duration_seconds", "Arrival to terminal outcome.", ("route",), _LATENCY_BUCKETS
         )
-        self.output_tokens = Counter(
-            "narwhal_output_tokens", "Identified output tokens delivered.", ["route"], registry=r
+        self.output_tokens = _Counter("narwhal_output_tokens", "Identified output tokens delivered.", ("route",))
+        self.retries = _Counter("narwhal_retries", "Fresh attempts after a transient fault.")
+        self.placements = _Counter(
+            "narwhal_placement_decisions", "Attempts placed, by producer and consumer.", ("producer", "consumer")
         )
-        self.retries = Counter("narwhal_retries", "Fresh attempts after a transient fault.", registry=r)
-        self.placements = Counter(
-            "narwhal_placement_decisions", "Attempts placed, by producer and consumer.",
-            ["producer", "consumer"], registry=r,
+        self.refusals = _Counter("narwhal_placement_refusals", "Requests refused for lack of capacity.")
+        self.attempt_outcomes = _Counter(
+            "narwhal_attempts", "Attempts by engine role and outcome.", ("engine", "role", "outcome")
         )
-        self.refusals = Counter(
-            "narwhal_placement_refusals", "Requests refused for lack of capacity.", registry=r
+        self.breaker_transitions = _Counter(
+            "narwhal_breaker_transitions", "Breaker transitions by engine and event.", ("engine", "event")
         )
-        self.attempt_outcomes = Counter(
-            "narwhal_attempts", "Attempts by engine role and outcome.", ["engine", "role", "outcome"], registry=r
-        )
-        self.breaker_transitions = Counter(
-            "narwhal_breaker_transitions", "Breaker transitions by engine and event.", ["engine", "event"],
-            registry=r,
-        )
-        self.ttft_error = Histogram(
+        self.ttft_error = _Histogram(
             "narwhal_ttft_prediction_error_ratio",
             "|predicted - observed| / observed router TTFT of priced attempts, by producer.",
-            ["engine"], buckets=_ERROR_BUCKETS, registry=r,
+            ("engine",), _ERROR_BUCKETS,
         )
-        self.cached_tokens = Counter(
+        self.cached_tokens = _Counter(
             "narwhal_prefix_cached_tokens",
             "Prompt tokens served by producers' prefix caches: as the router predicted them and "
             "as the producers reported them (usage.prompt_tokens_details).",
-            ["engine", "source"], registry=r,
+            ("engine", "source"),
         )
-        self.consumer_cached_tokens = Counter(
+        self.consumer_cached_tokens = _Counter(
             "narwhal_prefix_consumer_cached_tokens",
             "Prompt tokens consumers held in their prefix caches and so did not pull, as the router "
             "predicted them (compare the consumer's vllm:prompt_tokens_by_source{source=\"local_cache_hit\"}).",
-            ["engine"], registry=r,
+            ("engine",),
         )
-        self._children: dict[tuple[Any, ...], Any] = {}
-        r.register(_LiveState(state, events))
+        self.registry.register(_Families([
+            self.requests, self.model_requests, self.ttft, self.first_byte, self.tpot, self.duration,
+            self.output_tokens, self.retries, self.placements, self.refusals, self.attempt_outcomes,
+            self.breaker_transitions, self.ttft_error, self.cached_tokens, self.consumer_cached_tokens,
+        ]))  # fmt: skip
+        self.registry.register(_LiveState(state, events))
         state.journal.add_listener(self.on_record)
         state.breaker.add_listener(self.on_transition)
 
-    def _child(self, family: Any, *labels: str) -> Any:
-        """``family.labels(*labels)``, remembered: a label lookup costs more than the update."""
-        key = (id(family), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = family.labels(*labels)
-        return child
-
     def on_record(self, record: dict[str, Any]) -> None:
-        child = self._child
         route = record["route"]
         klass = record["terminal_class"]
-        child(self.requests, route, klass).inc()
-        if record.get("model"):  # set once the model is known to be served (bounded labels)
-            child(self.model_requests, record["model"], klass).inc()
+        self.requests.inc((route, klass))
+        model = record.get("model")
+        if model:  # set once the model is known to be served (bounded labels)
+            self.model_requests.inc((model, klass))
         if klass == "refused":
-            self.refusals.inc()
-        if record.get("latency_s") is not None:
-            child(self.duration, route).observe(record["latency_s"])
+            self.refusals.inc(())
+        key = (route,)
+        latency = record.get("latency_s")
+        if latency is not None:
+            self.duration.observe(key, latency)
         if klass == "ok":
-            if record.get("ttft_s") is not None:
-                child(self.ttft, route).observe(record["ttft_s"])
-            if record.get("first_byte_s") is not None:
-                child(self.first_byte, route).observe(record["first_byte_s"])
-            if record.get("tpot_s") is not None:
-                child(self.tpot, route).observe(record["tpot_s"])
-        if record.get("output_len"):
-            child(self.output_tokens, route).inc(record["output_len"])
+            ttft, first_byte, tpot = record.get("ttft_s"), record.get("first_byte_s"), record.get("tpot_s")
+            if ttft is not None:
+                self.ttft.observe(key, ttft)
+            if first_byte is not None:
+                self.first_byte.observe(key, first_byte)
+            if tpot is not None:
+                self.tpot.observe(key, tpot)
+        output_len = record.get("output_len")
+        if output_len:
+            self.output_tokens.inc(key, output_len)
         attempts = record.get("attempts") or []
         if len(attempts) > 1:
-            self.retries.inc(len(attempts) - 1)
+            self.retries.inc((), len(attempts) - 1)
         for attempt in attempts:
             producer, consumer = attempt.get("producer"), attempt.get("consumer")
             if producer and consumer:
-                child(self.placements, producer, consumer).inc()
-                child(self.attempt_outcomes, producer, "prefill", attempt["outcome"]).inc()
-                child(self.attempt_outcomes, consumer, "decode", attempt["outcome"]).inc()
+                outcome = attempt["outcome"]
+                self.placements.inc((producer, consumer))
+                self.attempt_outcomes.inc((producer, "prefill", outcome))
+                self.attempt_outcomes.inc((consumer, "decode", outcome))
             if not producer or attempt.get("ttft_s") is None:
                 continue  # the prefill did not complete: nothing to compare
             predicted, observed = attempt.get("predicted_ttft_s"), attempt["ttft_s"]
             if predicted is not None and observed > 0:
-                child(self.ttft_error, producer).observe(abs(predicted - observed) / observed)
+                self.ttft_error.observe((producer,), abs(predicted - observed) / observed)
             if attempt.get("predicted_cached_tokens") is not None:
-                child(self.cached_tokens, producer, "predicted").inc(attempt["predicted_cached_tokens"])
-                child(self.cached_tokens, producer, "reported").inc(attempt.get("cached_tokens") or 0)
+                self.cached_tokens.inc((producer, "predicted"), attempt["predicted_cached_tokens"])
+                self.cached_tokens.inc((producer, "reported"), attempt.get("cached_tokens") or 0)
             if consumer and attempt.get("consumer_predicted_cached_tokens") is not None:
-                child(self.consumer_cached_tokens, consumer).inc(attempt["consumer_predicted_cached_tokens"])
+                self.consumer_cached_tokens.inc((consumer,), attempt["consumer_predicted_cached_tokens"])
 
     def on_transition(self, transition: Transition) -> None:
-        self.breaker_transitions.labels(transition.engine, transition.event).inc()
+        self.breaker_transitions.inc((transition.engine, transition.event))
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition of every family."""
