@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,3 +26,13 @@ def _nothing_written_into_the_checkout(request: pytest.FixtureRequest) -> Iterat
     yield
     added = sorted({p.name for p in root.iterdir()} - before - _CACHES)
     assert not added, f"the tests wrote {added} into {root}; use tmp_path"
+
+
+@pytest.fixture(autouse=True)
+def _zeromq_contexts_closed() -> Iterator[None]:
+    """A ZeroMQ context a failed test left open is destroyed when that test ends (its
+    sockets too): the failure is reported there, not as a later test's ResourceWarning."""
+    yield
+    kvevents = sys.modules.get(f"{__package__}.test_kvevents")
+    if kvevents is not None:
+        kvevents.RecordingContext.destroy_left_open()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import httpx
@@ -276,10 +276,21 @@ class RecordingContext(zmq.Context):  # type: ignore[type-arg]
     """A ZeroMQ context that keeps every socket it made (pyzmq keeps only weak ones)."""
 
     made: list[zmq.Socket[bytes]] = []  # declared on the class: pyzmq maps unknown attributes to options
+    #: Every context made, so that one a failed test left open is destroyed at the test's
+    #: end (tests/conftest.py) rather than reported by a later test's ResourceWarning.
+    created: ClassVar[list[RecordingContext]] = []
 
     def __init__(self) -> None:
         super().__init__()
         self.made = []
+        RecordingContext.created.append(self)
+
+    @classmethod
+    def destroy_left_open(cls) -> None:
+        while cls.created:
+            ctx = cls.created.pop()
+            if not ctx.closed:
+                ctx.destroy(linger=0)
 
     def socket(self, socket_type: int, socket_class: Any = None, **kwargs: Any) -> Any:
         sock = super().socket(socket_type, socket_class, **kwargs)
