@@ -587,6 +587,61 @@ async def test_a_token_id_prompt_over_the_context_is_refused_before_engine_work(
     assert len(prefills) == 1 and stack.engine("p0").stats.calls.get("/tokenize", 0) == 0
 
 
+@pytest.mark.parametrize("counter", [64, 128])
+async def test_a_counted_prompt_must_fit_the_smallest_context_of_its_model(
+    autojump_clock: trio.abc.Clock, counter: int
+) -> None:
+    # The producer that counts the prompt (/tokenize) reports its own limit; the request
+    # may decode on an engine with a smaller one. Whichever is smaller holds, refused
+    # before any prefill: 30 prompt tokens and 40 output tokens fit 128, not 64.
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"], max_model_len=counter),
+        engine("d0", 8102, ["decode"], max_model_len=192 - counter),
+        controller={"prompt_tokens": "tokenize"},
+    )
+    async with open_stack(doc) as stack:
+        resp = await stack.complete({"prompt": " ".join(["x"] * 30), "max_tokens": 40})
+        prefills = [b for b in stack.engine("p0").requests_seen if "prompt" in b]
+        tokenized = stack.engine("p0").stats.calls.get("/tokenize", 0)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == (
+        "this model's maximum context length is 64 tokens; the request has 30 prompt tokens "
+        "and asks for 40 output tokens"
+    )
+    assert tokenized == 1 and prefills == []
+
+
+class _ShortProducer(httpx.AsyncBaseTransport):
+    """A ``wrap``: p0 refuses every prefill as over its context, naming its limit only."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host == "p0.test" and request.url.path == "/v1/completions":
+            message = "This model's maximum context length is 8 tokens. Please reduce the length of the prompt."
+            error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            return httpx.Response(400, json={"error": error})
+        return await self.inner.handle_async_request(request)
+
+
+async def test_an_engines_context_400_without_a_prompt_count_takes_the_routers_count(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The engine's 400 names its limit but not the prompt's length: the token ids'
+    # exact count fills it in, and the client reads the router's one message.
+    async with open_stack(wrap=_ShortProducer) as stack:
+        resp = await stack.complete({"prompt": list(range(1, 11)), "max_tokens": 4})
+    assert resp.status_code == 400
+    message = (
+        "this model's maximum context length is 8 tokens; the request has 10 prompt tokens "
+        "and asks for 4 output tokens"
+    )
+    assert resp.json()["error"]["message"] == message
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["error"]) == ("invalid_request", message)
+
+
 async def test_an_estimated_prompt_that_exactly_fits_is_served(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -174,6 +174,22 @@ async def test_an_engine_without_prefix_caching_gets_no_view(autojump_clock: tri
         assert all(r["attempts"][0]["predicted_cached_tokens"] is None for r in stack.records)
 
 
+async def test_a_producer_the_index_does_not_see_has_no_predicted_hit(autojump_clock: trio.abc.Clock) -> None:
+    # Only the consumer caches prompts: the index prices its hits, not the producer's. The
+    # journal's prediction for the producer is null (none made), not a predicted miss.
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"], **CACHING),
+        controller={"slo": {"ttft_s": 0.5, "tpot_s": 0.05}},
+    )  # fmt: skip
+    async with open_stack(doc, priced=True) as stack:
+        for tag in "ab":
+            await stack.complete({"prompt": prompt(tag), "max_tokens": 2})
+        assert stack.router.state.prefix.enabled("d0") and not stack.router.state.prefix.enabled("p0")
+    attempts = [r["attempts"][0] for r in stack.records]
+    assert [a["predicted_cached_tokens"] for a in attempts] == [None, None]
+    assert [a["consumer_predicted_cached_tokens"] for a in attempts] == [0, 1024]
+
+
 async def test_a_new_generation_clears_the_view(autojump_clock: trio.abc.Clock) -> None:
     async with open_stack(two_producers(), priced=True) as stack:
         state = stack.router.state

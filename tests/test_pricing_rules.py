@@ -338,7 +338,7 @@ def test_the_prefix_index_prices_each_engines_own_hit() -> None:
     assert (p.engine, p.cached_tokens, c.engine, c.cached_tokens) == ("p1", 800, "d1", 512)
     assert p.own_s == pytest.approx(ttft(1000) - ttft(800) + ttft(0))
     reservation = pl.choose(1000, 10, cached=held.__getitem__)
-    assert reservation.producer == "p1" and reservation.predicted_cached_tokens == 800
+    assert reservation.producer == "p1"
     # The reserved work is the hit-aware price.
     assert pl.prefill_work_s["p1"] == pytest.approx(p.own_s)
 
@@ -349,7 +349,6 @@ def test_a_placed_pair_carries_its_predictions_and_reserves_prompt_and_output() 
     assert (r.producer, r.consumer, r.prompt_tokens, r.kv_tokens) == ("p0", "d0", 1000, 1200)
     assert r.predicted_ttft_s == pytest.approx(ttft(1000))
     assert r.predicted_tpot_s == pytest.approx(tpot(1, 1200))
-    assert r.predicted_cached_tokens is None
     assert pl.counters == {"priced": 1, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0,
                            "replicated": 0}  # fmt: skip
     pl.choose(10, 2)
@@ -392,7 +391,7 @@ def test_without_a_priced_pair_placement_falls_back_to_least_load_and_reserves_t
     pl = priced(["p0", "p1"], ["d0"], profiles=profiles, clock=clock)
     r = pl.choose(1000, 10)
     assert pl.counters["fallback"] == 1 and pl.counters["priced"] == 0
-    assert r.predicted_ttft_s is None and r.predicted_tpot_s is None and r.predicted_cached_tokens is None
+    assert r.predicted_ttft_s is None and r.predicted_tpot_s is None
     work = dict(pl.prefill_work_s)
     # Least reserved load: the next goes to the other producer.
     r2 = pl.choose(1000, 10)

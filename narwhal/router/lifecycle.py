@@ -51,7 +51,6 @@ from narwhal.errors import (
     NarwhalError,
     Refused,
     SilenceTimeout,
-    caused,
 )
 from narwhal.http.server import Request, ResponseWriter
 from narwhal.router.journal import AttemptRecord, RequestRecord
@@ -245,7 +244,7 @@ class RequestLifecycle:
         tok = self.prompt = await state.count_prompt(parsed.body, self.kind)
         self.prompt_tokens = tok.count
         record.prompt_tokens = tok.count if tok.exact else None  # the producer's count, later
-        max_model_len = tok.max_model_len if tok.max_model_len is not None else _max_model_len(state, model)
+        max_model_len = _max_model_len(state, model, tok.max_model_len)
         self.max_tokens = parsed.output_limit(tok.count, max_model_len)
         record.requested_output_len = self.max_tokens
         # An estimate is not grounds for refusing: the engines check the exact length.
@@ -276,7 +275,7 @@ class RequestLifecycle:
                     # An engine's 400 for an over-long prompt reads as the router's own.
                     over = engine_context_length(err, parsed, record.prompt_tokens)
                     if over is not None:
-                        raise caused(over, err)
+                        raise over  # (its context is the engine's error: the traceback shows both)
                     raise
 
     def _may_retry(self, err: EngineError, n: int, max_attempts: int) -> bool:
@@ -313,8 +312,9 @@ class RequestLifecycle:
             attempt.placement_wait_s = state.clock() - placed_at
         attempt.predicted_ttft_s = reservation.predicted_ttft_s
         attempt.predicted_tpot_s = reservation.predicted_tpot_s
-        attempt.predicted_cached_tokens = reservation.predicted_cached_tokens
-        if attempt.predicted_cached_tokens is None and cached is not None and prefix.enabled(reservation.producer):
+        # The hits priced placement assumed, read again (nothing changed since); only
+        # for an engine whose cache the index sees (None: not predicted, not a miss).
+        if cached is not None and prefix.enabled(reservation.producer):
             attempt.predicted_cached_tokens = cached(reservation.producer)
         if cached is not None and not reservation.same_worker and prefix.enabled(reservation.consumer):
             # What the consumer holds it need not pull from the producer.
@@ -553,9 +553,12 @@ class RequestLifecycle:
             await respond.respond(200, (_JSON_CONTENT, (_REQUEST_ID, self.request_id)), body)
 
 
-def _max_model_len(state: RouterState, model: str | None) -> int | None:
-    """The length limit the engines of ``model`` report (None: unknown, or no model known)."""
-    return None if model is None else state.models.get(model)
+def _max_model_len(state: RouterState, model: str | None, told: int | None = None) -> int | None:
+    """The length limit a request for ``model`` must fit: the smallest the engines of
+    ``model`` report and ``told`` (a /tokenize answer's), since the request may land on
+    any engine of its model (None: none known)."""
+    listed = None if model is None else state.models.get(model)
+    return min((n for n in (listed, told) if n is not None), default=None)
 
 
 def _is_usage(data: dict[str, Any] | None) -> bool:

@@ -80,7 +80,6 @@ class Reservation:
         "kv_tokens",
         "on_release_decode",
         "on_release_prefill",
-        "predicted_cached_tokens",
         "predicted_tpot_s",
         "predicted_ttft_s",
         "prefill_held",
@@ -101,8 +100,6 @@ class Reservation:
         self.on_release_decode: Callable[[], None] | None = None
         self.predicted_ttft_s: float | None = None
         self.predicted_tpot_s: float | None = None
-        #: The producer's prefix-cache hit that priced placement assumed, in tokens.
-        self.predicted_cached_tokens: int | None = None
         p = placement.loads[producer]
         p.prefill_requests += 1
         p.prefill_tokens += prompt_tokens

@@ -393,7 +393,6 @@ class PricedPlacement(Placement):
         producer = reservation.producer
         if p is not None:
             work = p.own_s
-            reservation.predicted_cached_tokens = p.cached_tokens
         else:
             work = self._ttft(self.profiles[producer], prompt_tokens) if producer in self.profiles else 0.0
         key = self._add_work(producer, work)
