@@ -71,6 +71,7 @@ MODULES: dict[str, tuple[str, ...]] = {
                 "a_same_worker_attempt_has_no_consumer_prediction",
                 "prefix_cache_off_prices_no_hit",
                 "an_engine_without_prefix_caching_gets_no_view",
+                "a_producer_the_index_does_not_see_has_no_predicted_hit",
             )
         ),
     ),
@@ -86,6 +87,11 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),
+    # Prompt sizes and the learned tokens-per-byte ratio: pure functions, direct tests.
+    "narwhal/router/promptlen.py": ("tests/test_promptlen.py",),
+    # The poll's loop against stand-in engine clients (the replica tests' end-to-end runs
+    # of several routers are too slow per mutant).
+    "narwhal/router/loadpoll.py": ("tests/test_loadpoll.py",),
     # The state's own tests, and the router's that read it (readiness, models, counting).
     "narwhal/router/state.py": (
         "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",
