@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -204,43 +203,6 @@ def test_an_engine_of_both_roles_splits_the_others_share_by_what_waits() -> None
     assert p.others_decode("d1") == 0
     p.engine_reported("gone", 9, 9, 0)  # an engine placement does not know: ignored
     assert "gone" not in p.loads
-
-
-class _FlakyEngine:
-    """An engine client whose /metrics answers ``answers`` times, then fails."""
-
-    def __init__(self, running: int, answers: int) -> None:
-        self.running = running
-        self.answers = answers
-
-    async def load(self) -> Any:
-        from narwhal.errors import EngineError
-
-        await trio.sleep(0.001)
-        if self.answers <= 0:
-            raise EngineError("metrics: connection refused")
-        self.answers -= 1
-        return SimpleNamespace(running=self.running, waiting=0)
-
-
-async def test_a_report_that_stops_coming_is_dropped_after_three_periods(autojump_clock: trio.abc.Clock) -> None:
-    from narwhal.router.loadpoll import STALE_AFTER_PERIODS, poll_engine_load
-
-    placement = Placement(["p0"], ["d0"])
-    state = SimpleNamespace(
-        placement=placement, engines={"p0": None, "d0": None},
-        clients={"p0": _FlakyEngine(0, 100), "d0": _FlakyEngine(4, 2)},
-        in_flight_by_engine={"p0": 0, "d0": 1},
-    )  # fmt: skip
-    async with trio.open_nursery() as nursery:
-        await nursery.start(poll_engine_load, state, 1.0)
-        await trio.sleep(1.5)  # two reports, then failures
-        assert placement.loads["d0"].others == 3  # four running, one of them ours
-        await trio.sleep(STALE_AFTER_PERIODS - 1)
-        assert placement.loads["d0"].others == 3  # failures within the grace keep the last report
-        await trio.sleep(1.0)
-        assert placement.loads["d0"].others == 0
-        nursery.cancel_scope.cancel()
 
 
 def test_serve_engine_load_poll_flag_sets_the_period_for_the_process_and_its_workers(tmp_path: Any) -> None:
