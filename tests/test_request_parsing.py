@@ -1,0 +1,136 @@
+"""parse_request, directly: every refusal's exact message, code and class, and what a
+valid body gives the router (the router-level tests check the same bodies end to end,
+by a fragment of the message)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from narwhal.errors import BadRequest, Unsupported
+from narwhal.router.requests import MAX_BODY_DEPTH, ParsedRequest, parse_request
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _refusal(body: dict[str, Any] | bytes, kind: str = "completions") -> BadRequest:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(BadRequest) as err:
+        parse_request(raw, kind)  # type: ignore[arg-type]
+    return err.value
+
+
+def _nested(depth: int) -> bytes:
+    """A body whose containers nest ``depth`` levels (the body itself is the first)."""
+    return b'{"prompt": "a", "x": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "cls", "code", "message"),
+    [
+        (b"not json", "completions", BadRequest, "invalid_json", "request body is not valid JSON"),
+        (b"\xff\xfe{}", "completions", BadRequest, "invalid_json", "request body is not valid JSON"),
+        (b"[" * 100_000, "completions", BadRequest, "invalid_json", "request body is nested more than 64 levels deep"),
+        (b"[1]", "chat", BadRequest, "invalid_json", "request body must be a JSON object"),
+        ({"max_tokens": 3}, "completions", BadRequest, "missing_field", "'prompt' is required"),
+        ({"prompt": ["a", "b"]}, "completions", Unsupported, None, "batched prompts (a list of strings) are not supported"),
+        ({"prompt": []}, "completions", BadRequest, "invalid_type", "'prompt' must be a string or a non-empty list of token ids"),
+        ({"prompt": [1, True]}, "completions", BadRequest, "invalid_type", "'prompt' must be a string or a non-empty list of token ids"),
+        ({"prompt": [1, -1]}, "completions", BadRequest, "invalid_type", "'prompt' must be a string or a non-empty list of token ids"),
+        ({"prompt": [1, "a"]}, "completions", BadRequest, "invalid_type", "'prompt' must be a string or a non-empty list of token ids"),
+        ({"prompt": {"a": 1}}, "completions", BadRequest, "invalid_type", "'prompt' must be a string or a list of token ids"),
+        ({"prompt": "a"}, "chat", BadRequest, "missing_field", "'messages' must be a non-empty list"),
+        ({"messages": []}, "chat", BadRequest, "missing_field", "'messages' must be a non-empty list"),
+        ({"messages": "hi"}, "chat", BadRequest, "missing_field", "'messages' must be a non-empty list"),
+        ({"messages": [*USER, "hi"]}, "chat", BadRequest, "invalid_type", "each item of 'messages' must be an object"),
+        ({"messages": [{"role": "user"}, {"role": None}]}, "chat", BadRequest, "missing_field", "'messages[1].role' is required"),
+        ({"prompt": "a", "model": 5}, "completions", BadRequest, "invalid_type", "'model' must be a string"),
+        ({"prompt": "a", "stream": 1}, "completions", BadRequest, "invalid_type", "'stream' must be a boolean"),
+        ({"prompt": "a", "n": 2}, "completions", Unsupported, None, "'n' > 1 is not supported"),
+        ({"prompt": "a", "n": 0}, "completions", BadRequest, "invalid_value", "'n' must be >= 1"),
+        ({"prompt": "a", "n": 1.0}, "completions", BadRequest, "invalid_type", "'n' must be an integer"),
+        ({"prompt": "a", "best_of": 2}, "completions", Unsupported, None, "'best_of' > 1 is not supported"),
+        ({"prompt": "a", "best_of": 0}, "completions", BadRequest, "invalid_value", "'best_of' must be >= 1"),
+        ({"prompt": "a", "max_tokens": 0}, "completions", BadRequest, "invalid_value", "'max_tokens' must be >= 1"),
+        ({"prompt": "a", "max_tokens": False}, "completions", BadRequest, "invalid_type", "'max_tokens' must be an integer"),
+        ({"messages": USER, "max_completion_tokens": 0}, "chat", BadRequest, "invalid_value",
+         "'max_completion_tokens' must be >= 1"),
+        ({"prompt": "a", "stream_options": []}, "completions", BadRequest, "invalid_type", "'stream_options' must be an object"),
+    ],
+)  # fmt: skip
+def test_a_refusal_says_what_is_wrong(
+    body: dict[str, Any] | bytes, kind: str, cls: type[BadRequest], code: str | None, message: str
+) -> None:
+    err = _refusal(body, kind)
+    assert type(err) is cls and err.code == code and err.message == message
+    # The JSON parser's own error is no part of the answer (nor of a traceback).
+    assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)
+
+
+def test_the_depth_limit_is_inclusive() -> None:
+    assert parse_request(_nested(MAX_BODY_DEPTH), "completions").body["prompt"] == "a"
+    err = _refusal(_nested(MAX_BODY_DEPTH + 1))
+    assert (err.code, err.message) == ("invalid_json", "request body is nested more than 64 levels deep")
+    # Depth counts containers in objects and in lists alike.
+    deep_dicts = {"prompt": "a"}
+    node: dict[str, Any] = deep_dicts
+    for _ in range(MAX_BODY_DEPTH):
+        node["x"] = {}
+        node = node["x"]
+    assert _refusal(deep_dicts).code == "invalid_json"
+    mixed = b'{"prompt": "a", "x": [1, {"y": ' + b"[" * (MAX_BODY_DEPTH - 2) + b"]" * (MAX_BODY_DEPTH - 2) + b"}]}"
+    assert _refusal(mixed).code == "invalid_json"
+
+
+def test_a_role_outside_the_list_is_refused_with_the_list() -> None:
+    err = _refusal({"messages": [*USER, {"role": "x" * 100}]}, "chat")
+    assert err.code == "invalid_value"
+    assert err.message == (
+        f"invalid value for 'messages[1].role': {json.dumps('x' * 100)[:80]}; supported values are "
+        "'system', 'developer', 'user', 'assistant', 'tool', 'function'"
+    )
+
+
+def test_a_completion_body_gives_the_router_its_fields() -> None:
+    raw = json.dumps({"prompt": [0, 5], "model": "m", "stream": True, "n": 1, "best_of": 1, "max_tokens": 7,
+                      "max_completion_tokens": 99, "stream_options": {"include_usage": True},
+                      "return_token_ids": 1}).encode()  # fmt: skip
+    parsed = parse_request(raw, "completions")
+    assert parsed == ParsedRequest(
+        kind="completions", body=json.loads(raw), model="m", stream=True, include_usage=True,
+        return_token_ids=True, max_tokens=7,  # a completion's max_completion_tokens is not its limit
+    )  # fmt: skip
+
+
+def test_a_chat_body_gives_the_router_its_fields() -> None:
+    parsed = parse_request(json.dumps({"messages": USER, "max_tokens": 7, "max_completion_tokens": 9}).encode(), "chat")
+    assert parsed == ParsedRequest(
+        kind="chat", body={"messages": USER, "max_tokens": 7, "max_completion_tokens": 9}, model=None, stream=False,
+        include_usage=False, return_token_ids=False, max_tokens=9,
+    )  # fmt: skip
+    only_max = parse_request(json.dumps({"messages": USER, "max_tokens": 7}).encode(), "chat")
+    assert only_max.max_tokens == 7
+    plain = parse_request(json.dumps({"messages": USER, "stream_options": {}}).encode(), "chat")
+    assert (plain.max_tokens, plain.include_usage, plain.stream) == (None, False, False)
+    assert parse_request(b'{"prompt": "a", "stream_options": null}', "completions").include_usage is False
+
+
+@pytest.mark.parametrize(
+    ("kind", "max_tokens", "max_model_len", "prompt", "limit"),
+    [
+        ("completions", 5, 100, 10, 5),
+        ("completions", None, 100, 10, 16),  # vLLM's default for a completion
+        ("chat", None, 100, 10, 90),  # what the context leaves
+        ("chat", None, 100, 100, 1),
+        ("chat", None, None, 10, 16),
+        ("chat", 3, 100, 10, 3),
+    ],
+)
+def test_the_output_limit_the_engines_will_apply(
+    kind: str, max_tokens: int | None, max_model_len: int | None, prompt: int, limit: int
+) -> None:
+    parsed = ParsedRequest(kind=kind, body={}, model=None, stream=False, include_usage=False,  # type: ignore[arg-type]
+                           return_token_ids=False, max_tokens=max_tokens)  # fmt: skip
+    assert parsed.output_limit(prompt, max_model_len) == limit
