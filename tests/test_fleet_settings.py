@@ -85,6 +85,10 @@ def test_the_changed_settings_are_every_differing_path_but_the_engines() -> None
     assert changed[2] == ("server.port", 8000, 9000)
     assert changed[1][2] == 7.0 and changed[1][1] == old.engine.first_token_timeout_s
     assert changed_settings(old, old) == []
+    # A section set where it was null: its fields' paths, each from null.
+    contract = _config(engine_contract={"max_model_len": 4096})
+    assert changed_settings(_config(), contract) == [("engine_contract.max_model_len", None, 4096)]
+    assert changed_settings(contract, _config()) == [("engine_contract.max_model_len", 4096, None)]
 
 
 @pytest.mark.parametrize(

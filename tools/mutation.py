@@ -92,6 +92,18 @@ MODULES: dict[str, tuple[str, ...]] = {
     # The poll's loop against stand-in engine clients (the replica tests' end-to-end runs
     # of several routers are too slow per mutant).
     "narwhal/router/loadpoll.py": ("tests/test_loadpoll.py",),
+    # Request parsing and the answer's shapes, directly (the router tests that also reach
+    # them take a minute a mutant).
+    "narwhal/router/requests.py": ("tests/test_request_parsing.py", "tests/test_response_shapes.py"),
+    # The live fleet's rules on a document's settings (changed paths, restart-only ones,
+    # refusals naming the JSON path), directly: score them with --only (the functions
+    # below); applying documents end to end (tests/test_fleet_reload.py) takes minutes.
+    "narwhal/router/fleet.py": ("tests/test_fleet_settings.py",),
+    # The background prefix copies against stand-ins (the end-to-end copy is one test).
+    "narwhal/router/replicate.py": (
+        "tests/test_replicate.py",
+        "tests/test_prefix_replication.py::test_a_prefix_queued_on_the_fast_producer_is_copied_to_the_slow_one",
+    ),
     # The state's own tests, and the router's that read it (readiness, models, counting).
     "narwhal/router/state.py": (
         "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",

@@ -130,9 +130,8 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 def changed_settings(old: FleetConfig, new: FleetConfig) -> list[tuple[str, Any, Any]]:
     """``(dotted path, old value, new value)`` of every setting that differs (the engines aside)."""
     a, b = unstructure_fleet(old), unstructure_fleet(new)
-    for section in _ENGINE_SECTIONS:
-        a.pop(section, None)
-        b.pop(section, None)
+    for section in _ENGINE_SECTIONS:  # (fields of every document: always there)
+        del a[section], b[section]
     fa, fb = _flatten(a), _flatten(b)
     return [(k, fa.get(k), fb.get(k)) for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)]
 
