@@ -557,7 +557,7 @@ def _max_model_len(state: RouterState, model: str | None, told: int | None = Non
     """The length limit a request for ``model`` must fit: the smallest the engines of
     ``model`` report and ``told`` (a /tokenize answer's), since the request may land on
     any engine of its model (None: none known)."""
-    listed = None if model is None else state.models.get(model)
+    listed = None if model is None else state.models.get(model)  # pragma: no mutate (equivalent: no model is named None, so models.get(None) is None too; the test is for the type)
     return min((n for n in (listed, told) if n is not None), default=None)
 
 
