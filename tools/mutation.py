@@ -86,6 +86,14 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),
+    # The index's own tests, the KV-event views' and the router's that price from it
+    # (without the load-level comparison, twenty seconds a run).
+    "narwhal/router/prefix.py": (
+        "tests/test_prefix_index.py", "tests/test_kvevents.py", "tests/test_kvevents_stale.py",
+        "tests/test_prefix_placement.py", "tests/test_prefix_replication.py",
+        "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
+        "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
+    ),
     # The state's own tests, and the router's that read it (readiness, models, counting).
     "narwhal/router/state.py": (
         "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",
