@@ -94,6 +94,14 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),
+    # The router's prefix-cache tests: views made, dropped and cleared from the engines'
+    # metrics, KV-event subscribers, stale streams (without the load-level comparisons).
+    "narwhal/router/prefixwatch.py": (
+        "tests/test_prefix_watch.py", "tests/test_prefix_placement.py", "tests/test_kvevents_stale.py",
+        "tests/test_prefix_replication.py",
+        "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
+        "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
+    ),
     # The state's own tests, and the router's that read it (readiness, models, counting).
     "narwhal/router/state.py": (
         "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",
