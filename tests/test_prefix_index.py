@@ -49,6 +49,26 @@ def test_event_view_counts_copies_and_ignores_what_a_plain_prompt_cannot_hit() -
     view.apply(EventBatch(0.0, (BlockRemoved(block_hashes=(21, 99)),)))  # unknown hashes are fine
 
 
+def test_a_block_stays_a_hit_until_its_last_copy_goes() -> None:
+    view = EventView(2)
+    for _ in range(3):
+        view.apply(stored([11], None, [1, 2]))  # three copies under one hash
+    view.apply(stored([21], None, [1, 2]))  # and the same block under another hash
+    removals = []
+    for h in (11, 11, 21, 11):
+        view.apply(EventBatch(0.0, (BlockRemoved(block_hashes=(h,)),)))
+        removals.append(view.cached_blocks([1, 2, 3], 1))
+    assert removals == [1, 1, 1, 0]
+    assert len(view) == 0 and len(view.chains) == 0
+
+
+def test_an_event_view_that_knows_no_block_size_yet_holds_no_hit() -> None:
+    view = EventView()
+    assert view.cached_blocks([1, 2, 3], 1) == 0
+    view.apply(stored([11], None, [1, 2]))  # the first block tells the size
+    assert view.block_size == 2 and view.cached_blocks([1, 2, 3], 1) == 1
+
+
 def test_placement_view_is_an_lru_of_chains() -> None:
     view = PlacementView(2, capacity_blocks=4)
     a, b, c = [1, 2, 3, 4, 0], [5, 6, 7, 8, 0], [9, 10, 11, 12, 0]
@@ -181,3 +201,23 @@ def test_a_prompt_is_looked_up_once_for_every_engine_and_again_after_a_change() 
     index.enable("q0", block_size=8, capacity_tokens=4096, events=False)
     index.placed("q0", ids)
     assert lookup.cached_tokens("q0") == 88 and lookup.lookups == 3  # its own block size
+
+
+def test_an_engine_that_leaves_the_fleet_leaves_nothing_in_the_index() -> None:
+    index = PrefixIndex()
+    index.enable("e0", block_size=2, capacity_tokens=8, events=True)
+    index.apply("e0", stored([11, 12], None, [1, 2, 3, 4]))
+    assert index.cached_tokens("e0", [1, 2, 3, 4, 5]) == 4
+    index.forget("e0")
+    assert not index.enabled("e0") and not index.exact("e0") and "e0" not in index.views
+    assert len(index.chains) == 0  # its blocks' ids went with it
+    index.forget("e0")  # twice, and engines it never knew, are no error
+    index.forget("nobody")
+    # Back under the same name, its former capacity is not assumed: stale before it
+    # reports its configuration, it falls back only once it has.
+    index.follow("e0")
+    index.apply("e0", stored([11], None, [1, 2]))
+    index.stale("e0")
+    assert not index.fallbacks
+    index.enable("e0", block_size=2, capacity_tokens=16, events=True)
+    assert index.fallbacks["e0"].capacity_blocks == 8

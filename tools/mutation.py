@@ -104,6 +104,26 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_replicate.py",
         "tests/test_prefix_replication.py::test_a_prefix_queued_on_the_fast_producer_is_copied_to_the_slow_one",
     ),
+    # The index's own tests, the KV-event views' and the router's that price from it
+    # (without the load-level comparison, twenty seconds a run).
+    "narwhal/router/prefix.py": (
+        "tests/test_prefix_index.py", "tests/test_kvevents.py", "tests/test_kvevents_stale.py",
+        "tests/test_prefix_placement.py", "tests/test_prefix_replication.py",
+        "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
+        "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
+    ),
+    # The router's prefix-cache tests: views made, dropped and cleared from the engines'
+    # metrics, KV-event subscribers, stale streams (without the load-level comparisons).
+    "narwhal/router/prefixwatch.py": (
+        "tests/test_prefix_watch.py", "tests/test_prefix_placement.py", "tests/test_kvevents_stale.py",
+        "tests/test_prefix_replication.py",
+        "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
+        "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
+    ),
+    # The reactive controller's tests (corrections, role moves, decisions file).
+    "narwhal/router/controller.py": ("tests/test_reactive.py",),
+    # DNS-discovered engine groups: resolution, expansion, fleet changes.
+    "narwhal/router/discovery.py": ("tests/test_discovery.py",),
     # The state's own tests, and the router's that read it (readiness, models, counting).
     "narwhal/router/state.py": (
         "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",

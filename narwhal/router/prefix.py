@@ -139,10 +139,10 @@ class Chains:
         return out
 
 
-def _count_held(chain: Sequence[int], held: Container[int], limit: int) -> int:
+def _count_held(chain: Sequence[int], held: Container[int]) -> int:
     n = 0
     for cid in chain:
-        if n == limit or cid not in held:
+        if cid not in held:
             break
         n += 1
     return n
@@ -153,8 +153,9 @@ class CacheView(Protocol):
 
     block_size: int | None
 
-    def held_blocks(self, chain: Sequence[int], limit: int) -> int:
-        """Leading blocks of a prompt's chain ids (:meth:`Chains.lookup`) held, at most ``limit``."""
+    def held_blocks(self, chain: Sequence[int]) -> int:
+        """Leading blocks of a prompt's chain ids held (:meth:`Chains.lookup` stops the
+        chain at the prompt's hit limit)."""
         ...
 
     def cached_blocks(self, ids: Sequence[int], limit: int) -> int:
@@ -260,13 +261,13 @@ class EventView:
         """The chain ids of the blocks a plain prompt can reach."""
         return list(self._held)
 
-    def held_blocks(self, chain: Sequence[int], limit: int) -> int:
-        return _count_held(chain, self._held, limit)
+    def held_blocks(self, chain: Sequence[int]) -> int:
+        return _count_held(chain, self._held)
 
     def cached_blocks(self, ids: Sequence[int], limit: int) -> int:
         if self.block_size is None:
             return 0
-        return self.held_blocks(self.chains.lookup(ids, self.block_size, limit), limit)
+        return self.held_blocks(self.chains.lookup(ids, self.block_size, limit))
 
 
 class PlacementView:
@@ -326,11 +327,11 @@ class PlacementView:
             self._lru.move_to_end(cid)
         self._evict()
 
-    def held_blocks(self, chain: Sequence[int], limit: int) -> int:
-        return _count_held(chain, self._lru, limit)
+    def held_blocks(self, chain: Sequence[int]) -> int:
+        return _count_held(chain, self._lru)
 
     def cached_blocks(self, ids: Sequence[int], limit: int) -> int:
-        return self.held_blocks(self.chains.lookup(ids, self.block_size, limit), limit)
+        return self.held_blocks(self.chains.lookup(ids, self.block_size, limit))
 
 
 class PromptLookup:
@@ -364,7 +365,7 @@ class PromptLookup:
         if chain is None:
             self.lookups += 1
             chain = self._chains[bs] = chains.lookup(self.ids, bs, limit)
-        return view.held_blocks(chain, limit) * bs
+        return view.held_blocks(chain) * bs
 
 
 class PrefixIndex:

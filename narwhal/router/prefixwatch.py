@@ -35,7 +35,7 @@ from narwhal.engines.kvevents import KVEventSubscriber
 from narwhal.errors import EngineError
 from narwhal.router.state import RouterState
 
-__all__ = ["PREFIX_REFRESH_S", "PrefixWatch", "watch_prefix_caches"]
+__all__ = ["PREFIX_REFRESH_S", "PrefixWatch"]
 
 log = logging.getLogger("narwhal.router.prefix")
 
@@ -169,15 +169,3 @@ class PrefixWatch:
             for name in list(self.state.engines):
                 nursery.start_soon(self._refresh, name)
 
-
-async def watch_prefix_caches(
-    state: RouterState,
-    *,
-    refresh_s: float = PREFIX_REFRESH_S,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run the engines' event subscribers and refresh the index's views, until cancelled.
-
-    Reports started once every engine has been asked once.
-    """
-    await PrefixWatch(state, refresh_s=refresh_s).run(task_status=task_status)
