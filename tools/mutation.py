@@ -94,6 +94,14 @@ MODULES: dict[str, tuple[str, ...]] = {
     # The writer's own rules (batching, overflow, close, the record's fields) in direct
     # tests; the router's journaling of requests by the ownership tests.
     "narwhal/router/journal.py": ("tests/test_journal.py", "tests/test_router_lifecycle.py"),
+    # The combined admin surface of ``--workers N`` over loopback with stand-in workers,
+    # and the combining rules' own tests (not the whole supervisor's: a process start each).
+    "narwhal/router/fanin.py": (
+        "tests/test_fanin.py",
+        "tests/test_workers.py::test_expositions_combine_by_sum_except_the_state_gauges",
+        "tests/test_kvevents_stale.py::test_workers_combine_a_stale_stream_as_stale",
+        "tests/test_multimodel.py::test_workers_combine_the_model_gauges_as_states_not_sums",
+    ),
 }  # fmt: skip
 
 #: mutmut's statuses that count as a killed mutant.
