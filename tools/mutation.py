@@ -102,6 +102,13 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_kvevents_stale.py::test_workers_combine_a_stale_stream_as_stale",
         "tests/test_multimodel.py::test_workers_combine_the_model_gauges_as_states_not_sums",
     ),
+    # Starting, reloading and stopping a router: its direct tests, the ownership tests and
+    # the reload's refusals (the reload suite's load-level tests take a minute a run).
+    "narwhal/router/service.py": (
+        "tests/test_service.py", "tests/test_router_lifecycle.py",
+        "tests/test_fleet_reload.py::test_a_document_that_fails_changes_nothing_and_says_where",
+        "tests/test_fleet_reload.py::test_fleet_records_go_beside_the_journal",
+    ),
 }  # fmt: skip
 
 #: mutmut's statuses that count as a killed mutant.
