@@ -109,6 +109,11 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_fleet_reload.py::test_a_document_that_fails_changes_nothing_and_says_where",
         "tests/test_fleet_reload.py::test_fleet_records_go_beside_the_journal",
     ),
+    # The hub's fan-out in direct tests, and the admin surface's delivery of its events.
+    "narwhal/router/events.py": (
+        "tests/test_events.py",
+        "tests/test_observability.py::test_events_deliver_a_record_and_a_breaker_transition",
+    ),
 }  # fmt: skip
 
 #: mutmut's statuses that count as a killed mutant.
