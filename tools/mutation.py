@@ -114,6 +114,14 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_events.py",
         "tests/test_observability.py::test_events_deliver_a_record_and_a_breaker_transition",
     ),
+    # Each admin route's answer (status, type, body, log line) in direct tests, and the
+    # live events' and reload refusals' end-to-end tests.
+    "narwhal/router/admin.py": (
+        "tests/test_admin.py",
+        "tests/test_observability.py::test_events_deliver_a_record_and_a_breaker_transition",
+        "tests/test_observability.py::test_events_requires_websocket",
+        "tests/test_fleet_reload.py::test_a_document_that_fails_changes_nothing_and_says_where",
+    ),
 }  # fmt: skip
 
 #: mutmut's statuses that count as a killed mutant.
