@@ -3,6 +3,7 @@ document in every form it arrives in, the listeners' defaults, and shutdown."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,10 +15,12 @@ import trio
 from narwhal.config import FleetConfig, parse_fleet
 from narwhal.errors import ConfigError
 from narwhal.http import ServerLimits
+from narwhal.http.server import ListenError
 from narwhal.profile.store import Profiles
 from narwhal.router.journal import Journal
 from narwhal.router.service import Prepare, Router, open_router, server_limits
 from narwhal.testing import MemoryNetwork, open_memory_network, open_sim_fleet
+from narwhal.testing.ports import free_port
 
 from .routerkit import ROUTER_HOST, ROUTER_PORT, engine, fleet_doc
 
@@ -117,21 +120,29 @@ async def test_the_listeners_default_to_the_documents_addresses() -> None:
     doc = fleet_doc(server={"host": "127.0.0.1", "port": 0, "admin_host": "127.0.0.1", "admin_port": 0})
     async with open_memory_network() as net, open_sim_fleet(EVERY, network=net) as sims:
         async with open_router(parse_fleet(doc), transport=sims.transport, journal=Journal(None)) as router:
+            assert router.journal is router.state.journal and router.controller is None
+            assert b"narwhal_requests_total" in router.metrics.exposition()
             async with trio.open_nursery() as nursery:
                 [(host, port)] = await nursery.start(router.serve_tcp)
                 [(admin_host, admin_port)] = await nursery.start(router.serve_admin_tcp)
-                assert host == admin_host == "127.0.0.1" and port != admin_port
+                assert host == admin_host == "127.0.0.1" and port != admin_port != 0
                 async with httpx.AsyncClient(trust_env=False) as client:
                     assert (await client.get(f"http://{host}:{port}/v1/models")).status_code == 200
                     health = await client.get(f"http://{admin_host}:{admin_port}/health")
                     assert health.status_code == 200 and "engines" in health.json()
-                    # Given explicitly, the arguments win.
-                    [(_, other)] = await nursery.start(router.serve_tcp, "127.0.0.1", 0)
-                    [(_, other_admin)] = await nursery.start(router.serve_admin_tcp, "127.0.0.1", 0)
-                    assert len({port, admin_port, other, other_admin}) == 4
-                    assert (await client.get(f"http://127.0.0.1:{other_admin}/health")).status_code == 200
+                # Given explicitly, the arguments win.
+                wanted, wanted_admin = free_port(), free_port()
+                assert [("127.0.0.2", wanted)] == await nursery.start(router.serve_tcp, "127.0.0.2", wanted)
+                assert [("127.0.0.2", wanted_admin)] == await nursery.start(
+                    router.serve_admin_tcp, "127.0.0.2", wanted_admin
+                )
+                # A port already served is refused, unless every listener shares it.
+                with pytest.raises(ListenError):
+                    await nursery.start(router.serve_tcp, "127.0.0.2", wanted)
+                shared = free_port()
+                await nursery.start(functools.partial(router.serve_tcp, "127.0.0.3", shared, reuse_port=True))
+                await nursery.start(functools.partial(router.serve_tcp, "127.0.0.3", shared, reuse_port=True))
                 await router.shutdown()
-    assert router.journal is router.state.journal
 
 
 def test_the_servers_limits_are_the_documents() -> None:
