@@ -222,7 +222,7 @@ class Journal:
                         try:
                             batch.append(await self._receive.receive())
                         except trio.EndOfChannel:  # closed, and everything written
-                            break
+                            break  # pragma: no mutate (equivalent: return, nothing follows the loop)
                     # Gather for a short window: one write (and one thread hop) per
                     # batch instead of per request, and one wake-up of this task per
                     # batch (it sleeps through the window, then takes what queued up);
