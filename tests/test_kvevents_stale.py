@@ -534,5 +534,6 @@ def test_workers_combine_a_stale_stream_as_stale() -> None:
     assert 'narwhal_kv_events_stale{engine="p0"} 1.0' in combine_expositions([exposition(0), exposition(1)]).decode()
     live = {"state": "live", "detail": None, "delivered": 3, "probe_gaps": 0}
     stale = {"state": "stale", "detail": "why", "delivered": 2, "probe_gaps": 2}
-    fleets = [{"engines": [{"name": "p0", "kv_events": kv}]} for kv in (live, stale, live)]
+    load = {"breaker": "ok", "streak": 0, "in_flight": 0, "reserved_prefill_tokens": 0, "reserved_decode_requests": 0}
+    fleets = [{"engines": [{"name": "p0", **load, "kv_events": kv}], "in_flight": 0, "slo": {}} for kv in (live, stale, live)]
     assert combine_fleets(fleets)["engines"][0]["kv_events"] == stale

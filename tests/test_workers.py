@@ -160,11 +160,12 @@ def test_expositions_combine_by_sum_except_the_state_gauges() -> None:
     assert 'narwhal_breaker_state{engine="d0"} 2.0' in text  # the worst worker's view
     assert 'narwhal_ttft_seconds_bucket{le="0.1"} 5.0' in text and "narwhal_ttft_seconds_count 8.0" in text
     assert "narwhal_workers_up 2.0" in text
+    load = {"reserved_prefill_tokens": 0, "reserved_decode_requests": 0}
     fleets = [
-        {"engines": [{"name": "d0", "breaker": "ok", "in_flight": 1, "streak": 0}], "in_flight": 1, "slo": {}},
-        {"engines": [{"name": "d0", "breaker": "quarantined", "in_flight": 2, "streak": 1}], "in_flight": 2, "slo": {}},
-    ]
+        {"engines": [{"name": "d0", "breaker": "ok", "in_flight": 1, "streak": 0, **load}], "in_flight": 1, "slo": {}},
+        {"engines": [{"name": "d0", "breaker": "quarantined", "in_flight": 2, "streak": 1, **load}], "in_flight": 2,
+         "slo": {}},
+    ]  # fmt: skip
     view = combine_fleets(fleets)
     assert view["in_flight"] == 3 and view["workers"] == 2
-    assert view["engines"] == [{"name": "d0", "breaker": "quarantined", "in_flight": 3, "streak": 1,
-                                "reserved_prefill_tokens": 0, "reserved_decode_requests": 0}]  # fmt: skip
+    assert view["engines"] == [{"name": "d0", "breaker": "quarantined", "in_flight": 3, "streak": 1, **load}]

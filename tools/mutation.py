@@ -129,6 +129,37 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",
         "tests/test_router_basic.py",
     ),
+    # The writer's own rules (batching, overflow, close, the record's fields) in direct
+    # tests; the router's journaling of requests by the ownership tests.
+    "narwhal/router/journal.py": ("tests/test_journal.py", "tests/test_router_lifecycle.py"),
+    # The combined admin surface of ``--workers N`` over loopback with stand-in workers,
+    # and the combining rules' own tests (not the whole supervisor's: a process start each).
+    "narwhal/router/fanin.py": (
+        "tests/test_fanin.py",
+        "tests/test_workers.py::test_expositions_combine_by_sum_except_the_state_gauges",
+        "tests/test_kvevents_stale.py::test_workers_combine_a_stale_stream_as_stale",
+        "tests/test_multimodel.py::test_workers_combine_the_model_gauges_as_states_not_sums",
+    ),
+    # Starting, reloading and stopping a router: its direct tests, the ownership tests and
+    # the reload's refusals (the reload suite's load-level tests take a minute a run).
+    "narwhal/router/service.py": (
+        "tests/test_service.py", "tests/test_router_lifecycle.py",
+        "tests/test_fleet_reload.py::test_a_document_that_fails_changes_nothing_and_says_where",
+        "tests/test_fleet_reload.py::test_fleet_records_go_beside_the_journal",
+    ),
+    # The hub's fan-out in direct tests, and the admin surface's delivery of its events.
+    "narwhal/router/events.py": (
+        "tests/test_events.py",
+        "tests/test_observability.py::test_events_deliver_a_record_and_a_breaker_transition",
+    ),
+    # Each admin route's answer (status, type, body, log line) in direct tests, and the
+    # live events' and reload refusals' end-to-end tests.
+    "narwhal/router/admin.py": (
+        "tests/test_admin.py",
+        "tests/test_observability.py::test_events_deliver_a_record_and_a_breaker_transition",
+        "tests/test_observability.py::test_events_requires_websocket",
+        "tests/test_fleet_reload.py::test_a_document_that_fails_changes_nothing_and_says_where",
+    ),
 }  # fmt: skip
 
 #: mutmut's statuses that count as a killed mutant.

@@ -6,8 +6,9 @@ scrape and ``narwhal top`` see one router:
 
 - ``/metrics``: every worker's exposition, samples with the same name and labels
   summed (counters, histogram buckets, sums and counts, in-flight and reservation
-  gauges all add up); ``narwhal_breaker_state`` and ``narwhal_ready`` take the worst
-  and the best worker respectively, and ``narwhal_workers_up`` counts the workers
+  gauges all add up); ``narwhal_breaker_state`` takes the worst worker's state (ejected,
+  held, quarantined, on trial, ok: the gauge's codes are not in that order) and
+  ``narwhal_ready`` the best worker's, and ``narwhal_workers_up`` counts the workers
   that answered. A worker that does not answer is left out (and not counted up).
 - ``/fleet``: engines merged by name (load summed, the worst breaker state, a worker's
   stale ``kv_events`` before a live one).
@@ -22,29 +23,41 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
 import trio
 import trio_websocket
 from prometheus_client import generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from narwhal.errors import BadRequest, MethodNotAllowed, NotFound
 from narwhal.http.server import Request, ResponseWriter
-from narwhal.router.metrics import CONTENT_TYPE
+from narwhal.router.metrics import BREAKER_CODES, CONTENT_TYPE
 
 __all__ = ["WorkersAdminApp", "combine_expositions", "combine_fleets"]
 
 log = logging.getLogger("narwhal.router.fanin")
 
 _JSON = (("content-type", "application/json"),)
-_BREAKER_ORDER = {"ok": 0, "starting": 1, "draining": 1, "quarantined": 1, "ejected": 2}
+#: An engine's states, least to most severe: each worker's breaker judges the engine
+#: on its own traffic, and the combined view shows the worst of their judgements.
+_SEVERITY = {state: rank for rank, state in enumerate(
+    ("ok", "trial", "starting", "draining", "quarantined", "held", "ejected")
+)}  # fmt: skip
+#: The same order of the ``narwhal_breaker_state`` gauge's codes (not their numeric one).
+_CODE_SEVERITY = {float(code): _SEVERITY[state] for state, code in BREAKER_CODES.items()}
+
+
+def _worse_breaker(a: float, b: float) -> float:
+    return max(a, b, key=_CODE_SEVERITY.__getitem__)
+
+
 #: Gauges whose workers' values do not add up: how they combine instead.
-_COMBINE = {"narwhal_breaker_state": max, "narwhal_ready": max, "narwhal_model_ready": max,
+_COMBINE: dict[str, Callable[[float, float], float]] = {"narwhal_breaker_state": _worse_breaker, "narwhal_ready": max, "narwhal_model_ready": max,
             "narwhal_engine_model": max,
             # 1 where any worker prices the engine approximately for stale events.
             "narwhal_kv_events_stale": max,
@@ -80,33 +93,33 @@ def combine_expositions(texts: Sequence[str]) -> bytes:
                     values[key] += sample.value
     for (family_name, sample_name, labels), value in values.items():
         families[family_name].add_sample(sample_name, dict(labels), value)
-    up = Metric("narwhal_workers_up", "Router workers that answered this scrape.", "gauge")
-    up.add_sample("narwhal_workers_up", {}, float(len(texts)))
-    registry = CollectorRegistry(auto_describe=False)
+    up = GaugeMetricFamily("narwhal_workers_up", "Router workers that answered this scrape.", value=len(texts))
+    registry = CollectorRegistry()
     registry.register(_Fixed([*families.values(), up]))
     return generate_latest(registry)
 
 
 def combine_fleets(fleets: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The workers' ``/fleet`` views as one: per engine, load summed, the worst breaker."""
+    """The workers' ``/fleet`` views (one at least) as one: per engine, load summed, the
+    worst breaker."""
     engines: dict[str, dict[str, Any]] = {}
     for fleet in fleets:
-        for e in fleet.get("engines", ()):
+        for e in fleet["engines"]:
             seen = engines.get(e["name"])
             if seen is None:
                 engines[e["name"]] = dict(e)
                 continue
+            # The workers run this supervisor's code: each engine carries every field.
             for key in ("in_flight", "reserved_prefill_tokens", "reserved_decode_requests"):
-                seen[key] = seen.get(key, 0) + e.get(key, 0)
-            seen["streak"] = max(seen.get("streak", 0), e.get("streak", 0))
-            if _BREAKER_ORDER.get(e.get("breaker", "ok"), 0) > _BREAKER_ORDER.get(seen.get("breaker", "ok"), 0):
-                seen["breaker"] = e["breaker"]
+                seen[key] += e[key]
+            seen["streak"] = max(seen["streak"], e["streak"])
+            seen["breaker"] = max(seen["breaker"], e["breaker"], key=_SEVERITY.__getitem__)
             if (e.get("kv_events") or {}).get("state") == "stale" != (seen.get("kv_events") or {}).get("state"):
                 seen["kv_events"] = e["kv_events"]  # a worker whose KV events are stale says so
     return {
         "engines": list(engines.values()),
-        "slo": fleets[0].get("slo") if fleets else {},
-        "in_flight": sum(f.get("in_flight", 0) for f in fleets),
+        "slo": fleets[0]["slo"],
+        "in_flight": sum(f["in_flight"] for f in fleets),
         "workers": len(fleets),
     }
 

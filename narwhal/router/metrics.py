@@ -28,7 +28,7 @@ from narwhal.router.prefix import EventView
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
-__all__ = ["CONTENT_TYPE", "RouterMetrics"]
+__all__ = ["BREAKER_CODES", "CONTENT_TYPE", "RouterMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -36,7 +36,8 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,
 )
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
-_BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "held": 3, "trial": 4}
+#: The ``narwhal_breaker_state`` gauge's value of each breaker state.
+BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "held": 3, "trial": 4}
 _ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 #: ``_created`` samples, unless switched off as prometheus_client switches them off.
 _USE_CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
@@ -90,7 +91,7 @@ class _LiveState(Collector):
             labels=["engine"],
         )
         for name in state.breaker.states:
-            breaker.add_metric([name], _BREAKER_CODES[state.breaker.status(name)])
+            breaker.add_metric([name], BREAKER_CODES[state.breaker.status(name)])
         yield breaker
         placement = state.placement
         if isinstance(placement, PricedPlacement):

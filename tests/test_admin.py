@@ -1,0 +1,148 @@
+"""The admin surface's answers: status, content type and body of each route, the
+reload's answers and log lines, and the refusals' messages."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+import trio
+
+from narwhal.router.admin import AdminApp
+from narwhal.router.metrics import CONTENT_TYPE
+
+from .routerkit import Stack, engine, fleet_doc, open_stack
+
+ADMIN = ("admin.test", 8001)
+BARE = ("bare-admin.test", 8002)
+
+
+@asynccontextmanager
+async def _admin(stack: Stack, address: tuple[str, int] = ADMIN) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=stack.net.transport(), base_url=f"http://{address[0]}:{address[1]}") as c:
+        yield c
+
+
+async def test_fleet_describes_every_engine_and_the_slo(autojump_clock: trio.abc.Clock) -> None:
+    doc = fleet_doc(controller={"slo": {"ttft_s": 1.5, "tpot_s": 0.05}})
+    async with open_stack(doc) as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with _admin(stack) as admin:
+            resp = await admin.get("/fleet")
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+    assert resp.json() == {
+        "engines": [
+            {"name": "p0", "url": "http://p0.test:8101", "roles": ["prefill"], "models": ["sim-llama"],
+             "breaker": "ok", "streak": 0, "in_flight": 0, "reserved_prefill_tokens": 0,
+             "reserved_decode_requests": 0},
+            {"name": "d0", "url": "http://d0.test:8102", "roles": ["decode"], "models": ["sim-llama"],
+             "breaker": "ok", "streak": 0, "in_flight": 0, "reserved_prefill_tokens": 0,
+             "reserved_decode_requests": 0},
+        ],
+        "slo": {"ttft_s": 1.5, "tpot_s": 0.05},
+        "in_flight": 0,
+    }  # fmt: skip
+
+
+async def test_fleet_counts_a_request_in_flight(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with _admin(stack) as admin, trio.open_nursery() as nursery:
+            nursery.start_soon(stack.complete, {"prompt": "a b", "max_tokens": 500})
+            await trio.sleep(0.5)  # decoding on d0
+            view = (await admin.get("/fleet")).json()
+            engines = {e["name"]: e for e in view["engines"]}
+            assert view["in_flight"] == 1
+            assert (engines["d0"]["in_flight"], engines["d0"]["reserved_decode_requests"]) == (1, 1)
+            assert engines["p0"]["in_flight"] == 0
+
+
+async def test_metrics_and_health(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with _admin(stack) as admin:
+            metrics = await admin.get("/metrics")
+            health = await admin.get("/health")
+            stack.router.state.breaker.states["d0"].ejected = True  # no decode engine left
+            unready = await admin.get("/health")
+    assert metrics.status_code == 200 and metrics.headers["content-type"] == CONTENT_TYPE
+    assert "narwhal_requests_total" in metrics.text
+    assert health.status_code == 200 and health.headers["content-type"] == "application/json"
+    assert health.json()["status"] == "ready" and health.json()["engines"]["d0"]["url"] == "http://d0.test:8102"
+    assert unready.status_code == 503 and unready.json()["status"] != "ready"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "message"),
+    [
+        ("POST", "/metrics", 405, "POST is not allowed on /metrics"),
+        ("DELETE", "/fleet", 405, "DELETE is not allowed on /fleet"),
+        ("PUT", "/health", 405, "PUT is not allowed on /health"),
+        ("GET", "/nothing", 404, "no route for GET /nothing"),
+        ("GET", "/events", 400, "/events is a WebSocket endpoint (send Upgrade: websocket)"),
+    ],
+)
+async def test_other_requests_are_refused_with_a_clear_error(
+    autojump_clock: trio.abc.Clock, method: str, path: str, status: int, message: str
+) -> None:
+    async with open_stack() as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with _admin(stack) as admin:
+            resp = await admin.request(method, path)
+    assert resp.status_code == status and resp.json()["error"]["message"] == message
+
+
+async def test_put_fleet_applies_and_logs_what_changed(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    more = fleet_doc(engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]))
+    async with open_stack(more) as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with _admin(stack) as admin:
+            with caplog.at_level(logging.INFO, logger="narwhal.router.admin"):
+                resp = await admin.put("/fleet", content=json.dumps(fleet_doc()).encode())
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+    assert resp.json() == {
+        "status": "applied", "source": "PUT /fleet", "added": [], "removed": ["d1"], "replaced": [], "roles": [],
+        "settings": [],
+    }  # fmt: skip
+    [line] = [r for r in caplog.records if r.name == "narwhal.router.admin"]
+    assert (line.levelno, line.getMessage()) == (logging.INFO, "fleet reloaded (PUT /fleet): removed d1")
+
+
+async def test_put_fleet_refused_names_the_path_and_logs_it(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_stack() as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        config = stack.router.state.config
+        async with _admin(stack) as admin:
+            with caplog.at_level(logging.INFO, logger="narwhal.router.admin"):
+                resp = await admin.put("/fleet", content=json.dumps(fleet_doc(engine={"request_timeout_s": -1})).encode())
+        assert stack.router.state.config is config
+    assert resp.status_code == 400 and resp.headers["content-type"] == "application/json"
+    body = resp.json()
+    assert body["status"] == "rejected" and set(body) == {"status", "error"}
+    assert body["error"]["path"] == "$.engine.request_timeout_s" and body["error"]["type"] == "invalid_fleet"
+    [line] = [r for r in caplog.records if r.name == "narwhal.router.admin"]
+    assert line.levelno == logging.ERROR
+    assert line.getMessage() == (
+        f"fleet reload (PUT /fleet) refused, nothing changed: {body['error']['message']} @ $.engine.request_timeout_s"
+    )
+
+
+async def test_a_surface_without_a_reload_says_so(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        router = stack.router
+        bare = AdminApp(router.state, router.metrics, router.events)
+        assert bare.reload is None and bare.discovery is None
+        from narwhal.http import HTTPServer
+
+        stack.net.listen(*BARE, HTTPServer(bare))
+        async with _admin(stack, BARE) as admin:
+            resp = await admin.put("/fleet", content=b"{}")
+    assert resp.status_code == 404 and resp.json()["error"]["message"] == "this router cannot reload its fleet"
