@@ -215,6 +215,7 @@ async def test_a_run_records_every_step_and_writes_the_pair(
         "clock": "seconds on the profiler's monotonic clock"}))  # fmt: skip
     assert "merged" not in doc
     e0 = doc["engines"]["e0"]
+    assert list(e0)[:7] == ["name", "url", "roles", "status", "reason", "warnings", "sweep"]
     assert (e0["name"], e0["url"], e0["roles"]) == ("e0", "http://e0.test:8101", ["prefill", "decode"])
     assert (e0["status"], e0["reason"], e0["warnings"], e0["rejected_cells"]) == ("ok", None, [], [])
     # The run's seed plus the engine's place.

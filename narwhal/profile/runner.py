@@ -591,8 +591,10 @@ async def run_profile(
     async with AsyncExitStack() as stack:
         clients = _clients(stack, config, selected, transport)
         for i, e in enumerate(selected, 1):
+            # "running" is a placeholder that keeps the keys' order: the finally below sets
+            # the status before the record is written.
             record: dict[str, Any] = {"name": e.name, "url": e.url, "roles": list(e.roles),
-                                      "status": "running", "reason": None, "warnings": [],
+                                      "status": "running", "reason": None, "warnings": [],  # pragma: no mutate (equivalent: the status and reason are set before the record is written; the key order is tested)
                                       "sweep": sweep_settings(settings, seed + i)}  # fmt: skip
             records[e.name] = record
             progress.engine(e.name, i, len(selected), e.url)
