@@ -19,16 +19,26 @@ import pytest
 import trio
 
 from narwhal import __version__
-from narwhal.config import converter
+from narwhal.config import ProfilesConfig, converter
 from narwhal.errors import ConfigError
 from narwhal.profile import ProfileSettings, Progress, load_profiles, run_profile
+from narwhal.profile.derive import (
+    decode_cells,
+    derive_cached,
+    derive_decode,
+    derive_ttft,
+    prefill_repeats,
+    prefix_repeats,
+)
 from narwhal.profile.runner import (
     SWEEP_CLOCK,
     EngineOutcome,
     ProfileRun,
     _clients,
     _excluded,
+    calibration_problem,
     check_output,
+    decode_fit_warnings,
     select_engines,
     software_identity,
     sweep_clock,
@@ -205,6 +215,7 @@ async def test_a_run_records_every_step_and_writes_the_pair(
         "clock": "seconds on the profiler's monotonic clock"}))  # fmt: skip
     assert "merged" not in doc
     e0 = doc["engines"]["e0"]
+    assert list(e0)[:7] == ["name", "url", "roles", "status", "reason", "warnings", "sweep"]
     assert (e0["name"], e0["url"], e0["roles"]) == ("e0", "http://e0.test:8101", ["prefill", "decode"])
     assert (e0["status"], e0["reason"], e0["warnings"], e0["rejected_cells"]) == ("ok", None, [], [])
     # The run's seed plus the engine's place.
@@ -377,6 +388,8 @@ async def test_re_profiling_an_engine_merges_it_into_the_pair(
                                   "samples_sha256": json.loads(old_profiles)["samples"]["sha256"],
                                   "created_at": before["created_at"]}  # fmt: skip
     assert (merged["replaced"], merged["kept"]) == (["e0"], ["p0"])
+    assert list(merged) == ["previous", "replaced", "kept", "at"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", merged["at"])
     assert after["engines"]["p0"] == before["engines"]["p0"]
     assert after["engines"]["e0"]["status"] == "rejected"
     pair = load_profiles(run.profiles_path)
@@ -510,3 +523,338 @@ async def test_a_poor_decode_fit_is_warned(autojump_clock: trio.abc.Clock, tmp_p
         f"leave-one-cell-out MAPE {fit['cv_mape']:.1%} exceeds profiles.max_decode_cv_mape "
         "0.0%; narwhal check will refuse it",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("timeouts", "waited_for"),
+    [({"first_token_timeout_s": 0.001}, "its first token"),
+     ({"decode_read_timeout_s": 0.001}, "a token")],
+)
+async def test_the_fleets_stream_deadlines_bound_the_decode_streams(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, timeouts: dict[str, float], waited_for: str
+) -> None:
+    run, doc, lines = await profile(fleet(engine("e0", 8101), engine=timeouts), tiny(tmp_path))
+    outcome, e0 = run.outcomes[0], doc["engines"]["e0"]
+    reason = f"engine e0 kept a profile stream waiting too long for {waited_for}"
+    assert (outcome.status, outcome.reason, e0["status"], e0["reason"]) == (
+        "failed", reason, "failed", reason)  # fmt: skip
+    assert "fit" in e0["prefill"] and "profile" not in e0
+    assert lines[-1] == f"e0: warning: failed: {reason}"
+
+
+async def test_no_silence_deadline_leaves_the_decode_streams_the_request_deadline(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    # decode_read_timeout_s 0 means no silence deadline (as for the router), not a zero one.
+    run, doc, _ = await profile(fleet(engine("e0", 8101), engine={"decode_read_timeout_s": 0}),
+                                tiny(tmp_path))  # fmt: skip
+    assert run.ok and all(c["kept"] for c in doc["engines"]["e0"]["decode"]["cells"])
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "shown"),
+    [((1, 2), "1,2"), ((2, 4, 8), "2,4,8"), ((4, 2, 2), "2,4"), ((1, 4, 8), None),
+     ((8, 4, 1, 4), None)],
+)
+def test_the_seeds_calibration_rule_needs_three_concurrency_points_including_1(
+    concurrency: tuple[int, ...], shown: str | None
+) -> None:
+    expected = None if shown is None else (
+        f"decode concurrency {shown}: production calibration needs at least three concurrency "
+        "points including 1 (the seed's rule)")  # fmt: skip
+    assert calibration_problem(concurrency) == expected
+
+
+class _Waiting(MetricsRewrite):
+    """The engine's gauges report a request waiting at every read."""
+
+    def line(self, text: str) -> str | None:
+        return "vllm:num_requests_waiting 1.0" if text.startswith("vllm:num_requests_waiting") else text
+
+
+async def test_a_cell_measured_near_saturation_is_warned(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    _, doc, lines = await profile(fleet(engine("e0", 8101, kv_capacity_tokens=50_000)),
+                                  tiny(tmp_path, decode_input_lens=(16, 32)), _Waiting)  # fmt: skip
+    e0 = doc["engines"]["e0"]
+    cells = e0["decode"]["cells"]
+    assert e0["status"] == "ok" and all(c["saturation"] for c in cells)
+    assert e0["warnings"] == [f"decode cell input {c['input_len']} x {c['concurrency']} streams: "
+                              f"{c['saturation']}" for c in cells]  # fmt: skip
+    assert e0["warnings"][0].startswith("decode cell input 16 x 1 streams: near saturation: the "
+                                        "engine reported ")  # fmt: skip
+    assert f"e0: warning: {e0['warnings'][-1]}" in lines
+
+
+@pytest.mark.parametrize(
+    ("sim", "slo", "source"),
+    [({"kv_capacity_tokens": 50_000}, {}, "physical"),
+     ({}, {"tpot_s": 0.02}, "tpot"),
+     ({}, {"tpot_s": None}, "measured")],
+)
+async def test_the_recorded_fits_and_kv_capacity_are_the_profiles(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, sim: dict[str, Any], slo: dict[str, Any],
+    source: str,
+) -> None:  # fmt: skip
+    config = fleet(engine("e0", 8101, **sim), controller={"slo": slo})
+    wrap = _NoKVSize if source != "physical" else None
+    _, doc, _ = await profile(config, tiny(tmp_path), wrap)
+    e0 = doc["engines"]["e0"]
+    capacity = e0["kv_capacity"]
+    assert capacity["source"] == source and capacity == e0["profile"]["kv_capacity"]
+    assert e0["kv_capacity_inputs"] == {"tpot_target_s": config.controller.slo.tpot_s}
+    # The intervals recorded are those the recorded samples give (narwhal check's derivation).
+    decode = derive_decode(decode_cells(e0, "$"))
+    assert e0["decode"]["intervals"] == json.loads(json.dumps(decode.intervals.as_dict()))
+    assert e0["decode"]["fit"] == json.loads(json.dumps(decode.fit.as_dict()))
+    ttft = derive_ttft(prefill_repeats(e0, "$"))
+    assert e0["prefill"]["intervals"] == json.loads(json.dumps(ttft.intervals.as_dict()))
+    if source == "measured":
+        assert capacity["tokens"] == decode.kv_max
+
+
+def test_a_decode_fit_at_its_limits_passes_them() -> None:
+    limits = ProfilesConfig(max_decode_fit_mape=0.04, max_decode_cv_mape=0.1)
+    assert decode_fit_warnings(0.04, 0.1, limits) == []
+    assert decode_fit_warnings(0.0401, 0.1, limits) == [
+        "decode fit MAPE 4.0% exceeds profiles.max_decode_fit_mape 4.0%; narwhal check will "
+        "refuse it"]  # fmt: skip
+    assert decode_fit_warnings(0.04, 0.1001, limits) == [
+        "leave-one-cell-out MAPE 10.0% exceeds profiles.max_decode_cv_mape 10.0%; narwhal check "
+        "will refuse it"]  # fmt: skip
+
+
+class _SlowCachedCells(Wrapper):
+    """Delays the answers of the cached-prefix sweep (the completions after the prefill
+    sweep's twelve) by a varying amount: its cells no longer follow one model."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        super().__init__(inner)
+        self.completions = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            self.completions += 1
+            if self.completions > 12:
+                await trio.sleep(0.05 * (self.completions % 4))
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.mark.parametrize(
+    ("fractions", "wrap", "outcome"),
+    [((0.25,), None, "impossible"), ((0.5,), _SlowCachedCells, "rejected")],
+)
+async def test_a_cached_prefix_fit_that_fails_leaves_the_engine_without_it(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, fractions: tuple[float, ...], wrap: Any,
+    outcome: str,
+) -> None:  # fmt: skip
+    p0 = engine("p0", 8102, prefix_caching=True) | {"roles": ["prefill"]}
+    run, doc, lines = await profile(fleet(engine("e0", 8101), p0),
+                                    tiny(tmp_path, prefix_fractions=fractions, engines=("p0",)), wrap)  # fmt: skip
+    entry = doc["engines"]["p0"]
+    prefix = entry["prefix"]
+    assert run.ok and entry["status"] == "ok"
+    assert load_profiles(run.profiles_path)["p0"].cached_prefill is None
+    if outcome == "impossible":
+        assert prefix["rejection"] == "2 cells with a cached prefix; the fit needs at least 3"
+        assert "fit" not in prefix and "intervals" not in prefix
+        assert entry["warnings"] == [
+            "cached-prefix fit impossible: 2 cells with a cached prefix; the fit needs at least 3; "
+            "placement prices hits from the TTFT curve"]  # fmt: skip
+    else:
+        derived = derive_cached(prefill_repeats(entry, "$"), cached_repeats(entry), 16)
+        assert prefix["rejection"] == derived.rejection() is not None
+        assert prefix["intervals"] == json.loads(json.dumps(derived.intervals.as_dict()))
+        assert entry["warnings"] == [
+            f"cached-prefix fit rejected ({prefix['rejection']}); placement prices hits from the "
+            "TTFT curve"]  # fmt: skip
+    assert f"p0: warning: {entry['warnings'][0]}" in lines
+
+
+def cached_repeats(entry: dict[str, Any]) -> list[tuple[int, int, float]]:
+    recorded = prefix_repeats(entry, "$")
+    assert recorded is not None
+    return recorded[1]
+
+
+class _Hang(Wrapper):
+    """Never answers the ``n``-th request to ``path`` (1-based): it waits past any deadline."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, path: str, n: int) -> None:
+        super().__init__(inner)
+        self.path, self.n, self.seen = path, n, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == self.path:
+            self.seen += 1
+            if self.seen == self.n:
+                await trio.sleep_forever()
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.mark.parametrize(
+    ("path", "n", "what"),
+    [("/metrics", 1, "its identity"), ("/tokenize", 1, "/tokenize and /metrics"),
+     ("/tokenize", 2, "/tokenize")],
+)
+async def test_an_engine_that_does_not_answer_its_probes_in_time_fails(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, path: str, n: int, what: str
+) -> None:
+    config = fleet(engine("e0", 8101), engine={"request_timeout_s": 7.5})
+    run, doc, _ = await profile(config, tiny(tmp_path), lambda t: _Hang(t, path, n))
+    reason = f"engine e0 did not answer {what} within 7.5 s"
+    assert (run.outcomes[0].status, run.outcomes[0].reason) == ("failed", reason)
+    assert doc["engines"]["e0"]["reason"] == reason
+
+
+class _Prompts(Wrapper):
+    """Records the prompts of the completions requests."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        super().__init__(inner)
+        self.prompts: list[Any] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            self.prompts.append(json.loads(request.content)["prompt"])
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_seed_gives_the_same_prompts(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
+    config = fleet(engine("e0", 8101))
+    made: list[_Prompts] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> _Prompts:
+        made.append(_Prompts(inner))
+        return made[-1]
+
+    for out in ("a", "b"):
+        await profile(config, tiny(tmp_path / out), wrap)
+    # The same prompts (a cohort's streams start together, in no set order).
+    first, second = (sorted(map(json.dumps, p.prompts)) for p in made)
+    assert first == second and len(first) == 24
+
+
+@pytest.mark.parametrize(("mean", "worst"), [(1e-9, 0.5), (0.2, 1e-9)])
+async def test_the_settings_ttft_bounds_decide_the_curve(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, mean: float, worst: float
+) -> None:
+    config = fleet(engine("e0", 8101, noise=0.05, seed=4))
+    run, doc, _ = await profile(config, tiny(tmp_path, max_mean_error=mean, max_worst_error=worst))
+    e0 = doc["engines"]["e0"]
+    expected = derive_ttft(prefill_repeats(e0, "$")).rejection(max_mean_error=mean,
+                                                              max_worst_error=worst)  # fmt: skip
+    assert expected is not None and e0["prefill"]["rejection"] == expected
+    assert run.outcomes[0].status == "rejected"
+
+
+class _TwoWordsAToken(Wrapper):
+    """The engine's tokenizer makes one token of every two words; counts /tokenize calls."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        super().__init__(inner)
+        self.calls = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path != "/tokenize":
+            return response
+        self.calls += 1
+        body = json.loads(await response.aread())
+        body["tokens"] = body["tokens"][::2]
+        body["count"] = len(body["tokens"])
+        return httpx.Response(response.status_code, json=body)
+
+
+async def test_prompts_are_sized_by_the_engines_tokens_per_word(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    made: list[_TwoWordsAToken] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> _TwoWordsAToken:
+        made.append(_TwoWordsAToken(inner))
+        return made[-1]
+
+    _, doc, _ = await profile(fleet(engine("e0", 8101)), tiny(tmp_path), wrap)
+    e0 = doc["engines"]["e0"]
+    assert e0["engine"]["tokens_per_word"] == pytest.approx(0.5, abs=0.01)
+    # One /tokenize for the probe, then one per prompt: none sized wrong and tried again.
+    assert made[0].calls == 1 + 12 + 12
+
+
+class _HangLastIdentity(Wrapper):
+    """Never answers /metrics once every completion of the sweep was sent (the identity
+    read after the sweep; the cohort's own gauge reads give up on their own)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        super().__init__(inner)
+        self.completions = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.completions += request.url.path == "/v1/completions"
+        if request.url.path == "/metrics" and self.completions >= 24:
+            await trio.sleep_forever()
+        return await self.inner.handle_async_request(request)
+
+
+async def test_an_engine_silent_at_the_identity_read_after_the_sweep_fails(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    config = fleet(engine("e0", 8101), engine={"request_timeout_s": 7.5})
+    run, doc, _ = await profile(config, tiny(tmp_path), _HangLastIdentity)
+    reason = "engine e0 did not answer its identity within 7.5 s"
+    assert (run.outcomes[0].status, run.outcomes[0].reason) == ("failed", reason)
+    e0 = doc["engines"]["e0"]
+    assert "fit" in e0["decode"] and "identity_after" not in e0
+
+
+async def test_samples_that_give_no_profile_reject_the_engine_and_the_run_goes_on(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from narwhal.profile import runner
+
+    def refuse(entry: dict[str, Any], name: str) -> Any:
+        if name == "e0":
+            raise ConfigError("no profile here", path="$.engines.e0.decode")
+        return derive(entry, name)
+
+    derive = runner.derive_profile
+    monkeypatch.setattr(runner, "derive_profile", refuse)
+    run, doc, _ = await profile(fleet(engine("e0", 8101), engine("e1", 8102)), tiny(tmp_path))
+    reason = f"the samples give no profile: {ConfigError('no profile here', path='$.engines.e0.decode')}"
+    assert [(o.name, o.status, o.reason) for o in run.outcomes] == [
+        ("e0", "rejected", reason), ("e1", "ok", None)]  # fmt: skip
+    assert doc["engines"]["e0"]["status"] == "rejected" and "profile" not in doc["engines"]["e0"]
+
+
+async def test_half_a_pair_is_merged_into_and_refused_for_the_half_missing(tmp_path: Path) -> None:
+    config = fleet(engine("e0", 8101), engine("e1", 8102))
+    unused = httpx.MockTransport(lambda request: httpx.Response(599))  # refused before any request
+    profiles, samples = pair_paths(tmp_path / "profiles.json")
+    samples.write_text("{}")
+    with pytest.raises(ConfigError) as info:
+        await run_profile(config, tiny(tmp_path, engines=("e0",)), transport=unused,
+                          progress=Progress(io.StringIO()))  # fmt: skip
+    assert info.value.reason.startswith("cannot read profiles file: ")
+    assert info.value.source == str(profiles)
+
+
+async def test_progress_goes_to_stderr_by_default(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = fleet(engine("e0", 8101))
+    async with open_sim_fleet(config) as sim:
+        run = await run_profile(config, tiny(tmp_path), transport=sim.transport)
+    assert run.ok
+    err = capsys.readouterr().err
+    assert err.startswith("e0: engine 1/1 at http://e0.test:8101\n") and "e0: profiled\n" in err
+
+
+async def test_a_run_without_a_seed_records_the_random_one_it_drew(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    _, doc, _ = await profile(fleet(engine("e0", 8101)), tiny(tmp_path, seed=None))
+    seed = doc["sweep"]["seed"]
+    assert type(seed) is int and 0 <= seed < 2**32
+    assert doc["engines"]["e0"]["sweep"]["seed"] == seed + 1

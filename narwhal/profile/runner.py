@@ -27,7 +27,7 @@ import httpx
 import trio
 
 from narwhal import __version__
-from narwhal.config import EngineConfig, FleetConfig, converter
+from narwhal.config import EngineConfig, FleetConfig, ProfilesConfig, converter
 from narwhal.engines.client import EngineClient
 from narwhal.errors import ConfigError, EngineError
 from narwhal.profile.cohort import StreamLimits
@@ -45,8 +45,6 @@ from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
     DEFAULT_MAX_WORST_ERROR,
     MIN_PREFILL_LENGTHS,
-    DecodePoint,
-    decode_fit_problem,
 )
 from narwhal.profile.progress import Progress
 from narwhal.profile.store import (
@@ -211,6 +209,28 @@ def software_identity() -> dict[str, str]:
     return out
 
 
+def calibration_problem(concurrency: Sequence[int]) -> str | None:
+    """Why these decode concurrency points fall short of the seed's production
+    calibration rule (at least three points, including 1), or None."""
+    points = sorted(set(concurrency))
+    if len(points) < 3 or points[0] != 1:
+        return (f"decode concurrency {','.join(map(str, points))}: production calibration "
+                "needs at least three concurrency points including 1 (the seed's rule)")  # fmt: skip
+    return None
+
+
+def decode_fit_warnings(fit_mape: float, cv_mape: float, limits: ProfilesConfig) -> list[str]:
+    """The decode fit's errors beyond the limits narwhal check applies (at a limit passes)."""
+    out = []
+    if fit_mape > limits.max_decode_fit_mape:
+        out.append(f"decode fit MAPE {fit_mape:.1%} exceeds profiles.max_decode_fit_mape "
+                   f"{limits.max_decode_fit_mape:.1%}; narwhal check will refuse it")  # fmt: skip
+    if cv_mape > limits.max_decode_cv_mape:
+        out.append(f"leave-one-cell-out MAPE {cv_mape:.1%} exceeds profiles.max_decode_cv_mape "
+                   f"{limits.max_decode_cv_mape:.1%}; narwhal check will refuse it")  # fmt: skip
+    return out
+
+
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -245,6 +265,9 @@ def check_output(out: str | os.PathLike[str], *, overwrite: bool) -> tuple[Path,
                               "write a new pair")  # fmt: skip
     return profiles, samples
 
+
+#: Bits of a random prompt seed (recorded in the sidecar, so any width reproduces alike).
+_SEED_BITS = 32
 
 #: How the sidecar's ``wall_clock`` stamps are taken.
 SWEEP_CLOCK = "Unix seconds: the wall clock read once, advanced by the run's own clock"
@@ -306,7 +329,7 @@ class _EngineRun:
             warmup=settings.warmup, prompt=prompt, timeout_s=timeouts.request_timeout_s,
             progress=self.progress,
         )  # fmt: skip
-        ttft = derive_ttft(prefill_repeats(record, f"$.engines.{name}"))
+        ttft = derive_ttft(prefill_repeats(record, f"$.engines.{name}"))  # pragma: no mutate (equivalent: the path names a malformed record in an error; the runner reads back its own)
         tfit = ttft.fit
         prefill["fit"] = tfit.as_dict()
         prefill["intervals"] = ttft.intervals.as_dict()
@@ -334,7 +357,7 @@ class _EngineRun:
         if after != identity:
             raise EngineError(f"engine {name} changed generation during the sweep "
                               f"({identity} -> {after}); its samples span two processes",
-                              engine=name, leg="profile")  # fmt: skip
+                              engine=name, leg="profile")  # fmt: skip  # pragma: no mutate (equivalent: the run reads only the error's message)
         # The profile is derived from the recorded samples, exactly as narwhal check
         # derives it again: one path from raw data to figures.
         try:
@@ -344,6 +367,24 @@ class _EngineRun:
         record["profile"] = converter.unstructure(profile)
         return profile
 
+    def _prefix_cells(self, facts: EngineFacts) -> tuple[int, list[tuple[int, int]]] | str:
+        """The block size and the ``(length, cached)`` cells of the cached-prefix sweep,
+        or why the sweep is skipped."""
+        settings = self.settings
+        if facts.prefix_caching is not True:
+            return "the engine does not report prefix caching enabled"
+        if facts.block_size is None:
+            return "the engine reports no block_size in vllm:cache_config_info"
+        if "prefill" not in self.roles:
+            return "the engine's roles do not include prefill"
+        if not settings.prefix_fractions:
+            return "no --prefix-fractions"
+        cells = plan_prefix_cells(settings.prefill_lens, settings.prefix_fractions,
+                                  block_size=facts.block_size, max_model_len=facts.max_model_len)  # fmt: skip
+        if not cells:
+            return f"no prefill length holds a cached prefix of whole {facts.block_size}-token blocks"
+        return facts.block_size, cells
+
     async def _prefix(self, facts: EngineFacts, prompt: PromptFactory) -> None:
         """The cached-prefix sweep and fit, on an engine that reports prefix caching.
 
@@ -351,43 +392,27 @@ class _EngineRun:
         without a cached-prefix model: placement then prices hits from the TTFT curve.
         """
         client, settings, record, name = self.client, self.settings, self.record, self.client.name
-        skipped = None
-        if facts.prefix_caching is not True:
-            skipped = "the engine does not report prefix caching enabled"
-        elif facts.block_size is None:
-            skipped = "the engine reports no block_size in vllm:cache_config_info"
-        elif "prefill" not in self.roles:
-            skipped = "the engine's roles do not include prefill"
-        elif not settings.prefix_fractions:
-            skipped = "no --prefix-fractions"
-        cells: list[tuple[int, int]] = []
-        if skipped is None:
-            assert facts.block_size is not None
-            cells = plan_prefix_cells(settings.prefill_lens, settings.prefix_fractions,
-                                      block_size=facts.block_size,
-                                      max_model_len=facts.max_model_len)  # fmt: skip
-            if not cells:
-                skipped = (f"no prefill length holds a cached prefix of whole "
-                           f"{facts.block_size}-token blocks")  # fmt: skip
-        if skipped is not None:
-            record["prefix"] = {"skipped": skipped}
+        plan = self._prefix_cells(facts)
+        if isinstance(plan, str):
+            record["prefix"] = {"skipped": plan}
             if facts.prefix_caching:
                 self.warn(f"the engine reports prefix caching enabled but its cached-prefix sweep "
-                          f"was skipped ({skipped}): placement prices its hits from the TTFT "
+                          f"was skipped ({plan}): placement prices its hits from the TTFT "
                           "curve alone")  # fmt: skip
             return
-        assert facts.block_size is not None
-        prefix: dict[str, Any] = {"block_size": facts.block_size,
+        block_size, cells = plan
+        prefix: dict[str, Any] = {"block_size": block_size,
                                   "fractions": list(settings.prefix_fractions)}  # fmt: skip
         record["prefix"] = prefix
         await prefix_sweep(client, cells, prefix, repeats=settings.repeats, prompt=prompt,
                            timeout_s=self.config.engine.request_timeout_s,
                            progress=self.progress)  # fmt: skip
-        where = f"$.engines.{name}"
-        recorded = prefix_repeats(record, where)
+        # Fitted from what the sweep recorded, as narwhal check fits it again.
+        where = f"$.engines.{name}"  # pragma: no mutate (equivalent: the path names a malformed record in an error; the runner reads back its own)
+        recorded = prefix_repeats(record, where)  # pragma: no mutate (equivalent: likewise)
         assert recorded is not None
         try:
-            derived = derive_cached(prefill_repeats(record, where), recorded[1], facts.block_size)
+            derived = derive_cached(prefill_repeats(record, where), recorded[1], block_size)  # pragma: no mutate (equivalent: the path likewise; the block size reaches only the stored model, which derive_profile builds)
         except ValueError as exc:
             prefix["rejection"] = str(exc)
             self.warn(f"cached-prefix fit impossible: {exc}; placement prices hits from the TTFT curve")
@@ -411,14 +436,15 @@ class _EngineRun:
         timeouts = self.config.engine
         decode: dict[str, Any] = {}
         record["decode"] = decode
-        concurrency = sorted(set(settings.decode_concurrency))
-        if len(concurrency) < 3 or concurrency[0] != 1:
-            self.warn(f"decode concurrency {','.join(map(str, concurrency))}: production "
-                      "calibration needs at least three concurrency points including 1 "
-                      "(the seed's rule)")  # fmt: skip
+        calibration = calibration_problem(settings.decode_concurrency)
+        if calibration is not None:
+            self.warn(calibration)
+        # A silence deadline of 0 means none (as on the router's decode leg): the request
+        # deadline bounds the wait between tokens.
+        silence = timeouts.decode_read_timeout_s or timeouts.request_timeout_s
         limits = StreamLimits(first_token_s=timeouts.first_token_timeout_s,
-                              between_tokens_s=timeouts.decode_read_timeout_s)  # fmt: skip
-        kept = await decode_sweep(
+                              between_tokens_s=silence)  # fmt: skip
+        await decode_sweep(
             client, facts, settings.decode_input_lens, settings.decode_concurrency, decode,
             decode_tokens=settings.decode_tokens, min_window_steps=settings.min_window_steps,
             prompt=prompt, limits=limits, progress=self.progress,
@@ -432,27 +458,21 @@ class _EngineRun:
             if c.get("saturation"):
                 self.warn(f"decode cell input {c['input_len']} x {c['concurrency']} streams: "
                           f"{c['saturation']}")  # fmt: skip
-        points = [DecodePoint(c.active or 0.0, c.kv_tokens or 0.0, c.tpot_s or 0.0) for c in kept]
-        problem = decode_fit_problem(points)
-        if problem is not None:
-            decode["rejection"] = problem
-            raise SweepRejected(f"decode fit impossible: {problem}; select shorter "
-                                "--decode-input-lens or fewer streams")  # fmt: skip
-        derived = derive_decode(decode_cells(record, f"$.engines.{name}"))
+        # Fitted from the recorded cells, as narwhal check fits them again.
+        try:
+            derived = derive_decode(decode_cells(record, f"$.engines.{name}"))  # pragma: no mutate (equivalent: the path names a malformed record in an error; the runner reads back its own)
+        except ValueError as exc:  # the kept cells cannot support a fit
+            decode["rejection"] = str(exc)
+            raise SweepRejected(f"decode fit impossible: {exc}; select shorter "
+                                "--decode-input-lens or fewer streams") from None  # fmt: skip
         dfit = derived.fit
         decode["fit"] = dfit.as_dict()
         decode["intervals"] = derived.intervals.as_dict()
         self.progress.line(name, f"decode fit: TPOT = {dfit.c0:.4g} + {dfit.c1:.4g}*active + "
                                  f"{dfit.c2:.4g}*kv s (fit MAPE {dfit.fit_mape:.1%}, "
                                  f"leave-one-cell-out {dfit.cv_mape:.1%})")  # fmt: skip
-        limits_cfg = self.config.profiles
-        if dfit.fit_mape > limits_cfg.max_decode_fit_mape:
-            self.warn(f"decode fit MAPE {dfit.fit_mape:.1%} exceeds profiles.max_decode_fit_mape "
-                      f"{limits_cfg.max_decode_fit_mape:.1%}; narwhal check will refuse it")  # fmt: skip
-        if dfit.cv_mape > limits_cfg.max_decode_cv_mape:
-            self.warn(f"leave-one-cell-out MAPE {dfit.cv_mape:.1%} exceeds "
-                      f"profiles.max_decode_cv_mape {limits_cfg.max_decode_cv_mape:.1%}; "
-                      "narwhal check will refuse it")  # fmt: skip
+        for text in decode_fit_warnings(dfit.fit_mape, dfit.cv_mape, self.config.profiles):
+            self.warn(text)
         record["kv_capacity_inputs"] = {"tpot_target_s": self.config.controller.slo.tpot_s}
         capacity = kv_capacity(facts.kv_cache_size_tokens, dfit, measured_kv_max=derived.kv_max,
                                tpot_target_s=self.config.controller.slo.tpot_s)  # fmt: skip
@@ -558,7 +578,7 @@ async def run_profile(
         kept, kept_outcomes, merged_from = _existing_pair(profiles_path, {e.name for e in selected})
     else:
         check_output(settings.out, overwrite=settings.overwrite)
-    seed = settings.seed if settings.seed is not None else secrets.randbits(32)
+    seed = settings.seed if settings.seed is not None else secrets.randbits(_SEED_BITS)
     records: dict[str, Any] = dict(kept)
     outcomes: list[EngineOutcome] = []
 
@@ -571,8 +591,10 @@ async def run_profile(
     async with AsyncExitStack() as stack:
         clients = _clients(stack, config, selected, transport)
         for i, e in enumerate(selected, 1):
+            # "running" is a placeholder that keeps the keys' order: the finally below sets
+            # the status before the record is written.
             record: dict[str, Any] = {"name": e.name, "url": e.url, "roles": list(e.roles),
-                                      "status": "running", "reason": None, "warnings": [],
+                                      "status": "running", "reason": None, "warnings": [],  # pragma: no mutate (equivalent: the status and reason are set before the record is written; the key order is tested)
                                       "sweep": sweep_settings(settings, seed + i)}  # fmt: skip
             records[e.name] = record
             progress.engine(e.name, i, len(selected), e.url)
