@@ -198,6 +198,9 @@ def test_the_decode_tier_finds_the_equal_pressure() -> None:
 def test_a_free_or_hopeless_decode_tier() -> None:
     free = [prof(n, decode={"c0": 0.0, "c1": 0.0, "c2": 0.0}) for n in ("a", "b")]
     assert decode_tier(free, 3.0, 10.0, 100.0) == (0.0, {"a": 1.5, "b": 1.5})
+    # A free consumer beside a costly one takes the whole load, at no pressure.
+    costly = prof("c", decode={"c0": 0.01, "c1": 0.001, "c2": 0.0})
+    assert decode_tier([costly, free[0]], 3.0, 10.0, 100.0) == (0.0, {"c": 0.0, "a": 3.0})
     full = [prof(n, decode={"c0": 0.01, "c1": 0.0, "c2": 0.0}, kv=0) for n in ("a", "b")]
     assert decode_tier(full, 3.0, 10.0, 100.0) == (math.inf, {"a": 1.5, "b": 1.5})
 

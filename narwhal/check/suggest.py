@@ -256,21 +256,25 @@ def decode_tier(
     consumers: Sequence[EngineProfile], rate: float, mean_out: float, resident: float
 ) -> tuple[float, dict[str, float]]:
     """``(pressure, rates)`` of a decode tier: the equal pressure that carries ``rate``."""
-    if all(math.isinf(_decode_rate(p, _ANY_PRESSURE, mean_out, resident)) for p in consumers):
-        return 0.0, {p.name: rate / len(consumers) for p in consumers}
+    free = {p.name for p in consumers if math.isinf(_decode_rate(p, _ANY_PRESSURE, mean_out, resident))}
+    if free:  # steps that cost nothing carry any load at no pressure: they take it all
+        return 0.0, {p.name: rate / len(free) if p.name in free else 0.0 for p in consumers}
 
-    def carried(pressure: float) -> float:
-        return sum(min(_decode_rate(p, pressure, mean_out, resident), rate * 2) for p in consumers)
+    def carried(pressure: float) -> float:  # every consumer's rate is finite from here on
+        return sum(_decode_rate(p, pressure, mean_out, resident) for p in consumers)
 
-    low, high = 0.0, 1.0
-    while carried(high) < rate:
+    # Bracket the pressure, then halve the bracket. Where it starts, and whether a load
+    # carried exactly at its top widens it once more, change only the bisection's path:
+    # it ends at the same pressure.
+    low, high = 0.0, 1.0  # pragma: no mutate (equivalent: see above)
+    while carried(high) < rate:  # pragma: no mutate (equivalent: see above)
         high *= 2
         if high > 1e9:
             return math.inf, {p.name: rate / len(consumers) for p in consumers}
     for _ in range(100):
         mid = (low + high) / 2
         low, high = (mid, high) if carried(mid) < rate else (low, mid)
-    rates = {p.name: min(_decode_rate(p, high, mean_out, resident), rate * 2) for p in consumers}
+    rates = {p.name: _decode_rate(p, high, mean_out, resident) for p in consumers}
     total = sum(rates.values())
     return high, {n: r * rate / total for n, r in rates.items()}
 
