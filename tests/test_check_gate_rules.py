@@ -617,6 +617,14 @@ def test_figures_an_earlier_profiler_did_not_write_are_missing_not_passed() -> N
         assert [r.line() for r in results if not r.ok] == [
             "FAIL prefill.loo_error e0: engine e0's " + missing.format("leave-one-length-out error")
         ]
+        # The in-sample bounds still apply, word for word.
+        assert lines(results)[:3] == [
+            "ok   prefill.mean_error e0: engine e0's TTFT fit mean error 1.00% within the prefill "
+            "bound 20.00% (measured 0.01; limit 0.2)",
+            "ok   prefill.worst_error e0: engine e0's TTFT fit worst-point error 2.00% within the "
+            "prefill bound 50.00% (measured 0.02; limit 0.5)",
+            "FAIL prefill.loo_error e0: engine e0's " + missing.format("leave-one-length-out error"),
+        ]
         assert not [
             r
             for r in results
