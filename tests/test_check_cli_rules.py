@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -67,6 +68,27 @@ async def test_help_exits_0_and_prints_the_options(capsys: pytest.CaptureFixture
     assert await amain(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: narwhal check ") and "--record DIR" in out and "--workload W" in out
+
+
+async def test_help_says_what_the_command_and_each_option_do(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no hyphen is wrapped
+    assert await amain(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for said in (
+        "Preflight a fleet: its document, engines, engine contract, profiles (Gate F, fit limits) "
+        "and KV transfers; or suggest the SLO targets it can hold for a workload.",
+        "--fleet FLEET the fleet document (default: the embedded simulated fleet)",
+        "--profiles P check with this profiles.json instead of the document's profiles.path "
+        "(to record a deployment, name the pair in the document)",
+        "--json print the result as JSON",
+        "--record DIR retain a passing check as a deployment record in DIR (new or empty)",
+        "--suggest-slo suggest TTFT/TPOT targets and a prefill/decode split for --workload "
+        "from the profiles (no engine is contacted)",
+        '--workload W workload file: {"rate": 4, "input_len": "uniform:100:500", "output_len": "fixed:128"}',
+    ):
+        assert said in text, said
 
 
 def test_the_fleet_input_with_profiles_given(tmp_path: Path) -> None:
@@ -234,6 +256,17 @@ def test_a_suggestion_renders_the_split_the_targets_and_the_slo() -> None:
     # No TPOT (single-token outputs): no verdict on it.
     lines = rendered(suggestion(tpot_s={}), tpot_s=0.05)
     assert lines[7] == "TPOT targets: p50 -, p90 - (mean -)" and "controller.slo" not in " ".join(lines)
+
+
+def test_a_split_names_every_engine_of_each_tier() -> None:
+    s = suggestion()
+    assert s.best is not None
+    best = attrs.evolve(s.best, consumers=("d0", "d1"), decode_rates={"d0": 2.0, "d1": 0.5},
+                        step_s={"d0": 0.0123456, "d1": None}, active={"d0": 3.21, "d1": 1.0},
+                        kv_tokens={"d0": 12345.6, "d1": 10.0})  # fmt: skip
+    lines = rendered(attrs.evolve(s, best=best))
+    assert lines[1] == "split: prefill p0, p1; decode d0, d1 (best of 6 splits priced)"
+    assert lines[6] == "  d1: decode 0.5 requests/s, mean step -, 1 active, 10 KV tokens"
 
 
 def test_a_suggestion_that_cannot_hold_says_why() -> None:

@@ -617,6 +617,14 @@ def test_figures_an_earlier_profiler_did_not_write_are_missing_not_passed() -> N
         assert [r.line() for r in results if not r.ok] == [
             "FAIL prefill.loo_error e0: engine e0's " + missing.format("leave-one-length-out error")
         ]
+        # The in-sample bounds still apply, word for word.
+        assert lines(results)[:3] == [
+            "ok   prefill.mean_error e0: engine e0's TTFT fit mean error 1.00% within the prefill "
+            "bound 20.00% (measured 0.01; limit 0.2)",
+            "ok   prefill.worst_error e0: engine e0's TTFT fit worst-point error 2.00% within the "
+            "prefill bound 50.00% (measured 0.02; limit 0.5)",
+            "FAIL prefill.loo_error e0: engine e0's " + missing.format("leave-one-length-out error"),
+        ]
         assert not [
             r
             for r in results
@@ -661,6 +669,11 @@ def test_decode_figures_apply_to_engines_that_may_decode() -> None:
     assert len([r for r in results if r.engine == "p0"]) == 7  # the prefill figures alone
     # An engine the pair has no profile for is Gate F's failure, not the fit limits'.
     assert {r.engine for r in limits_of(profiled("e0"), config=config)} == {"e0"}
+    # After an engine profiled for prefill only, the next decoding engine's figures follow.
+    config = config_for(None, engine("e0", 8101), engine("e1", 8102))
+    results = limits_of(profiled("e0", no_decode=True), profiled("e1"), config=config)
+    assert [r.name for r in results if r.engine == "e1"][-1] == "decode.interval"
+    assert [r.engine for r in results if not r.ok] == ["e0"]
 
 
 def test_decode_axes_are_counted_from_the_samples_else_from_the_domain() -> None:

@@ -84,6 +84,24 @@ async def test_a_probe_that_passes_times_each_leg(autojump_clock: trio.abc.Clock
     )
 
 
+async def test_a_probe_within_its_bound_reports_each_leg_in_milliseconds(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Legs of over a second: the displayed figures are their times in ms to a tenth.
+    faults = {
+        "p0": FaultSpec(kind="delay_headers", on="prefill", delay_s=1.25),
+        "d0": FaultSpec(kind="delay_headers", on="decode", delay_s=2.0),
+    }
+    r = await probe(two(), faults)
+    assert r.ok, r.message
+    match = re.fullmatch(r"KV transfer p0->d0: prefill (\S+) ms, first token (\S+) ms", r.message)
+    assert match is not None, r.message
+    prefill_ms, first_token_ms = (float(g) for g in match.groups())
+    assert prefill_ms == pytest.approx(r.detail["prefill_s"] * 1000, abs=0.05) and prefill_ms >= 1250
+    assert first_token_ms == pytest.approx(r.detail["first_token_s"] * 1000, abs=0.05)
+    assert first_token_ms >= 2000
+
+
 def failed(r: CheckResult, stage: str, error: str) -> None:
     assert (r.name, r.engine, r.ok, r.limit) == ("kv_transfer", "p0->d0", False, LIMIT)
     assert r.measured == f"{stage} failed"

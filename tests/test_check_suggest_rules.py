@@ -146,6 +146,10 @@ def test_prefill_waits_use_the_second_moment() -> None:
     rho, rates, mean = prefill_tier([p], 2.5, np.array([100.0, 300.0]))
     assert rho == pytest.approx(0.5) and rates["p"] == pytest.approx(2.5)
     assert mean == pytest.approx(2.5 * 0.05 / (2 * 0.5) + 0.2)
+    # The wait's denominator 2 (1 - rho) at a utilisation other than one half.
+    rho, rates, mean = prefill_tier([p], 2.0, np.array([100.0, 300.0]))
+    assert rho == pytest.approx(0.4) and rates["p"] == pytest.approx(2.0)
+    assert mean == pytest.approx(2.0 * 0.05 / (2 * 0.6) + 0.2)
 
 
 def test_a_saturated_prefill_tier_has_no_mean() -> None:
@@ -194,6 +198,9 @@ def test_the_decode_tier_finds_the_equal_pressure() -> None:
 def test_a_free_or_hopeless_decode_tier() -> None:
     free = [prof(n, decode={"c0": 0.0, "c1": 0.0, "c2": 0.0}) for n in ("a", "b")]
     assert decode_tier(free, 3.0, 10.0, 100.0) == (0.0, {"a": 1.5, "b": 1.5})
+    # A free consumer beside a costly one takes the whole load, at no pressure.
+    costly = prof("c", decode={"c0": 0.01, "c1": 0.001, "c2": 0.0})
+    assert decode_tier([costly, free[0]], 3.0, 10.0, 100.0) == (0.0, {"c": 0.0, "a": 3.0})
     full = [prof(n, decode={"c0": 0.01, "c1": 0.0, "c2": 0.0}, kv=0) for n in ("a", "b")]
     assert decode_tier(full, 3.0, 10.0, 100.0) == (math.inf, {"a": 1.5, "b": 1.5})
 
@@ -373,13 +380,14 @@ def test_past_a_dozen_flexible_engines_the_relatively_fastest_prefill_first(tmp_
 
 
 def test_a_consumer_at_full_utilisation_has_no_steady_step(tmp_path: Path) -> None:
-    """100 requests/s of 10 tokens at 0.001 s per request-step: utilisation exactly 1,
-    where T = c0 / (1 - u) has no value; and beyond it."""
+    """4 requests/s of 2 tokens at 0.125 s per request-step: utilisation exactly 1 (binary
+    fractions, so exactly in floating point too), where T = c0 / (1 - u) has no value;
+    and beyond it."""
     engines = [engine("p", 8101, ["prefill"], no_sim=True), engine("d", 8102, ["decode"], no_sim=True)]
     profiles = [prof("p", prefill={"a": 0.001, "b": 0.0, "c": 0.0}),
-                prof("d", decode={"c0": 0.001, "c1": 0.001, "c2": 0.0})]  # fmt: skip
-    for rate, pressure in ((100.0, 1.0), (150.0, 1.5)):
-        s = suggest(tmp_path / str(rate), profiles, engines, workload(rate, "10", "fixed:10"))
+                prof("d", decode={"c0": 0.001, "c1": 0.125, "c2": 0.0})]  # fmt: skip
+    for rate, pressure in ((4.0, 1.0), (6.0, 1.5)):
+        s = suggest(tmp_path / str(rate), profiles, engines, workload(rate, "10", "fixed:2"))
         assert s.best is not None and not s.holds
         assert s.best.decode == pytest.approx(pressure) and s.best.prefill == pytest.approx(rate * 0.001)
         assert s.best.prefill_rates == {"p": pytest.approx(rate)}

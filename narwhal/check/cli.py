@@ -35,6 +35,7 @@ from narwhal.check.suggest import SLOSuggestion, load_workload, suggest_slo
 from narwhal.cmdline import default_fleet_path
 from narwhal.config import FleetConfig, load_fleet
 from narwhal.errors import ConfigError
+from narwhal.profile.store import read_json
 
 __all__ = ["PROG", "amain", "main"]
 
@@ -108,8 +109,8 @@ def _fleet_input(args: argparse.Namespace) -> FleetInput:
     if args.profiles is None:
         return str(args.fleet)
     try:
-        document = json.loads(Path(args.fleet).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        document = read_json(args.fleet, "fleet document")
+    except ConfigError:
         return str(args.fleet)  # the check reports why it does not load
     if not isinstance(document, dict) or not isinstance(document.get("profiles", {}), dict):
         return str(args.fleet)
@@ -252,7 +253,7 @@ async def amain(
         stdout: Where results go (default ``sys.stdout``).
         stderr: Where errors go (default ``sys.stderr``).
     """
-    out = stdout if stdout is not None else sys.stdout
+    out = stdout if stdout is not None else sys.stdout  # pragma: no mutate (equivalent: print(file=None) writes to sys.stdout too)
     err = stderr if stderr is not None else sys.stderr
     try:
         args = _parse(argv)

@@ -434,14 +434,15 @@ def _bands(u: Uncertainty) -> str:
 
 
 def _prefill_limits(engine: str, t: TTFTCurve) -> list[CheckResult]:
-    if t.loo_mean_error is None or t.loo_worst_error is None:
-        results = _error_limits("prefill", engine, "TTFT fit", "leave-one-length-out TTFT",
-                                "point", t.mean_error, t.worst_error, None)  # fmt: skip
+    loo = (
+        None
+        if t.loo_mean_error is None or t.loo_worst_error is None
+        else (t.loo_mean_error, t.loo_worst_error)
+    )
+    results = _error_limits("prefill", engine, "TTFT fit", "leave-one-length-out TTFT",
+                            "point", t.mean_error, t.worst_error, loo)  # fmt: skip
+    if loo is None:
         results.append(_missing("prefill.loo_error", engine, "leave-one-length-out error"))
-    else:
-        results = _error_limits("prefill", engine, "TTFT fit", "leave-one-length-out TTFT",
-                                "point", t.mean_error, t.worst_error,
-                                (t.loo_mean_error, t.loo_worst_error))  # fmt: skip
     return results + _prefill_intervals(engine, t.uncertainty)
 
 

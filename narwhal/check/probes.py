@@ -215,8 +215,8 @@ async def probe_transfers(
             )
             continue
         live = identities[producer.name]
-        model = live.model if live is not None else None
+        assert live is not None  # an unreachable producer was skipped above
         results.append(
-            await probe_pair(producer, consumer, clients, timeout_s=timeout_s, model=model)
+            await probe_pair(producer, consumer, clients, timeout_s=timeout_s, model=live.model)
         )
     return results

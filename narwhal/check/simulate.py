@@ -122,7 +122,7 @@ def simulate_split(
             heapq.heappush(steps, (now + c.step_s(), j))
 
     done_at = done.tolist()
-    order = np.argsort(done, kind="stable").tolist()
+    order = sorted(range(n), key=done_at.__getitem__)  # stable: ties in arrival order
     next_arrival = 0
     while next_arrival < n or steps:
         arrival_at = done_at[order[next_arrival]] if next_arrival < n else math.inf

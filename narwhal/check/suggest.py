@@ -73,6 +73,9 @@ __all__ = [
 _KEYS: Final = {"rate", "input_len", "output_len", "arrival", "burstiness", "requests", "seed"}
 _MOMENT_SAMPLES: Final = 20000
 _EXHAUSTIVE: Final = 12
+# A consumer's rate is infinite at every positive pressure or at none (only a step that
+# costs nothing, c0 = 0 and c1 + c2*m = 0, makes it so): any positive pressure asks whether.
+_ANY_PRESSURE: Final = 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -219,17 +222,15 @@ def prefill_tier(
     producers: Sequence[EngineProfile], rate: float, inputs: np.ndarray
 ) -> tuple[float, dict[str, float], float | None]:
     """``(rho, rates, mean TTFT)`` of a prefill tier (equal utilisation, P-K waits)."""
-    service = [ttft_of(p, inputs) for p in producers]
-    capacity = sum(1.0 / float(s.mean()) for s in service)
+    service = {p.name: ttft_of(p, inputs) for p in producers}
+    capacity = sum(1.0 / float(s.mean()) for s in service.values())
     rho = rate / capacity
-    rates = {p.name: rho / float(s.mean()) for p, s in zip(producers, service, strict=True)}
+    rates = {name: rho / float(s.mean()) for name, s in service.items()}
     if rho >= 1:
         return rho, rates, None
     mean = sum(
-        rates[p.name]
-        / rate
-        * (rates[p.name] * float((s * s).mean()) / (2 * (1 - rho)) + float(s.mean()))
-        for p, s in zip(producers, service, strict=True)
+        rates[name] / rate * (rates[name] * float((s * s).mean()) / (2 * (1 - rho)) + float(s.mean()))
+        for name, s in service.items()
     )
     return rho, rates, mean
 
@@ -255,21 +256,25 @@ def decode_tier(
     consumers: Sequence[EngineProfile], rate: float, mean_out: float, resident: float
 ) -> tuple[float, dict[str, float]]:
     """``(pressure, rates)`` of a decode tier: the equal pressure that carries ``rate``."""
-    if all(math.isinf(_decode_rate(p, 1.0, mean_out, resident)) for p in consumers):
-        return 0.0, {p.name: rate / len(consumers) for p in consumers}
+    free = {p.name for p in consumers if math.isinf(_decode_rate(p, _ANY_PRESSURE, mean_out, resident))}
+    if free:  # steps that cost nothing carry any load at no pressure: they take it all
+        return 0.0, {p.name: rate / len(free) if p.name in free else 0.0 for p in consumers}
 
-    def carried(pressure: float) -> float:
-        return sum(min(_decode_rate(p, pressure, mean_out, resident), rate * 2) for p in consumers)
+    def carried(pressure: float) -> float:  # every consumer's rate is finite from here on
+        return sum(_decode_rate(p, pressure, mean_out, resident) for p in consumers)
 
-    low, high = 0.0, 1.0
-    while carried(high) < rate:
+    # Bracket the pressure, then halve the bracket. Where it starts, and whether a load
+    # carried exactly at its top widens it once more, change only the bisection's path:
+    # it ends at the same pressure.
+    low, high = 0.0, 1.0  # pragma: no mutate (equivalent: see above)
+    while carried(high) < rate:  # pragma: no mutate (equivalent: see above)
         high *= 2
         if high > 1e9:
             return math.inf, {p.name: rate / len(consumers) for p in consumers}
     for _ in range(100):
         mid = (low + high) / 2
         low, high = (mid, high) if carried(mid) < rate else (low, mid)
-    rates = {p.name: min(_decode_rate(p, high, mean_out, resident), rate * 2) for p in consumers}
+    rates = {p.name: _decode_rate(p, high, mean_out, resident) for p in consumers}
     total = sum(rates.values())
     return high, {n: r * rate / total for n, r in rates.items()}
 
