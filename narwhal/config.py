@@ -660,6 +660,13 @@ class ControllerConfig:
     Attributes:
         slo: Latency targets.
         admission: When no placement meets the SLO: ``wait`` for capacity or ``refuse`` (503).
+        admission_bound: What admission holds against the TTFT target: ``lower`` the low
+            end of the producer's prediction (the prediction times the 10th percentile of
+            observed / predicted TTFT over the producer's latest priced requests; before
+            20 of them, the low end of its profile's bootstrap interval), so that only a
+            request that cannot meet the target is refused or waits, while placement still
+            ranks by the prediction; ``point`` the prediction itself (refuses requests
+            predicted over the target by less than the prediction's own error).
         reactive: Reactive role movement.
         prompt_tokens: How a text prompt's length is known before placement: ``tokenize``
             asks a producer's /tokenize (exact, one more engine round trip per request, and
@@ -683,6 +690,9 @@ class ControllerConfig:
     )
     admission: Literal["wait", "refuse"] = attrs.field(
         default="wait", validator=_member(_ADMISSION)
+    )
+    admission_bound: Literal["lower", "point"] = attrs.field(
+        default="lower", validator=_member(("lower", "point"))
     )
     prompt_tokens: Literal["auto", "tokenize", "estimate"] = attrs.field(
         default="auto", validator=_member(_PROMPT_TOKENS)

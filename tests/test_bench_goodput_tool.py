@@ -70,3 +70,24 @@ def test_goodput_at_90_takes_the_highest_rate_held(tool: ModuleType) -> None:
     assert tool.goodput_at_90(points) == pytest.approx(19.0)
     assert tool.goodput_at_90(points, "all") == pytest.approx(9.5)
     assert tool.goodput_at_90([{"rate": 5.0, "attainment": 0.8}]) == 0.0
+
+
+def test_the_slow_prefix_fleet_matches_the_figures_it_is_derived_from(tool: ModuleType) -> None:
+    names = list(tool.SLOW_PREFIX_FLEET)
+    ports = {k: 9000 + i for i, k in enumerate([*names, *(n + "-kv" for n in names)])}
+    engines = {e["name"]: e for e in tool.fleet(ports, caching=True, kind="slow")}
+    assert engines.keys() == set(names) and all(e["sim"]["prefix_caching"] for e in engines.values())
+
+    def cost(name: str, length: int, cached: int = 0) -> float:
+        p = engines[name]["sim"]["prefill"]
+        return float(p["a"] + p["b"] * (length - cached) + p["c"] * (length**2 - cached**2))
+
+    # A cold 1,174-token prompt ~1.05 s on the fast producer, over the 0.5 s target on
+    # every producer; with 1,024 tokens cached, 60 ms (50 of its own) to 150 ms (150).
+    assert cost("p-fast", 1174) == pytest.approx(1.05, rel=0.01)
+    assert min(cost(n, 1174) for n in ("p-fast", "p-slow")) > 0.5
+    assert cost("p-fast", 1074, 1024) == pytest.approx(0.060, rel=0.02)
+    assert cost("p-fast", 1174, 1024) == pytest.approx(0.150, rel=0.02)
+    # The default fleet is unchanged.
+    default = {e["name"]: e["sim"]["prefill"] for e in tool.fleet(ports, caching=True)}
+    assert default == {n: p for n, (_, p) in tool.PREFIX_FLEET.items()}

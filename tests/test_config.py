@@ -143,6 +143,8 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "expected a non-empty string @ $.server.api_keys[0]"),
     ("admission", fleet(controller={"admission": "drop"}),
      "expected one of 'wait', 'refuse' @ $.controller.admission"),
+    ("admission_bound", fleet(controller={"admission_bound": "upper"}),
+     "expected one of 'lower', 'point' @ $.controller.admission_bound"),
     ("prompt_tokens", fleet(controller={"prompt_tokens": "guess"}),
      "expected one of 'auto', 'tokenize', 'estimate' @ $.controller.prompt_tokens"),
     ("bad-name", fleet(prefill(name="prefill 0"), decode()),
@@ -467,7 +469,7 @@ def test_defaults_match_the_plan() -> None:
         "max_decode_cv_mape": 0.13,
     }
     assert data["controller"] == {"slo": {"ttft_s": None, "tpot_s": None}, "admission": "wait",
-                                  "pricing": "point",
+                                  "admission_bound": "lower", "pricing": "point",
                                   "reactive": {"enabled": False, "movement_margin": 0.10,
                                                "interval_s": 10.0, "deployment_record": None},
                                   "prompt_tokens": "auto", "prefix_cache": "auto"}  # fmt: skip

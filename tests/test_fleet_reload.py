@@ -349,6 +349,16 @@ async def test_an_added_engine_is_priced_once_its_profile_exists(autojump_clock:
         assert "d1" in state.placement.profiles  # type: ignore[attr-defined]
 
 
+async def test_a_reload_changes_the_admission_settings_in_place(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0"), priced=True, profile_names=("p0", "d0")) as live:
+        placement = live.router.state.placement
+        assert (placement.admission, placement.admission_bound, placement.pricing) == ("wait", "lower", "point")  # type: ignore[attr-defined]
+        changed = doc("p0", "d0", controller={"admission": "refuse", "admission_bound": "point", "pricing": "upper"})
+        await live.router.fleet.apply(parse_fleet(changed), profiles=live.router.state.profiles, source="test")
+        assert live.router.state.placement is placement
+        assert (placement.admission, placement.admission_bound, placement.pricing) == ("refuse", "point", "upper")  # type: ignore[attr-defined]
+
+
 async def test_fleet_records_go_beside_the_journal(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
     journal = tmp_path / "journal.jsonl"
     async with open_live(doc("p0", "d0"), journal_path=journal) as live:

@@ -225,19 +225,22 @@ async def test_admission_refuses_only_what_the_hit_aware_prediction_misses() -> 
         async with open_stack(doc, priced=True) as stack:
             state = stack.router.state
             assert state.prefix.exact("p0") and state.prefix.enabled("p0")
-            # Cold, the prompt's prefill is predicted at 0.25 s: refused.
+            # Cold, the prompt's prefill is predicted at 0.25 s: refused. No producer
+            # could serve it in time even idle, so the router computes it in the
+            # background (its own blocks are of no other prompt's prefix here).
             resp = await stack.complete({"prompt": prompt("a"), "max_tokens": 2})
             assert resp.status_code == 503
             message = resp.json()["error"]["message"]
             assert "no placement meets the SLO: predicted TTFT" in message and "on p0," in message
+            assert state.placement.counters["warmed"] == 1
 
             # Another client warms the engine; its events reach the router's index.
             async with stack.fleet.client("p0", timeout=None) as engine_client:
                 assert (await engine_client.post("/v1/completions", json={"prompt": prompt("w"), "max_tokens": 1})).status_code == 200
-                ids = (await state.tokenize({"prompt": prompt("a")}, "completions")).ids
+                ids = (await state.tokenize({"prompt": prompt("c")}, "completions")).ids
                 await wait_for(lambda: state.prefix.cached_tokens("p0", ids) == 1024)
 
-                resp = await stack.complete({"prompt": prompt("a"), "max_tokens": 2})
+                resp = await stack.complete({"prompt": prompt("c"), "max_tokens": 2})
                 assert resp.status_code == 200
                 attempt = stack.records[-1]["attempts"][0]
                 assert attempt["predicted_cached_tokens"] == attempt["cached_tokens"] == 1024
@@ -251,6 +254,8 @@ async def test_admission_refuses_only_what_the_hit_aware_prediction_misses() -> 
                 await wait_for(lambda: state.prefix.cached_tokens("p0", ids) == 0)
             resp = await stack.complete({"prompt": prompt("b"), "max_tokens": 2})
             assert resp.status_code == 503, (resp.text, stack.records[-1])
+            assert state.placement.counters["warmed"] == 2
+            await wait_for(lambda: not state.placement.replicating)  # its computation ends
 
 
 async def test_a_stopped_router_leaves_no_subscriber_task_or_socket(monkeypatch: pytest.MonkeyPatch) -> None:

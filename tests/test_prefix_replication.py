@@ -101,3 +101,60 @@ async def test_hit_aware_placement_carries_more_than_the_fast_producer_alone(
           f"{stack.router.state.placement.counters.get('replicated')} copies")  # fmt: skip
     assert attainment >= 0.9
     assert by_producer["p-slow"] >= 60
+
+
+# The slower fleet of tools/bench_goodput.py --prefix-fleet slow: a cold 1,174-token
+# prompt costs 1.05 s on the fast producer (2.9 s on the slow one), over the 0.5 s
+# target on every producer however idle; with 1,024 tokens cached, 0.15 s.
+SLOW_FLEET_FAST = {"a": 0.015, "b": 8.7e-4, "c": 9.0e-9}
+SLOW_FLEET_SLOW = {"a": 0.021, "b": 2.4e-3, "c": 2.5e-8}
+
+
+def slow_fleet(**controller: Any) -> dict[str, Any]:
+    doc = bench_fleet(**controller)
+    doc["engines"][0]["sim"]["prefill"] = SLOW_FLEET_FAST
+    doc["engines"][1]["sim"]["prefill"] = SLOW_FLEET_SLOW
+    return doc
+
+
+@pytest.mark.parametrize("admission", ["refuse", "wait"])
+async def test_a_prefix_no_producer_can_serve_cold_is_computed_once_so_that_its_requests_hit(
+    autojump_clock: trio.abc.Clock, admission: str
+) -> None:
+    assert prefill_s(SLOW_FLEET_FAST, 1174) > 1.0 and prefill_s(SLOW_FLEET_FAST, 1174, 1024) < 0.15
+    async with open_stack(slow_fleet(admission=admission), priced=True) as stack:
+        placement = stack.router.state.placement
+        fast = stack.fleet.engines["p-fast"]
+        # Cold, the prompt cannot meet the target anywhere: refused (at once, or after
+        # waiting out the target), and computed in the background on the producer that
+        # finishes it first.
+        resp = await stack.complete({"prompt": prompt("a"), "max_tokens": 2})
+        assert resp.status_code == 503
+        assert placement.counters["warmed"] == 1 and placement.replicating == {"p-fast"}
+        # More requests of the prefix while it is computed: refused, nothing computed twice.
+        await burst(stack, "bc")
+        assert [r["terminal_class"] for r in stack.records] == ["refused"] * 3
+        assert placement.counters["warmed"] == 1
+        await trio.sleep(1.2)
+        assert not placement.replicating
+        assert fast.stats.prompt_tokens["local_compute"] == 1174
+        # Then the prefix's requests hit on the fast producer and meet the target.
+        for tag in "def":
+            assert (await stack.complete({"prompt": prompt(tag), "max_tokens": 2})).status_code == 200
+            record = stack.records[-1]
+            assert record["producer"] == "p-fast" and record["ttft_s"] <= 0.5
+            assert record["attempts"][0]["cached_tokens"] == 1024
+        assert placement.counters["warmed"] == 1
+        metrics = stack.router.metrics.exposition().decode()
+        assert 'narwhal_placement_pricing_total{outcome="warmed"} 1.0' in metrics
+
+
+async def test_a_refusal_that_waiting_can_cure_computes_nothing(autojump_clock: trio.abc.Clock) -> None:
+    # The benchmark's default fleet: a cold prompt meets the target on the idle fast
+    # producer, so a refusal behind a queue computes nothing in the background.
+    async with open_stack(bench_fleet(), priced=True) as stack:
+        placement = stack.router.state.placement
+        await burst(stack, "abcdefghijklmnop")
+        assert any(r["terminal_class"] == "refused" for r in stack.records)
+        assert placement.counters["warmed"] == 0
+        await trio.sleep(2.0)  # the busy prefix's copy to the slow producer ends

@@ -14,7 +14,7 @@ import trio
 from narwhal.config import SLOConfig
 from narwhal.errors import Refused
 from narwhal.profile.store import CachedPrefill, EngineProfile, KVCapacity, Uncertainty
-from narwhal.router.pricing import PricedPlacement, Quote
+from narwhal.router.pricing import ERROR_MIN, ERROR_WINDOW, LOW_FLOOR, PricedPlacement, Quote
 
 from .checkkit import identity_of, sim_profile
 
@@ -103,7 +103,8 @@ def priced(
 def test_a_producer_quote_is_the_time_spent_plus_its_queue_and_own_prefill_times_its_correction() -> None:
     pl = priced()
     q = pl.quote_producer("p0", 1000)
-    assert q == Quote("p0", pytest.approx(ttft(1000)), pytest.approx(1 - ttft(1000) / 1.0), own_s=pytest.approx(ttft(1000)))
+    assert q == Quote("p0", pytest.approx(ttft(1000)), pytest.approx(1 - ttft(1000) / 1.0), own_s=pytest.approx(ttft(1000)),
+                      low_s=pytest.approx(ttft(1000)))  # a profile without intervals, no requests seen: no lower end
     pl.prefill_work_s["p0"] = 0.2  # a queue nothing has started on (no prefill placed)
     pl.ttft_correction["p0"] = 1.5
     q = pl.quote_producer("p0", 1000, elapsed_s=0.05, cached_tokens=0)
@@ -350,7 +351,7 @@ def test_a_placed_pair_carries_its_predictions_and_reserves_prompt_and_output() 
     assert r.predicted_ttft_s == pytest.approx(ttft(1000))
     assert r.predicted_tpot_s == pytest.approx(tpot(1, 1200))
     assert pl.counters == {"priced": 1, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0,
-                           "replicated": 0}  # fmt: skip
+                           "replicated": 0, "warmed": 0}  # fmt: skip
     pl.choose(10, 2)
     assert pl.counters["priced"] == 2
 
@@ -413,7 +414,7 @@ def test_a_model_without_a_priced_pair_falls_back_within_its_own_engines() -> No
         assert (r.producer, r.consumer, r.predicted_ttft_s) == ("p1", "d1", None)
         r.release()
     assert pl.counters == {"priced": 0, "fallback": 2, "out_of_domain": 0, "refused": 0, "waited": 0,
-                           "replicated": 0}  # fmt: skip
+                           "replicated": 0, "warmed": 0}  # fmt: skip
     assert pl.choose(100, 10, model="m").predicted_ttft_s is not None
 
 
@@ -430,6 +431,66 @@ async def test_refuse_answers_at_once_naming_the_prices(autojump_clock: trio.abc
         f"no placement meets the SLO: predicted TTFT 110.0 ms on p0, TPOT {tpot(1, 1010) * 1000:.1f} ms on d0"
     )
     assert pl.counters["waited"] == 0 and pl.counters["refused"] == 1
+
+
+async def test_admission_refuses_only_what_the_low_end_of_the_prediction_misses(autojump_clock: trio.abc.Clock) -> None:
+    # Predicted 110 ms against a 105 ms target, on a profile without intervals and no
+    # request seen: the low end is the prediction, refused.
+    pl = priced(ttft_s=0.105, clock=trio.current_time)
+    assert pl.admission_bound == "lower"
+    with pytest.raises(Refused):
+        await pl.acquire(1000, 10)
+    # The producer's last requests took 90-100% of their predictions (fed from the
+    # journal): at the 10th percentile, 0.905 of 110 ms is 99.55 ms, within the target.
+    for i in range(ERROR_MIN - 1):
+        pl.on_record({"ttft_s": 0.9 + 0.1 * i / ERROR_MIN, "consumer": "d0",
+                      "attempts": [{"outcome": "ok", "producer": "p0", "predicted_ttft_s": 1.0}]})  # fmt: skip
+    assert pl.low_factor("p0") == 1.0  # one short of ERROR_MIN: not yet
+    pl.observe_ttft("p0", 0.095 * 2, 0.2)
+    assert pl.low_factor("p0") == pytest.approx(0.905)
+    r = await pl.acquire(1000, 10)
+    assert r.predicted_ttft_s == pytest.approx(ttft(1000))  # placement keeps the point prediction
+    r.release()
+    # The former rule, on the point prediction, refuses it.
+    pl.admission_bound = "point"
+    with pytest.raises(Refused) as exc:
+        await pl.acquire(1000, 10)
+    assert "low end" not in exc.value.message
+    # Over the target even at the low end: refused, the refusal naming the low end.
+    pl.admission_bound = "lower"
+    pl.slo = SLOConfig(ttft_s=0.095, tpot_s=0.05)
+    with pytest.raises(Refused) as exc:
+        await pl.acquire(1000, 10)
+    assert exc.value.message.endswith("; TTFT 99.5 ms at the low end of its prediction error")
+    assert pl.counters["refused"] == 3 and pl.counters["priced"] == 1
+
+
+def test_the_low_end_comes_from_the_profiles_interval_until_requests_are_seen_and_has_a_floor() -> None:
+    # Bootstrap intervals of +-10%: the low end is 0.9 of the point prediction, and of
+    # an upper-bound prediction (x1.2) 0.9 / 1.2.
+    pl = priced(profiles={"p0": profile("p0", upper=1.2), "d0": profile("d0")})
+    assert pl.low_factor("p0") == pytest.approx(0.9)
+    q = pl.quote_producer("p0", 1000, elapsed_s=0.01)
+    assert q.low_s == pytest.approx(0.01 + 0.9 * ttft(1000))  # the time already spent is no estimate
+    pl.pricing = "upper"
+    assert pl.low_factor("p0") == pytest.approx(0.9 / 1.2)
+    # Requests 10x faster than predicted: a profile that no longer describes the engine;
+    # the low end stops at half the prediction.
+    for _ in range(ERROR_MIN):
+        pl.observe_ttft("p0", 0.01, 0.1)
+    assert pl.low_factor("p0") == LOW_FLOOR == 0.5
+    # Slower than predicted: the low end is never above the prediction.
+    for _ in range(ERROR_WINDOW):
+        pl.observe_ttft("p0", 0.2, 0.1)
+    assert len(pl.ttft_ratios["p0"]) == ERROR_WINDOW and pl.low_factor("p0") == 1.0
+    # What no producer of this placement, a zero prediction or a failed request is not counted.
+    pl.observe_ttft("p9", 0.1, 0.1)
+    pl.observe_ttft("p0", 0.1, 0.0)
+    pl.on_record({"ttft_s": 0.05, "attempts": [{"outcome": "engine_error", "producer": "p0", "predicted_ttft_s": 0.1}]})
+    assert "p9" not in pl.ttft_ratios and len(pl.ttft_ratios["p0"]) == ERROR_WINDOW and pl.low_factor("p0") == 1.0
+    pl.set_roles([], ["d0"])
+    pl.remove_engine("p0")
+    assert "p0" not in pl.ttft_ratios
 
 
 async def test_the_refusal_names_the_hit_and_the_handoff(autojump_clock: trio.abc.Clock) -> None:

@@ -437,7 +437,8 @@ async def test_the_state_is_built_from_every_setting_of_the_document(autojump_cl
         journal={"path": "elsewhere/j.jsonl", "queue_size": 17, "fsync": False},
         engine={"connect_timeout_s": 3.0},
         server={"engine_urls_in_errors": True},
-        controller={"slo": {"ttft_s": 0.7, "tpot_s": 0.04}, "admission": "wait", "pricing": "upper"},
+        controller={"slo": {"ttft_s": 0.7, "tpot_s": 0.04}, "admission": "wait", "pricing": "upper",
+                    "admission_bound": "point"},
     )  # fmt: skip
     config = parse_fleet(doc)
     state = RouterState(config)  # its own journal, least-loaded placement
@@ -471,6 +472,7 @@ async def test_the_state_is_built_from_every_setting_of_the_document(autojump_cl
     placement = priced.placement
     assert isinstance(placement, PricedPlacement)
     assert placement.slo == config.controller.slo and placement.admission == "wait" and placement.pricing == "upper"
+    assert placement.admission_bound == "point"
     assert placement.profiles == {} and placement.clock is trio.current_time
     assert placement.prefill_engines == ["p0", "b0"] and placement.decode_engines == ["d0", "b0"]
     assert placement.models == {"p0": frozenset({"sim-llama"})}

@@ -381,6 +381,7 @@ class LiveFleet:
         placement = state.placement
         if isinstance(placement, PricedPlacement):
             placement.slo, placement.admission, placement.pricing = ctl.slo, ctl.admission, ctl.pricing
+            placement.admission_bound = ctl.admission_bound
         if self.controller is not None:
             self.controller.reconfigure(config)
         if profiles is not state.profiles:

@@ -41,7 +41,11 @@ router has that producer compute the prefix in the background (a one-token reque
 the prefix alone, :mod:`narwhal.router.replicate`), priced into its queue like any
 prefill. Without it a producer whose miss cannot meet the TTFT target (a slow one, a
 long shared prefix) would never be given a request of a prefix it lacks, and would
-stay idle while the producers holding the prefixes saturate.
+stay idle while the producers holding the prefixes saturate. A refused prompt that no
+producer could serve within the target even idle is computed in the background in
+the same way (:meth:`PricedPlacement.warming`): a refused request computes nothing,
+and without it every request of a prefix whose miss is over the target everywhere
+would be refused forever.
 
 Among consumers predicted equal (TPOT within 1 %), the one whose own prefix cache holds
 most of the prompt wins: it pulls fewer blocks from the producer (see
@@ -54,8 +58,15 @@ consumer's active streams and resident KV add the others' streams, each with thi
 router's mean KV reservation.
 
 The pair with the most headroom against both SLOs wins (headroom = the smaller of
-``1 - predicted/target`` over TTFT and TPOT). When no pair is predicted to meet them,
-``controller.admission`` decides: ``refuse`` answers 503 with ``Retry-After`` at once;
+``1 - predicted/target`` over TTFT and TPOT). Admission asks whether the chosen pair
+*can* meet the TTFT target: with ``controller.admission_bound: lower`` (the default) it
+compares the low end of the producer's prediction with the target, the prediction
+scaled by the 10th percentile of observed / predicted router TTFT over that producer's
+latest priced requests (:data:`LOW_QUANTILE`, :data:`ERROR_WINDOW`; until
+:data:`ERROR_MIN` of them, the low end of the profile's bootstrap prediction interval),
+so that a request predicted over the target by less than the producer's own prediction
+error is served, not refused; with ``point`` it compares the point prediction. When no
+pair can meet them, ``controller.admission`` decides: ``refuse`` answers 503 with ``Retry-After`` at once;
 ``wait`` waits for capacity (a reservation released) until the TTFT target or the
 request deadline has passed, then refuses. The wait is part of the router TTFT.
 
@@ -70,6 +81,7 @@ fallback is counted and reported.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -100,6 +112,18 @@ COPY_SERVES_WITHIN: Final = 0.5
 #: Weight of the newest request in the moving mean of a consumer's handoff time.
 HANDOFF_WEIGHT: Final = 0.1
 
+#: Admission's low end of a producer's TTFT prediction: this quantile of observed /
+#: predicted router TTFT over its latest :data:`ERROR_WINDOW` priced requests that got a
+#: first token (a request refused at the low end had about this chance of meeting the
+#: target), once there are :data:`ERROR_MIN` of them ...
+LOW_QUANTILE: Final = 0.1
+ERROR_WINDOW: Final = 200
+ERROR_MIN: Final = 20
+
+#: ... and never below this share of the prediction (predictions that far off are a
+#: profile that no longer describes the engine, not noise to admit on).
+LOW_FLOOR: Final = 0.5
+
 #: Starts copying a prefix to a producer: (producer, prefix token ids, model, predicted
 #: seconds of the copy's prefill); returns whether it started.
 Replicate = Callable[[str, Sequence[int], "str | None", float], bool]
@@ -121,6 +145,12 @@ class Quote:
     out_of_domain: bool = False
     cached_tokens: int | None = None
     own_s: float = 0.0
+    low_s: float | None = None
+
+    @property
+    def low(self) -> float:
+        """The low end of the prediction (a producer quote's), else the prediction."""
+        return self.predicted_s if self.low_s is None else self.low_s
 
 
 class PricedPlacement(Placement):
@@ -138,10 +168,14 @@ class PricedPlacement(Placement):
         clock: Callable[[], float] = trio.current_time,
         pricing: str = "point",  # pragma: no mutate (equivalent: any word but "upper" prices the point estimate)
         models: Mapping[str, Iterable[str]] | None = None,
+        admission_bound: str = "lower",
     ) -> None:
         super().__init__(prefill_engines, decode_engines, available=available, models=models)
         self.profiles = dict(profiles)
         self.pricing = pricing
+        self.admission_bound = admission_bound
+        #: Per producer, observed / predicted router TTFT of its latest priced requests.
+        self.ttft_ratios: dict[str, collections.deque[float]] = {}
         self.slo = slo
         self.admission = admission
         self.clock = clock
@@ -157,7 +191,7 @@ class PricedPlacement(Placement):
         self._keys = itertools.count()
         self.unbound: dict[str, str] = {}
         self.counters = {"priced": 0, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0,
-                         "replicated": 0}  # fmt: skip
+                         "replicated": 0, "warmed": 0}  # fmt: skip
         self._capacity = trio.Event()
         #: Copies prefixes to producers (set while the router runs); None: never.
         self.replicate: Replicate | None = None
@@ -167,6 +201,8 @@ class PricedPlacement(Placement):
         #: Producers computing a copied prefix now (one copy per producer at a time).
         self.replicating: set[str] = set()
         self._copies: dict[str, int] = {}
+        #: The refused prompts being computed (:meth:`warming`), by producer.
+        self._warming: dict[str, Sequence[int]] = {}
 
     # ----------------------------------------------------------------- prices
 
@@ -198,9 +234,34 @@ class PricedPlacement(Placement):
         """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
         own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
         queue = self.prefill_work_s[name] - self.head_done_s(name) + self.others_prefill_s(name)
-        predicted = elapsed_s + (queue + own) * self.ttft_correction[name]
+        ahead = (queue + own) * self.ttft_correction[name]
+        predicted = elapsed_s + ahead
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s),
-                     cached_tokens=cached_tokens, own_s=own)  # fmt: skip
+                     cached_tokens=cached_tokens, own_s=own, low_s=elapsed_s + ahead * self.low_factor(name))  # fmt: skip
+
+    def low_factor(self, name: str) -> float:
+        """The low end of ``name``'s TTFT predictions as a share of them: the
+        :data:`LOW_QUANTILE` of its observed / predicted ratios once it has
+        :data:`ERROR_MIN`, else the low end of its profile's bootstrap prediction interval
+        (1 - its worst relative half-width; under ``pricing: upper`` a prediction is that
+        interval's upper end, so the low end is that much further); within
+        [:data:`LOW_FLOOR`, 1]."""
+        ratios = self.ttft_ratios.get(name)
+        if ratios is not None and len(ratios) >= ERROR_MIN:
+            ordered = sorted(ratios)
+            low = ordered[int(LOW_QUANTILE * (len(ordered) - 1))]
+        else:
+            uncertainty = self.profiles[name].ttft.uncertainty
+            half = uncertainty.worst_half_width if uncertainty is not None else 0.0
+            upper = uncertainty.upper_factor if uncertainty is not None and self.pricing == "upper" else 1.0
+            low = (1.0 - half) / max(upper, 1.0)
+        return min(max(low, LOW_FLOOR), 1.0)
+
+    def observe_ttft(self, producer: str, observed_s: float, predicted_s: float) -> None:
+        """One priced request's router TTFT on ``producer`` against its prediction."""
+        if predicted_s > 0 and producer in self.loads:
+            ratios = self.ttft_ratios.setdefault(producer, collections.deque(maxlen=ERROR_WINDOW))
+            ratios.append(observed_s / predicted_s)
 
     def head_done_s(self, name: str) -> float:
         """Predicted seconds already done of the oldest prefill reserved on ``name``: it
@@ -327,9 +388,14 @@ class PricedPlacement(Placement):
         # quote's headroom only ranks: it is always negative). The client's first token
         # comes after the prefill: the handoff to the consumer counts against the target.
         handoff = self.handoff_s.get(c.engine, 0.0)
-        late = self.slo.ttft_s is not None and p.predicted_s + handoff > self.slo.ttft_s
+        bound = p.predicted_s if self.admission_bound == "point" else p.low
+        late = self.slo.ttft_s is not None and bound + handoff > self.slo.ttft_s
         if late or (self.slo.tpot_s is not None and c.headroom < 0):
             self.counters["refused"] += 1
+            if late and prompt_ids is not None and cached is not None and self.replicate is not None:
+                warm = self.warming(prompt_tokens, prompt_ids, cached, model, handoff)
+                if warm is not None:
+                    self._start_copy(warm[0], prompt_ids, warm[1], model, warm=True)
             raise _NoCapacity(p, c, handoff)
         self.counters["priced"] += 1
         if c.out_of_domain:
@@ -372,19 +438,65 @@ class PricedPlacement(Placement):
                 best = (after, n)
         return None if best is None else (best[1], k, held[best[1]])
 
-    def _start_copy(self, producer: str, ids: Sequence[int], held: int, model: str | None) -> None:
+    def warming(
+        self, prompt_tokens: int, prompt_ids: Sequence[int], cached: Callable[[str], int], model: str | None,
+        handoff_s: float = 0.0,
+    ) -> tuple[str, int] | None:
+        """The producer to compute a refused prompt on in the background, and how much of
+        it that producer holds already; None when none is due.
+
+        Due when no producer could meet the TTFT target with this prompt even with
+        nothing queued ahead of it (its own prefill, with the hit it has there, at the
+        low end of the prediction, plus the handoff, is over the target): refusing it
+        sheds no load, and while no producer holds its prefix, every request of that
+        prefix would be refused in the same way, forever (a refused request computes
+        nothing). The prompt is computed (a copy, :meth:`_start_copy`) on the producer
+        that would finish it first among those not busy (their queue under
+        :data:`REPLICATE_AT` of the target) and copying nothing now, unless a prompt
+        sharing at least half of it is being computed already; later requests of its
+        prefix are then priced with the hit there.
+        """
+        target = self.slo.ttft_s
+        if target is None:
+            return None
+        names = self._priced_candidates(self.prefill_engines, frozenset(), model)
+        held = {n: cached(n) for n in names}
+        idle = min((self.prefill_s(n, prompt_tokens, held[n]) * self.ttft_correction[n] * self.low_factor(n)
+                    for n in names), default=0.0)  # fmt: skip
+        if idle + handoff_s <= target:
+            return None  # servable once the queues drain
+        half = prompt_tokens // 2
+        if any(list(ids[:half]) == list(prompt_ids[:half]) for ids in self._warming.values()):
+            return None
+        best: tuple[float, str] | None = None
+        for n in names:
+            if n in self.replicating:
+                continue
+            queue = (self.prefill_work_s[n] - self.head_done_s(n) + self.others_prefill_s(n)) * self.ttft_correction[n]
+            if queue >= REPLICATE_AT * target:
+                continue
+            done = queue + self.prefill_s(n, prompt_tokens, held[n]) * self.ttft_correction[n]
+            if best is None or done < best[0]:
+                best = (done, n)
+        return None if best is None else (best[1], held[best[1]])
+
+    def _start_copy(self, producer: str, ids: Sequence[int], held: int, model: str | None, warm: bool = False) -> None:
         """Copy prefix ``ids`` (``held`` of its tokens cached there) to ``producer``; its
-        prefill is reserved there until :meth:`copied`."""
+        prefill is reserved there until :meth:`copied`. ``warm``: a refused prompt that
+        no producer could serve in time (:meth:`warming`)."""
         assert self.replicate is not None
         work = self.prefill_s(producer, len(ids), held)
         if self.replicate(producer, ids, model, work):
             self.replicating.add(producer)
-            self.counters["replicated"] += 1
+            self.counters["warmed" if warm else "replicated"] += 1
             self._copies[producer] = self._add_work(producer, work)
+            if warm:
+                self._warming[producer] = ids
 
     def copied(self, producer: str, work_s: float) -> None:
         """The copy of a prefix to ``producer`` ended (done or failed): release its work."""
         self.replicating.discard(producer)
+        self._warming.pop(producer, None)
         key = self._copies.pop(producer, None)
         if key is not None:
             self._release_work(producer, work_s, key)
@@ -408,10 +520,17 @@ class PricedPlacement(Placement):
         self.handoff_s[consumer] = seconds if h is None else h + HANDOFF_WEIGHT * (seconds - h)
 
     def on_record(self, record: Mapping[str, Any]) -> None:
-        """Journal listener: the handoff of every request that got a first token."""
+        """Journal listener: the handoff of every request that got a first token, and
+        its router TTFT against the prediction of the attempt that produced it."""
         consumer, ttft, first = record.get("consumer"), record.get("ttft_s"), record.get("first_byte_s")
         if isinstance(consumer, str) and isinstance(ttft, float) and isinstance(first, float) and first >= ttft:
             self.observe_handoff(consumer, first - ttft)
+        attempts = record.get("attempts") or ()
+        last = attempts[-1] if attempts else None
+        if isinstance(ttft, float) and isinstance(last, Mapping) and last.get("outcome") == "ok":
+            producer, predicted = last.get("producer"), last.get("predicted_ttft_s")
+            if isinstance(producer, str) and isinstance(predicted, float):
+                self.observe_ttft(producer, ttft, predicted)
 
     def engine_reported(self, name: str, running: int, waiting: int, own: int) -> None:
         """As :meth:`Placement.engine_reported`; requests waiting for capacity re-price
@@ -468,12 +587,14 @@ class PricedPlacement(Placement):
                 if self.admission == "refuse" or self.clock() >= slo_deadline:
                     hit = miss.producer.cached_tokens
                     handoff = miss.handoff_s
+                    low = miss.producer.low
                     raise Refused(
                         f"no placement meets the SLO: predicted TTFT "
                         f"{(miss.producer.predicted_s + handoff) * 1000:.1f} ms "
                         f"on {miss.producer.engine}{f' ({hit} prompt tokens cached there)' if hit else ''}, "
                         f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}"
-                        f"{f' (TTFT with {handoff * 1000:.1f} ms of handoff to it)' if handoff else ''}",
+                        f"{f' (TTFT with {handoff * 1000:.1f} ms of handoff to it)' if handoff else ''}"
+                        f"{f'; TTFT {(low + handoff) * 1000:.1f} ms at the low end of its prediction error' if self.admission_bound != 'point' and low < miss.producer.predicted_s else ''}",
                         retry_after_s=1.0,
                     ) from None
                 if not waited:
@@ -497,7 +618,7 @@ class PricedPlacement(Placement):
     def remove_engine(self, name: str) -> None:
         super().remove_engine(name)
         for table in (self.ttft_correction, self.tpot_correction, self.prefill_work_s, self.profiles, self.unbound,
-                      self._prefills, self._last_done):  # fmt: skip
+                      self._prefills, self._last_done, self.ttft_ratios):  # fmt: skip
             table.pop(name, None)
 
 

@@ -93,6 +93,7 @@ class RouterState:
             self.placement = PricedPlacement(
                 prefill, decode, profiles={}, slo=ctl.slo, admission=ctl.admission,
                 available=self.placeable, clock=clock, pricing=ctl.pricing, models=declared,
+                admission_bound=ctl.admission_bound,
             )  # fmt: skip
         else:
             self.placement = Placement(prefill, decode, available=self.placeable, models=declared)
