@@ -49,6 +49,7 @@ COMPILED = [
     "narwhal/http/connection.py",
     "narwhal/http/delayed.py",
     "narwhal/http/messages.py",
+    "narwhal/http/parser.py",
     "narwhal/engines/wire.py",
     "narwhal/engines/sse.py",
     "narwhal/engines/stream.py",

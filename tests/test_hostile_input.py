@@ -112,7 +112,7 @@ _bodies = st.one_of(
     _json.map(lambda b: json.dumps(b).encode()),
     st.binary(max_size=64),
 )
-# Any header value h11 lets through (and some it does not).
+# Any header value the server accepts (and some it refuses).
 _request_ids = st.binary(min_size=1, max_size=40).map(lambda b: b.decode("latin-1"))
 
 
@@ -135,7 +135,7 @@ async def test_any_body_gives_200_or_4xx(
             headers = [] if rid is None else [("x-request-id", rid)]
             try:
                 raw = request_bytes(body, path=path, headers=headers)
-            except Exception:  # h11 refuses to send this header value: send it anyway
+            except Exception:  # h11 (the client) refuses to send this value: send it anyway
                 raw = (f"POST {path} HTTP/1.1\r\nhost: r\r\ncontent-length: {len(body)}\r\n").encode()
                 raw += b"x-request-id: " + (rid or "").encode("latin-1") + b"\r\n\r\n" + body
             await conn.send_all(raw)
@@ -150,7 +150,9 @@ async def test_any_body_gives_200_or_4xx(
             else:
                 assert json.loads(outcome.body)["choices"]
             new = stack.records[records:]
-            refused = outcome.error is not None and outcome.error["message"] == "malformed HTTP request"
+            refused = outcome.error is not None and outcome.error["message"].startswith(
+                "malformed HTTP request"
+            )
             if outcome.status in (413, 431) or refused:
                 assert new == []  # refused by the HTTP layer, never admitted
             else:  # admitted: exactly one journal record, with the status answered
@@ -170,6 +172,7 @@ def _deep(depth: int) -> bytes:
     [
         ({"prompt": "a", "max_tokens": -1}, 400, "'max_tokens' must be >= 1"),
         ({"prompt": "a", "max_tokens": 0}, 400, "'max_tokens' must be >= 1"),
+        ({"prompt": "a", "max_tokens": 10**400}, 400, "'max_tokens' is too large"),
         ({"prompt": "a", "max_tokens": 10**30}, 400, "maximum context length"),
         ({"prompt": "a", "max_tokens": 1.5}, 400, "'max_tokens' must be an integer"),
         ({"prompt": "a", "max_tokens": "3"}, 400, "'max_tokens' must be an integer"),

@@ -345,23 +345,124 @@ async def test_oversized_head_gets_431(autojump_clock: object, split: bool) -> N
 
 
 @pytest.mark.parametrize(
-    "garbage",
+    ("garbage", "problem"),
     [
-        b"\x00\x01\x02 hello\r\n\r\n",
-        b"GET / HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n",
-        b"GET / HTTP/1.1\r\n\r\n",  # no Host
-        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",
+        (b"\x00\x01\x02 hello\r\n\r\n", "malformed request line"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n", "malformed header field"),
+        (b"GET / HTTP/1.1\r\n\r\n", "missing Host field"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", "more than one Host field"),
+        (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n", "invalid Content-Length"),
+        (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", "invalid Content-Length"),
+        (
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+            "conflicting Content-Length",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "both Content-Length and Transfer-Encoding",
+        ),
+        (b"GET / HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n", "malformed header field"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nX: a\x01b\r\n\r\n", "malformed header field"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nX : y\r\n\r\n", "malformed header field"),
+        (b"GET / HTTP/1.1\nHost: x\r\n\r\n", "malformed request line"),
+        (b"GET  / HTTP/1.1\r\nHost: x\r\n\r\n", "malformed request line"),
+        (b"GET /a b HTTP/1.1\r\nHost: x\r\n\r\n", "malformed request line"),
+        (b"\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n", "malformed request line"),
+        (
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            "malformed chunk-size line",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n",
+            "chunk data not followed by CRLF",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"1\r\na\r\n0\r\nbad trailer\r\n\r\n",
+            "malformed trailer field",
+        ),
     ],
 )
-async def test_garbage_gets_400(autojump_clock: object, garbage: bytes) -> None:
+async def test_garbage_gets_400_naming_the_problem(
+    autojump_clock: object, garbage: bytes, problem: str
+) -> None:
     async with serving() as (_, stream):
         await stream.send_all(garbage)
         raw = await read_all(stream)
     assert statuses(raw) == [400]
     assert b"connection: close" in raw.lower()
-    assert json.loads(raw.partition(b"\r\n\r\n")[2]) == {
-        "error": {"message": "malformed HTTP request", "type": "invalid_request_error", "code": None}
-    }
+    error = json.loads(raw.partition(b"\r\n\r\n")[2])["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] is None
+    assert error["message"].startswith(f"malformed HTTP request: {problem}"), error
+
+
+@pytest.mark.parametrize("version", [b"2.0", b"1.2", b"0.9"])
+async def test_other_http_versions_get_505(autojump_clock: object, version: bytes) -> None:
+    async with serving() as (_, stream):
+        await stream.send_all(b"GET / HTTP/" + version + b"\r\nHost: x\r\n\r\n")
+        raw = await read_all(stream)
+    assert statuses(raw) == [505]
+    assert b"connection: close" in raw.lower()
+
+
+async def test_repeated_transfer_encoding_gets_501(autojump_clock: object) -> None:
+    async with serving() as (_, stream):
+        await stream.send_all(
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        )
+        raw = await read_all(stream)
+    assert statuses(raw) == [501]
+
+
+async def test_oversized_trailers_get_431(autojump_clock: object) -> None:
+    async with serving() as (_, stream):
+        await stream.send_all(
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n"
+            + b"X-T: " + b"a" * 2000 + b"\r\n\r\n"
+        )
+        raw = await read_all(stream)
+    assert statuses(raw) == [431]
+
+
+async def test_chunked_body_with_extensions_and_trailers_is_read_whole(
+    autojump_clock: object,
+) -> None:
+    """Chunk extensions and trailers are dropped; the chunks are the body, however the
+    bytes are split across reads; the next request on the connection is served."""
+    request = (
+        b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n\r\n"
+        b"3;name=value\r\nabc\r\nA \r\n0123456789\r\n0\r\nX-Checksum: 1\r\n\r\n"
+        b"GET /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    for size in (len(request), 1, 7):
+        async with serving() as (_, stream):
+            for i in range(0, len(request), size):
+                await stream.send_all(request[i : i + size])
+            raw = await read_all(stream)
+        assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"200", b"200"], (size, raw)
+        assert b"POST /c abc0123456789" in raw and b"GET /next " in raw
+
+
+async def test_header_fields_are_lowercased_and_stripped(autojump_clock: object) -> None:
+    seen: list[list[tuple[str, str]]] = []
+
+    async def record(request: Request, writer: ResponseWriter) -> None:
+        seen.append(request.headers)
+        await writer.respond(200, body=b"ok")
+
+    async with serving(record) as (_, stream):
+        await stream.send_all(
+            b"GET / HTTP/1.1\r\nHost: x\r\nX-Mixed-Case:  \t spaced value\t \r\n"
+            b"X-Empty:\r\nX-Latin: caf\xe9\r\nConnection: close\r\n\r\n"
+        )
+        raw = await read_all(stream)
+    assert statuses(raw) == [200]
+    assert seen == [
+        [("host", "x"), ("x-mixed-case", "spaced value"), ("x-empty", ""), ("x-latin", "caf\xe9"),
+         ("connection", "close")]
+    ]
 
 
 async def test_unknown_transfer_encoding_gets_501(autojump_clock: object) -> None:
@@ -808,8 +909,9 @@ async def test_any_bytes_parse_or_get_4xx_and_close(
                 pass  # the server already answered and closed
             raw = await read_all(client_stream)  # the server closes, whatever it got
             await client_stream.aclose()
-    # 4xx, or h11's 501 for a transfer-coding it does not implement; never a 500
-    assert all(status < 500 or status == 501 for status in statuses(raw)), raw
+    # 4xx, or 501 (a transfer-coding not implemented) or 505 (another HTTP version);
+    # never a 500
+    assert all(status < 500 or status in (501, 505) for status in statuses(raw)), raw
     assert server.open_connections == 0
 
 

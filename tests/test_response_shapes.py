@@ -192,7 +192,8 @@ def test_every_error_body_has_openais_code_a_string_or_null() -> None:
         for detail in ("bad token id", "This model's maximum context length is 64 tokens. However, ..."):
             bodies.append(EngineHTTPError("x", upstream_status=status, detail=detail).to_body())
     bodies += [json.loads(error_event(_instance(cls)).removeprefix(b"data: ")) for cls in classes]
-    bodies += [json.loads(b) for b in (connection._INTERNAL_ERROR_BODY, *connection._PROTOCOL_ERROR_BODIES.values())]
+    protocol = [connection._error_body(f"{m}: detail", t) for m, t in connection._PROTOCOL_ERRORS.values()]
+    bodies += [json.loads(b) for b in (connection._INTERNAL_ERROR_BODY, *protocol)]
     for body in bodies:
         assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
         assert body["error"]["code"] is None or isinstance(body["error"]["code"], str), body

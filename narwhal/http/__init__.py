@@ -1,4 +1,4 @@
-"""HTTP/1.1 serving (h11 on trio) for the router and the simulated engines."""
+"""HTTP/1.1 serving (on trio) for the router and the simulated engines."""
 
 from __future__ import annotations
 

@@ -11,17 +11,19 @@ socket is watched by the server's :class:`~narwhal.http.sockwatch.SocketWatch` (
 task for every watched socket, where ``epoll`` exists); any other stream by a reader
 task of its own.
 
-Protocol errors are answered with h11's ``error_status_hint`` (400/431/501) and
-``Connection: close``; a slow client gets 408. A handler that raises before it
-starts its response produces a 500 with a generic body (a
+Protocol errors (:class:`~narwhal.http.parser.ProtocolError`) are answered with their
+status (400/431/501/505), a body that names the problem, and ``Connection: close``; a
+slow client gets 408. A handler that raises before it starts its response produces a
+500 with a generic body (a
 :class:`~narwhal.errors.NarwhalError` produces its own status and body); once the
 response has started, an exception aborts the connection so the client sees an
 incomplete body rather than a truncated one that looks complete.
 
-h11 parses requests; responses are framed here (:meth:`Connection.response_head`,
-chunked bodies in :class:`~narwhal.http.messages.ResponseWriter`) under h11's rules
-for persistence (HTTP/1.0 and ``Connection: close`` end the connection), and each
-request cycle starts a fresh h11 state fed with the bytes read ahead of it.
+:class:`~narwhal.http.parser.RequestParser` parses requests; responses are framed here
+(:meth:`Connection.response_head`, chunked bodies in
+:class:`~narwhal.http.messages.ResponseWriter`). HTTP/1.0 and ``Connection: close`` end
+the connection after the response; bytes read ahead of the next request stay in the
+parser for the next cycle.
 """
 
 from __future__ import annotations
@@ -31,18 +33,17 @@ import http
 import json
 import logging
 import math
-import operator
 import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import h11
 import trio
 
 from narwhal.errors import NarwhalError, Refused, caused
 from narwhal.http.messages import BODYLESS_STATUSES, Request, ResponseWriter
+from narwhal.http.parser import ProtocolError, RequestHead, RequestParser
 from narwhal.netio import StreamIO
 
 if TYPE_CHECKING:
@@ -72,12 +73,15 @@ def _error_body(message: str, error_type: str) -> bytes:
 
 
 _INTERNAL_ERROR_BODY = _error_body("internal error", "internal_error")
-_PROTOCOL_ERROR_BODIES = {
-    400: _error_body("malformed HTTP request", "invalid_request_error"),
-    408: _error_body("request timed out", "invalid_request_error"),
-    413: _error_body("request body too large", "invalid_request_error"),
-    431: _error_body("request header fields too large", "invalid_request_error"),
-    501: _error_body("not implemented", "not_implemented_error"),
+#: The message and type of a protocol error's body, by status (the parser's
+#: explanation, when there is one, follows the message).
+_PROTOCOL_ERRORS = {
+    400: ("malformed HTTP request", "invalid_request_error"),
+    408: ("request timed out", "invalid_request_error"),
+    413: ("request body too large", "invalid_request_error"),
+    431: ("request header fields too large", "invalid_request_error"),
+    501: ("not implemented", "not_implemented_error"),
+    505: ("HTTP version not supported", "invalid_request_error"),
 }
 _REASONS = {status.value: status.phrase.encode("ascii") for status in http.HTTPStatus}
 
@@ -105,9 +109,14 @@ _DATE = _DateCache()
 class _Reject(Exception):
     """Internal: answer the current request with ``status`` and close."""
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, detail: str = "") -> None:
         super().__init__(status)
         self.status = status
+        self.detail = detail
+
+    @classmethod
+    def of(cls, error: ProtocolError) -> _Reject:
+        return cls(error.status, error.message)
 
 
 def _sole_exception(exc: BaseException) -> BaseException:
@@ -159,9 +168,7 @@ class Connection:
         self.limits = server.limits
         self.stream = stream
         self.io = StreamIO(stream)
-        self.h11 = h11.Connection(
-            h11.SERVER, max_incomplete_event_size=server.limits.max_header_bytes
-        )
+        self.parser = RequestParser(server.limits.max_header_bytes)
         self.client = _peer_address(stream)
         self.scope = trio.CancelScope()
         #: Set while waiting for the first byte of a request: shutdown cancels it.
@@ -181,7 +188,7 @@ class Connection:
         self.polled_fd = -1
         self.read_ahead = 0
         self.detached = False  # the handler took the raw stream (protocol upgrade)
-        # The response side is ours (h11 parses requests only): see response_head().
+        # The response side: see response_head().
         self.http11 = True  # the request was HTTP/1.1 (else 1.0: no chunking, no keep-alive)
         self.must_close = False  # close after this response
         self.responded = False  # the current request's response has started
@@ -217,12 +224,6 @@ class Connection:
         if self.handler_scope is not None:
             self.handler_scope.cancel("client disconnected")
 
-    def next_event(self) -> Any:
-        try:
-            return self.h11.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise caused(_Reject(exc.error_status_hint), exc)
-
     def response_head(
         self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None
     ) -> bytes:
@@ -231,8 +232,7 @@ class Connection:
         Framing is ours: ``Content-Length`` when ``content_length`` is given, else
         chunked for an HTTP/1.1 client and close-delimited for an HTTP/1.0 one. It adds
         ``Date`` and ``Server`` unless given, and ``Connection: close`` when the
-        connection ends after this response. Writing the head ourselves (h11 only
-        parses requests) saves h11's per-event validation on every response.
+        connection ends after this response.
 
         Raises:
             ValueError: a header name or value would break the head (CR, LF, NUL).
@@ -284,7 +284,7 @@ class Connection:
             try:
                 head = await self.read_head(first)
             except _Reject as reject:
-                await self.reject(reject.status)
+                await self.reject(reject.status, reject.detail)
                 return
             if head is None:
                 return
@@ -296,21 +296,16 @@ class Connection:
                 self.server._in_flight -= 1
             if not keep_alive or self.server.closing or self.must_close:
                 return
-            if self.h11.their_state is not h11.DONE:
+            if not self.parser.done:
                 return
             self.next_cycle()
 
     def next_cycle(self) -> None:
-        """A fresh h11 state for the next request, fed what was read ahead of it."""
-        data, closed = self.h11.trailing_data
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
-        if data:
-            self.h11.receive_data(data)
-        if closed:
-            self.h11.receive_data(b"")
+        """The next request: the parser keeps what was read ahead of it."""
+        self.parser.next_request()
         self.responded = False
 
-    async def read_head(self, first: bool) -> h11.Request | None:
+    async def read_head(self, first: bool) -> RequestHead | None:
         """The next request head, or None to close quietly (EOF, idle timeout, shutdown)."""
         limits = self.limits
         self.head_only = False
@@ -319,14 +314,16 @@ class Connection:
         quiet = waiting and not first  # a keep-alive wait ends silently
         timeout = limits.keepalive_timeout_s if quiet else limits.header_timeout_s
         deadline = trio.current_time() + timeout
+        parser = self.parser
         while True:
-            event = self.next_event()
-            if isinstance(event, h11.Request):
-                if _head_size(event) > limits.max_header_bytes:
-                    raise _Reject(431)
-                return event
-            if event is not h11.NEED_DATA:
-                return None  # ConnectionClosed
+            try:
+                head = parser.head()
+            except ProtocolError as exc:
+                raise caused(_Reject.of(exc), exc)
+            if head is not None:
+                return head
+            if parser.closed:
+                return None  # closed between requests
             with trio.CancelScope(deadline=deadline) as scope:
                 if waiting:
                     self.idle_scope = scope
@@ -342,51 +339,54 @@ class Connection:
                 waiting = False
                 if quiet:
                     deadline = trio.current_time() + limits.header_timeout_s
-            self.h11.receive_data(data)
+            parser.feed(data)
 
-    async def read_body(self, head: h11.Request) -> bytes | None:
+    async def read_body(self, head: RequestHead) -> bytes | None:
         """The whole body, or None if the client went away."""
         limit = self.limits.max_body_bytes
-        for name, value in head.headers:
-            if name == b"content-length":
-                if int(value) > limit:
-                    raise _Reject(413)
-                break
-        parts: list[bytes | bytearray] = []
+        if head.content_length > limit:
+            raise _Reject(413)
+        parser = self.parser
+        if parser.done:
+            return b""
+        parts: list[bytes] = []
         size = 0
         deadline: float | None = None  # set when the body is not all here yet
+        # An HTTP/1.1 "Expect: 100-continue" client waits for a 100 before it sends a
+        # body; one that sends it anyway needs none.
+        expecting = head.expect_continue
         while True:
-            event = self.next_event()
-            if isinstance(event, h11.Data):
-                chunk = _event_data(event)
+            try:
+                chunk = parser.body()
+            except ProtocolError as exc:
+                raise caused(_Reject.of(exc), exc)
+            if chunk:
                 size += len(chunk)
                 if size > limit:
                     raise _Reject(413)
                 parts.append(chunk)
-            elif isinstance(event, h11.EndOfMessage):
-                return b"".join(parts)  # bytes (a lone bytes part is returned as is)
-            elif event is h11.NEED_DATA:
-                if deadline is None:
-                    deadline = trio.current_time() + self.limits.body_timeout_s
-                if self.h11.they_are_waiting_for_100_continue:
-                    continue_ = h11.InformationalResponse(
-                        status_code=100, headers=[], reason=b"Continue"
-                    )
-                    await self.send_quietly(self.h11.send(continue_))
-                with trio.CancelScope(deadline=deadline) as scope:
-                    data = await self.receive()
-                if scope.cancelled_caught:
-                    raise _Reject(408)
-                self.h11.receive_data(data)
-            else:
+            if parser.done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if parser.closed:
                 return None
+            if deadline is None:
+                deadline = trio.current_time() + self.limits.body_timeout_s
+            if expecting:
+                expecting = False
+                if size == 0 and not parser.buf:
+                    await self.send_quietly(b"HTTP/1.1 100 Continue\r\n\r\n")
+            with trio.CancelScope(deadline=deadline) as scope:
+                data = await self.receive()
+            if scope.cancelled_caught:
+                raise _Reject(408)
+            parser.feed(data)
 
-    async def serve(self, head: h11.Request) -> bool:
+    async def serve(self, head: RequestHead) -> bool:
         """Read the body, run the handler, finish the response; True to keep alive."""
         try:
             body = await self.read_body(head)
         except _Reject as reject:
-            await self.reject(reject.status)
+            await self.reject(reject.status, reject.detail)
             return False
         if body is None:
             return False
@@ -402,11 +402,8 @@ class Connection:
             client=self.client,
         )
         self.head_only = head.method == b"HEAD"
-        self.http11 = head.http_version == b"1.1"
-        # h11's persistence rules: HTTP/1.0 closes; "Connection: close" closes.
-        self.must_close = not self.http11 or any(
-            name == b"connection" and b"close" in value.lower() for name, value in head.headers
-        )
+        self.http11 = head.http11
+        self.must_close = head.close  # HTTP/1.0, or "Connection: close"
         writer = ResponseWriter(self, head_only=self.head_only)
         self.request = request
         self.handler_scope = trio.CancelScope()
@@ -426,7 +423,7 @@ class Connection:
             if watcher is not None:
                 watcher.scope.cancel()
         if watcher is not None:
-            await watcher.stop()  # it feeds h11: it must be done reading before the next read
+            await watcher.stop()  # it feeds the parser: it must be done reading before the next read
         return await self.finish(request, writer, failure)
 
     def _forget_watcher(self) -> None:
@@ -474,7 +471,7 @@ class Connection:
             self.unpoll()
             self.client_gone()
             return
-        self.h11.receive_data(data)
+        self.parser.feed(data)
         self.carry = True
         self.read_ahead += len(data)
         if self.read_ahead >= max(self.limits.max_header_bytes, _RECV_SIZE):
@@ -512,7 +509,7 @@ class Connection:
                     if not data:
                         self.client_gone()
                         return
-                    self.h11.receive_data(data)
+                    self.parser.feed(data)
                     self.carry = True
                     read_ahead += len(data)
                 await trio.sleep_forever()  # enough read ahead: let TCP push back
@@ -538,7 +535,7 @@ class Connection:
         head = [f"{request.method} {request.target} HTTP/1.1\r\n".encode("latin-1")]
         head.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in request.headers)
         head.append(b"\r\n")
-        return ReplayStream(b"".join(head) + request.body + self.h11.trailing_data[0], self.stream)
+        return ReplayStream(b"".join(head) + request.body + self.parser.trailing, self.stream)
 
     async def finish(
         self, request: Request, writer: ResponseWriter, failure: Exception | None
@@ -603,14 +600,16 @@ class Connection:
         )
         return await self.send_error(500, _INTERNAL_ERROR_BODY, close=False)
 
-    async def reject(self, status: int) -> None:
+    async def reject(self, status: int, detail: str = "") -> None:
         self.linger = True
-        body = _PROTOCOL_ERROR_BODIES.get(status)
-        if body is None:
+        known = _PROTOCOL_ERRORS.get(status)
+        if known is None:
             status = status if 400 <= status <= 599 else 400
-            phrase = _REASONS.get(status, b"error").decode()
-            body = _error_body(phrase.lower(), "invalid_request_error")
-        await self.send_error(status, body)
+            known = (_REASONS.get(status, b"error").decode().lower(), "invalid_request_error")
+        message, error_type = known
+        if detail:
+            message = f"{message}: {detail}"
+        await self.send_error(status, _error_body(message, error_type))
 
     async def send_error(
         self,
@@ -694,15 +693,3 @@ class ReplayStream(trio.abc.Stream):
 
     async def aclose(self) -> None:
         await self._stream.aclose()
-
-
-#: ``h11.Data.data``: h11 declares bytes and hands out bytearray slices of its receive
-#: buffer; read untyped, so that the compiled build (which checks annotations) takes either.
-_event_data: Callable[[h11.Data], bytes | bytearray] = operator.attrgetter("data")
-
-
-def _head_size(head: h11.Request) -> int:
-    # h11 bounds an incomplete head; this also bounds a head that arrived in one read.
-    return (
-        len(head.method) + len(head.target) + 12 + sum(len(n) + len(v) + 4 for n, v in head.headers)
-    )

@@ -2,7 +2,7 @@
 :class:`Request`, :class:`ResponseWriter` and the :data:`Handler` signature.
 
 A :class:`ResponseWriter` writes through the connection that read its request
-(:class:`narwhal.http.connection.Connection`), which owns the h11 state and the stream.
+(:class:`narwhal.http.connection.Connection`), which owns the request parser and the stream.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HTTP/1.1 server over trio streams (requests parsed by h11), shared by the router and the
+"""HTTP/1.1 server over trio streams (requests parsed by narwhal.http.parser), shared by the router and the
 simulated engines.
 
 One :class:`HTTPServer` serves any number of connections; each connection is a

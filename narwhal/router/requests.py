@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from typing import Any
 
@@ -76,6 +77,11 @@ class ParsedRequest:
         return max(max_model_len - prompt_tokens, 1)
 
 
+#: Above this an integer field cannot be converted to a float, which placement and
+#: pricing compute with (any smaller excess is a context-length error where it is due).
+_INT_MAX = int(sys.float_info.max)
+
+
 def _int_field(body: dict[str, Any], name: str, *, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
@@ -84,6 +90,8 @@ def _int_field(body: dict[str, Any], name: str, *, minimum: int) -> int | None:
         raise BadRequest(f"'{name}' must be an integer", code="invalid_type")
     if value < minimum:
         raise BadRequest(f"'{name}' must be >= {minimum}", code="invalid_value")
+    if value > _INT_MAX:
+        raise BadRequest(f"'{name}' is too large", code="invalid_value")
     return value
 
 
