@@ -76,16 +76,18 @@ async def test_metrics_and_health(autojump_clock: trio.abc.Clock) -> None:
     assert unready.status_code == 503 and unready.json()["status"] != "ready"
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "status", "message"),
-    [
-        ("POST", "/metrics", 405, "POST is not allowed on /metrics"),
-        ("DELETE", "/fleet", 405, "DELETE is not allowed on /fleet"),
-        ("PUT", "/health", 405, "PUT is not allowed on /health"),
-        ("GET", "/nothing", 404, "no route for GET /nothing"),
-        ("GET", "/events", 400, "/events is a WebSocket endpoint (send Upgrade: websocket)"),
-    ],
-)
+#: What the admin surface refuses, and how: a worker's and the workers' combined
+#: surface (tests/test_fanin.py) alike.
+REFUSALS = [
+    ("POST", "/metrics", 405, "POST is not allowed on /metrics"),
+    ("DELETE", "/fleet", 405, "DELETE is not allowed on /fleet"),
+    ("PUT", "/health", 405, "PUT is not allowed on /health"),
+    ("GET", "/nothing", 404, "no route for GET /nothing"),
+    ("GET", "/events", 400, "/events is a WebSocket endpoint (send Upgrade: websocket)"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "status", "message"), REFUSALS)
 async def test_other_requests_are_refused_with_a_clear_error(
     autojump_clock: trio.abc.Clock, method: str, path: str, status: int, message: str
 ) -> None:

@@ -22,6 +22,8 @@ from narwhal.router.fanin import WorkersAdminApp, combine_expositions, combine_f
 from narwhal.router.metrics import BREAKER_CODES, CONTENT_TYPE
 from narwhal.testing.ports import free_port
 
+from .test_admin import REFUSALS
+
 Handler = Callable[[Request, ResponseWriter], Awaitable[None]]
 JSON = (("content-type", "application/json"),)
 
@@ -316,15 +318,7 @@ async def test_put_fleet_waits_for_a_reload_longer_than_a_scrape() -> None:
     assert resp.status_code == 200 and resp.json() == {"status": "applied", "workers": [applied[1]]}
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "status", "message"),
-    [
-        ("POST", "/metrics", 405, "POST is not allowed on /metrics"),
-        ("PUT", "/health", 405, "PUT is not allowed on /health"),
-        ("GET", "/nothing", 404, "no route for GET /nothing"),
-        ("GET", "/events", 400, "/events is a WebSocket endpoint (send Upgrade: websocket)"),
-    ],
-)
+@pytest.mark.parametrize(("method", "path", "status", "message"), REFUSALS)
 async def test_other_requests_are_refused_with_a_clear_error(method: str, path: str, status: int, message: str) -> None:
     worker = _Worker({})
     async with _combined([worker]) as (client, _):

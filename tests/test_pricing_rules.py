@@ -491,6 +491,10 @@ def test_the_low_end_comes_from_the_profiles_interval_until_requests_are_seen_an
     pl.set_roles([], ["d0"])
     pl.remove_engine("p0")
     assert "p0" not in pl.ttft_ratios
+    # Back in the fleet, it starts again from its profile's interval (x1.2 upper, as above).
+    pl.profiles["p0"] = profile("p0", upper=1.2)
+    pl.add_engine("p0")
+    assert pl.low_factor("p0") == pytest.approx(0.9 / 1.2)
 
 
 async def test_the_refusal_names_the_hit_and_the_handoff(autojump_clock: trio.abc.Clock) -> None:

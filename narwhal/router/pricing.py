@@ -176,6 +176,9 @@ class PricedPlacement(Placement):
         self.admission_bound = admission_bound
         #: Per producer, observed / predicted router TTFT of its latest priced requests.
         self.ttft_ratios: dict[str, collections.deque[float]] = {}
+        #: Per producer, the :data:`LOW_QUANTILE` of its ratios once it has
+        #: :data:`ERROR_MIN`: set where a ratio comes in (once a request), not per quote.
+        self._observed_low: dict[str, float] = {}
         self.slo = slo
         self.admission = admission
         self.clock = clock
@@ -246,11 +249,8 @@ class PricedPlacement(Placement):
         (1 - its worst relative half-width; under ``pricing: upper`` a prediction is that
         interval's upper end, so the low end is that much further); within
         [:data:`LOW_FLOOR`, 1]."""
-        ratios = self.ttft_ratios.get(name)
-        if ratios is not None and len(ratios) >= ERROR_MIN:
-            ordered = sorted(ratios)
-            low = ordered[int(LOW_QUANTILE * (len(ordered) - 1))]
-        else:
+        low = self._observed_low.get(name)
+        if low is None:
             uncertainty = self.profiles[name].ttft.uncertainty
             half = uncertainty.worst_half_width if uncertainty is not None else 0.0
             upper = uncertainty.upper_factor if uncertainty is not None and self.pricing == "upper" else 1.0
@@ -262,6 +262,8 @@ class PricedPlacement(Placement):
         if predicted_s > 0 and producer in self.loads:
             ratios = self.ttft_ratios.setdefault(producer, collections.deque(maxlen=ERROR_WINDOW))
             ratios.append(observed_s / predicted_s)
+            if len(ratios) >= ERROR_MIN:
+                self._observed_low[producer] = sorted(ratios)[int(LOW_QUANTILE * (len(ratios) - 1))]
 
     def head_done_s(self, name: str) -> float:
         """Predicted seconds already done of the oldest prefill reserved on ``name``: it
@@ -618,7 +620,7 @@ class PricedPlacement(Placement):
     def remove_engine(self, name: str) -> None:
         super().remove_engine(name)
         for table in (self.ttft_correction, self.tpot_correction, self.prefill_work_s, self.profiles, self.unbound,
-                      self._prefills, self._last_done, self.ttft_ratios):  # fmt: skip
+                      self._prefills, self._last_done, self.ttft_ratios, self._observed_low):  # fmt: skip
             table.pop(name, None)
 
 
