@@ -132,12 +132,12 @@ class Collected:
 
 
 @asynccontextmanager
-async def subscribed(config: EngineConfig, *, late: bool = False) -> AsyncIterator[tuple[SimEngine, httpx.AsyncClient, Collected, KVEventSubscriber]]:
+async def subscribed(config: EngineConfig, *, late: bool = False, **options: Any) -> AsyncIterator[tuple[SimEngine, httpx.AsyncClient, Collected, KVEventSubscriber]]:
     assert config.kv_events is not None
     got = Collected()
     sub = KVEventSubscriber(
         config.kv_events.endpoint, replay_endpoint=config.kv_events.replay_endpoint,
-        topic=config.kv_events.topic, on_batch=got.batch, on_reset=got.reset, replay_timeout_s=2.0,
+        topic=config.kv_events.topic, on_batch=got.batch, on_reset=got.reset, replay_timeout_s=2.0, **options,
     )  # fmt: skip
     with trio.fail_after(GUARD_S):
         async with open_sim_fleet([config]) as fleet, fleet.client("e0", timeout=None) as client:
@@ -156,7 +156,8 @@ async def complete(client: httpx.AsyncClient, ids: list[int], max_tokens: int = 
 async def test_subscriber_sees_blocks_stored_removed_and_cleared() -> None:
     async with subscribed(kv_engine(kv_capacity_tokens=32)) as (_, client, got, sub):
         ids = list(range(100, 110))  # two full blocks of 4 and two tokens
-        await got.until(lambda: sub.expected is None and got.resets)  # subscribed; nothing buffered
+        await until(lambda: sub.expected == 0)  # subscribed; nothing buffered: 0 comes next
+        assert len(got.resets) == 1
         await complete(client, ids)
         await got.until(lambda: got.stored())
         (stored,) = got.stored()
@@ -197,6 +198,23 @@ async def test_a_lost_batch_is_replayed_in_order() -> None:
         assert [s.token_ids[0] for s in got.stored()] == [10, 30, 50]
 
 
+async def test_first_batches_published_before_the_subscription_took_hold_are_replayed() -> None:
+    """The engine buffered nothing when the subscriber started, and its first batches
+    went out before the subscription reached the publisher (ZeroMQ's slow joiner, a
+    publisher still connecting in bind mode): the first live batch, numbered above 0,
+    is a gap, replayed from 0, not the stream's start."""
+    async with subscribed(kv_engine()) as (engine, client, got, sub):
+        await until(lambda: sub.expected == 0)  # subscribed, nothing buffered
+        assert engine.kv_publisher is not None
+        engine.kv_publisher.drop_next = 2  # batches 0 and 1 never reach the subscriber live
+        for base in (10, 30, 50):
+            await complete(client, list(range(base, base + 10)))
+        await got.until(lambda: len(got.batches) == 3)
+        assert got.seqs == [0, 1, 2] and sub.replays == 2  # on subscribing, and the gap
+        assert [s.token_ids[0] for s in got.stored()] == [10, 30, 50]
+        assert len(got.resets) == 2 and "batches 0..1 were lost" in got.resets[1]
+
+
 async def test_a_gap_without_replay_drops_the_view() -> None:
     async with subscribed(kv_engine(replay=False)) as (engine, client, got, _):
         await got.until(lambda: got.resets)
@@ -212,7 +230,9 @@ async def test_a_gap_without_replay_drops_the_view() -> None:
 
 
 async def test_a_restarted_engine_is_a_new_stream() -> None:
-    async with subscribed(kv_engine()) as (engine, client, got, _):
+    # The restarted engine's first batches may go out before the subscription reaches
+    # its new publisher (a loaded host): the replay probe then finds the restart.
+    async with subscribed(kv_engine(), probe_interval_s=0.2) as (engine, client, got, _):
         await got.until(lambda: got.resets)
         for base in (10, 30):
             await complete(client, list(range(base, base + 10)))

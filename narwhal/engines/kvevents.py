@@ -265,7 +265,10 @@ class KVEventSubscriber:
 
     On start, the batches the engine still buffers are replayed from 0 so that a
     router started after the engine learns what is cached (``on_reset`` first, since
-    what came before the buffer is unknown).
+    what came before the buffer is unknown). An engine that buffers nothing yet has
+    published nothing: its batches are expected from 0, so a first live batch numbered
+    higher is a gap like any other (the publisher's first batches went out before the
+    subscription reached it).
 
     A live stream can be silent without an error: a vLLM engine binds its PUB socket
     only for a wildcard endpoint and otherwise connects outward, publishing into
@@ -507,6 +510,11 @@ class KVEventSubscriber:
             # the engine no longer buffers the first missing batch
             self._reset(f"{why}; the engine no longer buffers them")
             self.expected = None
+        if start == 0 and not got:
+            # The engine has published nothing yet: its first batch is 0, and a first live
+            # batch numbered higher means the ones before it were lost (a publisher still
+            # connecting, ZeroMQ's slow joiner), to be replayed like any other gap.
+            self.expected = 0
         self._deliver_replayed(got)
 
     def _deliver_replayed(self, got: Sequence[tuple[int, bytes]]) -> None:
