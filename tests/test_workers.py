@@ -130,7 +130,9 @@ def test_workers_share_one_port_and_one_admin_surface(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while records.read_text().count('"source":"SIGHUP"') < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        reloads = [json.loads(x) for x in records.read_text().splitlines()]
+        # Each worker appends its own records, in its order, through its own writer: two
+        # workers' lines interleave by when each wrote them, so order by when each happened.
+        reloads = sorted((json.loads(x) for x in records.read_text().splitlines()), key=lambda r: r["at"])
         assert [(r["event"], r["source"]) for r in reloads] == [("rejected", "PUT /fleet")] * 2 + [("reload", "SIGHUP")] * 2
     finally:
         proc.send_signal(signal.SIGTERM)
