@@ -329,6 +329,21 @@ def test_a_reloaded_document_sets_the_margin_interval_and_slo() -> None:
     assert controller.slo.ttft_s == 2.0 and controller.slo.tpot_s == 0.1
 
 
+def test_a_reloaded_interval_moves_the_demand_window_with_it() -> None:
+    clock = Clock()
+    controller = make(fleet(p0(), d0(), interval_s=2.0), clock=clock)
+    controller.reconfigure(fleet(p0(), d0(), interval_s=10.0))
+    assert controller.window_s == 30.0
+    # One arrival a second for 30 s: the rate is one a second (a window left at three
+    # old intervals, 6 s, held 7 arrivals and spread them over one new interval).
+    arrive(controller, clock, [100.0 + i for i in range(31)], 100, 10)
+    assert controller.demand() == pytest.approx((31 / 30, 100.0, 10.0))
+    # A window given stays as it is.
+    given = make(fleet(p0(), d0(), interval_s=2.0), window_s=1.5)
+    given.reconfigure(fleet(p0(), d0(), interval_s=10.0))
+    assert given.window_s == 1.5
+
+
 def members(*engines: dict[str, Any]) -> list[EngineConfig]:
     return list(fleet(*engines).engines)
 

@@ -63,6 +63,8 @@ class ReactiveController:
         rc = config.controller.reactive
         self.margin = rc.movement_margin
         self.interval_s = rc.interval_s
+        #: The demand window: as given, else three intervals (a reload's interval too).
+        self._window_given = window_s
         self.window_s = window_s if window_s is not None else 3 * rc.interval_s
         self.slo = config.controller.slo
         #: The engines in placement (the fleet's, as reloads and discovery change it).
@@ -147,11 +149,13 @@ class ReactiveController:
         return {"ttft_s": ttft, "tpot_s": tpot, "pressure": max(ttft / slo_ttft, tpot / slo_tpot)}
 
     def reconfigure(self, config: FleetConfig) -> None:
-        """A reloaded fleet document: its SLO, margin and interval from now on."""
+        """A reloaded fleet document: its SLO, margin and interval (and the demand window
+        of three intervals, unless one was given) from now on."""
         self.config = config
         rc = config.controller.reactive
         self.margin = rc.movement_margin
         self.interval_s = rc.interval_s
+        self.window_s = self._window_given if self._window_given is not None else 3 * rc.interval_s
         self.slo = config.controller.slo
 
     def assign(self, members: list[EngineConfig]) -> tuple[list[str], list[str]]:
