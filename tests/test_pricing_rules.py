@@ -509,6 +509,23 @@ async def test_the_refusal_names_the_hit_and_the_handoff(autojump_clock: trio.ab
     )
 
 
+async def test_the_refusal_states_a_slow_consumers_prices_the_handoff_and_the_low_end(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slow = {"c0": 0.2, "c1": 2e-4, "c2": 1e-8}
+    pl = priced(profiles={"p0": profile("p0", upper=1.2), "d0": profile("d0", decode=slow)}, clock=trio.current_time)
+    pl.observe_handoff("d0", 0.2)
+    with pytest.raises(Refused) as exc:
+        await pl.acquire(1000, 10)
+    low = ttft(1000) * 0.9  # the profile's interval: +-10% of the point prediction
+    assert exc.value.message == (
+        f"no placement meets the SLO: predicted TTFT {(ttft(1000) + 0.2) * 1000:.1f} ms on p0, "
+        f"TPOT {tpot(1, 1010, slow) * 1000:.1f} ms on d0 (TTFT with 200.0 ms of handoff to it); "
+        f"TTFT {(low + 0.2) * 1000:.1f} ms at the low end of its prediction error"
+    )
+    assert f"TPOT {tpot(1, 1010, slow) * 1000:.1f} ms" == "TPOT 200.2 ms"
+
+
 async def test_wait_places_when_capacity_is_released_and_counts_the_wait(autojump_clock: trio.abc.Clock) -> None:
     # One stream fits the TPOT target, two do not.
     pl = priced(tpot_s=tpot(1, 1010) * 1.001, admission="wait", clock=trio.current_time)
@@ -585,6 +602,51 @@ async def test_a_drop_in_others_load_wakes_waiting_requests(autojump_clock: trio
     assert placed == [pytest.approx(0.5)]
     pl.engine_reported("gone", 0, 0, 0)  # an engine placement does not know: ignored
     assert "gone" not in pl.loads
+
+
+async def test_each_waiting_request_counts_once_however_often_it_wakes(autojump_clock: trio.abc.Clock) -> None:
+    pl = priced(tpot_s=tpot(1, 1010) * 1.001, admission="wait", clock=trio.current_time)
+    pl.engine_reported("d0", 1, 0, 0)  # another router's stream on d0: no room
+
+    async def one() -> None:
+        with pytest.raises(Refused):
+            await pl.acquire(1000, 10, deadline=1.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one)
+        nursery.start_soon(one)
+        await trio.sleep(0.2)
+        for load in (0.5, 0.25):  # less each time, still no room: both priced again, both wait on
+            pl.engine_reported("d0", load, 0, 0)
+            await trio.sleep(0.1)
+        assert pl.counters["refused"] == 6
+    assert pl.counters["waited"] == 2 and pl.counters["refused"] == 8
+
+
+async def test_acquire_places_the_requests_model_away_from_avoided_engines() -> None:
+    models = {"p0": ["m"], "d0": ["m"], "p1": ["n"], "d1": ["n"]}
+    pl = priced(["p0", "p1"], ["d0", "d1"], models=models)
+    r = await pl.acquire(100, 10, model="n")
+    assert (r.producer, r.consumer) == ("p1", "d1")
+    r.release()
+    pl = priced(["p0", "p1"], ["d0", "d1"])
+    r = await pl.acquire(100, 10, avoid=frozenset({"p0", "d0"}))
+    assert (r.producer, r.consumer) == ("p1", "d1")
+
+
+async def test_acquire_copies_a_busy_prefix_by_the_prompts_token_ids() -> None:
+    pl = three_producers()
+    started: list[tuple[str, int]] = []
+
+    def replicate(producer: str, ids: Sequence[int], model: str | None, work: float) -> bool:
+        started.append((producer, len(ids)))
+        return True
+
+    pl.replicate = replicate
+    pl.prefill_work_s["p0"] = 0.6
+    held = {"p0": 800, "p1": 100, "p2": 0, "d0": 0}
+    await pl.acquire(1000, 10, cached=held.__getitem__, prompt_ids=list(range(1000)))
+    assert started == [("p1", 800)]
 
 
 async def test_role_changes_wake_waiting_requests(autojump_clock: trio.abc.Clock) -> None:

@@ -120,8 +120,9 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),
-    # The reactive controller's tests (corrections, role moves, decisions file).
-    "narwhal/router/controller.py": ("tests/test_reactive.py",),
+    # The reactive controller's rules directly (corrections, demand, the pressure model,
+    # the decisions and their file), and end to end behind a router.
+    "narwhal/router/controller.py": ("tests/test_controller_rules.py", "tests/test_reactive.py"),
     # DNS-discovered engine groups: resolution, expansion, fleet changes.
     "narwhal/router/discovery.py": ("tests/test_discovery.py",),
     # The state's own tests, and the router's that read it (readiness, models, counting).

@@ -41,6 +41,10 @@ log = logging.getLogger("narwhal.router.controller")
 
 _ALPHA = 0.2  # EWMA weight of a new observation
 _CLAMP = (0.25, 8.0)  # corrections stay within sane bounds
+#: Iterations of decode's fixed point. A fleet that keeps up converges in a few (to 1e-9 s);
+#: an overloaded one has no fixed point, and the prediction after this many grows with
+#: how far over it is (a ranking of overloaded assignments, not a latency).
+_FIXED_POINT_STEPS = 50
 
 
 class ReactiveController:
@@ -56,13 +60,14 @@ class ReactiveController:
     ) -> None:
         """``journal_path``: the journal the router writes (its decisions go beside it, in
         ``<journal>.controller.jsonl``); None: no decisions file."""
-        self.config = config
         self.placement = placement
         self.publish = publish
         self.clock = clock
         rc = config.controller.reactive
         self.margin = rc.movement_margin
         self.interval_s = rc.interval_s
+        #: The demand window: as given, else three intervals (a reload's interval too).
+        self._window_given = window_s
         self.window_s = window_s if window_s is not None else 3 * rc.interval_s
         self.slo = config.controller.slo
         #: The engines in placement (the fleet's, as reloads and discovery change it).
@@ -133,13 +138,13 @@ class ReactiveController:
             tpot = math.inf
         else:
             tpot = min(profiles[n].decode_model.c0 for n in consumers)
-            for _ in range(50):  # Little's law as a fixed point
+            for _ in range(_FIXED_POINT_STEPS):  # Little's law as a fixed point
                 active = rate * output * tpot / len(consumers)
                 kv = active * (prompt + output / 2)
                 new = sum(
                     profiles[n].predict_tpot(active, kv) * self.placement.tpot_correction.get(n, 1.0) for n in consumers
                 ) / len(consumers)
-                if abs(new - tpot) < 1e-9:
+                if abs(new - tpot) < 1e-9:  # pragma: no mutate (equivalent: converged; iterating on, or stopping at exactly 1e-9, moves it by less; its other mutants were killed)
                     break
                 tpot = new
         slo_ttft = self.slo.ttft_s or 1.0
@@ -147,11 +152,12 @@ class ReactiveController:
         return {"ttft_s": ttft, "tpot_s": tpot, "pressure": max(ttft / slo_ttft, tpot / slo_tpot)}
 
     def reconfigure(self, config: FleetConfig) -> None:
-        """A reloaded fleet document: its SLO, margin and interval from now on."""
-        self.config = config
+        """A reloaded fleet document: its SLO, margin and interval (and the demand window
+        of three intervals, unless one was given) from now on."""
         rc = config.controller.reactive
         self.margin = rc.movement_margin
         self.interval_s = rc.interval_s
+        self.window_s = self._window_given if self._window_given is not None else 3 * rc.interval_s
         self.slo = config.controller.slo
 
     def assign(self, members: list[EngineConfig]) -> tuple[list[str], list[str]]:
@@ -248,5 +254,5 @@ def _finite(values: dict[str, float]) -> dict[str, float | None]:
 
 def _append(path: Path, line: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(line)
+    with open(path, "ab") as fh:  # (a JSON line is ASCII: any encoding writes it alike)
+        fh.write(line.encode())

@@ -597,8 +597,7 @@ class PricedPlacement(Placement):
                         f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}"
                         f"{f' (TTFT with {handoff * 1000:.1f} ms of handoff to it)' if handoff else ''}"
                         f"{f'; TTFT {(low + handoff) * 1000:.1f} ms at the low end of its prediction error' if self.admission_bound != 'point' and low < miss.producer.predicted_s else ''}",
-                        retry_after_s=1.0,
-                    ) from None
+                    ) from None  # (retry in Refused's default second)
                 if not waited:
                     waited = True
                     self.counters["waited"] += 1
