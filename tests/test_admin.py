@@ -7,11 +7,14 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
+import attrs
 import httpx
 import pytest
 import trio
 
+from narwhal.config import EngineGroupConfig
 from narwhal.router.admin import AdminApp
 from narwhal.router.metrics import CONTENT_TYPE
 
@@ -148,3 +151,27 @@ async def test_a_surface_without_a_reload_says_so(autojump_clock: trio.abc.Clock
         async with _admin(stack, BARE) as admin:
             resp = await admin.put("/fleet", content=b"{}")
     assert resp.status_code == 404 and resp.json()["error"]["message"] == "this router cannot reload its fleet"
+
+
+async def test_fleet_shows_each_engine_groups_last_resolution(autojump_clock: trio.abc.Clock) -> None:
+    # What /fleet says of DNS-found engines, directly (tests/test_discovery.py resolves them).
+    async with open_stack() as stack:
+        state = stack.router.state
+        bare = AdminApp(state, stack.router.metrics, stack.router.events)
+        groups = (
+            EngineGroupConfig(name="decode", host="decode.svc", port=8000, roles=("decode",)),
+            EngineGroupConfig(name="more", host="more.svc", port=8000, roles=("decode",)),
+        )
+        found = SimpleNamespace(addresses={"decode": ("10.0.0.2", "10.0.0.3")}, errors={"more": "no such name"})
+        assert "engine_groups" not in bare.fleet()  # neither groups nor a resolver
+        bare.discovery = found  # type: ignore[assignment]
+        assert "engine_groups" not in bare.fleet()  # a resolver, but no group configured
+        state.config = attrs.evolve(state.config, engine_groups=groups)
+        view = bare.fleet()
+        bare.discovery = None
+        assert "engine_groups" not in bare.fleet()  # groups, but nothing resolves them here
+    assert view["engine_groups"] == {
+        "decode": {"host": "decode.svc", "addresses": ["10.0.0.2", "10.0.0.3"], "error": None},
+        "more": {"host": "more.svc", "addresses": [], "error": "no such name"},
+    }
+    assert [e["name"] for e in view["engines"]] == ["p0", "d0"]  # type: ignore[attr-defined]
