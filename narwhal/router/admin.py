@@ -28,6 +28,9 @@ __all__ = ["AdminApp"]
 
 log = logging.getLogger("narwhal.router.admin")
 
+#: How long the closing handshake with an ``/events`` client is waited for.
+_CLOSE_TIMEOUT_S = 1.0
+
 
 class AdminApp:
     def __init__(self, state: RouterState, metrics: RouterMetrics, events: EventHub) -> None:
@@ -109,7 +112,8 @@ class AdminApp:
         return body
 
     async def _events(self, request: Request, response: ResponseWriter) -> None:
-        if (request.header("upgrade") or "").lower() != "websocket":
+        upgrade = request.header("upgrade") or ""  # pragma: no mutate (equivalent: header names match in any case; no header and any other text are refused alike)
+        if upgrade.lower() != "websocket":
             raise BadRequest("/events is a WebSocket endpoint (send Upgrade: websocket)")
         stream = await response.upgrade()
         with self.events.subscribe() as sub:
@@ -124,7 +128,7 @@ class AdminApp:
                     pass
                 finally:
                     nursery.cancel_scope.cancel()
-                    with trio.move_on_after(1, shield=True):
+                    with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
                         await ws.aclose()
 
 
