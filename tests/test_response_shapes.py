@@ -20,6 +20,7 @@ from narwhal.router.requests import (
     ParsedRequest,
     ResponseAccumulator,
     StreamShaper,
+    _cut,
     context_length_exceeded,
     engine_context_length,
     error_event,
@@ -411,3 +412,45 @@ def test_a_chat_stream_gets_the_chat_id() -> None:
     assert StreamShaper(_parsed("chat"), "r7")(event) == (
         b'data: {"id":"chatcmpl-r7","object":"chat.completion.chunk","choices":[]}\n\n'
     )
+
+
+def test_a_burst_of_two_events_shapes_both() -> None:
+    one = b'data: {"id":"x","choices":[{"text":"a","token_ids":[1]}]}\n\n'
+    assert StreamShaper(_parsed("completions"), "r")(one + one) == (
+        b'data: {"id":"cmpl-r","choices":[{"text":"a"}]}\n\n' * 2
+    )
+
+
+def test_an_event_whose_id_does_not_end_is_left_as_it_is() -> None:
+    event = b'data: {"id":"abc\n\n'
+    assert StreamShaper(_parsed("completions"), "r")(event) == event
+
+
+@pytest.mark.parametrize(
+    ("raw", "cut"),
+    [
+        (b'{"a":[1],"token_ids":[2, 3],"b":1}', b'{"a":[1],"b":1}'),  # the list after the key, not an earlier one
+        (b'{"a":1,"token_ids":null,"b":[2]}', b'{"a":1,"b":[2]}'),
+        (b',"token_ids":[1]}', b"}"),  # the member first
+        (b'{"a":1,"token_ids":null,"token_ids":[2]}', b'{"a":1,"token_ids":[2]}'),  # the first one
+        (b'{"a":1,"token_ids":[1,2', b'{"a":1,"token_ids":[1,2'),  # cut short: as it is
+        (b'{"a":1,"token_ids":"x"}', b'{"a":1,"token_ids":"x"}'),
+        (b'{"a":1}', b'{"a":1}'),
+    ],
+)  # fmt: skip
+def test_a_compact_member_is_cut_with_its_value(raw: bytes, cut: bytes) -> None:
+    assert _cut(raw, b',"token_ids":') == cut
+
+
+def test_an_empty_answer_says_null_for_its_finish() -> None:
+    answer = ResponseAccumulator(_parsed("chat"), "r", "m").body(2)
+    assert answer["choices"] == [{"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None, "stop_reason": None}]  # fmt: skip
+    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
+
+
+def test_an_engines_context_400_for_a_chat_without_max_tokens_asks_for_the_rest_of_the_context() -> None:
+    detail = "This model's maximum context length is 4096 tokens. However, your request has 4000 input tokens."
+    parsed = parse_request(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), "chat")
+    over = engine_context_length(EngineHTTPError("x", upstream_status=400, detail=detail), parsed, None)
+    assert str(over).endswith("the request has 4000 prompt tokens and asks for 96 output tokens")
