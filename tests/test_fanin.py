@@ -392,6 +392,19 @@ async def _events_surface(workers: list[_EventsWorker]) -> AsyncIterator[tuple[l
         nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def _events_client(events: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """A client of the surface's ``/events``, its socket closed however the connection ends
+    (trio-websocket leaves a client's socket open when the server closes first)."""
+    where = urlsplit(events)
+    async with await trio.open_tcp_stream(str(where.hostname), int(where.port or 0)) as stream:
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, where.netloc, where.path)
+            yield ws
+            await ws.aclose()
+            nursery.cancel_scope.cancel()
+
+
 async def test_events_interleave_the_workers_streams_and_end_with_one(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -407,7 +420,7 @@ async def test_events_interleave_the_workers_streams_and_end_with_one(
     workers = [_EventsWorker(['{"w":0,"n":1}', '{"w":0,"n":2}']), _EventsWorker(['{"w":1,"n":1}'])]
     with caplog.at_level(logging.INFO, logger="narwhal.router.fanin"):
         async with _events_surface(workers) as (urls, events):
-            async with trio_websocket.open_websocket_url(events) as ws:
+            async with _events_client(events) as ws:
                 got = [await ws.get_message() for _ in range(3)]
                 assert sorted(got) == sorted(['{"w":0,"n":1}', '{"w":0,"n":2}', '{"w":1,"n":1}'])
                 assert got.index('{"w":0,"n":1}') < got.index('{"w":0,"n":2}')
@@ -424,21 +437,31 @@ async def test_events_interleave_the_workers_streams_and_end_with_one(
         logging.INFO,
         f"event relay from {urls[1]} ended: ConnectionClosed<CloseReason<code=1000, name=NORMAL_CLOSURE, reason=None>>",
     )]  # fmt: skip
-    # The relays' sockets are closed, the one whose worker closed first too: trio-websocket
-    # leaves a client's socket open then (this test's own client's, closed first by the
-    # surface, is closed here).
+    # The relays' sockets are closed, the one whose worker closed first too (trio-websocket
+    # leaves a client's socket open then).
     ports = sorted(int(urlsplit(url).port or 0) for url in urls)
     assert sorted(port for port, _ in opened if port in ports) == ports
-    assert [port for port, stream in opened if stream.socket.fileno() != -1] == [urlsplit(events).port]
-    for _, stream in opened:
-        await stream.aclose()
+    assert [port for port, stream in opened if stream.socket.fileno() != -1] == []
 
 
 async def test_a_client_leaving_ends_the_relays() -> None:
     workers = [_EventsWorker(['{"w":0}']), _EventsWorker(['{"w":1}'])]
     async with _events_surface(workers) as (_, events):
-        async with trio_websocket.open_websocket_url(events) as ws:
+        async with _events_client(events) as ws:
             assert sorted([await ws.get_message() for _ in range(2)]) == ['{"w":0}', '{"w":1}']
         with trio.fail_after(5):
             for worker in workers:
                 await worker.closed_by_surface.wait()
+
+
+async def test_a_worker_not_listening_ends_the_events_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.INFO, logger="narwhal.router.fanin"):
+        async with _serve(WorkersAdminApp([url])) as surface:
+            async with _events_client("ws" + surface[len("http"):] + "/events") as ws:
+                with trio.fail_after(5), pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                    await ws.get_message()
+    assert closed.value.reason is not None and closed.value.reason.code == 1000
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "narwhal.router.fanin"] == [
+        (logging.INFO, f"event relay from {url} ended: HandshakeError()")
+    ]
