@@ -155,7 +155,7 @@ class WorkersAdminApp:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         async with httpx.AsyncClient(
             timeout=timeout,
-            trust_env=False,  # pragma: no mutate (equivalent: httpx reads it as a truth value, None as False)
+            trust_env=False,  # pragma: no mutate (equivalent: httpx reads it as a truth value, None as False; True is killed by the proxy test)
         ) as client:
             async with trio.open_nursery() as nursery:
                 for i in range(len(self.urls)):
@@ -208,7 +208,7 @@ class WorkersAdminApp:
         await response.respond(status, _JSON, json.dumps(body).encode())
 
     async def _events(self, request: Request, response: ResponseWriter) -> None:
-        upgrade = request.header("upgrade") or ""  # pragma: no mutate (equivalent: header names match in any case; no header and any other text are refused alike)
+        upgrade = request.header("upgrade") or ""  # pragma: no mutate (equivalent: header names match in any case; no header and any other text are refused alike; the statement's other mutants were killed in a run without this mark)
         if upgrade.lower() != "websocket":
             raise BadRequest("/events is a WebSocket endpoint (send Upgrade: websocket)")
         stream = await response.upgrade()
