@@ -28,6 +28,8 @@ __all__ = ["AdminApp"]
 
 log = logging.getLogger("narwhal.router.admin")
 
+_JSON = (("content-type", "application/json"),)
+_EXPOSITION = (("content-type", CONTENT_TYPE),)
 #: How long the closing handshake with an ``/events`` client is waited for.
 _CLOSE_TIMEOUT_S = 1.0
 
@@ -49,20 +51,19 @@ class AdminApp:
         if request.method != "GET":
             raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         if request.path == "/metrics":
-            await response.respond(200, (("content-type", CONTENT_TYPE),), self.metrics.exposition())
+            await response.respond(200, _EXPOSITION, self.metrics.exposition())
         elif request.path == "/events":
             await self._events(request, response)
         elif request.path == "/fleet":
-            await response.respond(200, (("content-type", "application/json"),), json.dumps(self.fleet()).encode())
+            await response.respond(200, _JSON, json.dumps(self.fleet()).encode())
         elif request.path == "/health":
             health = self.state.health(detail=True)
             body = json.dumps(health).encode()
-            await response.respond(200 if health["status"] == "ready" else 503, (("content-type", "application/json"),), body)
+            await response.respond(200 if health["status"] == "ready" else 503, _JSON, body)
         else:
             raise NotFound(f"no route for GET {request.path}")
 
     async def _put_fleet(self, request: Request, response: ResponseWriter) -> None:
-        headers = (("content-type", "application/json"),)
         if self.reload is None:
             raise NotFound("this router cannot reload its fleet")
         status, body = 200, {}
@@ -74,7 +75,7 @@ class AdminApp:
             log.error("fleet reload (PUT /fleet) refused, nothing changed: %s", err)
             status = 400
             body = {"status": "rejected", "error": {"message": err.reason, "path": err.path, "type": "invalid_fleet"}}
-        await response.respond(status, headers, json.dumps(body).encode())
+        await response.respond(status, _JSON, json.dumps(body).encode())
 
     def fleet(self) -> dict[str, object]:
         """The fleet as the router sees it now (for ``narwhal top`` and operators)."""
