@@ -19,6 +19,7 @@ from narwhal.errors import ConfigError
 from narwhal.http import ServerLimits
 from narwhal.http.server import ListenError
 from narwhal.profile.store import Profiles
+from narwhal.router.controller import ReactiveController
 from narwhal.router.journal import Journal
 from narwhal.router.service import Prepare, Router, open_router, server_limits
 from narwhal.testing import MemoryNetwork, open_memory_network, open_sim_fleet
@@ -217,3 +218,11 @@ async def test_shutdown_closes_the_admin_surfaces_connections_at_once(autojump_c
             with pytest.raises(trio_websocket.ConnectionClosed):
                 await ws.get_message()
         await stream.aclose()
+
+
+async def test_a_reactive_router_names_the_controller_its_fleet_reconfigures(autojump_clock: trio.abc.Clock) -> None:
+    doc = fleet_doc(controller={"reactive": {"enabled": True}})
+    async with open_stack(doc, priced=True) as stack:
+        controller = stack.router.controller
+        assert isinstance(controller, ReactiveController) and controller is stack.router.fleet.controller
+        assert stack.router.state.assign_roles == controller.assign
