@@ -7,11 +7,17 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any, cast
 
+import attrs
 import httpx
 import pytest
 import trio
+import trio.testing
+import trio_websocket
 
+from narwhal.config import EngineGroupConfig
 from narwhal.router.admin import AdminApp
 from narwhal.router.metrics import CONTENT_TYPE
 
@@ -148,3 +154,73 @@ async def test_a_surface_without_a_reload_says_so(autojump_clock: trio.abc.Clock
         async with _admin(stack, BARE) as admin:
             resp = await admin.put("/fleet", content=b"{}")
     assert resp.status_code == 404 and resp.json()["error"]["message"] == "this router cannot reload its fleet"
+
+
+async def test_fleet_shows_each_engine_groups_last_resolution(autojump_clock: trio.abc.Clock) -> None:
+    # What /fleet says of DNS-found engines, directly (tests/test_discovery.py resolves them).
+    async with open_stack() as stack:
+        state = stack.router.state
+        bare = AdminApp(state, stack.router.metrics, stack.router.events)
+        groups = (
+            EngineGroupConfig(name="decode", host="decode.svc", port=8000, roles=("decode",)),
+            EngineGroupConfig(name="more", host="more.svc", port=8000, roles=("decode",)),
+        )
+        found = SimpleNamespace(addresses={"decode": ("10.0.0.2", "10.0.0.3")}, errors={"more": "no such name"})
+        assert "engine_groups" not in bare.fleet()  # neither groups nor a resolver
+        bare.discovery = found  # type: ignore[assignment]
+        assert "engine_groups" not in bare.fleet()  # a resolver, but no group configured
+        state.config = attrs.evolve(state.config, engine_groups=groups)
+        view = bare.fleet()
+        bare.discovery = None
+        assert "engine_groups" not in bare.fleet()  # groups, but nothing resolves them here
+    assert view["engine_groups"] == {
+        "decode": {"host": "decode.svc", "addresses": ["10.0.0.2", "10.0.0.3"], "error": None},
+        "more": {"host": "more.svc", "addresses": [], "error": "no such name"},
+    }
+    assert [e["name"] for e in view["engines"]] == ["p0", "d0"]  # type: ignore[attr-defined]
+
+
+async def test_fleet_shows_kv_events_and_unknown_models_on_their_engine(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        state = stack.router.state
+        state.kv_subscribers["p0"] = SimpleNamespace(stale="no event for 30 s", delivered=12, probe_gaps=1)  # type: ignore[assignment]
+        state.placement.set_models("d0", ())  # its models not known (yet)
+        engines = AdminApp(state, stack.router.metrics, stack.router.events).fleet()["engines"]
+        del state.kv_subscribers["p0"]
+    p0, d0 = cast(list[dict[str, Any]], engines)
+    assert p0["kv_events"] == {"state": "stale", "detail": "no event for 30 s", "delivered": 12, "probe_gaps": 1}
+    assert "kv_events" not in d0 and d0["models"] == [] and p0["models"] == ["sim-llama"]
+
+
+async def test_events_are_compact_json_and_a_client_leaving_ends_its_subscription(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_stack() as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        stream = await stack.net.connect(*ADMIN)
+        with caplog.at_level(logging.WARNING):
+            async with trio.open_nursery() as nursery:
+                ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events")  # type: ignore[arg-type]
+                await trio.testing.wait_all_tasks_blocked()
+                stack.router.events.publish({"type": "x", "n": [1, 2]})
+                assert await ws.get_message() == '{"type":"x","n":[1,2]}'
+                await ws.aclose()
+            await trio.testing.wait_all_tasks_blocked()
+        assert stack.router.events.subscribers == 0
+    assert [r.getMessage() for r in caplog.records] == []  # ended quietly
+
+
+async def test_a_surface_stopping_closes_its_events_clients_in_order(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        stream = await stack.net.connect(*ADMIN)
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events")  # type: ignore[arg-type]
+            await trio.testing.wait_all_tasks_blocked()
+            assert stack.router.events.subscribers == 1
+            await stack.router.admin.shutdown(0)
+            with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                await ws.get_message()
+        await stream.aclose()  # trio-websocket leaves a client's stream open when the server closes first
+        assert stack.router.events.subscribers == 0
+    assert closed.value.reason is not None and closed.value.reason.code == 1000  # a close frame, not a dropped stream

@@ -4,12 +4,12 @@ surface would, or fails as a worker can)."""
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -128,6 +128,8 @@ def test_fleets_combine_per_engine() -> None:
     }
     # The first worker's view is not changed.
     assert a["engines"][0]["in_flight"] == 1
+    # One worker's view is its own, counted as one.
+    assert combine_fleets([b]) == {**b, "workers": 1}
 
 
 @pytest.mark.parametrize(
@@ -234,13 +236,30 @@ async def test_metrics_combine_the_workers_that_answer(caplog: pytest.LogCapture
     assert [w.received for w in workers if w is not None] == [[("GET", "/metrics", b"")]] * 3
     [warning] = [r for r in caplog.records if r.name == "narwhal.router.fanin"]
     assert warning.levelno == logging.WARNING
-    assert warning.getMessage().startswith(f"worker admin {app.urls[2]}/metrics did not answer: ")
+    prefix = f"worker admin {app.urls[2]}/metrics did not answer: "
+    assert warning.getMessage().startswith(prefix)
+    assert isinstance(warning.args, tuple)
+    assert warning.getMessage().removeprefix(prefix) == str(warning.args[-1]) != "None"  # the client's error
+
+
+async def test_workers_are_reached_directly_whatever_proxy_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The workers listen on loopback: a proxy set for the supervisor's own traffic is not theirs.
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    async with _combined([_Worker({"/metrics": (200, _metrics(1))})]) as (client, _):
+        resp = await client.get("/metrics")
+    assert _samples(resp.content) == {"narwhal_in_flight": 1.0, "narwhal_workers_up": 1.0}
 
 
 async def test_a_worker_slower_than_the_scrape_timeout_is_left_out() -> None:
     workers: list[_Worker | None] = [
         _Worker({"/metrics": (200, _metrics(1))}),
-        _Worker({"/metrics": (200, _metrics(2))}, delay_s=30.0),
+        # Slower than the surface's timeout, quicker than an HTTP client's default one (5 s).
+        _Worker({"/metrics": (200, _metrics(2))}, delay_s=4.0),
     ]
     async with _combined(workers, timeout_s=3.0) as (client, _):
         resp = await client.get("/metrics")
@@ -331,37 +350,122 @@ async def test_other_requests_are_refused_with_a_clear_error(method: str, path: 
 # ------------------------------------------------------------------------- /events
 
 
-# A socket of the WebSocket relays is collected unclosed after the surface cancels them
-# (not yet traced to trio-websocket or to the relay): collected here, within this test,
-# so that it is not reported in a later one.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-async def test_events_interleave_the_workers_streams_and_end_with_one() -> None:
-    async def worker_events(messages: list[str], gate: trio.Event, request: trio_websocket.WebSocketRequest) -> None:
+class _EventsWorker:
+    """A stand-in worker's ``/events``: sends ``messages``, then closes when ``gate`` is
+    set, or sees the surface close first (``closed_by_surface``)."""
+
+    def __init__(self, messages: list[str]) -> None:
+        self.messages = messages
+        self.gate = trio.Event()
+        self.paths: list[str] = []
+        self.closed_by_surface = trio.Event()
+
+    async def __call__(self, request: trio_websocket.WebSocketRequest) -> None:
+        self.paths.append(request.path)
         ws = await request.accept()
-        for m in messages:
+        for m in self.messages:
             await ws.send_message(m)
-        await gate.wait()
+        async with trio.open_nursery() as nursery:
+
+            async def closed_by_surface() -> None:
+                with pytest.raises(trio_websocket.ConnectionClosed):
+                    await ws.get_message()
+                self.closed_by_surface.set()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(closed_by_surface)
+            await self.gate.wait()
+            nursery.cancel_scope.cancel()
         await ws.aclose()
 
-    gates = [trio.Event(), trio.Event()]
+
+@asynccontextmanager
+async def _events_surface(workers: list[_EventsWorker]) -> AsyncIterator[tuple[list[str], str]]:
+    """The workers' ``/events`` on loopback, and the combined surface's URL over them."""
     async with trio.open_nursery() as nursery:
         urls = []
-        for i, messages in enumerate([['{"w":0,"n":1}', '{"w":0,"n":2}'], ['{"w":1,"n":1}']]):
-            server = await nursery.start(
-                trio_websocket.serve_websocket, lambda r, m=messages, g=gates[i]: worker_events(m, g, r),
-                "127.0.0.1", 0, None,
-            )  # fmt: skip
+        for worker in workers:
+            server = await nursery.start(trio_websocket.serve_websocket, worker, "127.0.0.1", 0, None)
             urls.append(f"http://127.0.0.1:{server.port}")
-        app = WorkersAdminApp(urls)
-        async with _serve(app) as url:
-            async with trio_websocket.open_websocket_url("ws" + url[len("http"):] + "/events") as ws:
+        async with _serve(WorkersAdminApp(urls)) as url:
+            yield urls, "ws" + url[len("http"):] + "/events"
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _events_client(events: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """A client of the surface's ``/events``, its socket closed however the connection ends
+    (trio-websocket leaves a client's socket open when the server closes first)."""
+    where = urlsplit(events)
+    async with await trio.open_tcp_stream(str(where.hostname), int(where.port or 0)) as stream:
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, where.netloc, where.path)
+            yield ws
+            await ws.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_events_interleave_the_workers_streams_and_end_with_one(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[tuple[int, trio.SocketStream]] = []
+    open_tcp_stream = trio.open_tcp_stream
+
+    async def recorded(host: str, port: int, **kwargs: Any) -> trio.SocketStream:
+        stream = await open_tcp_stream(host, port, **kwargs)
+        opened.append((port, stream))
+        return stream
+
+    monkeypatch.setattr(trio, "open_tcp_stream", recorded)
+    workers = [_EventsWorker(['{"w":0,"n":1}', '{"w":0,"n":2}']), _EventsWorker(['{"w":1,"n":1}'])]
+    with caplog.at_level(logging.INFO, logger="narwhal.router.fanin"):
+        async with _events_surface(workers) as (urls, events):
+            async with _events_client(events) as ws:
                 got = [await ws.get_message() for _ in range(3)]
                 assert sorted(got) == sorted(['{"w":0,"n":1}', '{"w":0,"n":2}', '{"w":1,"n":1}'])
                 assert got.index('{"w":0,"n":1}') < got.index('{"w":0,"n":2}')
-                gates[1].set()  # a worker goes away: the client is told to reconnect
+                workers[1].gate.set()  # a worker goes away: the client is told to reconnect
                 with trio.fail_after(5):
-                    with pytest.raises(trio_websocket.ConnectionClosed):
+                    with pytest.raises(trio_websocket.ConnectionClosed) as closed:
                         await ws.get_message()
-                gates[0].set()
-        nursery.cancel_scope.cancel()
-    gc.collect()
+                with trio.fail_after(5):
+                    await workers[0].closed_by_surface.wait()  # the other relay ends
+    reason = closed.value.reason
+    assert reason is not None and reason.code == 1000  # an orderly close, not a dropped one
+    assert [w.paths for w in workers] == [["/events"], ["/events"]]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "narwhal.router.fanin"] == [(
+        logging.INFO,
+        f"event relay from {urls[1]} ended: ConnectionClosed<CloseReason<code=1000, name=NORMAL_CLOSURE, reason=None>>",
+    )]  # fmt: skip
+    # The relays' sockets are closed, the one whose worker closed first too (trio-websocket
+    # leaves a client's socket open then).
+    ports = sorted(int(urlsplit(url).port or 0) for url in urls)
+    assert sorted(port for port, _ in opened if port in ports) == ports
+    assert [port for port, stream in opened if stream.socket.fileno() != -1] == []
+
+
+async def test_a_client_leaving_ends_the_relays() -> None:
+    workers = [_EventsWorker(['{"w":0}']), _EventsWorker(['{"w":1}'])]
+    async with _events_surface(workers) as (_, events):
+        async with _events_client(events) as ws:
+            assert sorted([await ws.get_message() for _ in range(2)]) == ['{"w":0}', '{"w":1}']
+        with trio.fail_after(5):
+            for worker in workers:
+                await worker.closed_by_surface.wait()
+
+
+async def test_a_worker_not_listening_ends_the_events_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    server = HTTPServer(WorkersAdminApp([url]))
+    with caplog.at_level(logging.INFO):
+        async with trio.open_nursery() as nursery:
+            [(host, port)] = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+            async with _events_client(f"ws://{host}:{port}/events") as ws:
+                with trio.fail_after(5), pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                    await ws.get_message()
+            await server.shutdown(5.0)  # the surface's side of it ends too, on its own
+            nursery.cancel_scope.cancel()
+    assert closed.value.reason is not None and closed.value.reason.code == 1000
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO] == [
+        ("narwhal.router.fanin", logging.INFO, f"event relay from {url} ended: HandshakeError()")
+    ]  # and nothing went wrong on the way

@@ -5,6 +5,7 @@ by a fragment of the message)."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -134,3 +135,17 @@ def test_the_output_limit_the_engines_will_apply(
     parsed = ParsedRequest(kind=kind, body={}, model=None, stream=False, include_usage=False,  # type: ignore[arg-type]
                            return_token_ids=False, max_tokens=max_tokens)  # fmt: skip
     assert parsed.output_limit(prompt, max_model_len) == limit
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens", "n", "best_of"])
+def test_an_integer_too_large_for_a_float_is_refused(name: str) -> None:
+    # Placement and pricing compute with floats: the largest int a float holds is the bound.
+    body = {"messages": [{"role": "user", "content": "x"}], name: int(sys.float_info.max) + 1}
+    with pytest.raises(BadRequest) as err:
+        parse_request(json.dumps(body).encode(), "chat")
+    assert (str(err.value), err.value.code) == (f"'{name}' is too large", "invalid_value")
+
+
+def test_the_largest_integer_a_float_holds_is_accepted() -> None:
+    largest = int(sys.float_info.max)
+    assert parse_request(json.dumps({"prompt": "x", "max_tokens": largest}).encode(), "completions").max_tokens == largest

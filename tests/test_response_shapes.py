@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +17,11 @@ from narwhal.errors import BadRequest, EngineHTTPError, NarwhalError
 from narwhal.http import connection
 from narwhal.router.requests import (
     CHAT_ROLES,
+    ParsedRequest,
     ResponseAccumulator,
+    StreamShaper,
+    _cut,
+    context_length_exceeded,
     engine_context_length,
     error_event,
     parse_request,
@@ -227,3 +233,224 @@ def test_an_engines_context_400_reads_as_the_routers(detail: str, status: int, k
         assert over is not None and over.code == "context_length_exceeded"
         assert str(over).startswith("this model's maximum context length is 4096 tokens; the request ")
         assert message in str(over) and str(over).endswith("asks for 7 output tokens")
+
+
+# --------------------------------------------------- the non-streamed answer, directly
+
+
+def _parsed(kind: str, *, return_token_ids: bool = False, max_tokens: int | None = None) -> ParsedRequest:
+    return ParsedRequest(kind=kind, body={}, model=None, stream=False, include_usage=False,  # type: ignore[arg-type]
+                         return_token_ids=return_token_ids, max_tokens=max_tokens)  # fmt: skip
+
+
+def _recorded_events() -> list[dict[str, Any]]:
+    """vLLM's streamed completion with token ids (20 tokens, then a usage event)."""
+    recorded = (Path(__file__).parent.parent / "fixtures" / "completions-stream-token-ids.sse").read_text()
+    return [json.loads(e[len("data: "):]) for e in recorded.split("\n\n") if e.startswith("data: {")]
+
+
+def test_a_completion_from_vllms_stream_is_vllms_answer() -> None:
+    events = _recorded_events()
+    acc = ResponseAccumulator(_parsed("completions", return_token_ids=True), "rid-1", "tiny-llama")
+    for event in events:
+        acc.add(event)
+    before = int(time.time())
+    answer = acc.body(999)  # the usage event's count wins
+    tokens = [c for e in events for c in e["choices"]]
+    assert answer == {
+        "id": "cmpl-rid-1", "object": "text_completion", "created": answer["created"], "model": "tiny-llama",
+        "choices": [{
+            "index": 0, "text": "".join(c["text"] for c in tokens), "logprobs": None, "finish_reason": "length",
+            "stop_reason": None, "token_ids": [i for c in tokens for i in c["token_ids"]],
+            "prompt_token_ids": [86, 516, 692, 1415, 1336, 369, 80, 644, 90],
+        }],
+        "usage": events[-1]["usage"], "system_fingerprint": "vllm-0.32.0-6700d25d",
+    }  # fmt: skip
+    assert len(answer["choices"][0]["token_ids"]) == 20 and answer["usage"]["completion_tokens"] == 20
+    assert isinstance(answer["created"], int) and before <= answer["created"] <= time.time() + 1
+    assert list(answer) == ["id", "object", "created", "model", "choices", "usage", "system_fingerprint"]
+
+
+def test_without_a_usage_event_the_answer_counts_its_tokens() -> None:
+    acc = ResponseAccumulator(_parsed("completions"), "r", "m")
+    acc.add(_chunk("a", None, ids=[5, 6]))
+    acc.add(_chunk("", None, ids=[7], finish="stop", stop_reason="###"))
+    answer = acc.body(4)
+    assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert answer["choices"] == [
+        {"index": 0, "text": "a", "logprobs": None, "finish_reason": "stop", "stop_reason": "###"}
+    ]
+    assert "system_fingerprint" not in answer and "prompt_logprobs" not in answer["choices"][0]
+
+
+def test_a_chat_answer_joins_content_and_reasoning_in_vllms_places() -> None:
+    acc = ResponseAccumulator(_parsed("chat"), "rid-2", "m")
+    acc.add(None)
+    acc.add({})
+    acc.add({"choices": None, "system_fingerprint": 7})  # not a fingerprint
+    acc.add({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}],
+             "prompt_logprobs": [None, {"5": {"logprob": -1.0}}], "system_fingerprint": "fp-1"})  # fmt: skip
+    acc.add({"choices": [{"index": 0, "delta": {"reasoning_content": "think "}, "token_ids": [1]}]})
+    acc.add({"choices": [{"index": 0, "delta": {"reasoning": "more"}, "token_ids": [2]}]})  # newer vLLM's key
+    acc.add({"choices": [{"index": 0, "delta": {"content": "an"}, "token_ids": [3]}], "prompt_logprobs": ["later"]})
+    acc.add({"choices": [{"index": 0, "delta": None, "token_ids": None, "finish_reason": None}]})
+    acc.add({"choices": [{"index": 0, "delta": {"content": "swer"}, "token_ids": [4], "finish_reason": "stop",
+                          "stop_reason": 128001}], "usage": None})  # fmt: skip
+    answer = acc.body(3)
+    assert answer == {
+        "id": "chatcmpl-rid-2", "object": "chat.completion", "created": answer["created"], "model": "m",
+        "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": "answer", "reasoning_content": "think more"},
+            "logprobs": None, "finish_reason": "stop", "stop_reason": 128001,
+        }],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        "prompt_logprobs": [None, {"5": {"logprob": -1.0}}],  # the first one sent, on the response
+        "system_fingerprint": "fp-1",
+    }  # fmt: skip
+    plain = ResponseAccumulator(_parsed("chat"), "r", "m")
+    plain.add({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "length"}]})
+    assert plain.body(1)["choices"][0]["message"] == {"role": "assistant", "content": "x"}  # no reasoning key
+
+
+def test_prompt_ids_and_logprobs_are_the_first_sent_on_the_choice_for_completions() -> None:
+    acc = ResponseAccumulator(_parsed("completions", return_token_ids=True), "r", "m")
+    acc.add(_chunk("a", None, prompt_token_ids=None, prompt_logprobs=None))
+    acc.add(_chunk("b", None, prompt_token_ids=[1, 2], prompt_logprobs=[None, {"2": -0.5}]))
+    acc.add(_chunk("c", None, prompt_token_ids=[9], prompt_logprobs=[{"9": -9.0}], finish="length"))
+    answer = acc.body(2)
+    [choice] = answer["choices"]
+    assert (choice["prompt_token_ids"], choice["prompt_logprobs"]) == ([1, 2], [None, {"2": -0.5}])
+    assert choice["token_ids"] == [1, 1, 1] and choice["text"] == "abc"
+    assert "prompt_token_ids" not in answer and "prompt_logprobs" not in answer
+    # Asked for, never sent: null, as vLLM says it.
+    none = ResponseAccumulator(_parsed("completions", return_token_ids=True), "r", "m")
+    none.add(_chunk("a", None, ids=[], finish="length"))
+    assert none.body(1)["choices"][0]["prompt_token_ids"] is None
+    assert none.body(1)["choices"][0]["token_ids"] == []
+
+
+def test_logprobs_that_are_not_an_object_are_ignored_and_a_null_list_merges_as_empty() -> None:
+    acc = ResponseAccumulator(_parsed("chat"), "r", "m")
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    acc.add({"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": [entry]}]})  # not vLLM's shape
+    assert acc.logprobs is None
+    acc.add({"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry], "refusal": None}}]})
+    acc.add({"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry], "refusal": None},
+                          "finish_reason": "length"}]})  # fmt: skip
+    assert acc.body(1)["choices"][0]["logprobs"] == {"content": [entry, entry], "refusal": []}
+
+
+@pytest.mark.parametrize(
+    ("kind", "max_tokens", "max_model_len", "limit"),
+    [
+        ("completions", 5, 100, 5), ("chat", 5, 100, 5),
+        ("completions", None, 100, 16),  # vLLM's default for completions
+        ("chat", None, None, 16),  # no known context length
+        ("chat", None, 100, 90),  # the rest of the context
+        ("chat", None, 10, 1), ("chat", None, 11, 1), ("chat", None, 12, 2),
+    ],
+)  # fmt: skip
+def test_the_output_limit_is_the_engines(kind: str, max_tokens: int | None, max_model_len: int | None, limit: int) -> None:
+    assert _parsed(kind, max_tokens=max_tokens).output_limit(10, max_model_len) == limit
+
+
+def test_an_error_after_the_status_is_one_compact_sse_event() -> None:
+    err = EngineHTTPError("x", upstream_status=400, detail="This model's maximum context length is 64 tokens.")
+    assert error_event(err) == b"data: " + json.dumps(err.to_body(), separators=(",", ":")).encode() + b"\n\n"
+    assert error_event(BadRequest("'n' must be an integer", code="invalid_type")) == (
+        b'data: {"error":{"message":"\'n\' must be an integer","type":"invalid_request_error",'
+        b'"code":"invalid_type"}}\n\n'
+    )
+
+
+def test_the_context_length_message_names_the_limit_prompt_and_output() -> None:
+    err = context_length_exceeded(4096, 4000, 200)
+    assert str(err) == (
+        "this model's maximum context length is 4096 tokens; the request has 4000 prompt tokens "
+        "and asks for 200 output tokens"
+    )
+    assert err.code == "context_length_exceeded"
+
+
+# ------------------------------------------------------- the streamed events, directly
+
+_ASKED = _parsed("completions", return_token_ids=True)
+
+
+@pytest.mark.parametrize(
+    ("event", "shaped"),
+    [
+        # vLLM's compact form: the id replaced, the token ids cut.
+        (b'data: {"id":"cmpl-d-1","object":"text_completion","choices":[{"index":0,"text":"a",'
+         b'"prompt_token_ids":[1,2],"token_ids":[3]}]}\n\n',
+         b'data: {"id":"cmpl-r","object":"text_completion","choices":[{"index":0,"text":"a"}]}\n\n'),
+        (b'data: {"id":"x","choices":[{"text":"a","prompt_token_ids":null,"token_ids":[3, 4]}]}\n\n',
+         b'data: {"id":"cmpl-r","choices":[{"text":"a"}]}\n\n'),
+        # An escaped quote in the id: the pattern finds its end.
+        (b'data: {"id":"a\\"b","choices":[]}\n\n', b'data: {"id":"cmpl-r","choices":[]}\n\n'),
+        # Any other spacing.
+        (b'data: { "id" : "x", "choices": [{"text": "a", "prompt_token_ids": null, "token_ids": [3, 4]}]}\n\n',
+         b'data: {"id":"cmpl-r", "choices": [{"text": "a"}]}\n\n'),
+        # A member that is neither null nor a list of ids is left as it is.
+        (b'data: {"id":"x","choices":[{"text":"a","token_ids":"?"}]}\n\n',
+         b'data: {"id":"cmpl-r","choices":[{"text":"a","token_ids":"?"}]}\n\n'),
+        (b'data: {"id":"x","token_ids":[1,2\n\n', b'data: {"id":"cmpl-r","token_ids":[1,2\n\n'),
+        # Not a chunk: as it is.
+        (b"data: [DONE]\n\n", b"data: [DONE]\n\n"),
+        (b'data: {"error":{"message":"x"}}\n\n', b'data: {"error":{"message":"x"}}\n\n'),
+    ],
+)  # fmt: skip
+def test_a_streamed_event_gets_the_routers_id_and_loses_the_token_ids(event: bytes, shaped: bytes) -> None:
+    assert StreamShaper(_parsed("completions"), "r")(event) == shaped
+    kept = StreamShaper(_ASKED, "r")(event)
+    assert kept.count(b"token_ids") == event.count(b"token_ids")  # asked for: kept
+    assert kept.startswith(shaped[: shaped.find(b'"cmpl-r"') + 8]) if b'"cmpl-r"' in shaped else kept == event
+
+
+def test_a_chat_stream_gets_the_chat_id() -> None:
+    event = b'data: {"id":"chatcmpl-d","object":"chat.completion.chunk","choices":[]}\n\n'
+    assert StreamShaper(_parsed("chat"), "r7")(event) == (
+        b'data: {"id":"chatcmpl-r7","object":"chat.completion.chunk","choices":[]}\n\n'
+    )
+
+
+def test_a_burst_of_two_events_shapes_both() -> None:
+    one = b'data: {"id":"x","choices":[{"text":"a","token_ids":[1]}]}\n\n'
+    assert StreamShaper(_parsed("completions"), "r")(one + one) == (
+        b'data: {"id":"cmpl-r","choices":[{"text":"a"}]}\n\n' * 2
+    )
+
+
+def test_an_event_whose_id_does_not_end_is_left_as_it_is() -> None:
+    event = b'data: {"id":"abc\n\n'
+    assert StreamShaper(_parsed("completions"), "r")(event) == event
+
+
+@pytest.mark.parametrize(
+    ("raw", "cut"),
+    [
+        (b'{"a":[1],"token_ids":[2, 3],"b":1}', b'{"a":[1],"b":1}'),  # the list after the key, not an earlier one
+        (b'{"a":1,"token_ids":null,"b":[2]}', b'{"a":1,"b":[2]}'),
+        (b',"token_ids":[1]}', b"}"),  # the member first
+        (b'{"a":1,"token_ids":null,"token_ids":[2]}', b'{"a":1,"token_ids":[2]}'),  # the first one
+        (b'{"a":1,"token_ids":[1,2', b'{"a":1,"token_ids":[1,2'),  # cut short: as it is
+        (b'{"a":1,"token_ids":"x"}', b'{"a":1,"token_ids":"x"}'),
+        (b'{"a":1}', b'{"a":1}'),
+    ],
+)  # fmt: skip
+def test_a_compact_member_is_cut_with_its_value(raw: bytes, cut: bytes) -> None:
+    assert _cut(raw, b',"token_ids":') == cut
+
+
+def test_an_empty_answer_says_null_for_its_finish() -> None:
+    answer = ResponseAccumulator(_parsed("chat"), "r", "m").body(2)
+    assert answer["choices"] == [{"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None, "stop_reason": None}]  # fmt: skip
+    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
+
+
+def test_an_engines_context_400_for_a_chat_without_max_tokens_asks_for_the_rest_of_the_context() -> None:
+    detail = "This model's maximum context length is 4096 tokens. However, your request has 4000 input tokens."
+    parsed = parse_request(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), "chat")
+    over = engine_context_length(EngineHTTPError("x", upstream_status=400, detail=detail), parsed, None)
+    assert str(over).endswith("the request has 4000 prompt tokens and asks for 96 output tokens")

@@ -289,6 +289,12 @@ async def test_models_are_learned_with_the_smallest_limit_and_odd_entries_ignore
         assert state.placement.models == {
             "p0": frozenset({"a", "b"}), "d0": frozenset({"a", "b"}), "d1": frozenset({"declared", "a"}),
         }  # fmt: skip
+        # Only the engines asked are asked again (and only they are warned of).
+        answers["p0"] = [{"id": "a", "max_model_len": 512}]
+        answers["d0"] = [{"id": "a", "max_model_len": 256}]
+        await state.refresh_models(["p0"])
+        assert state._reported["p0"] == {"a": 512} and state._reported["d0"] == {"a": 2048, "b": None}
+        assert state.models == {"declared": None, "a": 512, "b": None}
     warnings = [r.getMessage() for r in caplog.records if r.name == "narwhal.router"]
     assert warnings == ["engine d1 is declared to serve model 'declared' but lists 'a'"]
 

@@ -11,18 +11,21 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
+import trio_websocket
 
 from narwhal.config import FleetConfig, parse_fleet
 from narwhal.errors import ConfigError
 from narwhal.http import ServerLimits
 from narwhal.http.server import ListenError
 from narwhal.profile.store import Profiles
+from narwhal.router.controller import ReactiveController
 from narwhal.router.journal import Journal
 from narwhal.router.service import Prepare, Router, open_router, server_limits
 from narwhal.testing import MemoryNetwork, open_memory_network, open_sim_fleet
 from narwhal.testing.ports import free_port
 
-from .routerkit import ROUTER_HOST, ROUTER_PORT, engine, fleet_doc
+from .routerkit import ROUTER_HOST, ROUTER_PORT, engine, fleet_doc, open_stack
 
 BASE = fleet_doc()
 MORE = fleet_doc(engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]))
@@ -190,3 +193,36 @@ async def test_shutdown_drains_for_the_documents_grace(autojump_clock: trio.abc.
                 await router.shutdown()
                 assert trio.current_time() - t0 == pytest.approx(2.0, abs=0.1)
                 assert router.state.in_flight == 0
+
+
+async def test_a_reload_without_prepare_keeps_the_profiles_it_prices_by(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(priced=True) as stack:
+        profiles = stack.router.state.profiles
+        assert profiles is not None
+        change = await stack.router.reload(fleet_doc(engine={"request_timeout_s": 30.0}), source="test")
+        assert change.settings == ("engine.request_timeout_s",) and stack.router.state.profiles is profiles
+
+
+async def test_shutdown_closes_the_admin_surfaces_connections_at_once(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack() as stack:
+        stack.net.listen("admin.test", 8001, stack.router.admin)
+        stream = await stack.net.connect("admin.test", 8001)
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events")  # type: ignore[arg-type]
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            await stack.router.shutdown()  # no request in flight: nothing to drain
+            # No grace for the admin surface's connections: a live events client is closed at
+            # once, its close frame waiting at most a second for an answer.
+            assert trio.current_time() - t0 <= 1.0
+            with pytest.raises(trio_websocket.ConnectionClosed):
+                await ws.get_message()
+        await stream.aclose()
+
+
+async def test_a_reactive_router_names_the_controller_its_fleet_reconfigures(autojump_clock: trio.abc.Clock) -> None:
+    doc = fleet_doc(controller={"reactive": {"enabled": True}})
+    async with open_stack(doc, priced=True) as stack:
+        controller = stack.router.controller
+        assert isinstance(controller, ReactiveController) and controller is stack.router.fleet.controller
+        assert stack.router.state.assign_roles == controller.assign

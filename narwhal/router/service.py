@@ -52,6 +52,8 @@ class Router:
         events: EventHub,
         fleet: LiveFleet,
         prepare: Prepare | None = None,
+        *,
+        controller: ReactiveController | None,
     ) -> None:
         self.state = state
         self.server = server
@@ -60,7 +62,7 @@ class Router:
         self.events = events
         self.fleet = fleet
         self.prepare = prepare
-        self.controller: ReactiveController | None = None
+        self.controller = controller
 
     async def reload(self, document: Any = None, *, source: str) -> FleetChange:
         """Serve a new fleet document without a restart (see :mod:`narwhal.router.fleet`).
@@ -210,8 +212,7 @@ async def open_router(
             if not state.ready():
                 log.warning("not ready: %s (GET /health answers 503 until it is)", state.unready_reason())
             admin_app.discovery = discovery
-            router = Router(state, server, admin, metrics, events, fleet, prepare)
-            router.controller = controller
+            router = Router(state, server, admin, metrics, events, fleet, prepare, controller=controller)
             admin_app.reload = router.reload
             try:
                 yield router

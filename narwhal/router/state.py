@@ -386,7 +386,7 @@ class RouterState:
                     nursery.start_soon(one, name)
         for name in self.engines if names is None else names:
             declared = self.engines[name].model if name in self.engines else None
-            listed = self._reported.get(name, {})
+            listed = self._reported.get(name)
             if declared is not None and listed and declared not in listed:
                 log.warning(
                     "engine %s is declared to serve model %r but lists %s", name, declared, _listing(listed)
@@ -403,7 +403,7 @@ class RouterState:
         lengths: dict[str, int | None] = dict.fromkeys(self.placement.model_names())
         for name, listed in self._reported.items():
             for model, mml in listed.items():
-                if model in lengths and self.placement.serves(name, model) and mml is not None:
+                if model in lengths and self.placement.serves(name, model) and mml is not None:  # pragma: no mutate (equivalent: serves(name, None); a listed engine is in the fleet and serves what it lists, indexed just above; the statement's other mutants are killed)
                     # A request may land on any engine of its model: the smallest limit holds.
                     known = lengths[model]
                     lengths[model] = mml if known is None else min(known, mml)
