@@ -4,6 +4,7 @@ memory (virtual time)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 import trio
 
 from narwhal.config import parse_fleet
+from narwhal.engines.client import start_date
 from narwhal.errors import EngineError, Refused
 from narwhal.profile.store import Profiles
 from narwhal.router.journal import Journal
@@ -542,3 +544,106 @@ async def test_the_breaker_keeps_the_permitted_roles_whatever_placement_is_assig
         state.refresh_roles()
         assert state.placement.decode_engines == ["d1"]
         assert state.breaker._peers == {"p0": [["p0"]], "d0": [["d0"]], "d1": []}
+
+
+# ----------------------------------------------------------------- the request's model, counted
+
+
+def aliases_and_tokenize(bodies: list[tuple[str, dict[str, Any]]]) -> Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]:
+    """A ``wrap``: every engine lists the models ``a`` and ``b``; ``POST /tokenize``
+    answers three tokens and a 777-token limit, its body kept in ``bodies``."""
+
+    class Wrapped(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            name = request.url.host.removesuffix(".test")
+            if request.url.path == "/v1/models":
+                data = [{"id": m, "max_model_len": 4096} for m in ("a", "b")]
+                return httpx.Response(200, json={"object": "list", "data": data})
+            if request.url.path == "/tokenize":
+                await request.aread()
+                bodies.append((name, json.loads(request.content)))
+                return httpx.Response(200, json={"count": 3, "tokens": [7, 8, 9], "max_model_len": 777})
+            return await self.inner.handle_async_request(request)
+
+    return Wrapped
+
+
+async def test_the_prompt_is_counted_for_the_model_the_request_names(autojump_clock: trio.abc.Clock) -> None:
+    bodies: list[tuple[str, dict[str, Any]]] = []
+    async with open_state(two_producers(), wrap=aliases_and_tokenize(bodies)) as (state, _fleet, _):
+        await state.refresh_models()
+        assert set(state.models) == {"a", "b"}  # several: a request names its model
+        count = await state.count_prompt({"prompt": "x y z", "model": "b"}, "completions")
+        assert count == attrs.evolve(count, count=3, max_model_len=777, exact=True, ids=(7, 8, 9))
+        messages = [{"role": "user", "content": "x"}]
+        await state.count_prompt({"messages": messages, "model": "b"}, "chat")
+        assert bodies == [("p0", {"prompt": "x y z", "model": "b"}), ("p0", {"messages": messages, "model": "b"})]
+        state.breaker.eject("p0", "down")
+        state.breaker.eject("p1", "down")
+        with pytest.raises(Refused) as exc:
+            await state.count_prompt({"prompt": "x", "model": "b"}, "completions")
+        assert exc.value.message == "no engine of model 'b' available for prefill" and exc.value.retry_after_s == 1.0
+
+
+async def test_an_estimated_count_says_it_is_not_exact(autojump_clock: trio.abc.Clock) -> None:
+    async with open_state() as (state, _fleet, _):
+        estimate = await state.count_prompt({"prompt": "a b c d"}, "completions")
+        assert estimate.exact is False and estimate.max_model_len is None
+
+
+# ----------------------------------------------------------------- profiles bound again
+
+
+async def test_a_bound_profile_is_dropped_when_its_engine_changes_or_stops_answering(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    hang: dict[str, Any] = {}
+    async with open_state(priced=True, wrap=listing(hang)) as (state, _fleet, profiles):
+        assert profiles is not None
+        placement = state.placement
+        assert isinstance(placement, PricedPlacement)
+        assert await state.bind_profiles() == {}
+        assert set(placement.profiles) == {"p0", "d0"}
+        # Another generation of p0 (restarted): only the engines named are looked at.
+        live = profiles.engines["p0"].identity
+        restarted = attrs.evolve(live, process_start_time=86400.0)
+        engines = dict(profiles.engines)
+        engines["p0"] = attrs.evolve(engines["p0"], identity=restarted)
+        state.profiles = attrs.evolve(profiles, engines=engines)
+        assert await state.bind_profiles(["d0"]) == {}
+        assert set(placement.profiles) == {"p0", "d0"}
+        unbound = await state.bind_profiles(["p0"])
+        assert set(placement.profiles) == {"d0"}
+        assert unbound == {"p0": (
+            "profile bound to another engine generation (started 1970-01-02 00:00:00 UTC, running since "
+            f"{start_date(live.process_start_time)}): re-profile or refit"
+        )}  # fmt: skip
+        # d0 stops answering: its profile is dropped too.
+        hang["d0"] = "hang"
+        await state.bind_profiles(["d0"])
+        assert set(placement.profiles) == set() and placement.unbound["d0"].startswith("identity unavailable")
+
+
+async def test_profiles_bind_only_under_priced_placement(autojump_clock: trio.abc.Clock) -> None:
+    async with open_state(priced=True) as (state, _fleet, profiles):
+        state.profiles = None  # a priced router that has none (yet): nothing to bind
+        assert await state.bind_profiles() == {}
+        assert isinstance(state.placement, PricedPlacement) and not state.placement.profiles
+    async with open_state() as (state, _fleet, _):
+        state.profiles = profiles  # least-loaded placement prices nothing, profiles or not
+        assert await state.bind_profiles() == {}
+
+
+async def test_a_forgotten_engine_leaves_the_prefix_index(autojump_clock: trio.abc.Clock) -> None:
+    doc = fleet_doc(engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]))
+    async with open_state(doc) as (state, _fleet, _):
+        for name in ("p0", "d0"):
+            state.prefix.enable(name, block_size=4, capacity_tokens=64, events=False)
+        state.phase["d0"] = "draining"
+        state.refresh_roles()
+        await state.forget_engine("d0")
+        assert not state.prefix.enabled("d0") and state.prefix.view("d0") is None
+        assert state.prefix.enabled("p0") and state.prefix.view("p0") is not None

@@ -184,7 +184,7 @@ class RouterState:
 
     def busy(self, name: str) -> bool:
         """Whether a request (reservation, leg, token count) still uses ``name``."""
-        return not self.placement.idle(name) or self.in_flight_by_engine.get(name, 0) > 0
+        return not self.placement.idle(name) or self.in_flight_by_engine[name] > 0
 
     async def forget_engine(self, name: str) -> None:
         """Drop a drained engine from every table and close its connections."""
@@ -347,7 +347,7 @@ class RouterState:
                     return await client.tokenize(messages=parsed_body["messages"], model=model)
                 return await client.tokenize(parsed_body["prompt"], model=model)
             except EngineError as err:
-                err.engine = err.engine or name
+                err.engine = name
                 err.leg = "prefill"
                 if not err.client_fault:  # a prompt the engine rejects is the client's fault
                     self.breaker.record_failure(name, f"tokenize: {err.message}")
@@ -356,7 +356,7 @@ class RouterState:
             finally:
                 self.in_flight_by_engine[name] -= 1
                 self.placement.notify_released()
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable")  # pragma: no mutate (equivalent: never reached, the last candidate's failure is raised)
 
     async def refresh_models(self, names: Iterable[str] | None = None) -> None:
         """Ask engines (default: every one) which models they serve, with each model's
