@@ -124,6 +124,19 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/controller.py": ("tests/test_reactive.py",),
     # DNS-discovered engine groups: resolution, expansion, fleet changes.
     "narwhal/router/discovery.py": ("tests/test_discovery.py",),
+    # The router's families fed from records and transitions, and the live gauges read at
+    # scrape time, in direct tests; the admin surface's /metrics end to end.
+    "narwhal/router/metrics.py": ("tests/test_observability.py",),
+    # The client listener's routes: keys, /health, /v1/models, /metrics there when asked,
+    # 404 and 405 (each a router in memory; not the whole router suite that reaches them).
+    "narwhal/router/app.py": (
+        "tests/test_security.py::test_api_keys", "tests/test_security.py::test_every_key_is_compared_in_constant_time",
+        "tests/test_security.py::test_admin_routes_are_not_on_the_client_listener",
+        "tests/test_router_basic.py::test_models_and_health", "tests/test_router_basic.py::test_bad_bodies_are_400",
+        "tests/test_readiness.py::test_an_engine_down_at_start_is_named_and_health_says_unavailable",
+        "tests/test_multimodel.py::test_a_model_is_listed_with_the_smallest_limit_of_its_engines",
+        "tests/test_service.py::test_metrics_on_the_api_port_only_when_asked",
+    ),
     # The state's own tests, and the router's that read it (readiness, models, counting).
     "narwhal/router/state.py": (
         "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",
