@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -41,6 +42,10 @@ class Resolver(trio.abc.HostnameResolver):
     def __init__(self, names: dict[str, list[str] | None]) -> None:
         self.names = names
         self.lookups: list[str] = []
+        #: Each lookup's port and socket type.
+        self.asked: list[tuple[Any, int]] = []
+        #: host -> an event its lookups wait for (a slow DNS server).
+        self.gates: dict[str, trio.Event] = {}
 
     async def getaddrinfo(
         self, host: bytes | None, port: bytes | str | int | None, family: int = 0, type: int = 0, proto: int = 0, flags: int = 0
@@ -48,6 +53,9 @@ class Resolver(trio.abc.HostnameResolver):
         await trio.lowlevel.checkpoint()
         name = host.decode() if isinstance(host, bytes) else str(host)
         self.lookups.append(name)
+        self.asked.append((port, type))
+        if name in self.gates:
+            await self.gates[name].wait()
         if name not in self.names:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         addresses = self.names[name]
@@ -266,3 +274,27 @@ def test_a_group_engine_per_address_ipv6_included() -> None:
     assert (v6.kv_events.endpoint, v6.kv_events.replay_endpoint, v6.kv_events.topic) == (
         "tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558", "kv"
     )
+
+
+async def test_a_change_resolved_during_a_reload_does_not_undo_the_reload(autojump_clock: trio.abc.Clock) -> None:
+    """A group's new addresses arrive while a reload waits for another group's name: the
+    fleet then follows both, the reload's document (not the one served when the change
+    was resolved)."""
+    async with open_live(["127.0.0.2"], resolve_every_s=1.0) as live:
+        state = live.router.state
+        prefill = engine("p0", 8101, ["prefill"], **_SIM)
+        live.resolver.names["more.llm.svc"] = ["127.0.0.4"]
+        gate = live.resolver.gates["more.llm.svc"] = trio.Event()
+        doc = fleet_doc(prefill, engine={"request_timeout_s": 300.0}, engine_groups=[
+            group(resolve_every_s=1.0), group(name="more", host="more.llm.svc")
+        ])  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(live.router.reload, doc, source="test"))
+            await trio.sleep(0.1)  # the reload waits for more.llm.svc
+            live.resolver.names[NAME] = ["127.0.0.2", "127.0.0.3"]
+            await trio.sleep(1.5)  # decode's watch has resolved its change meanwhile
+            gate.set()
+        await trio.sleep(1.0)
+        assert state.config.engine.request_timeout_s == 300.0
+        assert [g.name for g in state.config.engine_groups] == ["decode", "more"]
+        assert sorted(state.engines) == ["decode-127.0.0.2", "decode-127.0.0.3", "more-127.0.0.4", "p0"]

@@ -283,27 +283,37 @@ class LiveFleet:
             ConfigError: the document cannot be applied; nothing changed.
         """
         async with self._lock:
-            try:
-                self.check(config, profiles)
-                if self.before_apply is not None:
-                    await self.before_apply(config)
-                desired = self._desired(config)
-            except ConfigError as err:
-                self.reject(err, source)
-                raise
-            self._held = []
-            began = time.time()
-            try:
-                change = await self._apply(config, profiles, desired, source)
-            finally:
-                held, self._held = self._held, None
-            if not change.empty:
-                self.record("reload", at=began, **change.as_dict())
-            for rec in held:
-                self._emit(rec)
-            if self.after_apply is not None:
-                self.after_apply(config)
-            return change
+            return await self._apply_document(config, profiles, source)
+
+    async def refresh(self, source: str) -> FleetChange:
+        """Apply the document served now again, with its profiles (what its engine groups
+        resolve to changed): read once no other document is being applied, so that one a
+        reload applied meanwhile is kept, not undone."""
+        async with self._lock:
+            return await self._apply_document(self.state.config, self.state.profiles, source)
+
+    async def _apply_document(self, config: FleetConfig, profiles: Profiles | None, source: str) -> FleetChange:
+        try:
+            self.check(config, profiles)
+            if self.before_apply is not None:
+                await self.before_apply(config)
+            desired = self._desired(config)
+        except ConfigError as err:
+            self.reject(err, source)
+            raise
+        self._held = []
+        began = time.time()
+        try:
+            change = await self._apply(config, profiles, desired, source)
+        finally:
+            held, self._held = self._held, None
+        if not change.empty:
+            self.record("reload", at=began, **change.as_dict())
+        for rec in held:
+            self._emit(rec)
+        if self.after_apply is not None:
+            self.after_apply(config)
+        return change
 
     def _desired(self, config: FleetConfig) -> dict[str, EngineConfig]:
         # A role this leaves without an engine (a group that resolves to nothing) keeps
