@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import attrs
 import httpx
@@ -389,3 +390,29 @@ async def test_priced_placement_gauges(autojump_clock: trio.abc.Clock) -> None:
     )
     assert state.models == {} and families["narwhal_model_ready"][2] == []
     await state.aclose()
+
+
+@pytest.mark.parametrize("buckets", [(0.25, 1.0), (0.0, 1.0), (-1.0, 0.5, 2.0), (0.25, 1.0, math.inf)])
+def test_a_histogram_exposes_what_prometheus_clients_does_for_any_buckets(
+    buckets: tuple[float, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sample, an infinite and a NaN observation included (NaN in no bucket), and no
+    ``_sum`` when a bucket is negative, as prometheus_client has them."""
+    import time as time_module
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from narwhal.router import metrics as m
+
+    monkeypatch.setattr(time_module, "time", lambda: 1_700_000_000.25)
+    reference = CollectorRegistry(auto_describe=True)
+    theirs = Histogram("h_seconds", "Doc.", ["k"], buckets=buckets, registry=reference)
+    ours = m._Histogram("h_seconds", "Doc.", ("k",), buckets)
+    for value in (-2.0, 0.0, 0.25, 0.3, 1.0, 5.0, math.inf, math.nan):
+        theirs.labels("a").observe(value)
+        ours.observe(("a",), value)
+    theirs.labels("b").observe(0.5)
+    ours.observe(("b",), 0.5)
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(m._Families([ours]))
+    assert generate_latest(registry).decode() == generate_latest(reference).decode()

@@ -96,9 +96,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     # them take a minute a mutant).
     "narwhal/router/requests.py": ("tests/test_request_parsing.py", "tests/test_response_shapes.py"),
     # The live fleet's rules on a document's settings (changed paths, restart-only ones,
-    # refusals naming the JSON path), directly: score them with --only (the functions
-    # below); applying documents end to end (tests/test_fleet_reload.py) takes minutes.
-    "narwhal/router/fleet.py": ("tests/test_fleet_settings.py",),
+    # refusals naming the JSON path), directly; applying documents to a running router
+    # by the reload suite's quick tests (not its load-level ones: a minute a mutant).
+    "narwhal/router/fleet.py": (
+        "tests/test_fleet_settings.py", "tests/test_fleet_reload.py",
+        "--deselect=tests/test_fleet_reload.py::test_reload_under_load_drains_the_engine_serving_streams_and_adds_two",
+        "--deselect=tests/test_fleet_reload.py::test_replacing_the_only_producer_under_load",
+    ),
     # The background prefix copies against stand-ins (the end-to-end copy is one test).
     "narwhal/router/replicate.py": (
         "tests/test_replicate.py",
