@@ -175,9 +175,11 @@ async def test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_rol
         assert fleet()["engine_groups"] == {
             "decode": {"host": NAME, "addresses": ["127.0.0.2"], "error": "[Errno -3] Temporary failure in name resolution"}
         }
+        warned = [(logging.WARNING, f"engine group decode: cannot resolve {NAME!r}: [Errno -3] "
+                   "Temporary failure in name resolution (keeping 1 engines)")]  # fmt: skip
+        assert _logged(caplog) == warned
         await trio.sleep(5.0)  # it fails again: said once
-        assert _logged(caplog) == [(logging.WARNING, f"engine group decode: cannot resolve {NAME!r}: [Errno -3] "
-                                    "Temporary failure in name resolution (keeping 1 engines)")]  # fmt: skip
+        assert _logged(caplog) == warned
         del live.resolver.names[NAME]  # no pod is ready: the name has no address
         await trio.sleep(5.0)
         # Its engine drains, but stays in placement while it is the role's only one.
@@ -442,11 +444,15 @@ async def test_a_group_that_never_resolved_can_leave(autojump_clock: trio.abc.Cl
         assert sorted(state.engines) == ["other-127.0.0.3", "p0"]
 
 
+@pytest.mark.parametrize("first", [["127.0.0.2"], None])
 async def test_a_change_the_fleet_refuses_keeps_the_addresses_applied(
-    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, first: list[str] | None
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="narwhal.router.discovery")
-    async with open_live(["127.0.0.2"]) as live:
+    """The addresses applied are kept: those resolved at start, or none (the name failed)."""
+    async with open_live(first) as live:
+        kept = tuple(first or ())
+        caplog.set_level(logging.ERROR, logger="narwhal.router.discovery")
+        caplog.clear()
         state = live.router.state
         discovery = live.router.admin.handler.discovery  # type: ignore[attr-defined]
         fleet = live.router.fleet
@@ -458,13 +464,15 @@ async def test_a_change_the_fleet_refuses_keeps_the_addresses_applied(
         fleet.before_apply = refuse
         live.resolver.names[NAME] = ["127.0.0.3"]
         await trio.sleep(5.5)
-        assert discovery.addresses == {"decode": ("127.0.0.2",)} and sorted(state.engines) == ["decode-127.0.0.2", "p0"]
+        assert discovery.addresses == {"decode": kept}
+        assert sorted(state.engines) == sorted(["p0", *(f"decode-{a}" for a in kept)])
         assert _logged(caplog) == [
             (logging.ERROR, "engine group decode: the change was refused: refused here @ $.engine_groups")
         ]
         fleet.before_apply = prepare
         await trio.sleep(5.0)  # tried again at the next resolution
         assert discovery.addresses == {"decode": ("127.0.0.3",)} and "decode-127.0.0.3" in state.engines
+        assert "decode-127.0.0.2" not in state.engines or state.engine_state("decode-127.0.0.2") == "draining"
 
 
 async def test_a_priced_router_follows_its_groups(autojump_clock: trio.abc.Clock) -> None:

@@ -217,6 +217,15 @@ async def test_metrics_exposition_is_prometheus_clients(
              "first_byte_s": 61.0, "tpot_s": 5.0, "output_len": 1, "attempts": [_attempt(predicted_ttft_s=0.02)]},
             {"route": "completions", "terminal_class": "deadline_exceeded", "latency_s": None,
              "attempts": [_attempt(producer=None, consumer=None, outcome="deadline_exceeded")]},
+            # Three attempts: one failed before a consumer was chosen, one whose router TTFT
+            # was 0 (no error ratio), one with the producer's cached tokens reported.
+            {"route": "completions", "terminal_class": "ok", "latency_s": 0.5, "ttft_s": 0.1, "output_len": 3,
+             "attempts": [_attempt(consumer=None, outcome="prefill_failed", ttft_s=None),
+                          _attempt(ttft_s=0.0, predicted_ttft_s=0.01),
+                          _attempt(predicted_cached_tokens=32, cached_tokens=16)]},
+            # No producer (an attempt cut before placement) has nothing to compare.
+            {"route": "chat", "terminal_class": "deadline_exceeded", "latency_s": 2.0,
+             "attempts": [_attempt(producer=None, predicted_ttft_s=0.03, predicted_cached_tokens=8)]},
         ]
         for record in records:
             ours.on_record(record)
@@ -416,3 +425,19 @@ def test_a_histogram_exposes_what_prometheus_clients_does_for_any_buckets(
     registry = CollectorRegistry(auto_describe=True)
     registry.register(m._Families([ours]))
     assert generate_latest(registry).decode() == generate_latest(reference).decode()
+
+
+async def test_a_family_of_a_name_the_router_exposes_cannot_be_registered_beside_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    from prometheus_client import Counter
+
+    from narwhal.router.metrics import RouterMetrics
+
+    state = RouterState(parse_fleet(fleet_doc()), journal=Journal(None))
+    metrics = RouterMetrics(state)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Counter("narwhal_requests", "Another.", registry=metrics.registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Counter("narwhal_ready", "Another.", registry=metrics.registry)
+    await state.aclose()
