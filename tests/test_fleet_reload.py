@@ -225,9 +225,10 @@ async def test_a_document_that_fails_changes_nothing_and_says_where(autojump_clo
             assert errors[2]["message"] == "changes only with a restart (running with 8000, the document says 9000)"
             # Nothing changed, and each refusal is a record.
             assert state.config is config and state.engines == engines and not state.phase
-            assert [(e["event"], e["path"]) for e in live.fleet_events("rejected")] == [
-                ("rejected", "$.engines[2].url"), ("rejected", "$"), ("rejected", "$.server.port")
-            ]
+            assert [(e["event"], e["path"], e["source"]) for e in live.fleet_events("rejected")] == [
+                ("rejected", "$.engines[2].url", "PUT /fleet"), ("rejected", "$", "PUT /fleet"),
+                ("rejected", "$.server.port", "PUT /fleet"),
+            ]  # fmt: skip
             assert not live.fleet_events("reload")
             # The same document, fixed, applies.
             good = await admin.put("/fleet", content=json.dumps(doc("p0", "d0", "d1")).encode())
@@ -421,6 +422,8 @@ async def test_fleet_records_go_beside_the_journal(autojump_clock: trio.abc.Cloc
     assert _fields(lines[-1]) == {"event": "removed", "engine": "d0", "url": "http://d0.test:8103",
                                   "detail": "drained in no time"}  # fmt: skip
     assert lines[0]["source"] == "test" and lines[0]["added"] == ["d1"] and lines[0]["removed"] == ["d0"]
+    # A reload's record comes first, stamped when the reload began.
+    assert lines[0]["at"] <= lines[1]["at"] <= lines[2]["at"]
     # The request journal keeps its contract: one line per request.
     assert [json.loads(x)["request_id"] for x in journal.read_text().splitlines()] == ["r0"]
 
@@ -445,7 +448,13 @@ async def test_a_drain_that_outlasts_the_request_timeout_is_warned_once(
             busy, other = ("d0", "d1") if state.in_flight_by_engine["d0"] else ("d1", "d0")
             await live.router.reload(doc("p0", "d0", "d1", engine={"request_timeout_s": 2.0}), source="test")
             began = trio.current_time()
-            await live.router.reload(doc("p0", other, engine={"request_timeout_s": 2.0}), source="test")
+            # Replaced (another address), then dropped by the next document before it was
+            # added again: it drains once, and leaves for good.
+            moved = {**ENGINES[busy], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
+            replace = fleet_doc(ENGINES["p0"], ENGINES[other], moved, engine={"request_timeout_s": 2.0})
+            assert (await live.router.reload(replace, source="test")).replaced == (busy,)
+            for _ in range(2):
+                assert (await live.router.reload(doc("p0", other, engine={"request_timeout_s": 2.0}), source="test")).empty
             [draining] = _changes(live, "draining")
             assert _fields(draining) == {"event": "draining", "engine": busy, "url": ENGINES[busy]["url"], "in_flight": 1}
             await trio.sleep(1.9)
@@ -460,6 +469,8 @@ async def test_a_drain_that_outlasts_the_request_timeout_is_warned_once(
         detail = f"drained in {ended - began:.3g} s"
         assert _fields(removed) == {"event": "removed", "engine": busy, "url": ENGINES[busy]["url"], "detail": detail}
         assert _logged(caplog) == [warned, (logging.INFO, f"engine {busy} left the fleet: {detail}")]
+        await trio.sleep(1.0)
+        assert busy not in state.engines and _changes(live, "starting") == []
 
 
 async def test_an_engine_removed_before_it_was_ready_is_probed_no_more(

@@ -100,6 +100,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     # by the reload suite's quick tests (not its load-level ones: a minute a mutant).
     "narwhal/router/fleet.py": (
         "tests/test_fleet_settings.py", "tests/test_fleet_reload.py",
+        # What runs before and after a document is applied (DNS discovery's resolutions).
+        "tests/test_discovery.py::test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve",
         "--deselect=tests/test_fleet_reload.py::test_reload_under_load_drains_the_engine_serving_streams_and_adds_two",
         "--deselect=tests/test_fleet_reload.py::test_replacing_the_only_producer_under_load",
     ),
