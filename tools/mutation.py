@@ -142,6 +142,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_readiness.py::test_an_engine_down_at_start_is_named_and_health_says_unavailable",
         "tests/test_multimodel.py::test_a_model_is_listed_with_the_smallest_limit_of_its_engines",
         "tests/test_service.py::test_metrics_on_the_api_port_only_when_asked",
+        "tests/test_service.py::test_metrics_on_the_api_port_take_the_api_key",
     ),
     # The state's own tests, and the router's that read it (readiness, models, counting).
     "narwhal/router/state.py": (

@@ -23,6 +23,7 @@ from narwhal.router.state import RouterState
 __all__ = ["RouterApp"]
 
 _JSON = (("content-type", "application/json"),)
+_METRICS = (("content-type", METRICS_CONTENT_TYPE),)
 _AUTHORIZATION = "authorization"  # header names are matched case-insensitively
 _INFERENCE: dict[str, RequestKind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -69,7 +70,7 @@ class RouterApp:
             await self._health(response)
         elif path == "/metrics" and self.metrics is not None:
             self._authorize(request)
-            await response.respond(200, (("content-type", METRICS_CONTENT_TYPE),), self.metrics())
+            await response.respond(200, _METRICS, self.metrics())
         elif path == "/v1/models":
             self._authorize(request)
             await self._models(response)
