@@ -201,6 +201,7 @@ async def test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_rol
 async def test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve(autojump_clock: trio.abc.Clock) -> None:
     async with open_live(["127.0.0.2"]) as live:
         state = live.router.state
+        assert not state.phase  # the router started once its group's engines were probed
         prefill = engine("p0", 8101, ["prefill"], **_SIM)
         more = group(name="more", host="more.llm.svc")
         live.resolver.names["more.llm.svc"] = None

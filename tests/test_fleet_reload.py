@@ -280,6 +280,7 @@ async def test_an_added_engine_waits_for_its_readiness_probe(
         assert _fields(ready) == {"event": "ready", "engine": "d1", "url": "http://d1.test:8104", "pricing": "load",
                                   "detail": None}  # fmt: skip
         assert _logged(caplog)[1:] == [(logging.INFO, "engine d1 is ready: in placement (load)")]
+        assert live.router.fleet._tasks == {}  # its probe's task is done
         for i in range(20):
             assert (await live.request(f"s{i}", 2)).ok
         assert _served(live.records, {f"s{i}" for i in range(20)})["d1"] > 0
@@ -361,7 +362,10 @@ async def test_roles_change_in_place_and_a_changed_url_replaces_the_engine(autoj
         assert live.sims.engines["d2"].stats.requests > served  # d0 is now the engine at d2's address
 
 
-async def test_an_added_engine_is_priced_once_its_profile_exists(autojump_clock: trio.abc.Clock) -> None:
+async def test_an_added_engine_is_priced_once_its_profile_exists(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
     async with open_live(doc("p0", "d0"), priced=True, profile_names=("p0", "d0")) as live:
         state = live.router.state
         first = state.profiles
@@ -369,6 +373,7 @@ async def test_an_added_engine_is_priced_once_its_profile_exists(autojump_clock:
         await until(lambda: state.engine_state("d1") == "ok")
         [ready] = live.fleet_events("ready")
         assert (ready["pricing"], ready["detail"]) == ("load", "no accepted profile")
+        assert _logged(caplog)[-1] == (logging.INFO, "engine d1 is ready: in placement (load: no accepted profile)")
         assert state.health(detail=True)["engines"]["d1"]["pricing"] == "load (no accepted profile)"
         # Re-profiled: a pair with d1's profile prices it.
         assert first is not None
@@ -429,32 +434,44 @@ async def test_fleet_records_go_beside_the_journal(autojump_clock: trio.abc.Cloc
 
 
 
+@asynccontextmanager
+async def _serving_a_long_stream(live: Live) -> AsyncIterator[tuple[str, str, list[Outcome]]]:
+    """A stream of 5 s on one of d0 and d1: (the engine serving it, the other, its outcome once over)."""
+    state = live.router.state
+    async with trio.open_nursery() as nursery:
+        outcomes: list[Outcome] = []
+
+        async def long() -> None:
+            outcomes.append(await live.request("long", 100))  # 5 s of decoding
+
+        nursery.start_soon(long)
+        await until(lambda: state.in_flight_by_engine["d0"] + state.in_flight_by_engine["d1"] == 1)
+        yield ("d0", "d1", outcomes) if state.in_flight_by_engine["d0"] else ("d1", "d0", outcomes)
+
+
+@pytest.mark.parametrize("replaced", [False, True])
 async def test_a_drain_that_outlasts_the_request_timeout_is_warned_once(
-    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, replaced: bool
 ) -> None:
     """A stream that arrived under a longer deadline outlasts the one in force: the drain
-    says so once, at that deadline, and the engine leaves when the stream ends."""
+    says so once, at that deadline, and the engine leaves when the stream ends (removed,
+    or replaced and then dropped before it was added again)."""
     caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
     async with open_live(doc("p0", "d0", "d1")) as live:
         state = live.router.state
-        async with trio.open_nursery() as nursery:
-            outcomes: list[Outcome] = []
-
-            async def long() -> None:
-                outcomes.append(await live.request("long", 100))  # 5 s of decoding
-
-            nursery.start_soon(long)
-            await until(lambda: state.in_flight_by_engine["d0"] + state.in_flight_by_engine["d1"] == 1)
-            busy, other = ("d0", "d1") if state.in_flight_by_engine["d0"] else ("d1", "d0")
+        async with _serving_a_long_stream(live) as (busy, other, outcomes):
             await live.router.reload(doc("p0", "d0", "d1", engine={"request_timeout_s": 2.0}), source="test")
             began = trio.current_time()
-            # Replaced (another address), then dropped by the next document before it was
-            # added again: it drains once, and leaves for good.
-            moved = {**ENGINES[busy], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
-            replace = fleet_doc(ENGINES["p0"], ENGINES[other], moved, engine={"request_timeout_s": 2.0})
-            assert (await live.router.reload(replace, source="test")).replaced == (busy,)
-            for _ in range(2):
-                assert (await live.router.reload(doc("p0", other, engine={"request_timeout_s": 2.0}), source="test")).empty
+            drop = doc("p0", other, engine={"request_timeout_s": 2.0})
+            if replaced:  # another address, twice: it drains once
+                moved = {**ENGINES[busy], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
+                replace = fleet_doc(ENGINES["p0"], ENGINES[other], moved, engine={"request_timeout_s": 2.0})
+                for _ in range(2):
+                    assert (await live.router.reload(replace, source="test")).replaced == (busy,)
+            else:
+                assert (await live.router.reload(drop, source="test")).removed == (busy,)
+            for _ in range(2):  # dropped while draining: nothing more to do
+                assert (await live.router.reload(drop, source="test")).empty
             [draining] = _changes(live, "draining")
             assert _fields(draining) == {"event": "draining", "engine": busy, "url": ENGINES[busy]["url"], "in_flight": 1}
             await trio.sleep(1.9)
@@ -491,6 +508,48 @@ async def test_an_engine_removed_before_it_was_ready_is_probed_no_more(
         await trio.sleep(12.0)  # its readiness probe was cancelled: nothing more of it
         assert state.phase_errors == {} and len(_changes(live, "not_ready")) == 1
         assert live.router.fleet._tasks == {}  # no task left behind
+        # Replaced (another address) before it was ready: the new one is probed instead.
+        await live.router.reload(doc("p0", "d0", "d1"), source="test")
+        await until(lambda: "d1" in state.phase_errors)
+        moved = {**ENGINES["d1"], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
+        change = await live.router.reload(fleet_doc(ENGINES["p0"], ENGINES["d0"], moved), source="test")
+        assert change.replaced == ("d1",) and not change.added and not change.removed
+        assert _fields(_changes(live, "removed")[-1]) == {
+            "event": "removed", "engine": "d1", "url": "http://d1.test:8104", "detail": "replaced before it was ready"
+        }
+        assert _fields(_changes(live, "starting")[-1])["url"] == "http://d2.test:8105"
+        await until(lambda: state.engine_state("d1") == "ok")
+        assert state.engines["d1"].url == "http://d2.test:8105"
+
+
+async def test_an_engine_wanted_again_while_draining_serves_on(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0", "d1")) as live:
+        state = live.router.state
+        async with _serving_a_long_stream(live) as (busy, other, outcomes):
+            assert (await live.router.reload(doc("p0", other), source="test")).removed == (busy,)
+            assert state.engine_state(busy) == "draining"
+            change = await live.router.reload(doc("p0", "d0", "d1"), source="test")
+            assert change.added == (busy,) and state.engine_state(busy) == "ok"
+            assert _fields(_changes(live, "ready")[-1]) == {
+                "event": "ready", "engine": busy, "url": ENGINES[busy]["url"], "detail": "wanted again while draining"
+            }
+        assert outcomes[0].ok
+        await trio.sleep(10.0)  # its drain was called off: it serves on
+        assert state.engine_state(busy) == "ok" and _changes(live, "removed") == []
+        assert live.router.fleet._tasks == {}
+
+
+async def test_an_added_engine_with_a_profile_is_priced_by_it(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
+    async with open_live(doc("p0", "d0"), priced=True, profile_names=("p0", "d0", "d1")) as live:
+        state = live.router.state
+        await live.router.fleet.apply(parse_fleet(doc("p0", "d0", "d1")), profiles=state.profiles, source="test")
+        await until(lambda: state.engine_state("d1") == "ok")
+        [ready] = _changes(live, "ready")
+        assert (ready["pricing"], ready["detail"]) == ("profile", None)
+        assert _logged(caplog)[-1] == (logging.INFO, "engine d1 is ready: in placement (profile)")
 
 
 async def test_a_live_fleet_that_is_not_running_adds_no_engine(autojump_clock: trio.abc.Clock) -> None:
@@ -511,5 +570,6 @@ async def test_fleet_records_make_their_directory(autojump_clock: trio.abc.Clock
         await fleet.aclose()
         nursery.cancel_scope.cancel()
     [line] = (tmp_path / "a" / "b" / "journal.fleet.jsonl").read_text().splitlines()
+    assert line.startswith('{"type":"fleet","event":"noted","at":')  # compact, one line a record
     assert _fields(json.loads(line)) == {"event": "noted", "detail": "é"}
     await state.aclose()
