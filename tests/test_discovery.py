@@ -484,3 +484,11 @@ async def test_a_priced_router_follows_its_groups(autojump_clock: trio.abc.Clock
         await trio.sleep(5.5)
         assert sorted(state.engines) == ["decode-127.0.0.3", "p0"]
         assert state.profiles is not None
+
+
+async def test_the_router_does_not_wait_for_a_group_engine_whose_first_probe_failed(autojump_clock: trio.abc.Clock) -> None:
+    began = trio.current_time()
+    async with open_live(["127.0.0.9"]) as live:  # nothing listens there
+        assert trio.current_time() - began < 1.0  # not the connect timeout and more
+        assert live.router.state.phase == {"decode-127.0.0.9": "starting"}
+        assert "decode-127.0.0.9" in live.router.state.phase_errors

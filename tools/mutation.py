@@ -102,6 +102,9 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_fleet_settings.py", "tests/test_fleet_reload.py",
         # What runs before and after a document is applied (DNS discovery's resolutions).
         "tests/test_discovery.py::test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve",
+        "tests/test_discovery.py::test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_role",
+        "tests/test_discovery.py::test_a_priced_router_follows_its_groups",
+        "tests/test_discovery.py::test_the_router_does_not_wait_for_a_group_engine_whose_first_probe_failed",
         "--deselect=tests/test_fleet_reload.py::test_reload_under_load_drains_the_engine_serving_streams_and_adds_two",
         "--deselect=tests/test_fleet_reload.py::test_replacing_the_only_producer_under_load",
     ),

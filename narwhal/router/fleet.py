@@ -436,7 +436,7 @@ class LiveFleet:
     async def _ready(self, name: str) -> None:
         """Probe an added engine until it is ready, then put it in placement."""
         state = self.state
-        failed = False
+        failed = False  # pragma: no mutate (equivalent: None is as false)
         while True:
             problem = await readiness_problem(state, name)
             if problem is None:
