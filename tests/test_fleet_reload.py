@@ -556,6 +556,10 @@ async def test_an_added_engine_with_a_profile_is_priced_by_it(
 async def test_a_live_fleet_that_is_not_running_adds_no_engine(autojump_clock: trio.abc.Clock) -> None:
     state = RouterState(parse_fleet(doc("p0", "d0")), journal=Journal(None))
     fleet = LiveFleet(state)
+    # A change of settings needs no task: it applies (the document's own engines, nothing before or after).
+    settings = parse_fleet(doc("p0", "d0", engine={"request_timeout_s": 300.0}))
+    assert (await fleet.apply(settings, profiles=None, source="test")).settings == ("engine.request_timeout_s",)
+    assert state.config is settings
     with pytest.raises(RuntimeError) as err:
         await fleet.apply(parse_fleet(doc("p0", "d0", "d1")), profiles=None, source="test")
     assert str(err.value) == "the live fleet is not running"
