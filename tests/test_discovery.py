@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import collections
 import copy
+import errno
+import functools
+import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -21,14 +25,14 @@ import trio
 
 from narwhal.config import parse_fleet
 from narwhal.errors import ConfigError
-from narwhal.router.discovery import group_engines
+from narwhal.router.discovery import Discovery, group_engines, resolve_group
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router, open_router
 from narwhal.testing import MemoryNetwork, open_memory_network, open_sim_fleet
 from narwhal.testing.ports import free_port
 
 from .loadkit import Outcome, exchange
-from .routerkit import ROUTER_HOST, ROUTER_PORT, SIM, engine, fleet_doc
+from .routerkit import ROUTER_HOST, ROUTER_PORT, SIM, engine, fleet_doc, sim_profiles
 
 NAME = "decode.llm.svc.cluster.local"
 STEP_S = 0.05
@@ -41,6 +45,10 @@ class Resolver(trio.abc.HostnameResolver):
     def __init__(self, names: dict[str, list[str] | None]) -> None:
         self.names = names
         self.lookups: list[str] = []
+        #: Each lookup's port and socket type.
+        self.asked: list[tuple[Any, int]] = []
+        #: host -> an event its lookups wait for (a slow DNS server).
+        self.gates: dict[str, trio.Event] = {}
 
     async def getaddrinfo(
         self, host: bytes | None, port: bytes | str | int | None, family: int = 0, type: int = 0, proto: int = 0, flags: int = 0
@@ -48,6 +56,9 @@ class Resolver(trio.abc.HostnameResolver):
         await trio.lowlevel.checkpoint()
         name = host.decode() if isinstance(host, bytes) else str(host)
         self.lookups.append(name)
+        self.asked.append((port, type))
+        if name in self.gates:
+            await self.gates[name].wait()
         if name not in self.names:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         addresses = self.names[name]
@@ -85,7 +96,8 @@ class Live:
 
 
 @asynccontextmanager
-async def open_live(addresses: list[str] | None, **group_over: Any) -> AsyncIterator[Live]:
+async def open_live(addresses: list[str] | None, *, priced: bool = False, **group_over: Any) -> AsyncIterator[Live]:
+    """A router whose decode engines are the group's; ``priced``: p0's profile prices placement."""
     resolver = Resolver({NAME: addresses})
     trio.socket.set_custom_hostname_resolver(resolver)
     p0 = engine("p0", 8101, ["prefill"], **_SIM)
@@ -95,7 +107,8 @@ async def open_live(addresses: list[str] | None, **group_over: Any) -> AsyncIter
     journal = Journal(None)
     journal.add_listener(records.append)
     async with open_memory_network() as net, open_sim_fleet(sims, network=net) as fleet:
-        async with open_router(config, transport=fleet.transport, journal=journal) as router:
+        profiles = await sim_profiles(config, net) if priced else None
+        async with open_router(config, transport=fleet.transport, journal=journal, profiles=profiles) as router:
             net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
             yield Live(net, router, resolver, records)
     assert net.open_connections == 0
@@ -143,32 +156,52 @@ async def test_addresses_that_appear_and_disappear_under_load(autojump_clock: tr
         assert len(live.resolver.lookups) == pytest.approx(1 + trio.current_time() // 5.0, abs=1)
 
 
-async def test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_role(autojump_clock: trio.abc.Clock) -> None:
+def _logged(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "narwhal.router.discovery"]
+
+
+async def test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_role(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router.discovery")
     async with open_live(["127.0.0.2"]) as live:
         state = live.router.state
+        [start] = [c for c in live.router.fleet.changes if c["event"] == "reload"]
+        assert (start["event"], start["source"], start["added"]) == ("reload", "dns", ["decode-127.0.0.2"])
         live.resolver.names[NAME] = None  # the DNS server fails
         await trio.sleep(5.5)
         assert sorted(state.engines) == ["decode-127.0.0.2", "p0"] and not state.phase
-        assert live.router.admin.handler.fleet()["engine_groups"] == {  # type: ignore[attr-defined]
+        fleet = live.router.admin.handler.fleet  # type: ignore[attr-defined]
+        assert fleet()["engine_groups"] == {
             "decode": {"host": NAME, "addresses": ["127.0.0.2"], "error": "[Errno -3] Temporary failure in name resolution"}
         }
+        warned = [(logging.WARNING, f"engine group decode: cannot resolve {NAME!r}: [Errno -3] "
+                   "Temporary failure in name resolution (keeping 1 engines)")]  # fmt: skip
+        assert _logged(caplog) == warned
+        await trio.sleep(5.0)  # it fails again: said once
+        assert _logged(caplog) == warned
         del live.resolver.names[NAME]  # no pod is ready: the name has no address
         await trio.sleep(5.0)
         # Its engine drains, but stays in placement while it is the role's only one.
         assert state.engine_state("decode-127.0.0.2") == "draining" and state.ready()
+        assert fleet()["engine_groups"] == {"decode": {"host": NAME, "addresses": [], "error": None}}
         assert (await live.request("r0", 4)).ok
-        live.resolver.names[NAME] = ["127.0.0.5"]
+        live.resolver.names[NAME] = ["127.0.0.5", "127.0.0.3"]
         await trio.sleep(5.5)
-        assert sorted(state.engines) == ["decode-127.0.0.5", "p0"]
+        assert sorted(state.engines) == ["decode-127.0.0.3", "decode-127.0.0.5", "p0"]
         assert (await live.request("r1", 4)).ok
-        assert {r["request_id"]: r["consumer"] for r in live.records} == {
-            "r0": "decode-127.0.0.2", "r1": "decode-127.0.0.5"
-        }
+        await trio.sleep(10.0)  # resolved twice more, to the same addresses: nothing to say
+        assert _logged(caplog)[1:] == [
+            (logging.INFO, f"engine group decode: {NAME} resolves to nothing"),
+            (logging.INFO, f"engine group decode: {NAME} resolves to 127.0.0.3, 127.0.0.5"),
+        ]
+        assert {r["request_id"]: r["consumer"] for r in live.records}["r0"] == "decode-127.0.0.2"
 
 
 async def test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve(autojump_clock: trio.abc.Clock) -> None:
     async with open_live(["127.0.0.2"]) as live:
         state = live.router.state
+        assert not state.phase  # the router started once its group's engines were probed
         prefill = engine("p0", 8101, ["prefill"], **_SIM)
         more = group(name="more", host="more.llm.svc")
         live.resolver.names["more.llm.svc"] = None
@@ -181,10 +214,15 @@ async def test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve(autoj
         live.resolver.names["more.llm.svc"] = ["127.0.0.3", "127.0.0.4"]
         change = await live.router.reload(doc, source="test")
         assert change.added == ("more-127.0.0.3", "more-127.0.0.4")
+        live.resolver.names["more.llm.svc"] = ["127.0.0.4"]  # the group brought is resolved periodically
+        await trio.sleep(5.5)
+        assert "more-127.0.0.3" not in state.engines
         # The group leaves with the next document: its engines drain, its name is no longer resolved.
         await live.router.reload(fleet_doc(prefill, engine_groups=[group()]), source="test")
         await trio.sleep(1.0)
         assert sorted(state.engines) == ["decode-127.0.0.2", "p0"]
+        discovery = live.router.admin.handler.discovery  # type: ignore[attr-defined]
+        assert discovery.addresses == {"decode": ("127.0.0.2",)} and discovery.errors == {}
         asked = len(live.resolver.lookups)
         await trio.sleep(20)
         assert "more.llm.svc" not in live.resolver.lookups[asked:]
@@ -266,3 +304,191 @@ def test_a_group_engine_per_address_ipv6_included() -> None:
     assert (v6.kv_events.endpoint, v6.kv_events.replay_endpoint, v6.kv_events.topic) == (
         "tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558", "kv"
     )
+
+
+async def test_a_change_resolved_during_a_reload_does_not_undo_the_reload(autojump_clock: trio.abc.Clock) -> None:
+    """A group's new addresses arrive while a reload waits for another group's name: the
+    fleet then follows both, the reload's document (not the one served when the change
+    was resolved)."""
+    async with open_live(["127.0.0.2"], resolve_every_s=1.0) as live:
+        state = live.router.state
+        prefill = engine("p0", 8101, ["prefill"], **_SIM)
+        live.resolver.names["more.llm.svc"] = ["127.0.0.4"]
+        gate = live.resolver.gates["more.llm.svc"] = trio.Event()
+        doc = fleet_doc(prefill, engine={"request_timeout_s": 300.0}, engine_groups=[
+            group(resolve_every_s=1.0), group(name="more", host="more.llm.svc")
+        ])  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(live.router.reload, doc, source="test"))
+            await trio.sleep(0.1)  # the reload waits for more.llm.svc
+            live.resolver.names[NAME] = ["127.0.0.2", "127.0.0.3"]
+            await trio.sleep(1.5)  # decode's watch has resolved its change meanwhile
+            gate.set()
+        await trio.sleep(1.0)
+        assert state.config.engine.request_timeout_s == 300.0
+        assert [g.name for g in state.config.engine_groups] == ["decode", "more"]
+        assert sorted(state.engines) == ["decode-127.0.0.2", "decode-127.0.0.3", "more-127.0.0.4", "p0"]
+
+
+def test_a_group_without_a_connector_or_a_replay_port() -> None:
+    config = parse_fleet(fleet_doc(engine("p0", 8101, ["prefill"]), engine_groups=[
+        group(connector=None, kv_events={"port": 5557}),
+        group(name="lm", host="lm.svc", connector={"type": "LMCacheConnectorV1", "kv_port": 16000}),
+    ]))  # fmt: skip
+    plain, typed = config.engine_groups
+    [e] = group_engines(plain, ["10.0.0.7"])
+    assert e.connector is None and e.kv_events is not None
+    assert (e.kv_events.endpoint, e.kv_events.replay_endpoint) == ("tcp://10.0.0.7:5557", None)
+    [lm] = group_engines(typed, ["10.0.0.8"])
+    assert lm.connector is not None and lm.kv_events is None
+    assert (lm.connector.type, lm.connector.kv_host, lm.connector.kv_port) == ("LMCacheConnectorV1", "10.0.0.8", 16000)
+
+
+async def test_a_lookup_asks_for_the_groups_port_and_gives_up_after_the_connect_timeout(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    resolver = Resolver({NAME: ["10.0.0.7", "10.0.0.6", "10.0.0.7"]})
+    trio.socket.set_custom_hostname_resolver(resolver)
+    [g] = parse_fleet(fleet_doc(engine("p0", 8101, ["prefill"]), engine_groups=[group(port=8011)])).engine_groups
+    assert await resolve_group(g, 2.5) == ("10.0.0.6", "10.0.0.7")
+    assert resolver.asked == [(8011, socket.SOCK_STREAM)]
+    resolver.gates[NAME] = trio.Event()  # the server does not answer
+    began = trio.current_time()
+    with pytest.raises(OSError) as err:
+        await resolve_group(g, 2.5)
+    assert trio.current_time() - began == pytest.approx(2.5)
+    assert (err.value.errno, err.value.strerror) == (errno.ETIMEDOUT, "no answer within 2.5 s (engine.connect_timeout_s)")
+
+
+def test_engines_already_in_the_fleet_are_skipped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="narwhal.router.discovery")
+    named = engine("decode-10.0.0.7", 8102, ["decode"])  # the name of the group's engine at 10.0.0.7
+    at = {**engine("d9", 8103, ["decode"]), "url": "http://10.0.0.8:8000"}  # the URL of the one at 10.0.0.8
+    config = parse_fleet(fleet_doc(engine("p0", 8101, ["prefill"]), named, at, engine_groups=[
+        group(), group(name="decode-fd00", host="v6.svc"), group(name="again", host="again.svc"),
+        group(name="unresolved", host="unresolved.svc"),
+    ]))  # fmt: skip
+    discovery = Discovery(SimpleNamespace(state=None))  # type: ignore[arg-type]
+    discovery.follow(config)  # not running yet: nothing is watched
+    discovery.addresses.update({
+        "decode": ("10.0.0.7", "10.0.0.8", "10.0.0.9", "fd00:1::"),
+        "decode-fd00": ("1::",),  # decode-fd00-1-- again, at another URL
+        "again": ("10.0.0.9",),  # another name at decode-10.0.0.9's URL
+    })  # fmt: skip
+    engines = discovery.expand(config)
+    assert [(e.name, e.url) for e in engines[3:]] == [
+        ("decode-10.0.0.9", "http://10.0.0.9:8000"), ("decode-fd00-1--", "http://[fd00:1::]:8000")
+    ]
+    assert [e.name for e in engines[:3]] == ["p0", "decode-10.0.0.7", "d9"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"engine group {g}: {name} at {url} is already in the fleet: skipped" for g, name, url in (
+            ("decode", "decode-10.0.0.7", "http://10.0.0.7:8000"), ("decode", "decode-10.0.0.8", "http://10.0.0.8:8000"),
+            ("decode-fd00", "decode-fd00-1--", "http://[1::]:8000"), ("again", "again-10.0.0.9", "http://10.0.0.9:8000"),
+        )
+    ]  # fmt: skip
+
+
+async def test_a_reload_resolves_the_groups_it_changes_only(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(["127.0.0.2"]) as live:
+        discovery = live.router.admin.handler.discovery  # type: ignore[attr-defined]
+        prefill = engine("p0", 8101, ["prefill"], **_SIM)
+        live.resolver.names[NAME] = None
+        await trio.sleep(5.5)  # its watch failed
+        assert discovery.errors == {"decode": "[Errno -3] Temporary failure in name resolution"}
+        asked = len(live.resolver.lookups)
+        # Followed already: not resolved again, so that the DNS failure refuses nothing.
+        change = await live.router.reload(fleet_doc(prefill, engine={"request_timeout_s": 300.0},
+                                                    engine_groups=[group()]), source="test")  # fmt: skip
+        assert change.settings == ("engine.request_timeout_s",) and len(live.resolver.lookups) == asked
+        # Its name changes: the new name is resolved before the document applies.
+        live.resolver.names["new.llm.svc"] = ["127.0.0.3"]
+        change = await live.router.reload(fleet_doc(prefill, engine_groups=[group(host="new.llm.svc")]), source="test")
+        assert live.resolver.lookups[asked:] == ["new.llm.svc"]
+        assert (change.added, change.removed) == (("decode-127.0.0.3",), ("decode-127.0.0.2",))
+        assert discovery.addresses == {"decode": ("127.0.0.3",)} and discovery.errors == {}
+
+
+async def test_an_unchanged_group_is_watched_on_through_reloads(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(["127.0.0.2"]) as live:
+        state = live.router.state
+        discovery = live.router.admin.handler.discovery  # type: ignore[attr-defined]
+        prefill = engine("p0", 8101, ["prefill"], **_SIM)
+        asked = len(live.resolver.lookups)
+        for _ in range(4):  # reloaded every 3 s, resolved every 5 s all the same
+            await trio.sleep(3.0)
+            await live.router.reload(fleet_doc(prefill, engine_groups=[group()]), source="test")
+        assert len(live.resolver.lookups) - asked == 2
+        # Its period changes: watched anew, with the addresses it has.
+        await live.router.reload(fleet_doc(prefill, engine_groups=[group(resolve_every_s=1.0)]), source="test")
+        assert discovery.addresses == {"decode": ("127.0.0.2",)}
+        live.resolver.names[NAME] = ["127.0.0.2", "127.0.0.3"]
+        await trio.sleep(1.5)
+        assert sorted(state.engines) == ["decode-127.0.0.2", "decode-127.0.0.3", "p0"]
+
+
+async def test_a_group_that_never_resolved_can_leave(autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="narwhal.router.discovery")
+    async with open_live(None) as live:  # the DNS server fails from the start
+        state = live.router.state
+        discovery = live.router.admin.handler.discovery  # type: ignore[attr-defined]
+        assert sorted(state.engines) == ["p0"] and discovery.addresses == {}
+        assert [(c["event"], c.get("source")) for c in live.router.fleet.changes] == [("rejected", "dns")]
+        assert _logged(caplog) == [(logging.ERROR, f"engine groups: cannot resolve {NAME!r}: [Errno -3] Temporary "
+                                    "failure in name resolution @ $.engine_groups[0].host")]  # fmt: skip
+        await trio.sleep(5.5)  # its watch fails too
+        assert discovery.errors == {"decode": "[Errno -3] Temporary failure in name resolution"}
+        live.resolver.names["other.llm.svc"] = ["127.0.0.3"]
+        prefill = engine("p0", 8101, ["prefill"], **_SIM)
+        await live.router.reload(fleet_doc(prefill, engine_groups=[group(name="other", host="other.llm.svc")]),
+                                 source="test")  # fmt: skip
+        assert discovery.addresses == {"other": ("127.0.0.3",)} and discovery.errors == {}
+        assert sorted(state.engines) == ["other-127.0.0.3", "p0"]
+
+
+@pytest.mark.parametrize("first", [["127.0.0.2"], None])
+async def test_a_change_the_fleet_refuses_keeps_the_addresses_applied(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, first: list[str] | None
+) -> None:
+    """The addresses applied are kept: those resolved at start, or none (the name failed)."""
+    async with open_live(first) as live:
+        kept = tuple(first or ())
+        caplog.set_level(logging.ERROR, logger="narwhal.router.discovery")
+        caplog.clear()
+        state = live.router.state
+        discovery = live.router.admin.handler.discovery  # type: ignore[attr-defined]
+        fleet = live.router.fleet
+        prepare = fleet.before_apply
+
+        async def refuse(config: Any) -> None:
+            raise ConfigError("refused here", path="$.engine_groups")
+
+        fleet.before_apply = refuse
+        live.resolver.names[NAME] = ["127.0.0.3"]
+        await trio.sleep(5.5)
+        assert discovery.addresses == {"decode": kept}
+        assert sorted(state.engines) == sorted(["p0", *(f"decode-{a}" for a in kept)])
+        assert _logged(caplog) == [
+            (logging.ERROR, "engine group decode: the change was refused: refused here @ $.engine_groups")
+        ]
+        fleet.before_apply = prepare
+        await trio.sleep(5.0)  # tried again at the next resolution
+        assert discovery.addresses == {"decode": ("127.0.0.3",)} and "decode-127.0.0.3" in state.engines
+        assert "decode-127.0.0.2" not in state.engines or state.engine_state("decode-127.0.0.2") == "draining"
+
+
+async def test_a_priced_router_follows_its_groups(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(["127.0.0.2"], priced=True) as live:
+        state = live.router.state
+        assert state.profiles is not None and sorted(state.engines) == ["decode-127.0.0.2", "p0"]
+        live.resolver.names[NAME] = ["127.0.0.3"]
+        await trio.sleep(5.5)
+        assert sorted(state.engines) == ["decode-127.0.0.3", "p0"]
+        assert state.profiles is not None
+
+
+async def test_the_router_does_not_wait_for_a_group_engine_whose_first_probe_failed(autojump_clock: trio.abc.Clock) -> None:
+    began = trio.current_time()
+    async with open_live(["127.0.0.9"]) as live:  # nothing listens there
+        assert trio.current_time() - began < 1.0  # not the connect timeout and more
+        assert live.router.state.phase == {"decode-127.0.0.9": "starting"}
+        assert "decode-127.0.0.9" in live.router.state.phase_errors

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,8 +25,10 @@ import trio
 
 from narwhal.config import parse_fleet
 from narwhal.errors import ConfigError
+from narwhal.router.fleet import LiveFleet
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router, open_router
+from narwhal.router.state import RouterState
 from narwhal.testing import MemoryNetwork, SimFleet, open_memory_network, open_sim_fleet
 
 from .loadkit import Outcome, exchange
@@ -222,9 +225,10 @@ async def test_a_document_that_fails_changes_nothing_and_says_where(autojump_clo
             assert errors[2]["message"] == "changes only with a restart (running with 8000, the document says 9000)"
             # Nothing changed, and each refusal is a record.
             assert state.config is config and state.engines == engines and not state.phase
-            assert [(e["event"], e["path"]) for e in live.fleet_events("rejected")] == [
-                ("rejected", "$.engines[2].url"), ("rejected", "$"), ("rejected", "$.server.port")
-            ]
+            assert [(e["event"], e["path"], e["source"]) for e in live.fleet_events("rejected")] == [
+                ("rejected", "$.engines[2].url", "PUT /fleet"), ("rejected", "$", "PUT /fleet"),
+                ("rejected", "$.server.port", "PUT /fleet"),
+            ]  # fmt: skip
             assert not live.fleet_events("reload")
             # The same document, fixed, applies.
             good = await admin.put("/fleet", content=json.dumps(doc("p0", "d0", "d1")).encode())
@@ -233,23 +237,51 @@ async def test_a_document_that_fails_changes_nothing_and_says_where(autojump_clo
                 await live.router.reload(source="SIGHUP")  # started without a file
 
 
-async def test_an_added_engine_waits_for_its_readiness_probe(autojump_clock: trio.abc.Clock) -> None:
+def _fields(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in ("type", "at")}
+
+
+def _changes(live: Live, event: str) -> list[dict[str, Any]]:
+    """The fleet's records of ``event`` so far (as recorded: the published copies follow)."""
+    return [c for c in live.router.fleet.changes if c["event"] == event]
+
+
+def _logged(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "narwhal.router.fleet"]
+
+
+async def test_an_added_engine_waits_for_its_readiness_probe(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
     async with open_live(doc("p0", "d0")) as live:
         state = live.router.state
         live.net.set_refusing("d1.test", 8104, True)
         t0 = trio.current_time()
         await live.router.reload(doc("p0", "d0", "d1"), source="test")
+        [starting] = _changes(live, "starting")
+        assert _fields(starting) == {"event": "starting", "engine": "d1", "url": "http://d1.test:8104", "roles": ["decode"]}
         for i in range(20):
             assert (await live.request(f"r{i}", 2)).ok
         assert _served(live.records, {f"r{i}" for i in range(20)})["d1"] == 0
         health = state.health(detail=True)["engines"]["d1"]
         assert health["state"] == "starting" and "connection refused" in health["error"]
-        [not_ready] = live.fleet_events("not_ready")
-        assert not_ready["engine"] == "d1"
+        [not_ready] = _changes(live, "not_ready")
+        assert _fields(not_ready) == {"event": "not_ready", "engine": "d1", "detail": health["error"]}
+        warned = [(logging.WARNING, f"engine d1 is not ready yet: {health['error']} (probed again every 5 s)")]
+        assert _logged(caplog) == warned
+        await trio.sleep(5.0)  # its second probe fails too: said once
+        assert _logged(caplog) == warned and len(_changes(live, "not_ready")) == 1
         live.net.set_refusing("d1.test", 8104, False)
         await until(lambda: state.engine_state("d1") == "ok")
-        # Probed again at recovery.probe_interval_s (5 s by default).
-        assert trio.current_time() - t0 == pytest.approx(5.0, abs=0.5)
+        # Probed again every recovery.probe_interval_s (5 s by default).
+        assert trio.current_time() - t0 == pytest.approx(10.0, abs=0.5)
+        assert state.phase_errors == {} and len(_changes(live, "not_ready")) == 1
+        [ready] = _changes(live, "ready")
+        assert _fields(ready) == {"event": "ready", "engine": "d1", "url": "http://d1.test:8104", "pricing": "load",
+                                  "detail": None}  # fmt: skip
+        assert _logged(caplog)[1:] == [(logging.INFO, "engine d1 is ready: in placement (load)")]
+        assert live.router.fleet._tasks == {}  # its probe's task is done
         for i in range(20):
             assert (await live.request(f"s{i}", 2)).ok
         assert _served(live.records, {f"s{i}" for i in range(20)})["d1"] > 0
@@ -331,7 +363,10 @@ async def test_roles_change_in_place_and_a_changed_url_replaces_the_engine(autoj
         assert live.sims.engines["d2"].stats.requests > served  # d0 is now the engine at d2's address
 
 
-async def test_an_added_engine_is_priced_once_its_profile_exists(autojump_clock: trio.abc.Clock) -> None:
+async def test_an_added_engine_is_priced_once_its_profile_exists(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
     async with open_live(doc("p0", "d0"), priced=True, profile_names=("p0", "d0")) as live:
         state = live.router.state
         first = state.profiles
@@ -339,6 +374,7 @@ async def test_an_added_engine_is_priced_once_its_profile_exists(autojump_clock:
         await until(lambda: state.engine_state("d1") == "ok")
         [ready] = live.fleet_events("ready")
         assert (ready["pricing"], ready["detail"]) == ("load", "no accepted profile")
+        assert _logged(caplog)[-1] == (logging.INFO, "engine d1 is ready: in placement (load: no accepted profile)")
         assert state.health(detail=True)["engines"]["d1"]["pricing"] == "load (no accepted profile)"
         # Re-profiled: a pair with d1's profile prices it.
         assert first is not None
@@ -353,10 +389,28 @@ async def test_a_reload_changes_the_admission_settings_in_place(autojump_clock: 
     async with open_live(doc("p0", "d0"), priced=True, profile_names=("p0", "d0")) as live:
         placement = live.router.state.placement
         assert (placement.admission, placement.admission_bound, placement.pricing) == ("wait", "lower", "point")  # type: ignore[attr-defined]
-        changed = doc("p0", "d0", controller={"admission": "refuse", "admission_bound": "point", "pricing": "upper"})
-        await live.router.fleet.apply(parse_fleet(changed), profiles=live.router.state.profiles, source="test")
+        changed = parse_fleet(doc("p0", "d0", controller={
+            "admission": "refuse", "admission_bound": "point", "pricing": "upper", "slo": {"ttft_s": 0.9, "tpot_s": 0.05},
+        }))  # fmt: skip
+        await live.router.fleet.apply(changed, profiles=live.router.state.profiles, source="test")
         assert live.router.state.placement is placement
         assert (placement.admission, placement.admission_bound, placement.pricing) == ("refuse", "point", "upper")  # type: ignore[attr-defined]
+        assert placement.slo == changed.controller.slo  # type: ignore[attr-defined]
+
+
+async def test_a_reload_changes_the_recovery_settings_in_place(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0")) as live:
+        state = live.router.state
+        recovery = {"eject_after": 5, "failure_quarantine_s": 2.5, "probe_interval_s": 7.0,
+                    "retry_budget": {"ratio": 0.3, "min_retries_per_s": 2.0, "window_s": 12.0}}  # fmt: skip
+        change = await live.router.reload(doc("p0", "d0", recovery=recovery), source="test")
+        assert change.settings == tuple(sorted(
+            ["recovery.eject_after", "recovery.failure_quarantine_s", "recovery.probe_interval_s"]
+            + [f"recovery.retry_budget.{k}" for k in ("ratio", "min_retries_per_s", "window_s")]
+        ))  # fmt: skip
+        breaker, budget = state.breaker, state.retry_budget
+        assert (breaker.eject_after, breaker.quarantine_s, breaker.probe_interval_s) == (5, 2.5, 7.0)
+        assert (budget.ratio, budget.min_retries_per_s, budget.window_s) == (0.3, 2.0, 12.0)
 
 
 async def test_fleet_records_go_beside_the_journal(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
@@ -370,7 +424,157 @@ async def test_fleet_records_go_beside_the_journal(autojump_clock: trio.abc.Cloc
     assert [(x["event"], x.get("engine")) for x in lines] == [
         ("reload", None), ("draining", "d0"), ("starting", "d1"), ("ready", "d1"), ("removed", "d0")
     ]
+    # d0 stayed in placement until d1 was ready, then had nothing left to serve.
+    assert _fields(lines[-1]) == {"event": "removed", "engine": "d0", "url": "http://d0.test:8103",
+                                  "detail": "drained in no time"}  # fmt: skip
     assert lines[0]["source"] == "test" and lines[0]["added"] == ["d1"] and lines[0]["removed"] == ["d0"]
+    # A reload's record comes first, stamped when the reload began.
+    assert lines[0]["at"] <= lines[1]["at"] <= lines[2]["at"]
     # The request journal keeps its contract: one line per request.
     assert [json.loads(x)["request_id"] for x in journal.read_text().splitlines()] == ["r0"]
 
+
+
+@asynccontextmanager
+async def _serving_a_long_stream(live: Live) -> AsyncIterator[tuple[str, str, list[Outcome]]]:
+    """A stream of 5 s on one of d0 and d1: (the engine serving it, the other, its outcome once over)."""
+    state = live.router.state
+    async with trio.open_nursery() as nursery:
+        outcomes: list[Outcome] = []
+
+        async def long() -> None:
+            outcomes.append(await live.request("long", 100))  # 5 s of decoding
+
+        nursery.start_soon(long)
+        await until(lambda: state.in_flight_by_engine["d0"] + state.in_flight_by_engine["d1"] == 1)
+        yield ("d0", "d1", outcomes) if state.in_flight_by_engine["d0"] else ("d1", "d0", outcomes)
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+async def test_a_drain_that_outlasts_the_request_timeout_is_warned_once(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, replaced: bool
+) -> None:
+    """A stream that arrived under a longer deadline outlasts the one in force: the drain
+    says so once, at that deadline, and the engine leaves when the stream ends (removed,
+    or replaced and then dropped before it was added again)."""
+    caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
+    async with open_live(doc("p0", "d0", "d1")) as live:
+        state = live.router.state
+        async with _serving_a_long_stream(live) as (busy, other, outcomes):
+            await live.router.reload(doc("p0", "d0", "d1", engine={"request_timeout_s": 2.0}), source="test")
+            began = trio.current_time()
+            drop = doc("p0", other, engine={"request_timeout_s": 2.0})
+            if replaced:  # another address, twice: it drains once
+                moved = {**ENGINES[busy], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
+                replace = fleet_doc(ENGINES["p0"], ENGINES[other], moved, engine={"request_timeout_s": 2.0})
+                for _ in range(2):
+                    assert (await live.router.reload(replace, source="test")).replaced == (busy,)
+            else:
+                assert (await live.router.reload(drop, source="test")).removed == (busy,)
+            for _ in range(2):  # dropped while draining: nothing more to do
+                assert (await live.router.reload(drop, source="test")).empty
+            [draining] = _changes(live, "draining")
+            assert _fields(draining) == {"event": "draining", "engine": busy, "url": ENGINES[busy]["url"], "in_flight": 1}
+            await trio.sleep(1.9)
+            assert _logged(caplog) == []
+            await trio.sleep(0.2)
+            warned = (logging.WARNING, f"engine {busy} still serves 1 request(s) 2 s into its drain")
+            assert _logged(caplog) == [warned]
+        ended = trio.current_time()
+        assert outcomes[0].ok and outcomes[0].tokens == 100
+        await until(lambda: busy not in state.engines)
+        [removed] = _changes(live, "removed")
+        detail = f"drained in {ended - began:.3g} s"
+        assert _fields(removed) == {"event": "removed", "engine": busy, "url": ENGINES[busy]["url"], "detail": detail}
+        assert _logged(caplog) == [warned, (logging.INFO, f"engine {busy} left the fleet: {detail}")]
+        await trio.sleep(1.0)
+        assert busy not in state.engines and _changes(live, "starting") == []
+
+
+async def test_an_engine_removed_before_it_was_ready_is_probed_no_more(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
+    async with open_live(doc("p0", "d0")) as live:
+        state = live.router.state
+        live.net.set_refusing("d1.test", 8104, True)
+        await live.router.reload(doc("p0", "d0", "d1"), source="test")
+        await until(lambda: "d1" in state.phase_errors)
+        change = await live.router.reload(doc("p0", "d0"), source="test")
+        assert change.removed == ("d1",) and "d1" not in state.engines and state.phase_errors == {}
+        [removed] = _changes(live, "removed")
+        assert _fields(removed) == {"event": "removed", "engine": "d1", "url": "http://d1.test:8104",
+                                    "detail": "removed before it was ready"}  # fmt: skip
+        assert _logged(caplog)[-1] == (logging.INFO, "engine d1 left the fleet: removed before it was ready")
+        await trio.sleep(12.0)  # its readiness probe was cancelled: nothing more of it
+        assert state.phase_errors == {} and len(_changes(live, "not_ready")) == 1
+        assert live.router.fleet._tasks == {}  # no task left behind
+        # Replaced (another address) before it was ready: the new one is probed instead.
+        await live.router.reload(doc("p0", "d0", "d1"), source="test")
+        await until(lambda: "d1" in state.phase_errors)
+        moved = {**ENGINES["d1"], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
+        change = await live.router.reload(fleet_doc(ENGINES["p0"], ENGINES["d0"], moved), source="test")
+        assert change.replaced == ("d1",) and not change.added and not change.removed
+        assert _fields(_changes(live, "removed")[-1]) == {
+            "event": "removed", "engine": "d1", "url": "http://d1.test:8104", "detail": "replaced before it was ready"
+        }
+        assert _fields(_changes(live, "starting")[-1])["url"] == "http://d2.test:8105"
+        await until(lambda: state.engine_state("d1") == "ok")
+        assert state.engines["d1"].url == "http://d2.test:8105"
+
+
+async def test_an_engine_wanted_again_while_draining_serves_on(autojump_clock: trio.abc.Clock) -> None:
+    async with open_live(doc("p0", "d0", "d1")) as live:
+        state = live.router.state
+        async with _serving_a_long_stream(live) as (busy, other, outcomes):
+            assert (await live.router.reload(doc("p0", other), source="test")).removed == (busy,)
+            assert state.engine_state(busy) == "draining"
+            change = await live.router.reload(doc("p0", "d0", "d1"), source="test")
+            assert change.added == (busy,) and state.engine_state(busy) == "ok"
+            assert _fields(_changes(live, "ready")[-1]) == {
+                "event": "ready", "engine": busy, "url": ENGINES[busy]["url"], "detail": "wanted again while draining"
+            }
+        assert outcomes[0].ok
+        await trio.sleep(10.0)  # its drain was called off: it serves on
+        assert state.engine_state(busy) == "ok" and _changes(live, "removed") == []
+        assert live.router.fleet._tasks == {}
+
+
+async def test_an_added_engine_with_a_profile_is_priced_by_it(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
+    async with open_live(doc("p0", "d0"), priced=True, profile_names=("p0", "d0", "d1")) as live:
+        state = live.router.state
+        await live.router.fleet.apply(parse_fleet(doc("p0", "d0", "d1")), profiles=state.profiles, source="test")
+        await until(lambda: state.engine_state("d1") == "ok")
+        [ready] = _changes(live, "ready")
+        assert (ready["pricing"], ready["detail"]) == ("profile", None)
+        assert _logged(caplog)[-1] == (logging.INFO, "engine d1 is ready: in placement (profile)")
+
+
+async def test_a_live_fleet_that_is_not_running_adds_no_engine(autojump_clock: trio.abc.Clock) -> None:
+    state = RouterState(parse_fleet(doc("p0", "d0")), journal=Journal(None))
+    fleet = LiveFleet(state)
+    # A change of settings needs no task: it applies (the document's own engines, nothing before or after).
+    settings = parse_fleet(doc("p0", "d0", engine={"request_timeout_s": 300.0}))
+    assert (await fleet.apply(settings, profiles=None, source="test")).settings == ("engine.request_timeout_s",)
+    assert state.config is settings
+    with pytest.raises(RuntimeError) as err:
+        await fleet.apply(parse_fleet(doc("p0", "d0", "d1")), profiles=None, source="test")
+    assert str(err.value) == "the live fleet is not running"
+    await state.aclose()
+
+
+async def test_fleet_records_make_their_directory(autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
+    state = RouterState(parse_fleet(doc("p0", "d0")), journal=Journal(None))
+    fleet = LiveFleet(state, journal_path=tmp_path / "a" / "b" / "journal.jsonl")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fleet.run)
+        fleet.record("noted", detail="é")
+        await fleet.aclose()
+        nursery.cancel_scope.cancel()
+    [line] = (tmp_path / "a" / "b" / "journal.fleet.jsonl").read_text().splitlines()
+    assert line.startswith('{"type":"fleet","event":"noted","at":')  # compact, one line a record
+    assert _fields(json.loads(line)) == {"event": "noted", "detail": "é"}
+    await state.aclose()

@@ -133,3 +133,11 @@ def test_a_refusal_is_recorded_and_published() -> None:
         "type": "fleet", "event": "rejected", "source": "PUT /fleet", "error": "bad", "path": "$.engines[2].url",
     }  # fmt: skip
     assert live.changes == [rec]
+
+
+def test_the_fleet_keeps_its_last_thousand_records() -> None:
+    live, published = _live(_config())
+    for i in range(1005):
+        live.record("noted", n=i)
+    assert [r["n"] for r in live.changes] == list(range(5, 1005))
+    assert len(published) == 1005  # every one is published

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -12,10 +14,11 @@ import trio_websocket
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal.config import FaultSpec
+from narwhal.config import FaultSpec, parse_fleet
+from narwhal.router.journal import Journal
 from narwhal.router.state import RouterState
 
-from .routerkit import fleet_doc, open_stack
+from .routerkit import engine, fleet_doc, open_stack
 
 ADMIN = ("admin.test", 8001)
 
@@ -214,6 +217,15 @@ async def test_metrics_exposition_is_prometheus_clients(
              "first_byte_s": 61.0, "tpot_s": 5.0, "output_len": 1, "attempts": [_attempt(predicted_ttft_s=0.02)]},
             {"route": "completions", "terminal_class": "deadline_exceeded", "latency_s": None,
              "attempts": [_attempt(producer=None, consumer=None, outcome="deadline_exceeded")]},
+            # Three attempts: one failed before a consumer was chosen, one whose router TTFT
+            # was 0 (no error ratio), one with the producer's cached tokens reported.
+            {"route": "completions", "terminal_class": "ok", "latency_s": 0.5, "ttft_s": 0.1, "output_len": 3,
+             "attempts": [_attempt(consumer=None, outcome="prefill_failed", ttft_s=None),
+                          _attempt(ttft_s=0.0, predicted_ttft_s=0.01),
+                          _attempt(predicted_cached_tokens=32, cached_tokens=16)]},
+            # No producer (an attempt cut before placement) has nothing to compare.
+            {"route": "chat", "terminal_class": "deadline_exceeded", "latency_s": 2.0,
+             "attempts": [_attempt(producer=None, predicted_ttft_s=0.03, predicted_cached_tokens=8)]},
         ]
         for record in records:
             ours.on_record(record)
@@ -223,3 +235,209 @@ async def test_metrics_exposition_is_prometheus_clients(
             ours.on_transition(transition)
             reference.breaker_transitions.labels(engine, event).inc()
         assert ours.exposition().decode() == generate_latest(reference.registry).decode()
+
+
+def _families(text: str) -> dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]]:
+    """Each family of an exposition: its type, its help text and its samples in order."""
+    return {
+        f.name: (f.type, f.documentation, [(s.name, s.labels, s.value) for s in f.samples])
+        for f in text_string_to_metric_families(text)
+    }
+
+
+def _live_doc() -> dict:
+    """Model a: producer p0, consumer d0; model b: producer p1, consumer d1."""
+    engines = [engine(name, port, [role], model=model) | {"model": model}
+               for name, port, role, model in (("p0", 8101, "prefill", "a"), ("p1", 8102, "prefill", "b"),
+                                               ("d0", 8103, "decode", "a"), ("d1", 8104, "decode", "b"))]  # fmt: skip
+    return fleet_doc(*engines, recovery={"failure_quarantine_s": 5.0})
+
+
+@attrs.define
+class _Subscriber:
+    stale: str | None
+    delivered: int = 11
+    live: int = 7
+    replays: int = 3
+    probes: int = 5
+    probe_gaps: int = 2
+    resets: int = 1
+
+
+async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: trio.abc.Clock) -> None:
+    """The gauges an operator reads of the router's live state: each family's name, type,
+    help, labels and values, in the order scraped."""
+    from narwhal.router.events import EventHub
+    from narwhal.router.metrics import RouterMetrics
+    from narwhal.router.placement import EngineLoad
+    from narwhal.router.prefix import EventView, PlacementView
+
+    state = RouterState(parse_fleet(_live_doc()), journal=Journal(None))
+    hub = EventHub()
+    metrics = RouterMetrics(state, hub)
+    state.in_flight = 3
+    state.in_flight_by_engine.update(p0=2, d0=1)
+    placement = state.placement
+    placement.open_reservations = 2
+    placement.loads["p0"] = EngineLoad(prefill_requests=1, prefill_tokens=120, engine_running=4, engine_waiting=3,
+                                       engine_own=2)  # fmt: skip
+    placement.loads["d0"] = EngineLoad(decode_requests=2, decode_kv_tokens=300, engine_running=1, engine_own=2)
+    placement.set_models("d0", ["b", "a"])
+    state.breaker.eject("d1", "down")
+    state.breaker.record_failure("p1", "refused")
+    state.prefix.views["p0"] = EventView()
+    placed = state.prefix.views["p1"] = PlacementView(16, 8)
+    placed.record(list(range(32)))  # two blocks
+    state.prefix.fallbacks["d0"] = PlacementView(16, 8)
+    state.kv_subscribers["p0"] = _Subscriber(stale=None)  # type: ignore[assignment]
+    state.kv_subscribers["p1"] = _Subscriber(stale="replay probes find batches", delivered=4)  # type: ignore[assignment]
+    with hub.subscribe(), hub.subscribe():
+        families = _families(metrics.exposition().decode())
+    recorded = {family.name for family in vars(metrics).values() if hasattr(family, "cells")}
+    live = {name: family for name, family in families.items() if name.removesuffix("_created") not in recorded}
+    per_engine = {"p0": 2, "p1": 0, "d0": 1, "d1": 0}
+    loads = {"p0": (1, 120, 0, 0), "p1": (0, 0, 0, 0), "d0": (0, 0, 2, 300), "d1": (0, 0, 0, 0)}
+    kinds = ("prefill_requests", "prefill_tokens", "decode_requests", "decode_kv_tokens")
+    assert live == {
+        "narwhal_event_subscribers": ("gauge", "Live event subscribers.", [("narwhal_event_subscribers", {}, 2)]),
+        "narwhal_in_flight_requests": (
+            "gauge", "Client requests being served.", [("narwhal_in_flight_requests", {}, 3)]
+        ),
+        "narwhal_engine_in_flight": ("gauge", "Engine legs in flight, by engine.", [
+            ("narwhal_engine_in_flight", {"engine": e}, n) for e, n in per_engine.items()
+        ]),
+        "narwhal_reservations_open": ("gauge", "Open phase reservations.", [("narwhal_reservations_open", {}, 2)]),
+        "narwhal_engine_reserved": ("gauge", "Reserved load by engine and kind.", [
+            ("narwhal_engine_reserved", {"engine": e, "kind": k}, n)
+            for e, values in loads.items() for k, n in zip(kinds, values, strict=True)
+        ]),
+        "narwhal_engine_others_requests": (
+            "gauge",
+            "Requests on the engine that other routers placed: its last /metrics report "
+            "minus this router's legs on it then (0 without server.engine_load_poll_s).",
+            [("narwhal_engine_others_requests", {"engine": e}, n) for e, n in (("p0", 5), ("p1", 0), ("d0", 0),
+                                                                              ("d1", 0))],
+        ),
+        "narwhal_breaker_state": (
+            "gauge",
+            "Breaker state by engine: 0 in placement, 1 quarantined, 2 ejected, "
+            "3 ejected but held in placement (whole wave), 4 on trial (half-open).",
+            [("narwhal_breaker_state", {"engine": e}, n) for e, n in (("p0", 0), ("p1", 1), ("d0", 0), ("d1", 2))],
+        ),
+        "narwhal_prefix_index_blocks": (
+            "gauge",
+            "Blocks in the router's view of each engine's prefix cache, by source (events or placements).",
+            [("narwhal_prefix_index_blocks", {"engine": "p0", "source": "events"}, 0),
+             ("narwhal_prefix_index_blocks", {"engine": "p1", "source": "placements"}, 2),
+             ("narwhal_prefix_index_blocks", {"engine": "d0", "source": "placements"}, 0)],
+        ),
+        "narwhal_kv_events_stale": (
+            "gauge",
+            "1 while an engine's KV events are taken for stale (replay probes find batches that never "
+            "arrived live, or its socket fails): its hits are priced from the prompts placed on it.",
+            [("narwhal_kv_events_stale", {"engine": "p0"}, 0), ("narwhal_kv_events_stale", {"engine": "p1"}, 1)],
+        ),
+        "narwhal_kv_events": ("counter", "KV-event batches and replay probes per engine, by kind.", [
+            ("narwhal_kv_events_total", {"engine": e, "kind": k}, n)
+            for e, delivered in (("p0", 11), ("p1", 4))
+            for k, n in (("delivered", delivered), ("live", 7), ("replays", 3), ("probes", 5), ("probe_gaps", 2),
+                         ("resets", 1))
+        ]),
+        "narwhal_ready": ("gauge", "1 when an engine can prefill and one can decode.", [("narwhal_ready", {}, 1)]),
+        "narwhal_engine_model": (
+            "gauge", "1 for each model an engine serves (declared or listed).",
+            [("narwhal_engine_model", {"engine": e, "model": m}, 1)
+             for e, m in (("p0", "a"), ("p1", "b"), ("d0", "a"), ("d0", "b"), ("d1", "b"))],
+        ),
+        "narwhal_model_ready": (
+            "gauge", "1 when an engine of the model can prefill and one can decode.",
+            [("narwhal_model_ready", {"model": "a"}, 1), ("narwhal_model_ready", {"model": "b"}, 0)],
+        ),
+    }
+    # Without an event hub there is no subscriber gauge; the router is not ready once
+    # no engine can decode, and no model is.
+    state.breaker.eject("d0", "down")
+    families = _families(RouterMetrics(state).exposition().decode())
+    assert "narwhal_event_subscribers" not in families
+    assert families["narwhal_ready"][2] == [("narwhal_ready", {}, 0)]
+    assert families["narwhal_model_ready"][2] == [("narwhal_model_ready", {"model": m}, 0) for m in "ab"]
+    assert "narwhal_model_correction" not in families and "narwhal_profile_unbound" not in families
+    await state.aclose()
+
+
+async def test_priced_placement_gauges(autojump_clock: trio.abc.Clock) -> None:
+    """Priced placement adds the model's drift per engine, its outcomes and the engines
+    its profiles do not bind; a fleet whose model is not known yet has no model gauge."""
+    from narwhal.profile.store import Profiles
+    from narwhal.router.metrics import RouterMetrics
+    from narwhal.router.pricing import PricedPlacement
+
+    profiles = Profiles(schema_version=1, created_at="now", software={}, samples=None, engines={})  # type: ignore[arg-type]
+    state = RouterState(parse_fleet(fleet_doc()), journal=Journal(None), profiles=profiles)
+    placement = state.placement
+    assert isinstance(placement, PricedPlacement)
+    placement.ttft_correction.update(p0=1.5, d0=0.75)
+    placement.tpot_correction.update(p0=1.0, d0=1.25)
+    placement.counters.update(priced=4, fallback=1)
+    placement.unbound["d0"] = "no profile"
+    families = _families(RouterMetrics(state).exposition().decode())
+    assert families["narwhal_model_correction"] == (
+        "gauge", "Observed over predicted latency per engine (model drift; 1 = the profile holds).",
+        [("narwhal_model_correction", {"engine": "p0", "metric": "ttft"}, 1.5),
+         ("narwhal_model_correction", {"engine": "d0", "metric": "ttft"}, 0.75),
+         ("narwhal_model_correction", {"engine": "p0", "metric": "tpot"}, 1.0),
+         ("narwhal_model_correction", {"engine": "d0", "metric": "tpot"}, 1.25)],
+    )
+    assert families["narwhal_placement_pricing"] == (
+        "counter", "Priced placement outcomes.",
+        [("narwhal_placement_pricing_total", {"outcome": o}, n) for o, n in placement.counters.items()],
+    )
+    assert [n for o, n in placement.counters.items() if o in ("priced", "fallback")] == [4, 1]
+    assert families["narwhal_profile_unbound"] == (
+        "gauge", "1 for an engine placed by load only (its profile does not bind).",
+        [("narwhal_profile_unbound", {"engine": "p0"}, 0), ("narwhal_profile_unbound", {"engine": "d0"}, 1)],
+    )
+    assert state.models == {} and families["narwhal_model_ready"][2] == []
+    await state.aclose()
+
+
+@pytest.mark.parametrize("buckets", [(0.25, 1.0), (0.0, 1.0), (-1.0, 0.5, 2.0), (0.25, 1.0, math.inf)])
+def test_a_histogram_exposes_what_prometheus_clients_does_for_any_buckets(
+    buckets: tuple[float, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sample, an infinite and a NaN observation included (NaN in no bucket), and no
+    ``_sum`` when a bucket is negative, as prometheus_client has them."""
+    import time as time_module
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from narwhal.router import metrics as m
+
+    monkeypatch.setattr(time_module, "time", lambda: 1_700_000_000.25)
+    reference = CollectorRegistry(auto_describe=True)
+    theirs = Histogram("h_seconds", "Doc.", ["k"], buckets=buckets, registry=reference)
+    ours = m._Histogram("h_seconds", "Doc.", ("k",), buckets)
+    for value in (-2.0, 0.0, 0.25, 0.3, 1.0, 5.0, math.inf, math.nan):
+        theirs.labels("a").observe(value)
+        ours.observe(("a",), value)
+    theirs.labels("b").observe(0.5)
+    ours.observe(("b",), 0.5)
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(m._Families([ours]))
+    assert generate_latest(registry).decode() == generate_latest(reference).decode()
+
+
+async def test_a_family_of_a_name_the_router_exposes_cannot_be_registered_beside_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    from prometheus_client import Counter
+
+    from narwhal.router.metrics import RouterMetrics
+
+    state = RouterState(parse_fleet(fleet_doc()), journal=Journal(None))
+    metrics = RouterMetrics(state)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Counter("narwhal_requests", "Another.", registry=metrics.registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Counter("narwhal_ready", "Another.", registry=metrics.registry)
+    await state.aclose()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import trio
 
@@ -240,10 +243,20 @@ async def test_same_worker_decode_strips_every_transfer_parameter(autojump_clock
 
 async def test_models_and_health(autojump_clock: trio.abc.Clock) -> None:
     async with open_stack() as stack:
-        models = (await stack.client.get("/v1/models")).json()
-        assert [m["id"] for m in models["data"]] == ["sim-llama"]
+        listed = await stack.client.get("/v1/models")
+        assert listed.headers["content-type"] == "application/json"
+        models = listed.json()
+        [entry] = models["data"]
+        created = entry["created"]
+        assert isinstance(created, int) and abs(created - time.time()) < 3600
+        # The OpenAI list shape, compact; the context limit the engines reported.
+        assert listed.content == json.dumps({"object": "list", "data": [
+            {"id": "sim-llama", "object": "model", "created": created, "owned_by": "narwhal", "max_model_len": 4096}
+        ]}, separators=(",", ":")).encode()  # fmt: skip
         health = await stack.client.get("/health")
         assert health.status_code == 200
+        assert health.headers["content-type"] == "application/json"
+        assert health.content == b'{"status":"ready","engines":{"p0":"ok","d0":"ok"}}'
         resp = await stack.complete({"model": "nope", "prompt": "a", "max_tokens": 1})
         assert resp.status_code == 404
         assert resp.json()["error"]["type"] == "not_found_error"
@@ -285,6 +298,11 @@ async def test_bad_bodies_are_400(autojump_clock: trio.abc.Clock) -> None:
             assert fragment in resp.json()["error"]["message"], (body, resp.json())
         resp = await stack.client.get("/v1/completions")
         assert resp.status_code == 405
+        assert resp.json()["error"]["message"] == "GET is not allowed on /v1/completions"
+        resp = await stack.client.put("/v1/chat/completions")
+        assert resp.status_code == 405
+        assert resp.json()["error"]["message"] == "PUT is not allowed on /v1/chat/completions"
         resp = await stack.client.get("/nope")
         assert resp.status_code == 404
+        assert resp.json()["error"]["message"] == "no route for GET /nope"
     assert all(r["terminal_class"] == "invalid_request" for r in stack.records)

@@ -151,6 +151,7 @@ KEYS = ["key-one-0123456789", "key-two-abcdefghij"]
         ("key-one-0123456789", 401),  # no scheme
         ("Bearer", 401),
         ("Bearer key-one-0123456789", 200),
+        ("Bearer  key-one-0123456789", 200),  # the scheme ends at the first space
         ("bearer key-two-abcdefghij", 200),
     ],
 )

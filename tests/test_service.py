@@ -165,7 +165,20 @@ async def test_metrics_on_the_api_port_only_when_asked(autojump_clock: trio.abc.
             resp = await c.get("/metrics")
     assert resp.status_code == (200 if on_api_port else 404)
     if on_api_port:
+        assert resp.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
         assert "narwhal_requests_total" in resp.text
+    else:
+        assert resp.json()["error"]["message"] == "no route for GET /metrics"
+
+
+async def test_metrics_on_the_api_port_take_the_api_key(autojump_clock: trio.abc.Clock) -> None:
+    doc = {**BASE, "server": {**BASE["server"], "api_keys": ["sk-router-key"]}}
+    async with _router(doc, metrics_on_api_port=True) as (_, net):
+        async with httpx.AsyncClient(transport=net.transport(), base_url=f"http://{ROUTER_HOST}:{ROUTER_PORT}") as c:
+            refused = await c.get("/metrics")
+            served = await c.get("/metrics", headers={"authorization": "Bearer sk-router-key"})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert served.status_code == 200 and "narwhal_requests_total" in served.text
 
 
 async def test_shutdown_drains_for_the_documents_grace(autojump_clock: trio.abc.Clock) -> None:

@@ -96,9 +96,18 @@ MODULES: dict[str, tuple[str, ...]] = {
     # them take a minute a mutant).
     "narwhal/router/requests.py": ("tests/test_request_parsing.py", "tests/test_response_shapes.py"),
     # The live fleet's rules on a document's settings (changed paths, restart-only ones,
-    # refusals naming the JSON path), directly: score them with --only (the functions
-    # below); applying documents end to end (tests/test_fleet_reload.py) takes minutes.
-    "narwhal/router/fleet.py": ("tests/test_fleet_settings.py",),
+    # refusals naming the JSON path), directly; applying documents to a running router
+    # by the reload suite's quick tests (not its load-level ones: a minute a mutant).
+    "narwhal/router/fleet.py": (
+        "tests/test_fleet_settings.py", "tests/test_fleet_reload.py",
+        # What runs before and after a document is applied (DNS discovery's resolutions).
+        "tests/test_discovery.py::test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve",
+        "tests/test_discovery.py::test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_role",
+        "tests/test_discovery.py::test_a_priced_router_follows_its_groups",
+        "tests/test_discovery.py::test_the_router_does_not_wait_for_a_group_engine_whose_first_probe_failed",
+        "--deselect=tests/test_fleet_reload.py::test_reload_under_load_drains_the_engine_serving_streams_and_adds_two",
+        "--deselect=tests/test_fleet_reload.py::test_replacing_the_only_producer_under_load",
+    ),
     # The background prefix copies against stand-ins (the end-to-end copy is one test).
     "narwhal/router/replicate.py": (
         "tests/test_replicate.py",
@@ -125,6 +134,20 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/controller.py": ("tests/test_controller_rules.py", "tests/test_reactive.py"),
     # DNS-discovered engine groups: resolution, expansion, fleet changes.
     "narwhal/router/discovery.py": ("tests/test_discovery.py",),
+    # The router's families fed from records and transitions, and the live gauges read at
+    # scrape time, in direct tests; the admin surface's /metrics end to end.
+    "narwhal/router/metrics.py": ("tests/test_observability.py",),
+    # The client listener's routes: keys, /health, /v1/models, /metrics there when asked,
+    # 404 and 405 (each a router in memory; not the whole router suite that reaches them).
+    "narwhal/router/app.py": (
+        "tests/test_security.py::test_api_keys", "tests/test_security.py::test_every_key_is_compared_in_constant_time",
+        "tests/test_security.py::test_admin_routes_are_not_on_the_client_listener",
+        "tests/test_router_basic.py::test_models_and_health", "tests/test_router_basic.py::test_bad_bodies_are_400",
+        "tests/test_readiness.py::test_an_engine_down_at_start_is_named_and_health_says_unavailable",
+        "tests/test_multimodel.py::test_a_model_is_listed_with_the_smallest_limit_of_its_engines",
+        "tests/test_service.py::test_metrics_on_the_api_port_only_when_asked",
+        "tests/test_service.py::test_metrics_on_the_api_port_take_the_api_key",
+    ),
     # The state's own tests, and the router's that read it (readiness, models, counting).
     "narwhal/router/state.py": (
         "tests/test_router_state.py", "tests/test_readiness.py", "tests/test_multimodel.py",

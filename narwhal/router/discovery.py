@@ -177,7 +177,7 @@ class Discovery:
             config = self.state.config
             if config.engine_groups:
                 try:
-                    await self.fleet.apply(config, profiles=self.state.profiles, source="dns")
+                    await self.fleet.refresh("dns")
                 except ConfigError as err:  # resolved again every resolve_every_s
                     log.error("engine groups: %s", err)
             self.follow(config)
@@ -204,7 +204,7 @@ class Discovery:
                 previous = self.addresses.get(group.name, ())
                 self.addresses[group.name] = addresses
                 try:
-                    await self.fleet.apply(self.state.config, profiles=self.state.profiles, source=f"dns:{group.name}")
+                    await self.fleet.refresh(f"dns:{group.name}")
                 except ConfigError as err:  # tried again at the next resolution
                     self.addresses[group.name] = previous
                     log.error("engine group %s: the change was refused: %s", group.name, err)
