@@ -550,7 +550,7 @@ async def test_the_breaker_keeps_the_permitted_roles_whatever_placement_is_assig
 
 
 def aliases_and_tokenize(bodies: list[tuple[str, dict[str, Any]]]) -> Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]:
-    """A ``wrap``: every engine lists the models ``a`` and ``b``; ``POST /tokenize``
+    """A ``wrap``: every engine lists the models ``a`` and ``b``, but p0 ``a`` only; ``POST /tokenize``
     answers three tokens and a 777-token limit, its body kept in ``bodies``."""
 
     class Wrapped(httpx.AsyncBaseTransport):
@@ -560,7 +560,7 @@ def aliases_and_tokenize(bodies: list[tuple[str, dict[str, Any]]]) -> Callable[[
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             name = request.url.host.removesuffix(".test")
             if request.url.path == "/v1/models":
-                data = [{"id": m, "max_model_len": 4096} for m in ("a", "b")]
+                data = [{"id": m, "max_model_len": 4096} for m in ("a", "b") if m == "a" or name != "p0"]
                 return httpx.Response(200, json={"object": "list", "data": data})
             if request.url.path == "/tokenize":
                 await request.aread()
@@ -576,12 +576,14 @@ async def test_the_prompt_is_counted_for_the_model_the_request_names(autojump_cl
     async with open_state(two_producers(), wrap=aliases_and_tokenize(bodies)) as (state, _fleet, _):
         await state.refresh_models()
         assert set(state.models) == {"a", "b"}  # several: a request names its model
+        state.placement.loads["p1"].prefill_tokens = 100  # p0 is the least loaded, and serves a only
+        state.in_flight_by_engine["p1"] = 1  # a leg of another request
         count = await state.count_prompt({"prompt": "x y z", "model": "b"}, "completions")
         assert count == attrs.evolve(count, count=3, max_model_len=777, exact=True, ids=(7, 8, 9))
         messages = [{"role": "user", "content": "x"}]
         await state.count_prompt({"messages": messages, "model": "b"}, "chat")
-        assert bodies == [("p0", {"prompt": "x y z", "model": "b"}), ("p0", {"messages": messages, "model": "b"})]
-        state.breaker.eject("p0", "down")
+        assert bodies == [("p1", {"prompt": "x y z", "model": "b"}), ("p1", {"messages": messages, "model": "b"})]
+        assert state.in_flight_by_engine["p1"] == 1  # the other request's leg still counts
         state.breaker.eject("p1", "down")
         with pytest.raises(Refused) as exc:
             await state.count_prompt({"prompt": "x", "model": "b"}, "completions")
@@ -606,7 +608,7 @@ async def test_a_bound_profile_is_dropped_when_its_engine_changes_or_stops_answe
         placement = state.placement
         assert isinstance(placement, PricedPlacement)
         assert await state.bind_profiles() == {}
-        assert set(placement.profiles) == {"p0", "d0"}
+        assert placement.profiles == {"p0": profiles.engines["p0"], "d0": profiles.engines["d0"]}
         # Another generation of p0 (restarted): only the engines named are looked at.
         live = profiles.engines["p0"].identity
         restarted = attrs.evolve(live, process_start_time=86400.0)
@@ -625,6 +627,14 @@ async def test_a_bound_profile_is_dropped_when_its_engine_changes_or_stops_answe
         hang["d0"] = "hang"
         await state.bind_profiles(["d0"])
         assert set(placement.profiles) == set() and placement.unbound["d0"].startswith("identity unavailable")
+
+
+async def test_an_engine_never_profiled_is_placed_by_load(autojump_clock: trio.abc.Clock) -> None:
+    async with open_state(priced=True) as (state, _fleet, profiles):
+        assert profiles is not None
+        state.profiles = attrs.evolve(profiles, engines={"d0": profiles.engines["d0"]})
+        assert await state.bind_profiles() == {"p0": "no accepted profile"}
+        assert isinstance(state.placement, PricedPlacement) and set(state.placement.profiles) == {"d0"}
 
 
 async def test_profiles_bind_only_under_priced_placement(autojump_clock: trio.abc.Clock) -> None:

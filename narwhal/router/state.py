@@ -338,7 +338,7 @@ class RouterState:
             key=lambda n: loads[n].prefill_tokens,
         )
         if not candidates:
-            raise Refused(f"no engine{placement.of_model(model)} available for prefill", retry_after_s=1.0)
+            raise Refused(f"no engine{placement.of_model(model)} available for prefill")
         for i, name in enumerate(candidates):
             client = self.clients[name]
             self.in_flight_by_engine[name] += 1
