@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import socket
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -734,6 +735,93 @@ async def test_a_seed_gives_the_same_prompts(autojump_clock: trio.abc.Clock, tmp
     # The same prompts (a cohort's streams start together, in no set order).
     first, second = (sorted(map(json.dumps, p.prompts)) for p in made)
     assert first == second and len(first) == 24
+
+
+class _PromptsByEngine(Wrapper):
+    """Records the prompts of the completions requests, per engine host."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        super().__init__(inner)
+        self.prompts: dict[str, list[str]] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            prompt = json.dumps(json.loads(request.content)["prompt"])
+            self.prompts.setdefault(request.url.host, []).append(prompt)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_an_engines_prompts_are_those_of_its_recorded_seed(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    # The second engine of a run seeded 11 records seed 13; so does the only engine of a
+    # run seeded 12: the sidecar's seed reproduces the prompts an engine was sent.
+    made: list[_PromptsByEngine] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> _PromptsByEngine:
+        made.append(_PromptsByEngine(inner))
+        return made[-1]
+
+    _, two, _ = await profile(fleet(engine("e0", 8101), engine("e1", 8102)),
+                              tiny(tmp_path / "two"), wrap)  # fmt: skip
+    _, one, _ = await profile(fleet(engine("e1", 8102)), tiny(tmp_path / "one", seed=12), wrap)
+    assert two["engines"]["e1"]["sweep"]["seed"] == one["engines"]["e1"]["sweep"]["seed"] == 13
+    first, second = (sorted(m.prompts["e1.test"]) for m in made)
+    assert first == second and len(first) == 24
+    assert sorted(made[0].prompts["e0.test"]) != first
+
+
+async def test_an_interrupted_run_leaves_the_engines_so_far_in_the_sidecar(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    config = fleet(engine("e0", 8101), engine("e1", 8102))
+    out = io.StringIO()
+    async with open_sim_fleet(config) as sim:
+        first = await run_profile(config, tiny(tmp_path / "timed"), transport=sim.transport,
+                                  progress=Progress(out, tty=False))  # fmt: skip
+        started = [float(e["wall_clock"]["started_at"])
+                   for e in json.loads(first.samples_path.read_text())["engines"].values()]  # fmt: skip
+        # Cancelled halfway through the second engine's sweep (a Ctrl-C, a deadline).
+        with trio.move_on_after((started[1] - started[0]) * 1.5) as scope:
+            await run_profile(config, tiny(tmp_path), transport=sim.transport,
+                              progress=Progress(out, tty=False))  # fmt: skip
+    assert scope.cancelled_caught
+    profiles, samples = pair_paths(tmp_path / "profiles.json")
+    doc = json.loads(samples.read_text())
+    assert not profiles.exists()
+    e0, e1 = doc["engines"]["e0"], doc["engines"]["e1"]
+    assert (e0["status"], e0["reason"]) == ("ok", None) and "profile" in e0
+    assert (e1["status"], e1["reason"]) == ("failed", "interrupted") and "prefill" in e1
+    assert "profile" not in e1 and e1["rejected_cells"] == []
+
+
+async def test_an_engine_the_fleet_no_longer_names_stays_in_a_merged_pair(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    both = fleet(engine("e0", 8101), engine("e1", 8102))
+    first, _, _ = await profile(both, tiny(tmp_path))
+    assert first.ok
+    # The fleet document now names e0 alone; re-profiling it keeps e1, after the fleet's engines.
+    run, doc, _ = await profile(fleet(engine("e0", 8101)), tiny(tmp_path, engines=("e0",)))
+    assert run.ok and doc["merged"]["kept"] == ["e1"] and list(doc["engines"]) == ["e1", "e0"]
+    pair = load_profiles(run.profiles_path)
+    assert list(pair.engines) == ["e0", "e1"] and pair["e1"] == first.outcomes[1].profile
+
+
+async def test_a_run_over_its_own_connections_fails_an_unreachable_engine(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    e0 = engine("e0", 8101) | {"url": f"http://127.0.0.1:{port}"}
+    config = fleet(e0,
+                   engine={"connect_timeout_s": 1.0, "request_timeout_s": 5.0})  # fmt: skip
+    with trio.fail_after(60):
+        run = await run_profile(config, tiny(tmp_path), progress=Progress(io.StringIO()))
+    (outcome,) = run.outcomes
+    assert outcome.status == "failed" and outcome.profile is None and not run.ok
+    assert load_profiles(run.profiles_path).excluded == {"e0": f"failed: {outcome.reason}"}
 
 
 @pytest.mark.parametrize(("mean", "worst"), [(1e-9, 0.5), (0.2, 1e-9)])
