@@ -418,26 +418,22 @@ def test_a_consumer_at_full_utilisation_has_no_steady_step(tmp_path: Path) -> No
         assert s.best.ttft_pk_mean_s is not None and s.best.ttft_pk_mean_s > 0.001
 
 
-def cut_order(tmp_path: Path, profiles: list[EngineProfile], w: SuggestWorkload) -> tuple[str, ...]:
-    """The producers of the best split of 13 flexible engines: a prefix of their speed order."""
-    engines = [engine(p.name, 8101 + i, no_sim=True) for i, p in enumerate(profiles)]
-    s = suggest(tmp_path, profiles, engines, w)
-    assert s.candidates == 12 and s.best is not None
-    return s.best.producers
-
-
 def test_the_speed_order_is_the_step_of_one_request_over_the_ttft(tmp_path: Path) -> None:
-    # Equal steps, prompts of 100 tokens that e04, e07 and e09 prefill in 0.01 s and the rest
-    # in 0.2 s (TTFTs below a second count as they are, not as a second or more).
-    w = workload(20.0, "100", "fixed:4", requests=100)
-    profiles = [prof(f"e{i:02d}", prefill={"a": 0.01 if i in (4, 7, 9) else 0.2, "b": 0.0, "c": 0.0})
-                for i in range(13)]  # fmt: skip
-    assert cut_order(tmp_path, profiles, w)[:4] == ("e04", "e07", "e09", "e00")
-    # Equal TTFTs; e05's and e08's steps cost 0.011 s whatever the batch, the others' 0.01 s
-    # for one request and 0.02 s for two: one request's step, e05 and e08 go first.
-    profiles = [prof(f"e{i:02d}", decode={"c0": 0.011, "c1": 0.0, "c2": 0.0} if i in (5, 8)
-                     else {"c0": 0.0, "c1": 0.01, "c2": 0.0}) for i in range(13)]  # fmt: skip
-    assert cut_order(tmp_path / "2", profiles, w)[:3] == ("e05", "e08", "e00")
+    """Prompts of 100 tokens that e04, e07 and e09 prefill in 0.01 s and the rest in 0.2 s
+    (TTFTs below a second count as they are); e05's and e08's steps cost 0.011 s whatever
+    the batch, the others' 0.01 s for one request and 0.02 s for two: by one request's
+    step over the TTFT, e04, e07 and e09 come first, then e05 and e08, then the rest."""
+
+    def decode(i: int) -> dict[str, float]:
+        return {"c0": 0.011, "c1": 0.0, "c2": 0.0} if i in (5, 8) else {"c0": 0.0, "c1": 0.01, "c2": 0.0}
+
+    profiles = [prof(f"e{i:02d}", prefill={"a": 0.01 if i in (4, 7, 9) else 0.2, "b": 0.0, "c": 0.0},
+                     decode=decode(i)) for i in range(13)]  # fmt: skip
+    engines = [engine(p.name, 8101 + i, no_sim=True) for i, p in enumerate(profiles)]
+    s = suggest(tmp_path, profiles, engines, workload(20.0, "100", "fixed:4", requests=100))
+    assert s.candidates == 12 and s.best is not None
+    assert s.best.producers == ("e04", "e07", "e09", "e05")
+    assert s.best.consumers == ("e08", "e00", "e01", "e02", "e03", "e06", "e10", "e11", "e12")
 
 
 def test_a_fleet_of_one_model_is_priced(tmp_path: Path) -> None:
