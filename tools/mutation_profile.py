@@ -129,7 +129,32 @@ def _tests_for(module: str, given: tuple[str, ...] = ()) -> list[str]:
     return [t for t in chosen if t.startswith("-") or (ROOT / t).is_file()]
 
 
+#: CPU seconds one test may take under a mutant (the slowest unit test takes a few).
+TEST_CPU_BUDGET_S = 30
+# A pytest plugin written into the scratch copy: a test that runs past its CPU budget ends
+# the mutant's run with mutmut's exit code for a timeout (36). A mutant that loops forever
+# then costs one test's budget, not mutmut's own limit, which grows with the time of every
+# test that reaches the function (minutes of a shared machine, for an answer known early).
+_CPU_BUDGET_PLUGIN = f"""
+import os
+import signal
+
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    signal.signal(signal.SIGVTALRM, lambda *_: os._exit(36))
+    signal.setitimer(signal.ITIMER_VIRTUAL, {TEST_CPU_BUDGET_S})
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+"""
+
+
 def _configure(work: Path, module: str, tests: list[str]) -> None:
+    (work / "mutation_cpu_budget.py").write_text(_CPU_BUDGET_PLUGIN)
     cfg = work / "setup.cfg"
     text = cfg.read_text() if cfg.exists() else ""
     if "[mutmut]" in text:  # a configuration of the router's, not ours: replace it here
@@ -143,6 +168,7 @@ def _configure(work: Path, module: str, tests: list[str]) -> None:
         # Plain asserts and no tracebacks: a killed mutant fails at once (pytest's diff of two
         # long lists of result lines can take longer than mutmut's CPU limit, a false timeout).
         "pytest_add_cli_args=-q\n    -x\n    -p\n    no:cacheprovider\n    --assert=plain\n    --tb=no\n"
+        "    -p\n    mutation_cpu_budget\n"
     )
     cfg.write_text(text)
 
