@@ -154,7 +154,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def _configure(work: Path, module: str, tests: list[str]) -> None:
-    (work / "mutation_cpu_budget.py").write_text(_CPU_BUDGET_PLUGIN)
+    # Beside the tests: mutmut runs them from its own copy, with its own import path.
+    (work / "tests" / "_mutation_cpu_budget.py").write_text(_CPU_BUDGET_PLUGIN)
     cfg = work / "setup.cfg"
     text = cfg.read_text() if cfg.exists() else ""
     if "[mutmut]" in text:  # a configuration of the router's, not ours: replace it here
@@ -168,7 +169,7 @@ def _configure(work: Path, module: str, tests: list[str]) -> None:
         # Plain asserts and no tracebacks: a killed mutant fails at once (pytest's diff of two
         # long lists of result lines can take longer than mutmut's CPU limit, a false timeout).
         "pytest_add_cli_args=-q\n    -x\n    -p\n    no:cacheprovider\n    --assert=plain\n    --tb=no\n"
-        "    -p\n    mutation_cpu_budget\n"
+        "    -p\n    tests._mutation_cpu_budget\n"
     )
     cfg.write_text(text)
 
