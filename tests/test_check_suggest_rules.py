@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -126,6 +127,7 @@ def test_fixed_lengths_need_one_sample_and_the_resident_kv_is_time_weighted() ->
     both = _moments(workload(1.0, "uniform:1:3", "uniform:1:3", seed=4))
     assert not np.array_equal(both.inputs, both.outputs)
     assert np.array_equal(both.outputs, m.outputs)
+    assert np.array_equal(both.inputs, _moments(workload(1.0, "uniform:1:3", "fixed:10", seed=4)).inputs)
 
 
 # -- the prefill tier -----------------------------------------------------------------------
@@ -193,6 +195,14 @@ def test_the_decode_tier_finds_the_equal_pressure() -> None:
     assert pressure == pytest.approx(3.0) and rates == pytest.approx({"d1": 300.0})
     pressure, rates = decode_tier([d1], 1000.0, 10.0, 100.0)
     assert pressure == pytest.approx(10.0)
+
+
+def test_a_load_carried_exactly_at_a_pressure_gets_that_pressure() -> None:
+    """The least pressure that carries the load, not the float above it (binary fractions:
+    4 requests/s a unit of pressure, exactly)."""
+    d = prof("d", decode={"c0": 0.0, "c1": 0.125, "c2": 0.0})
+    for rate, pressure in ((2.0, 0.5), (3.0, 0.75), (6.0, 1.5)):
+        assert decode_tier([d], rate, 2.0, 100.0) == (pressure, {"d": rate})
 
 
 def test_a_free_or_hopeless_decode_tier() -> None:
@@ -315,8 +325,9 @@ def suggest(tmp_path: Path, profiles: list[EngineProfile], engines: list[dict[st
 
 
 def test_one_flexible_engine_cannot_be_split(tmp_path: Path) -> None:
-    s = suggest(tmp_path, [prof("x"), prof("d")], [engine("x", 8101, no_sim=True)], workload(1.0, "10", "10"))
-    assert (s.holds, s.best, s.candidates) == (False, None, 0)
+    w = workload(1.0, "10", "10")
+    s = suggest(tmp_path, [prof("x"), prof("d")], [engine("x", 8101, no_sim=True)], w)
+    assert (s.holds, s.best, s.candidates, s.workload) == (False, None, 0, w)
     assert s.reason == "the fleet cannot be split into producers and consumers (it needs at least two engines)"
 
 
@@ -332,15 +343,25 @@ def test_the_reason_names_the_tier_that_cannot_hold(tmp_path: Path) -> None:
     # decode: 150 requests/s of 10 tokens at 0.001 s per request-step: 1.5.
     assert s.reason == ("the workload cannot be held at 150 requests/s: even the best split has "
                         "decode pressure 1.50 >= 1")  # fmt: skip
+    # Both tiers at 1.5 (binary fractions, so exactly; the profiles as written, not as
+    # refitted from their samples): the reason names the prefill.
+    profiles = [prof("p", prefill={"a": 0.5, "b": 0.0, "c": 0.0}), prof("d", decode={"c0": 0.0, "c1": 0.125, "c2": 0.0})]
+    path = write_pair(tmp_path / "3.json", profiles)
+    exact = attrs.evolve(load_pair(path)[0], engines={p.name: p for p in profiles})
+    s = suggest_slo(with_profiles(fleet_doc(*engines), path), exact, workload(3.0, "10", "fixed:4"))
+    assert s.best is not None and s.best.prefill == s.best.decode == 1.5
+    assert s.reason == ("the workload cannot be held at 3 requests/s: even the best split has "
+                        "prefill utilisation 1.50 >= 1")  # fmt: skip
 
 
 def test_the_best_split_has_the_smallest_worse_then_lesser_pressure(tmp_path: Path) -> None:
     # x and y are the same: either split has the same worse pressure; the tie goes to the
     # split whose lesser pressure is smaller, which is the same here, so to the first.
     engines = [engine("x", 8101, no_sim=True), engine("y", 8102, no_sim=True)]
-    s = suggest(tmp_path, [prof("x"), prof("y")], engines, workload(1.0, "10", "fixed:2", requests=100))
+    w = workload(1.0, "10", "fixed:2", requests=100)
+    s = suggest(tmp_path, [prof("x"), prof("y")], engines, w)
     assert s.best is not None and (s.best.producers, s.best.consumers) == (("x",), ("y",))
-    assert s.candidates == 2 and s.holds and s.simulated == 100
+    assert s.candidates == 2 and s.holds and s.simulated == 100 and s.workload == w
     # y prefills faster and decodes slower: it takes the prefill.
     slow_decode = prof("y", prefill={"a": 0.05, "b": 0.0, "c": 0.0}, decode={"c0": 0.0, "c1": 0.01, "c2": 0.0})
     s = suggest(tmp_path / "2", [prof("x"), slow_decode], engines, workload(1.0, "10", "fixed:2", requests=100))
@@ -395,3 +416,77 @@ def test_a_consumer_at_full_utilisation_has_no_steady_step(tmp_path: Path) -> No
         assert s.best.step_s == {"d": None}
         assert s.best.active == {"d": math.inf} and s.best.kv_tokens == {"d": math.inf}
         assert s.best.ttft_pk_mean_s is not None and s.best.ttft_pk_mean_s > 0.001
+
+
+def test_the_speed_order_is_the_step_of_one_request_over_the_ttft(tmp_path: Path) -> None:
+    """Prompts of 100 tokens that e04, e07 and e09 prefill in 0.01 s and the rest in 0.2 s
+    (TTFTs below a second count as they are); e05's and e08's steps cost 0.011 s whatever
+    the batch, the others' 0.01 s for one request and 0.02 s for two: by one request's
+    step over the TTFT, e04, e07 and e09 come first, then e05 and e08, then the rest."""
+
+    def decode(i: int) -> dict[str, float]:
+        return {"c0": 0.011, "c1": 0.0, "c2": 0.0} if i in (5, 8) else {"c0": 0.0, "c1": 0.01, "c2": 0.0}
+
+    profiles = [prof(f"e{i:02d}", prefill={"a": 0.01 if i in (4, 7, 9) else 0.2, "b": 0.0, "c": 0.0},
+                     decode=decode(i)) for i in range(13)]  # fmt: skip
+    engines = [engine(p.name, 8101 + i, no_sim=True) for i, p in enumerate(profiles)]
+    s = suggest(tmp_path, profiles, engines, workload(20.0, "100", "fixed:4", requests=100))
+    assert s.candidates == 12 and s.best is not None
+    assert s.best.producers == ("e04", "e07", "e09", "e05")
+    assert s.best.consumers == ("e08", "e00", "e01", "e02", "e03", "e06", "e10", "e11", "e12")
+
+
+def test_a_fleet_of_one_model_is_priced(tmp_path: Path) -> None:
+    engines = [engine("p", 8101, ["prefill"], no_sim=True) | {"model": "m"},
+               engine("d", 8102, ["decode"], no_sim=True) | {"model": "m"}]  # fmt: skip
+    s = suggest(tmp_path, [prof("p"), prof("d")], engines, workload(1.0, "10", "fixed:2", requests=100))
+    assert s.holds and s.simulated == 100
+
+
+def test_refusals_name_the_engines_key(tmp_path: Path) -> None:
+    engines = [engine("p", 8101, ["prefill"], no_sim=True), engine("d1", 8102, ["decode"], no_sim=True),
+               engine("d2", 8103, ["decode"], no_sim=True)]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        suggest(tmp_path, [prof("p")], engines, workload(1.0, "10", "10"))
+    assert info.value.path == "$.engines"
+    assert info.value.reason == "no accepted profile for engine(s) d1, d2; profile them first (narwhal profile)"
+    engines = [engine(n, 8101 + i, ["prefill" if n[0] == "p" else "decode"], no_sim=True) | {"model": n[1]}
+               for i, n in enumerate(("pa", "da", "pb", "db"))]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        suggest(tmp_path / "2", [prof(n) for n in ("pa", "da", "pb", "db")], engines, workload(1.0, "10", "10"))
+    assert info.value.path == "$.engines"
+
+
+# -- the simulated run follows the workload ---------------------------------------------------
+
+
+def targets(tmp_path: Path, w: SuggestWorkload) -> SLOSuggestion:
+    """One producer at utilisation 0.5 (0.1 s a prompt of 5 requests/s); one consumer whose
+    step grows with its batch."""
+    engines = [engine("p", 8101, ["prefill"], no_sim=True), engine("d", 8102, ["decode"], no_sim=True)]
+    profiles = [prof("p", prefill={"a": 0.0, "b": 0.001, "c": 0.0}),
+                prof("d", decode={"c0": 0.01, "c1": 0.001, "c2": 0.0})]  # fmt: skip
+    s = suggest(tmp_path, profiles, engines, w)
+    assert s.holds and s.simulated == w.requests and s.workload == w
+    return s
+
+
+def test_the_simulated_run_draws_the_workloads_arrivals(tmp_path: Path) -> None:
+    def run(name: str, **kw: Any) -> dict[str, float]:
+        return targets(tmp_path / name, workload(5.0, "100", "fixed:10", requests=200, **kw)).ttft_s
+
+    # Evenly spaced arrivals at utilisation 0.5 never wait: every TTFT is the prefill's.
+    assert run("constant", arrival="constant") == pytest.approx({"mean": 0.1, "p50": 0.1, "p90": 0.1})
+    poisson = run("poisson")
+    assert poisson["p90"] > 0.1 and poisson == run("again")
+    assert run("seed", seed=1) != poisson  # the arrivals follow the workload's seed
+    # Burstier gamma arrivals (a shape below 1) wait longer than nearly even ones.
+    assert run("bursty", arrival="gamma", burstiness=0.2)["p90"] > run("even", arrival="gamma", burstiness=5.0)["p90"]
+
+
+def test_the_simulated_run_draws_the_workloads_lengths_reproducibly(tmp_path: Path) -> None:
+    w = workload(5.0, "uniform:50:150", "uniform:5:15", requests=200, seed=2)
+    first = targets(tmp_path / "1", w).to_json()
+    assert targets(tmp_path / "2", w).to_json() == first
+    prompts = targets(tmp_path / "3", workload(5.0, "uniform:50:150", "fixed:10", requests=200, seed=2))
+    assert prompts.ttft_s == first["targets"]["ttft_s"]  # the prompts are a stream of their own

@@ -109,7 +109,8 @@ def _fleet_input(args: argparse.Namespace) -> FleetInput:
     if args.profiles is None:
         return str(args.fleet)
     try:
-        document = read_json(args.fleet, "fleet document")
+        # The label names only an error dropped here (the check reads the file again).
+        document = read_json(args.fleet, "fleet document")  # pragma: no mutate (equivalent: see above)
     except ConfigError:
         return str(args.fleet)  # the check reports why it does not load
     if not isinstance(document, dict) or not isinstance(document.get("profiles", {}), dict):

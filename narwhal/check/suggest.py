@@ -76,6 +76,11 @@ _EXHAUSTIVE: Final = 12
 # A consumer's rate is infinite at every positive pressure or at none (only a step that
 # costs nothing, c0 = 0 and c1 + c2*m = 0, makes it so): any positive pressure asks whether.
 _ANY_PRESSURE: Final = 1.0
+# The decode tier's pressure bracket: widened by this factor until it holds the load, then
+# halved; past about 60 halvings it holds two neighbouring floats, the least pressure that
+# carries the load and the one below it, whatever the factor and the halvings.
+_WIDEN: Final = 2.0
+_HALVINGS: Final = 100
 
 
 @attrs.frozen(kw_only=True)
@@ -177,8 +182,8 @@ def _moments(workload: SuggestWorkload) -> _Moments:
     rng_in = random.Random(f"narwhal-suggest/{workload.seed}/input_len")
     rng_out = random.Random(f"narwhal-suggest/{workload.seed}/output_len")
     n = 1 if workload.input_len.kind == workload.output_len.kind == "fixed" else _MOMENT_SAMPLES
-    ins = np.array([workload.input_len.sample(rng_in) for _ in range(n)], dtype=float)
-    outs = np.array([workload.output_len.sample(rng_out) for _ in range(n)], dtype=float)
+    ins = np.array([workload.input_len.sample(rng_in) for _ in range(n)])
+    outs = np.array([workload.output_len.sample(rng_out) for _ in range(n)])
     return _Moments(ins, outs)
 
 
@@ -268,10 +273,10 @@ def decode_tier(
     # it ends at the same pressure.
     low, high = 0.0, 1.0  # pragma: no mutate (equivalent: see above)
     while carried(high) < rate:  # pragma: no mutate (equivalent: see above)
-        high *= 2
-        if high > 1e9:
+        high *= _WIDEN
+        if high > 1e9:  # pragma: no mutate (equivalent: a power of two, never 1e9 nor 1e9 + 1)
             return math.inf, {p.name: rate / len(consumers) for p in consumers}
-    for _ in range(100):
+    for _ in range(_HALVINGS):
         mid = (low + high) / 2
         low, high = (mid, high) if carried(mid) < rate else (low, mid)
     rates = {p.name: _decode_rate(p, high, mean_out, resident) for p in consumers}
@@ -322,8 +327,8 @@ def _splits(
     out = []
     if len(both) <= _EXHAUSTIVE:
         for choice in itertools.product((True, False), repeat=len(both)):
-            p = fixed_p + [n for n, c in zip(both, choice, strict=True) if c]
-            d = fixed_d + [n for n, c in zip(both, choice, strict=True) if not c]
+            p = fixed_p + list(itertools.compress(both, choice))
+            d = fixed_d + list(itertools.compress(both, (not c for c in choice)))
             if p and d:
                 out.append((p, d))
         return out
