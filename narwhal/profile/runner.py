@@ -355,9 +355,9 @@ class _EngineRun:
         record["identity_after"] = attrs.asdict(after)
         record["wall_clock"]["finished_at"] = sweep_clock()
         if after != identity:
-            raise EngineError(f"engine {name} changed generation during the sweep "
-                              f"({identity} -> {after}); its samples span two processes",
-                              engine=name, leg="profile")  # fmt: skip  # pragma: no mutate (equivalent: the run reads only the error's message)
+            changed = (f"engine {name} changed generation during the sweep ({identity} -> {after}); "
+                       "its samples span two processes")  # fmt: skip
+            raise EngineError(changed, engine=name, leg="profile")  # pragma: no mutate (equivalent: the run reads only the error's message)
         # The profile is derived from the recorded samples, exactly as narwhal check
         # derives it again: one path from raw data to figures.
         try:
