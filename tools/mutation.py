@@ -100,6 +100,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     # by the reload suite's quick tests (not its load-level ones: a minute a mutant).
     "narwhal/router/fleet.py": (
         "tests/test_fleet_settings.py", "tests/test_fleet_reload.py",
+        # What an engine's readiness, its leaving and new settings ask of the router's parts.
+        "tests/test_fleet_engines.py",
         # What runs before and after a document is applied (DNS discovery's resolutions).
         "tests/test_discovery.py::test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve",
         "tests/test_discovery.py::test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_role",
