@@ -109,3 +109,28 @@ async def test_new_settings_reach_the_controller_and_new_profiles_bind_the_engin
         fleet._apply_settings(config, profiles=object())  # type: ignore[arg-type]
         await trio.testing.wait_all_tasks_blocked()  # the binding runs in the live fleet's nursery
     assert parts.calls == [("controller.reconfigure", config), ("state.bind_profiles", ["p0"])]
+
+
+async def test_a_replacement_dropped_when_the_engine_is_wanted_again_never_comes_back(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """d1 is replaced while busy (it drains, its new configuration waits), then wanted
+    again as it was (it serves on, the pending replacement dropped), then removed: once
+    drained it is gone, not re-added with the replacement nobody wants any more."""
+    moved = {**THREE["engines"][2], "url": "http://d1.test:9999"}
+    without_d1 = parse_fleet(fleet_doc(*THREE["engines"][:2]))
+    async with running(THREE) as (fleet, state, _parts):
+        await fleet.apply(parse_fleet(THREE), profiles=None, source="test")
+        await until(lambda: state.engine_state("d1") == "ok")
+        state.in_flight_by_engine["d1"] += 1  # a request still streams from it
+        change = await fleet.apply(parse_fleet(fleet_doc(*THREE["engines"][:2], moved)), profiles=None, source="test")
+        assert change.replaced == ("d1",) and state.phase["d1"] == "draining"
+        change = await fleet.apply(parse_fleet(THREE), profiles=None, source="test")
+        assert change.added == ("d1",) and "d1" not in state.phase
+        assert (await fleet.apply(without_d1, profiles=None, source="test")).removed == ("d1",)
+        state.in_flight_by_engine["d1"] -= 1
+        state.placement.notify_released()
+        await until(lambda: "d1" not in state.engines)
+        await trio.sleep(state.config.recovery.probe_interval_s * 3)
+        assert "d1" not in state.engines
+    assert [c["event"] for c in fleet.changes if c.get("engine") == "d1"][-1] == "removed"

@@ -350,7 +350,7 @@ class LiveFleet:
             elif _same_connection(current, new):
                 if phase == "draining":
                     # Wanted again as it is: it serves on (a pending replacement is dropped).
-                    self._readd.pop(name, None)
+                    self._readd.pop(name, None)  # pragma: no mutate (equivalent: a later drain of it pops or overwrites the entry first; dropped here to keep the table true)
                     self._cancel_task(name)
                     del state.phase[name]
                     self.record("ready", engine=name, url=new.url, detail="wanted again while draining")
