@@ -578,3 +578,23 @@ async def test_fleet_records_make_their_directory(autojump_clock: trio.abc.Clock
     assert line.startswith('{"type":"fleet","event":"noted","at":')  # compact, one line a record
     assert _fields(json.loads(line)) == {"event": "noted", "detail": "é"}
     await state.aclose()
+
+
+async def test_closing_the_fleet_from_a_cancelled_task_still_writes_its_records(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """A library user's router stopping by cancellation: ``aclose`` called where every
+    wait is cancelled still returns only once the queued records are in the file."""
+    state = RouterState(parse_fleet(doc("p0", "d0")), journal=Journal(None))
+    fleet = LiveFleet(state, journal_path=tmp_path / "journal.jsonl")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fleet.run)
+        fleet.record("noted", detail="before the stop")
+        with trio.CancelScope() as cancelled:
+            cancelled.cancel()
+            await fleet.aclose()
+        # No checkpoint since: what is in the file was written before aclose returned.
+        lines = (tmp_path / "journal.fleet.jsonl").read_text().splitlines()
+        nursery.cancel_scope.cancel()
+    assert [_fields(json.loads(x)) for x in lines] == [{"event": "noted", "detail": "before the stop"}]
+    await state.aclose()

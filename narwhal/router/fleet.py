@@ -341,8 +341,7 @@ class LiveFleet:
             if new is None:
                 self._readd.pop(name, None)
                 if phase == "starting":
-                    self._cancel_task(name)
-                    await self._forget(name, "removed before it was ready")
+                    await self._forget_starting(name, "removed before it was ready")
                     removed.append(name)
                 elif phase != "draining":
                     self._drain(name, old_timeout)
@@ -359,8 +358,7 @@ class LiveFleet:
                     roles.append(name)
                 state.engines[name] = new
             elif phase == "starting":
-                self._cancel_task(name)
-                await self._forget(name, "replaced before it was ready")
+                await self._forget_starting(name, "replaced before it was ready")
                 self._add(new)
                 replaced.append(name)
             else:
@@ -488,6 +486,12 @@ class LiveFleet:
         readd = self._readd.pop(name, None)
         if readd is not None:
             self._add(readd)
+
+    async def _forget_starting(self, name: str, detail: str) -> None:
+        """Forget an engine not ready yet: its readiness probe ends first (it would
+        probe on, or put the engine in placement, while the engine is forgotten)."""
+        self._cancel_task(name)
+        await self._forget(name, detail)
 
     async def _forget(self, name: str, detail: str) -> None:
         state = self.state
