@@ -58,3 +58,30 @@ async def test_a_failing_call_is_logged_and_the_rest_still_run(
     assert ran == ["after"]
     assert "a delayed call failed" in caplog.text
     assert "boom" in caplog.text
+
+
+async def test_with_slack_calls_due_within_it_run_at_one_wake_up(autojump_clock: trio.abc.Clock) -> None:
+    """Each call runs no sooner than its delay and no later than its delay plus the
+    slack; the calls due by then run together, so a wake-up serves many requests."""
+    calls = DelayedCalls(0.5, slack_s=0.25)
+    ran: list[tuple[str, float]] = []
+
+    def note(name: str) -> None:
+        ran.append((name, trio.current_time()))
+
+    start = trio.current_time()
+    calls.call_later(note, "a")  # due at 0.5: the task wakes at 0.75
+    await trio.sleep(0.2)
+    calls.call_later(note, "b")  # due at 0.7: by then
+    await trio.sleep(0.1)
+    calls.call_later(note, "c")  # due at 0.8: not yet at 0.75; the next wake-up is at 1.05
+    await trio.sleep(0.5)
+    assert ran == [("a", start + 0.75), ("b", start + 0.75)]
+    await trio.sleep(0.5)
+    assert ran[2:] == [("c", start + 1.05)]
+    assert len(calls) == 0
+
+
+def test_a_negative_slack_is_refused() -> None:
+    with pytest.raises(ValueError, match="slack_s must not be negative, got -0.1"):
+        DelayedCalls(0.5, slack_s=-0.1)

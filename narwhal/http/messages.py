@@ -39,11 +39,12 @@ def _not_negative(name: str, value: float) -> None:
 class ServerLimits:
     """Per-connection limits and timeouts (seconds) of an :class:`~narwhal.http.server.HTTPServer`.
 
-    ``disconnect_check_s``: a request that lasts this long gets a task watching its
-    connection, which cancels the handler (and sets ``Request.disconnected``) the
-    moment the client goes away; a request that ends sooner never needs one. ``0``
-    watches every request from its start. Until the watch starts, a client that went
-    away is noticed when a write to it fails.
+    ``disconnect_check_s``: a request that lasts this long (up to half as long again:
+    the watches due within that half start together) gets its connection watched,
+    which cancels the handler (and sets ``Request.disconnected``) the moment the client
+    goes away; a request that ends sooner never needs it. ``0`` watches every request
+    from its start. Until the watch starts, a client that went away is noticed when a
+    write to it fails.
     """
 
     max_header_bytes: int = 16384

@@ -62,8 +62,9 @@ class HTTPServer:
         self._closing = False
         self._in_flight = 0
         self._closed_lot = trio.lowlevel.ParkingLot()
-        #: Starts the disconnect watchers of requests that outlast ``disconnect_check_s``.
-        self.watch_starts = DelayedCalls(limits.disconnect_check_s)
+        #: Starts the disconnect watchers of requests that outlast ``disconnect_check_s``
+        #: (those due within half of it at one wake-up, not one wake-up per request).
+        self.watch_starts = DelayedCalls(limits.disconnect_check_s, slack_s=limits.disconnect_check_s / 2)
         #: Watches the sockets of those requests, all from one task (where epoll exists).
         self.socket_watch: SocketWatch | None = SocketWatch() if available() else None
 
