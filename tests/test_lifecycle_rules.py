@@ -686,6 +686,30 @@ class _NoModels(httpx.AsyncBaseTransport):
         return await self.inner.handle_async_request(request)
 
 
+async def test_a_counted_prompt_fits_the_limit_its_count_named_when_no_listing_names_one(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The engines list no model (so no context length): the /tokenize answer's own
+    # max_model_len is the limit, and the request that cannot fit is refused before
+    # any prefill rather than sent to fail on the engines.
+    doc = fleet_doc(
+        engine("p0", 8101, ["prefill"], max_model_len=64),
+        engine("d0", 8102, ["decode"], max_model_len=64),
+        controller={"prompt_tokens": "tokenize"},
+    )
+    async with open_stack(doc, wrap=_NoModels) as stack:
+        assert stack.router.state.models == {}
+        resp = await stack.complete({"prompt": " ".join(["x"] * 30), "max_tokens": 40})
+        prefills = [b for b in stack.engine("p0").requests_seen if "prompt" in b]
+        tokenized = stack.engine("p0").stats.calls.get("/tokenize", 0)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == (
+        "this model's maximum context length is 64 tokens; the request has 30 prompt tokens "
+        "and asks for 40 output tokens"
+    )
+    assert tokenized == 1 and prefills == []
+
+
 async def test_engines_that_list_no_model_still_serve(autojump_clock: trio.abc.Clock) -> None:
     # No model is known (the document names none, the engines list none): requests are
     # served all the same, and the answer names no model rather than a guess.
