@@ -232,10 +232,13 @@ class WorkersAdminApp:
                 except (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
                     log.info("event relay from %s ended: %r", url, exc)
                 finally:
-                    if worker is not None:
-                        # trio-websocket leaves a client's socket open when the server closed
-                        # the connection first (a worker gone): it would wait for the collector.
-                        await worker._stream.aclose()
+                    # trio-websocket (0.12) leaves a client's socket open when the server
+                    # closed the connection first (a worker gone): it would wait for the
+                    # collector. Its stream is not public: a version without it leaves the
+                    # socket to the collector again rather than failing the relay.
+                    stream = getattr(worker, "_stream", None)
+                    if stream is not None:
+                        await stream.aclose()
                 nursery.cancel_scope.cancel()  # a worker gone: the client reconnects
 
             async def until_closed() -> None:
