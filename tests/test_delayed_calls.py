@@ -86,3 +86,17 @@ def test_a_negative_slack_is_refused() -> None:
     with pytest.raises(ValueError) as err:
         DelayedCalls(0.5, slack_s=-0.1)
     assert str(err.value) == "slack_s must not be negative, got -0.1"
+
+
+async def test_closing_drops_the_queued_calls_and_ends_the_task(autojump_clock: trio.abc.Clock) -> None:
+    calls = DelayedCalls(0.5, slack_s=0.25)
+    ran: list[int] = []
+    calls.call_later(ran.append, 1)
+    await calls.aclose()
+    assert not calls._running and len(calls) == 0
+    await trio.sleep(1.0)
+    assert ran == []
+    await calls.aclose()  # again, with nothing running: returns at once
+    calls.call_later(ran.append, 2)  # usable again
+    await trio.sleep(1.0)
+    assert ran == [2]

@@ -36,7 +36,7 @@ class DelayedCalls:
     """Calls each queued callback ``delay_s`` seconds (trio's clock) after :meth:`call_later`,
     or up to ``slack_s`` later, together with the others due by then."""
 
-    __slots__ = ("_queue", "_running", "delay_s", "slack_s")
+    __slots__ = ("_done", "_queue", "_running", "_scope", "delay_s", "slack_s")
 
     def __init__(self, delay_s: float, slack_s: float = 0.0) -> None:
         if slack_s < 0:
@@ -47,6 +47,8 @@ class DelayedCalls:
             collections.deque()
         )
         self._running = False
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -56,19 +58,34 @@ class DelayedCalls:
         self._queue.append((trio.current_time() + self.delay_s, fn, args))
         if not self._running:
             self._running = True
+            self._scope = trio.CancelScope()
+            self._done = trio.Event()
             trio.lowlevel.spawn_system_task(self._run, name="narwhal.http.delayed-calls")
 
+    async def aclose(self) -> None:
+        """Drop the calls still queued and return once the task has ended (the server
+        that owns them has closed every connection: nothing is left to watch)."""
+        self._queue.clear()
+        if self._running:
+            self._scope.cancel()
+            await self._done.wait()
+
     async def _run(self) -> None:
-        queue = self._queue
         try:
-            while queue:
-                await trio.sleep_until(queue[0][0] + self.slack_s)
-                now = trio.current_time()
-                while queue and queue[0][0] <= now:
-                    _, fn, args = queue.popleft()
-                    try:
-                        fn(*args)
-                    except Exception:
-                        logger.exception("a delayed call failed")
+            with self._scope:
+                await self._drain()
         finally:  # also when the run ends and cancels its system tasks
             self._running = False
+            self._done.set()
+
+    async def _drain(self) -> None:
+        queue = self._queue
+        while queue:
+            await trio.sleep_until(queue[0][0] + self.slack_s)
+            now = trio.current_time()
+            while queue and queue[0][0] <= now:
+                _, fn, args = queue.popleft()
+                try:
+                    fn(*args)
+                except Exception:
+                    logger.exception("a delayed call failed")

@@ -180,6 +180,7 @@ class HTTPServer:
         for conn in list(self._connections):
             conn.scope.cancel("server shutdown: grace period over")
         await self._wait_closed()
+        await self.watch_starts.aclose()  # no connection left to watch: its task ends too
 
     async def _wait_closed(self) -> None:
         while self._connections:
