@@ -1069,6 +1069,44 @@ async def test_a_first_token_read_as_its_deadline_expires_is_too_late(
     assert (rec["terminal_class"], rec["first_byte_s"]) == ("first_token_timeout", None)
 
 
+@pytest.mark.skipif(
+    not narwhal.engines.stream.__file__.endswith(".py"),
+    reason="patches DecodeStream.__anext__, which the compiled build cannot patch (a compiled class)",
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stream_that_ended_as_its_silence_deadline_expired_is_complete(
+    autojump_clock: trio.abc.Clock, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's end ([DONE]) is read in the scheduler tick in which the silence
+    deadline expires (here: the end is held under a shield past the deadline, which
+    cancels the decode scope with nothing there to raise it): every token arrived and
+    the stream ended, so the answer is whole, not a silence timeout."""
+    from narwhal.engines.stream import DecodeStream
+
+    original = DecodeStream.__anext__
+
+    async def late_end(self: DecodeStream) -> Any:
+        try:
+            return await original(self)
+        except StopAsyncIteration:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(31.0)  # past engine.decode_read_timeout_s (30 s)
+            raise
+
+    monkeypatch.setattr(DecodeStream, "__anext__", late_end)
+    async with open_stack() as stack:
+        resp = await stack.client.post("/v1/completions", json={**BODY, "stream": stream})
+    assert resp.status_code == 200, resp.text
+    if stream:
+        events = _events(resp.content)
+        assert events[-1] == b"[DONE]" and not any(b'"error"' in e for e in events)
+        assert sum(len(json.loads(e)["choices"]) for e in events[:-1]) == BODY["max_tokens"]
+    else:
+        assert resp.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+    [rec] = stack.records
+    assert (rec["terminal_class"], rec["output_len"]) == ("ok", BODY["max_tokens"])
+
+
 async def test_only_a_bare_usage_event_is_held_back(autojump_clock: trio.abc.Clock) -> None:
     # A client that did not ask for usage: the bare usage event (no choices) is not
     # relayed; an event with a choice is, usage or not, and so is one with neither.

@@ -62,12 +62,6 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_multimodel.py",  # placement by the request's model
         # A busy prefix copied by the prompt's token ids.
         "tests/test_prefix_replication.py::test_a_prefix_queued_on_the_fast_producer_is_copied_to_the_slow_one",
-        # An engine silent after its head, before and after a token: the decode scope
-        # cancelled with no Cancelled caught in it (the stream's close is shielded).
-        *(
-            f"tests/test_fault_matrix.py::test_fault[decode-{when}-token-silence_after-stream]"
-            for when in ("before", "after")
-        ),
         # The attempt's prefix-cache predictions (the file's fast tests: a second each).
         *(
             f"tests/test_prefix_placement.py::test_{name}" for name in (

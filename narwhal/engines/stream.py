@@ -459,12 +459,15 @@ class DecodeStream:
             return
         self.closed = True
         self._finished = True
-        if drain and self.done and not self._eof and not self._response.body_complete():
-            await self._drain()
-        # This often runs because an enclosing scope was cancelled (a deadline, a client
-        # disconnect): a reply's aclose completes under cancellation, so the engine does
-        # not keep streaming into a connection nobody reads.
-        await self._response.aclose()
+        try:
+            if drain and self.done and not self._eof and not self._response.body_complete():
+                await self._drain()  # under a cancelled scope: Cancelled at once
+        finally:
+            # This often runs because an enclosing scope was cancelled (a deadline, a client
+            # disconnect): a reply's aclose completes under cancellation, so the engine does
+            # not keep streaming into a connection nobody reads (and the connection is not
+            # left open when the drain was cancelled).
+            await self._response.aclose()
 
     async def _drain(self) -> None:
         received = 0

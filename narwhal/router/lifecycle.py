@@ -447,6 +447,7 @@ class RequestLifecycle:
         # The silence deadline runs: set at the end of the first token's burst, then moved
         # by the stream on every read; a write that waits for the client lifts it.
         armed = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
+        ended = False  # the engine's end ([DONE]) was read
 
         def disarm() -> None:
             # A write that must wait for the client: backpressure is not engine silence.
@@ -514,10 +515,15 @@ class RequestLifecycle:
                     if burst_tokens:  # [DONE] came in the burst of the last tokens
                         last_token_at = clock()
                     attempt.consumer_cached_tokens = stream.cached_tokens
+                    ended = stream.done
         finally:
             state.in_flight_by_engine[name] -= 1
             reservation.release_decode()
-        if scope.cancelled_caught or (scope.cancel_called and not tokens):
+        # The scope's deadline fired before the engine's end was read (whether its Cancelled
+        # was caught here, or a token read in the same tick broke the loop). A stream that
+        # reached its end is whole: a deadline that expired as the end was read cancels only
+        # the close of its connection (which is closed all the same).
+        if scope.cancel_called and not ended:
             if tokens:
                 raise SilenceTimeout(
                     f"engine went silent between tokens (no chunk for {cfg.decode_read_timeout_s:g} s "
