@@ -447,7 +447,7 @@ class RequestLifecycle:
         # The silence deadline runs: set at the end of the first token's burst, then moved
         # by the stream on every read; a write that waits for the client lifts it.
         armed = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
-        ended = False  # the engine's end ([DONE]) was read
+        ended = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed): the end ([DONE]) was read
 
         def disarm() -> None:
             # A write that must wait for the client: backpressure is not engine silence.
