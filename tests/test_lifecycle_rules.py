@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -599,16 +600,26 @@ async def test_a_counted_prompt_must_fit_the_smallest_context_of_its_model(
         engine("d0", 8102, ["decode"], max_model_len=192 - counter),
         controller={"prompt_tokens": "tokenize"},
     )
-    async with open_stack(doc) as stack:
+    await _refused_before_any_prefill(doc)
+
+
+async def _refused_before_any_prefill(
+    doc: dict[str, Any], wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None
+) -> None:
+    """30 counted prompt tokens and 40 output tokens do not fit 64: refused after one
+    /tokenize, before any prefill."""
+    async with open_stack(doc, wrap=wrap) as stack:
         resp = await stack.complete({"prompt": " ".join(["x"] * 30), "max_tokens": 40})
         prefills = [b for b in stack.engine("p0").requests_seen if "prompt" in b]
         tokenized = stack.engine("p0").stats.calls.get("/tokenize", 0)
+        listed = stack.router.state.models
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["message"] == (
         "this model's maximum context length is 64 tokens; the request has 30 prompt tokens "
         "and asks for 40 output tokens"
     )
     assert tokenized == 1 and prefills == []
+    assert listed == ({} if wrap is _NoModels else {"sim-llama": 64})
 
 
 class _ShortProducer(httpx.AsyncBaseTransport):
@@ -697,17 +708,7 @@ async def test_a_counted_prompt_fits_the_limit_its_count_named_when_no_listing_n
         engine("d0", 8102, ["decode"], max_model_len=64),
         controller={"prompt_tokens": "tokenize"},
     )
-    async with open_stack(doc, wrap=_NoModels) as stack:
-        assert stack.router.state.models == {}
-        resp = await stack.complete({"prompt": " ".join(["x"] * 30), "max_tokens": 40})
-        prefills = [b for b in stack.engine("p0").requests_seen if "prompt" in b]
-        tokenized = stack.engine("p0").stats.calls.get("/tokenize", 0)
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["message"] == (
-        "this model's maximum context length is 64 tokens; the request has 30 prompt tokens "
-        "and asks for 40 output tokens"
-    )
-    assert tokenized == 1 and prefills == []
+    await _refused_before_any_prefill(doc, wrap=_NoModels)
 
 
 async def test_engines_that_list_no_model_still_serve(autojump_clock: trio.abc.Clock) -> None:
