@@ -219,12 +219,17 @@ class WorkersAdminApp:
 
             async def relay(url: str) -> None:
                 where = urlsplit(url)
-                worker: trio_websocket.WebSocketConnection | None = None
+                # trio-websocket (0.12) leaves a client's socket open when the server
+                # closed the connection first (a worker gone): it would wait for the
+                # collector. Its stream is not public: a version without it leaves the
+                # socket to the collector again rather than failing the relay.
+                tcp: trio.abc.AsyncResource | None = None
                 try:
                     async with trio_websocket.open_websocket(
                         cast(str, where.hostname), cast(int, where.port),  # pragma: no mutate (equivalent: cast does nothing at run time)
                         "/events", use_ssl=False,
                     ) as worker:  # fmt: skip
+                        tcp = getattr(worker, "_stream", None)
                         while True:
                             message = await worker.get_message()
                             async with send_lock:
@@ -232,13 +237,8 @@ class WorkersAdminApp:
                 except (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
                     log.info("event relay from %s ended: %r", url, exc)
                 finally:
-                    # trio-websocket (0.12) leaves a client's socket open when the server
-                    # closed the connection first (a worker gone): it would wait for the
-                    # collector. Its stream is not public: a version without it leaves the
-                    # socket to the collector again rather than failing the relay.
-                    stream = getattr(worker, "_stream", None)
-                    if stream is not None:
-                        await stream.aclose()
+                    if tcp is not None:
+                        await tcp.aclose()
                 nursery.cancel_scope.cancel()  # a worker gone: the client reconnects
 
             async def until_closed() -> None:
