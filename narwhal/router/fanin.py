@@ -229,7 +229,7 @@ class WorkersAdminApp:
                         cast(str, where.hostname), cast(int, where.port),  # pragma: no mutate (equivalent: cast does nothing at run time)
                         "/events", use_ssl=False,
                     ) as worker:  # fmt: skip
-                        tcp = getattr(worker, "_stream", None)
+                        tcp = getattr(worker, "_stream", None)  # pragma: no mutate (equivalent with trio-websocket 0.12, which has it; the default is for a version without it)
                         while True:
                             message = await worker.get_message()
                             async with send_lock:
