@@ -108,7 +108,12 @@ async def test_shutdown_with_300_streams_in_flight(autojump_clock: trio.abc.Cloc
         for rid, (kind, out) in outcomes.items()
     ]
     assert {out.status for _, out in outcomes.values()} == {200, 503}
-    assert classes.count("ok") >= 40 and classes.count("shutdown") >= 150
+    # How many short streams least-loaded placement gives the healthy producer varies
+    # with the order the 300 arrive in (about 50 of the 100; 35 and 39 seen): every one
+    # of them completes, everything else is cut, and enough of each for the test to mean
+    # something.
+    completing = sum(kind == "short" and by_id[rid]["producer"] == "p0" for rid, (kind, _) in outcomes.items())
+    assert classes.count("ok") == completing >= 20 and classes.count("shutdown") == 300 - completing
 
 
 # ------------------------------------------------------------------ narwhal serve + SIGTERM
