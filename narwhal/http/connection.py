@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from narwhal.errors import NarwhalError, Refused, caused
-from narwhal.http.messages import BODYLESS_STATUSES, Request, ResponseWriter
+from narwhal.http.messages import BODYLESS_STATUSES, JSON_HEADERS, Request, ResponseWriter
 from narwhal.http.parser import ProtocolError, RequestHead, RequestParser
 from narwhal.netio import StreamIO
 
@@ -624,7 +624,7 @@ class Connection:
             return False
         if close:
             self.must_close = True
-        headers = [("content-type", "application/json"), *extra]
+        headers = [*JSON_HEADERS, *extra]
         head = self.response_head(status, headers, len(body))
         data = head if self.head_only else head + body
         return await self.send_quietly(data) and not self.must_close

@@ -19,7 +19,10 @@ from narwhal.errors import BadRequest, caused
 if TYPE_CHECKING:
     from narwhal.http.connection import Connection
 
-__all__ = ["Handler", "Request", "ResponseWriter", "ServerLimits"]
+__all__ = ["JSON_HEADERS", "Handler", "Request", "ResponseWriter", "ServerLimits"]
+
+#: The headers of a JSON response body.
+JSON_HEADERS: tuple[tuple[str, str]] = (("content-type", "application/json"),)
 
 #: Statuses whose responses never have a body (nor a ``Content-Length``).
 BODYLESS_STATUSES = frozenset({204, 304})

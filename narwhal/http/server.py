@@ -17,10 +17,10 @@ import trio
 
 from narwhal.http.connection import Connection
 from narwhal.http.delayed import DelayedCalls
-from narwhal.http.messages import Handler, Request, ResponseWriter, ServerLimits
+from narwhal.http.messages import JSON_HEADERS, Handler, Request, ResponseWriter, ServerLimits
 from narwhal.http.sockwatch import SocketWatch, available
 
-__all__ = ["HTTPServer", "Handler", "ListenError", "Request", "ResponseWriter", "ServerLimits"]
+__all__ = ["JSON_HEADERS", "HTTPServer", "Handler", "ListenError", "Request", "ResponseWriter", "ServerLimits"]
 
 logger = logging.getLogger("narwhal.http")
 

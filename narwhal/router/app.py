@@ -15,14 +15,13 @@ from typing import Any
 
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import MethodNotAllowed, NotFound, Unauthorized
-from narwhal.http.server import Request, ResponseWriter
+from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.lifecycle import RequestLifecycle
 from narwhal.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from narwhal.router.state import RouterState
 
 __all__ = ["RouterApp"]
 
-_JSON = (("content-type", "application/json"),)
 _METRICS = (("content-type", METRICS_CONTENT_TYPE),)
 _AUTHORIZATION = "authorization"  # header names are matched case-insensitively
 _INFERENCE: dict[str, RequestKind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -79,7 +78,7 @@ class RouterApp:
 
     async def _health(self, response: ResponseWriter) -> None:
         body = self.state.health(detail=False)  # pragma: no mutate (equivalent: detail=None is as false; detail=True is killed)
-        await response.respond(200 if body["status"] == "ready" else 503, _JSON, _json(body))
+        await response.respond(200 if body["status"] == "ready" else 503, JSON_HEADERS, _json(body))
 
     async def _models(self, response: ResponseWriter) -> None:
         data = []
@@ -88,4 +87,4 @@ class RouterApp:
             if max_len is not None:
                 entry["max_model_len"] = max_len
             data.append(entry)
-        await response.respond(200, _JSON, _json({"object": "list", "data": data}))
+        await response.respond(200, JSON_HEADERS, _json({"object": "list", "data": data}))

@@ -52,7 +52,7 @@ from narwhal.errors import (
     Refused,
     SilenceTimeout,
 )
-from narwhal.http.server import Request, ResponseWriter
+from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.journal import AttemptRecord, RequestRecord
 from narwhal.router.placement import Reservation
 from narwhal.router.requests import (
@@ -80,7 +80,6 @@ _REQUEST_ID = "x-request-id"
 _RETRY_AFTER = "retry-after"
 #: The most time a failure answer may take to write (a client that stopped reading).
 _ANSWER_WRITE_S = 5.0
-_JSON_CONTENT = ("content-type", "application/json")
 
 
 def terminal_class_for(err: NarwhalError) -> str:
@@ -218,7 +217,7 @@ class RequestLifecycle:
         resp = self.response
         if not self.committed:
             self.record.status = err.http_status
-            headers = [_JSON_CONTENT, (_REQUEST_ID, self.request_id)]
+            headers = [*JSON_HEADERS, (_REQUEST_ID, self.request_id)]
             retry_after = getattr(err, "retry_after_s", None)
             if retry_after is not None:
                 headers.append((_RETRY_AFTER, str(max(1, math.ceil(retry_after)))))
@@ -556,7 +555,7 @@ class RequestLifecycle:
             await respond.end(data)
         else:
             body = json.dumps(acc.body(self.prompt_tokens)).encode()
-            await respond.respond(200, (_JSON_CONTENT, (_REQUEST_ID, self.request_id)), body)
+            await respond.respond(200, (*JSON_HEADERS, (_REQUEST_ID, self.request_id)), body)
 
 
 def _max_model_len(state: RouterState, model: str | None, told: int | None = None) -> int | None:

@@ -28,9 +28,11 @@ from narwhal.router.prefix import EventView
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
-__all__ = ["BREAKER_CODES", "CONTENT_TYPE", "RouterMetrics"]
+__all__ = ["BREAKER_CODES", "CONTENT_TYPE", "EXPOSITION_HEADERS", "RouterMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: The headers of a ``/metrics`` answer.
+EXPOSITION_HEADERS: tuple[tuple[str, str]] = (("content-type", CONTENT_TYPE),)
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,

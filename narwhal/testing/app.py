@@ -16,6 +16,7 @@ import attrs
 import trio
 
 from narwhal.config import FaultSpec
+from narwhal.http.messages import JSON_HEADERS
 from narwhal.testing.engine import EngineRestarted, GenerateParams, Generation, SimEngine, SimError
 from narwhal.testing.faults import Faults, leg_of, malform_descriptor
 from narwhal.testing.tokenizer import (
@@ -30,7 +31,6 @@ from narwhal.testing.tokenizer import (
 __all__ = ["ConnectionDropped", "SimApp"]
 
 Kind = Literal["completions", "chat"]
-_JSON = [("content-type", "application/json")]
 _SSE = [("content-type", "text/event-stream; charset=utf-8")]
 _DEATH_GRACE_S = 1.0
 
@@ -118,25 +118,25 @@ class SimApp:
     async def __call__(self, request: _Request, response: _Response) -> None:
         route = self._routes.get(request.path)
         if route is None:
-            await response.respond(404, _JSON, _dumps({"detail": "Not Found"}))
+            await response.respond(404, JSON_HEADERS, _dumps({"detail": "Not Found"}))
             return
         method, handler = route
         calls = self.engine.stats.calls
         calls[request.path] = calls.get(request.path, 0) + 1
         if request.method != method:
-            await response.respond(405, _JSON, _dumps({"detail": "Method Not Allowed"}))
+            await response.respond(405, JSON_HEADERS, _dumps({"detail": "Method Not Allowed"}))
             return
         key = self.engine.config.api_key
         if key is not None and request.path.startswith("/v1"):
             if request.header("authorization") != f"Bearer {key}":
-                await response.respond(401, _JSON, _dumps({"error": "Unauthorized"}))
+                await response.respond(401, JSON_HEADERS, _dumps({"error": "Unauthorized"}))
                 return
         try:
             await handler(request, response)
         except SimError as exc:
             if response.started:
                 raise ConnectionDropped(exc.message) from exc
-            await response.respond(exc.status, _JSON, _dumps(exc.body()))
+            await response.respond(exc.status, JSON_HEADERS, _dumps(exc.body()))
         except EngineRestarted:
             await _engine_died()
 
@@ -146,10 +146,10 @@ class SimApp:
         await response.respond(200)
 
     async def _version(self, request: _Request, response: _Response) -> None:
-        await response.respond(200, _JSON, _dumps({"version": self.engine.sim.version}))
+        await response.respond(200, JSON_HEADERS, _dumps({"version": self.engine.sim.version}))
 
     async def _load(self, request: _Request, response: _Response) -> None:
-        await response.respond(200, _JSON, _dumps({"server_load": self.in_flight}))
+        await response.respond(200, JSON_HEADERS, _dumps({"server_load": self.in_flight}))
 
     async def _metrics(self, request: _Request, response: _Response) -> None:
         text = self.engine.metrics_text().encode()
@@ -173,7 +173,7 @@ class SimApp:
                 "is_blocking": False,
             }],
         }  # fmt: skip
-        await response.respond(200, _JSON, _dumps({"object": "list", "data": [card]}))
+        await response.respond(200, JSON_HEADERS, _dumps({"object": "list", "data": [card]}))
 
     async def _tokenize(self, request: _Request, response: _Response) -> None:
         body = self._body(request)
@@ -189,12 +189,12 @@ class SimApp:
         strs = [token_text(t) for t in ids] if body.get("return_token_strs") is True else None
         out = {"count": len(ids), "max_model_len": self.engine.sim.max_model_len,
                "tokens": ids, "token_strs": strs}  # fmt: skip
-        await response.respond(200, _JSON, _dumps(out))
+        await response.respond(200, JSON_HEADERS, _dumps(out))
 
     async def _detokenize(self, request: _Request, response: _Response) -> None:
         body = self._body(request)
         ids = self._prompt_ids(body.get("tokens"), allow_empty=True)
-        await response.respond(200, _JSON, _dumps({"prompt": decode(ids)}))
+        await response.respond(200, JSON_HEADERS, _dumps({"prompt": decode(ids)}))
 
     # ------------------------------------------------------------ parsing
 
@@ -452,10 +452,10 @@ class SimApp:
                     "prompt_logprobs": None, "prompt_token_ids": prompt_ids}  # fmt: skip
         out["kv_transfer_params"] = kv
         if "close_before_done" in faults:
-            await response.start(200, _JSON)
+            await response.start(200, JSON_HEADERS)
             await response.send(_dumps(out)[:20])
             raise ConnectionDropped("injected close before the body ended")
-        await response.respond(200, _JSON, _dumps(out))
+        await response.respond(200, JSON_HEADERS, _dumps(out))
 
 
 class _StreamEnded(Exception):
