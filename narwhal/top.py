@@ -20,6 +20,7 @@ import trio
 import trio_websocket
 
 from narwhal.cmdline import CommandError, leaves
+from narwhal.router.admin import open_events
 
 __all__ = ["TopView", "run_top"]
 
@@ -102,7 +103,7 @@ async def run_top(admin_url: str, *, once_after_s: float | None = None, out: Tex
     ws_url = "ws" + base[len("http"):] + "/events"
     tty = out.isatty()
     try:
-        await _follow(ws_url, view, once_after_s=once_after_s, out=out, tty=tty)
+        await _follow(base, view, once_after_s=once_after_s, out=out, tty=tty)
     except BaseException as exc:
         found = leaves(exc)
         if not all(isinstance(e, _LOST) for e in found):
@@ -131,9 +132,9 @@ async def _fleet(base: str) -> dict[str, Any]:
 
 
 async def _follow(
-    ws_url: str, view: TopView, *, once_after_s: float | None, out: TextIO, tty: bool
+    admin_url: str, view: TopView, *, once_after_s: float | None, out: TextIO, tty: bool
 ) -> None:
-    async with trio_websocket.open_websocket_url(ws_url) as ws:
+    async with open_events(admin_url) as ws:
         with trio.move_on_after(math.inf if once_after_s is None else once_after_s):
             last = 0.0
             while True:

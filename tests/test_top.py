@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from narwhal.top import TopView
+import io
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio_websocket
+
+from narwhal.top import TopView, _follow
 
 FLEET = {
     "engines": [
@@ -47,3 +55,31 @@ def test_view_follows_breaker_events() -> None:
     assert "held" in next(line for line in view.render().splitlines() if line.startswith("d0"))
     view.apply({"type": "breaker", "engine": "d0", "event": "released"})
     assert "ejected" in next(line for line in view.render().splitlines() if line.startswith("d0"))
+
+
+@pytest.mark.parametrize("sent", [0, 1])
+async def test_following_a_router_that_closes_first_leaves_no_socket_open(
+    monkeypatch: pytest.MonkeyPatch, sent: int
+) -> None:
+    opened: list[trio.SocketStream] = []
+    open_tcp_stream = trio.open_tcp_stream
+
+    async def recorded(host: str, port: int, **kwargs: Any) -> trio.SocketStream:
+        stream = await open_tcp_stream(host, port, **kwargs)
+        opened.append(stream)
+        return stream
+
+    async def router_events(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        for _ in range(sent):
+            await ws.send_message(json.dumps(_record(0.05, 0.01)))
+        await ws.aclose()  # the router stops
+
+    monkeypatch.setattr(trio, "open_tcp_stream", recorded)
+    view = TopView(FLEET)
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(trio_websocket.serve_websocket, router_events, "127.0.0.1", 0, None)
+        with trio.fail_after(5), pytest.raises(trio_websocket.ConnectionClosed):
+            await _follow(f"http://127.0.0.1:{server.port}", view, once_after_s=None, out=io.StringIO(), tty=False)
+        nursery.cancel_scope.cancel()
+    assert len(opened) == 1 and opened[0].socket.fileno() == -1  # trio-websocket alone leaves it open

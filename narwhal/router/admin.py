@@ -11,27 +11,26 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import trio
 import trio_websocket
 
 from narwhal.errors import BadRequest, ConfigError, MethodNotAllowed, NotFound
-from narwhal.http.server import Request, ResponseWriter
+from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
 from narwhal.router.fleet import FleetChange
-from narwhal.router.metrics import CONTENT_TYPE, RouterMetrics
+from narwhal.router.metrics import EXPOSITION_HEADERS, RouterMetrics
 from narwhal.router.state import RouterState
 
-__all__ = ["AdminApp"]
+__all__ = ["CLOSE_TIMEOUT_S", "AdminApp", "open_events"]
 
 log = logging.getLogger("narwhal.router.admin")
 
-_JSON = (("content-type", "application/json"),)
-_EXPOSITION = (("content-type", CONTENT_TYPE),)
 #: How long the closing handshake with an ``/events`` client is waited for.
-_CLOSE_TIMEOUT_S = 1.0
+CLOSE_TIMEOUT_S = 1.0
 
 
 class AdminApp:
@@ -51,15 +50,15 @@ class AdminApp:
         if request.method != "GET":
             raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         if request.path == "/metrics":
-            await response.respond(200, _EXPOSITION, self.metrics.exposition())
+            await response.respond(200, EXPOSITION_HEADERS, self.metrics.exposition())
         elif request.path == "/events":
             await self._events(request, response)
         elif request.path == "/fleet":
-            await response.respond(200, _JSON, json.dumps(self.fleet()).encode())
+            await response.respond(200, JSON_HEADERS, json.dumps(self.fleet()).encode())
         elif request.path == "/health":
             health = self.state.health(detail=True)
             body = json.dumps(health).encode()
-            await response.respond(200 if health["status"] == "ready" else 503, _JSON, body)
+            await response.respond(200 if health["status"] == "ready" else 503, JSON_HEADERS, body)
         else:
             raise NotFound(f"no route for GET {request.path}")
 
@@ -75,7 +74,7 @@ class AdminApp:
             log.error("fleet reload (PUT /fleet) refused, nothing changed: %s", err)
             status = 400
             body = {"status": "rejected", "error": {"message": err.reason, "path": err.path, "type": "invalid_fleet"}}
-        await response.respond(status, _JSON, json.dumps(body).encode())
+        await response.respond(status, JSON_HEADERS, json.dumps(body).encode())
 
     def fleet(self) -> dict[str, object]:
         """The fleet as the router sees it now (for ``narwhal top`` and operators)."""
@@ -129,7 +128,7 @@ class AdminApp:
                     pass
                 finally:
                     nursery.cancel_scope.cancel()
-                    with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+                    with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                         await ws.aclose()
 
 
@@ -140,3 +139,22 @@ async def _until_closed(ws: trio_websocket.WebSocketConnection, scope: trio.Canc
             await ws.get_message()
     except trio_websocket.ConnectionClosed:
         scope.cancel()
+
+
+@asynccontextmanager
+async def open_events(admin_url: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """A client of the ``/events`` stream of the admin surface at ``admin_url`` (``http://host:port``).
+
+    trio-websocket (0.12) leaves a client's socket open when the server closed the
+    connection first (a router or worker gone): it would wait for the collector. Its
+    stream is not public: a version without it leaves the socket to the collector again
+    rather than failing the client.
+    """
+    tcp: trio.abc.AsyncResource | None = None
+    try:
+        async with trio_websocket.open_websocket_url("ws" + admin_url.removeprefix("http") + "/events") as ws:
+            tcp = getattr(ws, "_stream", None)  # pragma: no mutate (equivalent with trio-websocket 0.12, which has it; the default is for a version without it)
+            yield ws
+    finally:
+        if tcp is not None:
+            await tcp.aclose()

@@ -25,8 +25,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from http import HTTPMethod
-from typing import Any, cast
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 import trio
@@ -37,22 +36,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from narwhal.errors import BadRequest, MethodNotAllowed, NotFound
-from narwhal.http.server import Request, ResponseWriter
-from narwhal.router.metrics import BREAKER_CODES, CONTENT_TYPE
+from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
+from narwhal.router.admin import CLOSE_TIMEOUT_S, open_events
+from narwhal.router.metrics import BREAKER_CODES, EXPOSITION_HEADERS
 
 __all__ = ["WorkersAdminApp", "combine_expositions", "combine_fleets"]
 
 log = logging.getLogger("narwhal.router.fanin")
 
-_JSON = (("content-type", "application/json"),)
-_EXPOSITION = (("content-type", CONTENT_TYPE),)
 #: How long a worker's answer is waited for (a scrape, /fleet, /health).
 SCRAPE_TIMEOUT_S = 5.0
 #: How long a worker's ``PUT /fleet`` is waited for: a reload may read profiles and
 #: resolve engine groups, more than a scrape's time.
 RELOAD_TIMEOUT_S = 60.0
-#: How long the closing handshake with an ``/events`` client is waited for.
-_CLOSE_TIMEOUT_S = 1.0
 #: An engine's states, least to most severe: each worker's breaker judges the engine
 #: on its own traffic, and the combined view shows the worst of their judgements.
 _SEVERITY = {state: rank for rank, state in enumerate(
@@ -170,19 +166,19 @@ class WorkersAdminApp:
             raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         if request.path == "/metrics":
             texts = [a.text for a in await self._gather("/metrics") if a is not None and a.status_code == 200]
-            await response.respond(200, _EXPOSITION, combine_expositions(texts))
+            await response.respond(200, EXPOSITION_HEADERS, combine_expositions(texts))
         elif request.path == "/fleet":
             fleets = [a.json() for a in await self._gather("/fleet") if a is not None and a.status_code == 200]
             if not fleets:
-                await response.respond(503, _JSON, json.dumps({"error": "no worker answered"}).encode())
+                await response.respond(503, JSON_HEADERS, json.dumps({"error": "no worker answered"}).encode())
                 return
-            await response.respond(200, _JSON, json.dumps(combine_fleets(fleets)).encode())
+            await response.respond(200, JSON_HEADERS, json.dumps(combine_fleets(fleets)).encode())
         elif request.path == "/health":
             health = await self._gather("/health")
             workers = [a.json() if a is not None else {"status": "unreachable"} for a in health]
             ready = any(w.get("status") == "ready" for w in workers)
             body = {"status": "ready" if ready else "unavailable", "workers": workers}
-            await response.respond(200 if ready else 503, _JSON, json.dumps(body).encode())
+            await response.respond(200 if ready else 503, JSON_HEADERS, json.dumps(body).encode())
         elif request.path == "/events":
             await self._events(request, response)
         else:
@@ -205,7 +201,7 @@ class WorkersAdminApp:
             status, body = 200, {"status": "applied", "workers": workers}
         else:
             status, body = 502, {"status": "partial", "workers": workers}
-        await response.respond(status, _JSON, json.dumps(body).encode())
+        await response.respond(status, JSON_HEADERS, json.dumps(body).encode())
 
     async def _events(self, request: Request, response: ResponseWriter) -> None:
         upgrade = request.header("upgrade") or ""  # pragma: no mutate (equivalent: header names match in any case; no header and any other text are refused alike; the statement's other mutants were killed in a run without this mark)
@@ -218,27 +214,14 @@ class WorkersAdminApp:
             send_lock = trio.Lock()
 
             async def relay(url: str) -> None:
-                where = urlsplit(url)
-                # trio-websocket (0.12) leaves a client's socket open when the server
-                # closed the connection first (a worker gone): it would wait for the
-                # collector. Its stream is not public: a version without it leaves the
-                # socket to the collector again rather than failing the relay.
-                tcp: trio.abc.AsyncResource | None = None
                 try:
-                    async with trio_websocket.open_websocket(
-                        cast(str, where.hostname), cast(int, where.port),  # pragma: no mutate (equivalent: cast does nothing at run time)
-                        "/events", use_ssl=False,
-                    ) as worker:  # fmt: skip
-                        tcp = getattr(worker, "_stream", None)  # pragma: no mutate (equivalent with trio-websocket 0.12, which has it; the default is for a version without it)
+                    async with open_events(url) as worker:
                         while True:
                             message = await worker.get_message()
                             async with send_lock:
                                 await ws.send_message(message)
                 except (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
                     log.info("event relay from %s ended: %r", url, exc)
-                finally:
-                    if tcp is not None:
-                        await tcp.aclose()
                 nursery.cancel_scope.cancel()  # a worker gone: the client reconnects
 
             async def until_closed() -> None:
@@ -254,5 +237,5 @@ class WorkersAdminApp:
             try:
                 await trio.sleep_forever()
             finally:
-                with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+                with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                     await ws.aclose()
