@@ -364,6 +364,12 @@ class SimConfig:
         kv_capacity_tokens: KV cache capacity in tokens; requests wait beyond it.
         block_size: KV block size in tokens.
         max_num_seqs: Most sequences in one decode batch.
+        max_num_batched_tokens: Chunked prefill, as vLLM (V1) schedules prompts: one
+            prefill step computes up to this many prompt tokens of the queued prompts, in
+            arrival order, a prompt longer than what is left of it in chunks over the steps
+            that follow; the step pays the prefill model's fixed ``a`` once, each chunk its
+            own tokens. None: one whole prompt a step (vLLM without chunked prefill).
+            Decode steps alternate with prefill steps either way.
         transfer_s_per_token: Seconds to pull one KV token from a producer.
         handoff_ttl_s: Seconds a producer holds KV blocks for an unclaimed handoff.
         prefix_caching: Whether the engine reuses KV of a previously seen prompt prefix.
@@ -386,6 +392,7 @@ class SimConfig:
     kv_capacity_tokens: int = attrs.field(default=262144, validator=_positive_int)
     block_size: int = attrs.field(default=16, validator=_positive_int)
     max_num_seqs: int = attrs.field(default=256, validator=_positive_int)
+    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_opt(_positive_int))
     transfer_s_per_token: float = attrs.field(default=2e-07, validator=_non_negative)
     handoff_ttl_s: float = attrs.field(default=480.0, validator=_positive)
     prefix_caching: bool = False

@@ -177,6 +177,8 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "'missing_request_id' @ $.engines[1].sim.faults[0].variant"),
     ("sim-noise", fleet(prefill(), decode(sim={"noise": -0.1})),
      "expected a number >= 0 @ $.engines[1].sim.noise"),
+    ("sim-batched-tokens", fleet(prefill(), decode(sim={"max_num_batched_tokens": 0})),
+     "expected an integer > 0 @ $.engines[1].sim.max_num_batched_tokens"),
     # --- cross-field rules
     ("duplicate-name", fleet(prefill(), decode(name="p0")),
      "duplicate engine name 'p0' @ $.engines[1].name"),
@@ -479,7 +481,7 @@ def test_defaults_match_the_plan() -> None:
         "seed": 0, "model": "sim-llama", "version": "0.32.0", "max_model_len": 4096,
         "prefill": {"a": 0.005, "b": 2e-05, "c": 0.0, "d": 0.0},
         "decode": {"c0": 0.004, "c1": 0.0002, "c2": 2e-08},
-        "kv_capacity_tokens": 262144, "block_size": 16, "max_num_seqs": 256,
+        "kv_capacity_tokens": 262144, "block_size": 16, "max_num_seqs": 256, "max_num_batched_tokens": None,
         "transfer_s_per_token": 2e-07, "handoff_ttl_s": 480.0, "prefix_caching": False,
         "prompt_tokens_details": False, "kv_events_connect": False, "noise": 0.0, "faults": [],
     }  # fmt: skip

@@ -140,6 +140,83 @@ async def test_max_num_seqs_bounds_the_batch(autojump_clock: trio.abc.Clock) -> 
         assert engine.stats.completed == 5
 
 
+def prefill_s(start: int, end: int) -> float:
+    """The model's cost of computing prompt tokens ``start:end`` in one step, less its fixed ``a``."""
+    return PREFILL["b"] * (end - start) + PREFILL["c"] * (end * end - start * start)
+
+
+async def first_token_at(client: httpx.AsyncClient, n: int, tag: str, delay: float, out: dict[str, float]) -> None:
+    await trio.sleep(delay)
+    r = await client.post("/v1/completions", json={"prompt": prompt(n, tag), "max_tokens": 1})
+    assert r.status_code == 200
+    out[tag] = trio.current_time()
+
+
+@pytest.mark.parametrize("budget", [None, 2048])
+async def test_chunked_prefill_computes_the_queued_prompts_in_one_step(
+    autojump_clock: trio.abc.Clock, budget: int | None
+) -> None:
+    async with one_engine(max_num_batched_tokens=budget) as (_, engine, client):
+        done: dict[str, float] = {}
+        seen: list[int] = []
+
+        async def watch() -> None:
+            await trio.sleep(0.05)  # during the second step
+            seen.append(engine.running)
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first_token_at, client, 100, "a", 0.0, done)
+            for tag in "bcd":  # all three arrive while a's step runs
+                nursery.start_soon(first_token_at, client, 200, tag, 0.001, done)
+            nursery.start_soon(watch)
+        a = PREFILL["a"]
+        first = a + prefill_s(0, 100)
+        assert done["a"] - t0 == pytest.approx(first, rel=0.01)
+        if budget is None:  # one prompt a step, each paying the fixed cost
+            assert sorted(done[t] - t0 for t in "bcd") == pytest.approx(
+                [first + k * (a + prefill_s(0, 200)) for k in (1, 2, 3)], rel=0.01)  # fmt: skip
+            assert seen == [1]
+        else:  # one step for the three, one fixed cost
+            for tag in "bcd":
+                assert done[tag] - t0 == pytest.approx(first + a + 3 * prefill_s(0, 200), rel=0.01)
+            assert seen == [3]
+        assert engine.stats.prompt_tokens["local_compute"] == 700
+        assert engine.kv_usage == 0.0
+
+
+async def test_a_prompt_longer_than_the_budget_is_computed_in_chunks(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine(max_num_batched_tokens=256) as (_, engine, client):
+        done: dict[str, float] = {}
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first_token_at, client, 600, "long", 0.0, done)
+            # Arrives during the first chunk; the second takes the whole budget, so it
+            # shares the third with the long prompt's last 88 tokens.
+            nursery.start_soon(first_token_at, client, 50, "short", 0.001, done)
+        a = PREFILL["a"]
+        steps = [a + prefill_s(0, 256), a + prefill_s(256, 512), a + prefill_s(512, 600) + prefill_s(0, 50)]
+        assert done["long"] - t0 == pytest.approx(sum(steps), rel=0.01)
+        assert done["short"] == done["long"]
+        assert engine.stats.prompt_tokens["local_compute"] == 650
+
+
+async def test_a_chunked_prompt_aborted_between_its_chunks_frees_its_blocks(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine(max_num_batched_tokens=256) as (_, engine, client):
+        done: dict[str, float] = {}
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(PREFILL["a"] + prefill_s(0, 256) + 0.001):  # gone after its first chunk
+                await client.post("/v1/completions", json={"prompt": prompt(600, "gone"), "max_tokens": 1})
+            nursery.start_soon(first_token_at, client, 50, "next", 0.0, done)
+        await trio.sleep(1.0)
+        assert engine.stats.aborted == 1 and engine.running == 0 and engine.kv_usage == 0.0
+        # The aborted prompt's second chunk was under way: the next prompt's step follows it.
+        first_two = 2 * PREFILL["a"] + prefill_s(0, 512)
+        assert done["next"] - t0 == pytest.approx(first_two + PREFILL["a"] + prefill_s(0, 50), rel=0.01)
+        assert engine.stats.prompt_tokens["local_compute"] == 50
+
+
 async def test_noise_is_seeded(autojump_clock: trio.abc.Clock) -> None:
     async def durations() -> list[float]:
         out = []

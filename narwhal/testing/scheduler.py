@@ -6,7 +6,10 @@ preemption is ever needed) and ``max_num_seqs`` allow; otherwise requests wait. 
 loop alternates one prefill (it produces the first token) with one decode step
 (``c0 + c1*active + c2*resident_kv`` seconds, resident KV being prompt + generated
 tokens of the batch; one token to every sequence), as vLLM does without chunked
-prefill. ``noise`` multiplies every duration by a seeded lognormal factor. Blocks of
+prefill. With ``max_num_batched_tokens`` set, a prefill step is vLLM's chunked prefill:
+the queued prompts in order, up to that many prompt tokens in all (a longer prompt in
+chunks over several steps), for one fixed cost ``a`` and each chunk's own tokens; a
+prompt's first token comes at the end of the step that computes its last chunk. ``noise`` multiplies every duration by a seeded lognormal factor. Blocks of
 finished producer requests stay *held* for a consumer
 (:class:`~narwhal.testing.kvfabric.Handoff`) until read or expired.
 
@@ -134,6 +137,8 @@ class Seq:
     num_cached_blocks: int = 0
     #: Prompt tokens served by this engine's prefix cache (whole blocks).
     cached_tokens: int = 0
+    #: Prompt tokens whose KV exists: the cached ones, then each prefill chunk's.
+    computed: int = 0
     generated: int = 0
     admitted: trio.Event = attrs.field(factory=trio.Event)
     first_at: float | None = None
@@ -234,7 +239,7 @@ class Scheduler:
         self._live: set[Seq] = set()
         self._waiting: deque[Seq] = deque()
         self._prefill_q: deque[Seq] = deque()
-        self._prefilling: Seq | None = None
+        self._prefilling: list[Seq] = []
         self._fetching: set[Seq] = set()
         self._ready: list[Seq] = []
         self._running: list[Seq] = []
@@ -245,7 +250,7 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Requests in the batch (vLLM's ``num_requests_running``)."""
-        return len(self._running) + len(self._ready) + (self._prefilling is not None)
+        return len(self._running) + len(self._ready) + len(self._prefilling)
 
     @property
     def waiting(self) -> int:
@@ -272,6 +277,19 @@ class Scheduler:
         p = self.sim.prefill
         computed = tokens - cached
         return p.a + p.b * computed + p.c * (tokens * tokens - cached * cached) + p.d * cached
+
+    def step_prefill_seconds(self, chunks: list[tuple[Seq, int, int]]) -> float:
+        """Noise-free time of one prefill step computing prompt tokens ``start:end`` of
+        each ``(seq, start, end)``: the fixed ``a`` once, each chunk its new tokens and the
+        attention pairs they add, a prompt's cached tokens paid with its first chunk (one
+        whole prompt costs :meth:`prefill_seconds`)."""
+        p = self.sim.prefill
+        total = p.a
+        for seq, start, end in chunks:
+            total += p.b * (end - start) + p.c * (end * end - start * start)
+            if start == seq.cached_tokens:
+                total += p.d * start
+        return total
 
     def step_seconds(self, active: int, resident_kv: int) -> float:
         """Noise-free decode step time."""
@@ -401,7 +419,7 @@ class Scheduler:
             self._ready.clear()
             self._publish()
             if self._prefill_q and (prefill_turn or not self._running):
-                await self._run_prefill(self._prefill_q.popleft())
+                await self._run_prefill()
                 prefill_turn = False
             elif self._running:
                 await self._run_step()
@@ -436,7 +454,7 @@ class Scheduler:
             self.pool.touch(hits)
             seq.blocks = hits + self.pool.allocate(new)
             seq.num_cached_blocks = len(hits)
-            seq.cached_tokens = len(hits) * self.sim.block_size
+            seq.cached_tokens = seq.computed = len(hits) * self.sim.block_size
             if self.sim.prefix_caching:
                 self.metrics.prefix_cache_queries += seq.prompt_len
                 self.metrics.prefix_cache_hits += seq.cached_tokens
@@ -463,25 +481,47 @@ class Scheduler:
         seq.num_cached_blocks = self.pool.cache(seq.blocks, seq.hashes, seq.token_ids,
                                                 seq.num_cached_blocks, full)  # fmt: skip
 
-    async def _run_prefill(self, seq: Seq) -> None:
-        self._prefilling = seq
+    def _prefill_chunks(self) -> list[tuple[Seq, int, int]]:
+        """Take the next prefill step's work off the queue: the head prompt whole, or with
+        chunked prefill the queued prompts in order while the token budget lasts (the last
+        one taken may be a chunk of its prompt)."""
+        queue = self._prefill_q
+        budget = self.sim.max_num_batched_tokens
+        if budget is None:
+            seq = queue.popleft()
+            return [(seq, seq.computed, seq.prompt_len)]
+        chunks = []
+        while queue and budget > 0:
+            seq = queue.popleft()
+            end = min(seq.prompt_len, seq.computed + budget)
+            chunks.append((seq, seq.computed, end))
+            budget -= end - seq.computed
+        return chunks
+
+    async def _run_prefill(self) -> None:
+        chunks = self._prefill_chunks()
+        self._prefilling = [seq for seq, _, _ in chunks]
         self.refresh()
-        cached = seq.cached_tokens
-        computed = seq.prompt_len - cached
         try:
-            await trio.sleep(self._noisy(self.prefill_seconds(seq.prompt_len, cached)))
+            await trio.sleep(self._noisy(self.step_prefill_seconds(chunks)))
         finally:
-            self._prefilling = None
-        if seq.state != "prefill":  # aborted meanwhile
-            self.refresh()
-            return
+            self._prefilling = []
+        now = self.clock()
         m, s = self.metrics, self.stats
-        for source, n in (("local_compute", computed), ("local_cache_hit", cached)):
-            m.prompt_tokens_by_source[source] += n
-            s.prompt_tokens[source] += n
-        if self._emit(seq, self.clock()):
-            seq.state = "running"
-            self._running.append(seq)
+        for seq, _, end in chunks:
+            if seq.state != "prefill":  # aborted meanwhile
+                continue
+            seq.computed = end
+            if end < seq.prompt_len:  # a chunk: the rest of the prompt heads the next step
+                self._prefill_q.appendleft(seq)
+                continue
+            cached = seq.cached_tokens
+            for source, n in (("local_compute", seq.prompt_len - cached), ("local_cache_hit", cached)):
+                m.prompt_tokens_by_source[source] += n
+                s.prompt_tokens[source] += n
+            if self._emit(seq, now):
+                seq.state = "running"
+                self._running.append(seq)
         self.refresh()
 
     async def _run_step(self) -> None:
