@@ -201,6 +201,73 @@ async def test_a_prompt_longer_than_the_budget_is_computed_in_chunks(autojump_cl
         assert engine.stats.prompt_tokens["local_compute"] == 650
 
 
+async def test_after_a_chunk_that_used_the_whole_budget_its_prompt_goes_first(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine(max_num_batched_tokens=256) as (_, _engine, client):
+        done: dict[str, float] = {}
+        t0 = trio.current_time()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first_token_at, client, 600, "long", 0.0, done)
+                nursery.start_soon(first_token_at, client, 300, "next", 0.001, done)
+        a = PREFILL["a"]
+        # The long prompt's second chunk takes the budget whole; its last 88 tokens head
+        # the third step, which the next prompt's first 168 fill; its rest is a fourth.
+        steps = [a + prefill_s(0, 256), a + prefill_s(256, 512), a + prefill_s(512, 600) + prefill_s(0, 168),
+                 a + prefill_s(168, 300)]  # fmt: skip
+        assert done["long"] - t0 == pytest.approx(sum(steps[:3]), rel=1e-6)
+        assert done["next"] - t0 == pytest.approx(sum(steps), rel=1e-6)
+
+
+async def test_a_budget_with_one_token_left_takes_one_token_of_the_next_prompt(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine(max_num_batched_tokens=256) as (_, _engine, client):
+        done: dict[str, float] = {}
+        t0 = trio.current_time()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first_token_at, client, 100, "first", 0.0, done)
+                nursery.start_soon(first_token_at, client, 255, "most", 0.001, done)
+                nursery.start_soon(first_token_at, client, 50, "rest", 0.002, done)
+        a = PREFILL["a"]
+        steps = [a + prefill_s(0, 100), a + prefill_s(0, 255) + prefill_s(0, 1), a + prefill_s(1, 50)]
+        assert done["most"] - t0 == pytest.approx(sum(steps[:2]), rel=1e-6)
+        assert done["rest"] - t0 == pytest.approx(sum(steps), rel=1e-6)
+
+
+async def test_a_prompt_aborted_in_a_shared_step_leaves_the_others_their_tokens(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine(max_num_batched_tokens=2048) as (_, engine, client):
+        done: dict[str, float] = {}
+        t0 = trio.current_time()
+        first = PREFILL["a"] + prefill_s(0, 100)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first_token_at, client, 100, "first", 0.0, done)
+                with trio.move_on_at(t0 + first + 0.01):  # gone during the second step, which it heads
+                    await trio.sleep(0.001)
+                    nursery.start_soon(first_token_at, client, 200, "stays", 0.001, done)
+                    await client.post("/v1/completions", json={"prompt": prompt(400, "gone"), "max_tokens": 1})
+        assert done["stays"] - t0 == pytest.approx(first + PREFILL["a"] + prefill_s(0, 400) + prefill_s(0, 200), rel=1e-6)
+        await trio.sleep(1.0)
+        assert engine.stats.aborted == 1 and engine.kv_usage == 0.0
+
+
+async def test_a_chunked_prompt_pays_its_cached_prefix_once(autojump_clock: trio.abc.Clock) -> None:
+    d = 5e-5
+    async with one_engine(max_num_batched_tokens=256, prefix_caching=True, block_size=16,
+                          prefill={**PREFILL, "d": d}) as (_, engine, client):  # fmt: skip
+        head = prompt(512, "h")
+        r = await client.post("/v1/completions", json={"prompt": head, "max_tokens": 1})
+        assert r.status_code == 200
+        t0 = trio.current_time()
+        r = await client.post("/v1/completions", json={"prompt": f"{head} {prompt(400, 't')}", "max_tokens": 1})
+        assert r.status_code == 200
+        a = PREFILL["a"]
+        # 512 cached (32 blocks), 400 computed in chunks of 256 and 144.
+        steps = [a + prefill_s(512, 768) + d * 512, a + prefill_s(768, 912)]
+        assert trio.current_time() - t0 == pytest.approx(sum(steps), rel=1e-6)
+        metrics = (await client.get("/metrics")).text
+        assert 'source="local_compute"} 912.0' in metrics and 'source="local_cache_hit"} 512.0' in metrics
+
+
 async def test_a_chunked_prompt_aborted_between_its_chunks_frees_its_blocks(autojump_clock: trio.abc.Clock) -> None:
     async with one_engine(max_num_batched_tokens=256) as (_, engine, client):
         done: dict[str, float] = {}

@@ -272,17 +272,12 @@ class Scheduler:
 
     # ------------------------------------------------------------ latency model
 
-    def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
-        """Noise-free prefill time of ``tokens`` prompt tokens, ``cached`` of them cached."""
-        p = self.sim.prefill
-        computed = tokens - cached
-        return p.a + p.b * computed + p.c * (tokens * tokens - cached * cached) + p.d * cached
-
     def step_prefill_seconds(self, chunks: list[tuple[Seq, int, int]]) -> float:
         """Noise-free time of one prefill step computing prompt tokens ``start:end`` of
         each ``(seq, start, end)``: the fixed ``a`` once, each chunk its new tokens and the
         attention pairs they add, a prompt's cached tokens paid with its first chunk (one
-        whole prompt costs :meth:`prefill_seconds`)."""
+        whole prompt of L tokens, k of them cached, costs the model's
+        ``a + b*(L-k) + c*(L**2 - k**2) + d*k``)."""
         p = self.sim.prefill
         total = p.a
         for seq, start, end in chunks:
@@ -512,16 +507,16 @@ class Scheduler:
             if seq.state != "prefill":  # aborted meanwhile
                 continue
             seq.computed = end
-            if end < seq.prompt_len:  # a chunk: the rest of the prompt heads the next step
+            if end == seq.prompt_len:
+                cached = seq.cached_tokens
+                for source, n in (("local_compute", seq.prompt_len - cached), ("local_cache_hit", cached)):
+                    m.prompt_tokens_by_source[source] += n
+                    s.prompt_tokens[source] += n
+                if self._emit(seq, now):
+                    seq.state = "running"
+                    self._running.append(seq)
+            else:  # a chunk (the step's last): the rest of the prompt heads the next step
                 self._prefill_q.appendleft(seq)
-                continue
-            cached = seq.cached_tokens
-            for source, n in (("local_compute", seq.prompt_len - cached), ("local_cache_hit", cached)):
-                m.prompt_tokens_by_source[source] += n
-                s.prompt_tokens[source] += n
-            if self._emit(seq, now):
-                seq.state = "running"
-                self._running.append(seq)
         self.refresh()
 
     async def _run_step(self) -> None:
