@@ -334,7 +334,7 @@ def test_reservation_callbacks() -> None:
     p = Placement(["p0"], ["d0"])
     r = p.choose(10, 5)
     calls: list[str] = []
-    r.on_release_prefill = lambda: calls.append("prefill")
+    r.on_release_prefill = lambda done: calls.append("prefill")
     r.on_release_decode = lambda: calls.append("decode")
     r.release()
     r.release()

@@ -82,9 +82,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/errors.py": ("tests/test_errors.py", "tests/test_engine_client.py", "tests/test_router_failures.py"),
     # The load-level comparisons (hundreds of requests each, half a minute a run) prove
     # that pricing pays off; the rules themselves are held by the quick tests.
+    "narwhal/router/batching.py": ("tests/test_queue_models.py",),
     "narwhal/router/pricing.py": (
         "tests/test_pricing_rules.py", "tests/test_priced_placement.py", "tests/test_prefix_placement.py",
-        "tests/test_prefix_replication.py", "tests/test_reactive.py",
+        "tests/test_prefix_replication.py", "tests/test_reactive.py", "tests/test_queue_models.py",
         "--deselect=tests/test_priced_placement.py::test_priced_placement_holds_the_slo_for_more_requests",
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",

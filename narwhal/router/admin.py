@@ -23,6 +23,7 @@ from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
 from narwhal.router.fleet import FleetChange
 from narwhal.router.metrics import EXPOSITION_HEADERS, RouterMetrics
+from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
 __all__ = ["CLOSE_TIMEOUT_S", "AdminApp", "open_events"]
@@ -99,6 +100,9 @@ class AdminApp:
             kv = state.kv_events_status(e.name)
             if kv is not None:
                 engines[-1]["kv_events"] = kv
+            placement = state.placement
+            if isinstance(placement, PricedPlacement) and e.name in placement.prefill_engines and e.name in placement.profiles:
+                engines[-1]["prefill_queue"] = "batched" if e.name in placement.queue_models.batched else "serial"
         slo = state.config.controller.slo
         body: dict[str, object] = {
             "engines": engines, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "in_flight": state.in_flight,

@@ -380,7 +380,7 @@ class RequestLifecycle:
                 deadline="handoff.max_age_s",
             )
         prefill_done = state.clock()
-        reservation.release_prefill()
+        reservation.release_prefill(done=True)
         attempt.cached_tokens = prefill.cached_tokens
         if ids is not None and not same_worker:
             state.prefix.placed(reservation.consumer, ids)  # a consumer caches what it pulls

@@ -96,7 +96,8 @@ class Reservation:
         self.prefill_held = True
         self.decode_held = True
         self._open = True
-        self.on_release_prefill: Callable[[], None] | None = None
+        #: Called once when the prefill's hold ends, with whether its prefill completed.
+        self.on_release_prefill: Callable[[bool], None] | None = None
         self.on_release_decode: Callable[[], None] | None = None
         self.predicted_ttft_s: float | None = None
         self.predicted_tpot_s: float | None = None
@@ -113,7 +114,9 @@ class Reservation:
     def same_worker(self) -> bool:
         return self.producer == self.consumer
 
-    def release_prefill(self) -> None:
+    def release_prefill(self, done: bool = False) -> None:
+        """The prefill's hold ends: ``done``, its prefill completed (else it failed or
+        was given up)."""
         if self.prefill_held:
             self.prefill_held = False
             placement = self._placement
@@ -121,7 +124,7 @@ class Reservation:
             p.prefill_requests -= 1
             p.prefill_tokens -= self.prompt_tokens
             if self.on_release_prefill is not None:
-                self.on_release_prefill()
+                self.on_release_prefill(done)
             if placement._released is not None:
                 placement.notify_released()
 

@@ -94,6 +94,7 @@ import trio
 from narwhal.config import SLOConfig
 from narwhal.errors import Refused
 from narwhal.profile.store import EngineProfile
+from narwhal.router.batching import QueueModels
 from narwhal.router.placement import Placement, Reservation
 
 __all__ = ["CONSUMER_TIE", "REPLICATE_AT", "PricedPlacement", "Quote", "Replicate", "best_consumer"]
@@ -146,6 +147,11 @@ class Quote:
     cached_tokens: int | None = None
     own_s: float = 0.0
     low_s: float | None = None
+    #: Time the request had spent in the router when it was quoted (a producer quote's).
+    elapsed_s: float = 0.0
+    #: Requests queued on the producer that this one would make miss the TTFT target
+    #: (a producer computing its queued prompts together: they share its next step).
+    delays: int = 0
 
     @property
     def low(self) -> float:
@@ -187,9 +193,11 @@ class PricedPlacement(Placement):
         self.tpot_correction: dict[str, float] = dict.fromkeys(self.loads, 1.0)
         #: Predicted prefill seconds reserved per producer (the queue ahead of a new one).
         self.prefill_work_s: dict[str, float] = dict.fromkeys(self.loads, 0.0)
-        #: Per producer, its reserved prefills in the order they were placed: key ->
-        #: (predicted seconds, when placed); and when its last prefill ended.
-        self._prefills: dict[str, dict[int, tuple[float, float]]] = {n: {} for n in self.loads}
+        #: Per producer, its reserved prefills in the order they were placed; and when its
+        #: last prefill ended.
+        self._prefills: dict[str, dict[int, _Queued]] = {n: {} for n in self.loads}
+        #: Which queue model prices each producer (:mod:`narwhal.router.batching`).
+        self.queue_models = QueueModels()
         self._last_done: dict[str, float] = {}
         self._keys = itertools.count()
         self.unbound: dict[str, str] = {}
@@ -236,11 +244,31 @@ class PricedPlacement(Placement):
     ) -> Quote:
         """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
         own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
-        queue = self.prefill_work_s[name] - self.head_done_s(name) + self.others_prefill_s(name)
-        ahead = (queue + own) * self.ttft_correction[name]
+        serial, batched = self.queues_s(name)
+        together = name in self.queue_models.batched
+        ahead = ((batched if together else serial) + own) * self.ttft_correction[name]
         predicted = elapsed_s + ahead
-        return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s),
-                     cached_tokens=cached_tokens, own_s=own, low_s=elapsed_s + ahead * self.low_factor(name))  # fmt: skip
+        delays = self._delays(name, batched + own) if together else 0
+        return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s), cached_tokens=cached_tokens,
+                     own_s=own, low_s=elapsed_s + ahead * self.low_factor(name), elapsed_s=elapsed_s,
+                     delays=delays)  # fmt: skip
+
+    def _delays(self, name: str, done_in_s: float) -> int:
+        """How many of the prefills waiting on ``name`` for its next step would end past
+        their TTFT target if that step took a prompt that ends ``done_in_s`` from now
+        (raw seconds; they end with it)."""
+        done = self.clock() + done_in_s * self.ttft_correction[name]
+        return sum(1 for q in self._next_step(name) if done > q.latest_done)
+
+    def _next_step(self, name: str) -> list[_Queued]:
+        """The prefills reserved on ``name`` that wait for its next step: placed since the
+        step in progress began (the oldest prefill always in it, as in :meth:`head_done_s`;
+        a prefill placed on an idle producer begins a step alone)."""
+        queued = self._prefills.get(name)
+        if not queued:
+            return []
+        started = self._step_start(name, queued)
+        return [q for i, q in enumerate(queued.values()) if i and q.placed_at >= started]
 
     def low_factor(self, name: str) -> float:
         """The low end of ``name``'s TTFT predictions as a share of them: the
@@ -272,9 +300,45 @@ class PricedPlacement(Placement):
         queued = self._prefills.get(name)
         if not queued:
             return 0.0
-        work, placed_at = next(iter(queued.values()))
-        started = max(placed_at, self._last_done.get(name, placed_at))
-        return min(max(self.clock() - started, 0.0), work)
+        head = next(iter(queued.values()))
+        return min(max(self.clock() - self._step_start(name, queued), 0.0), head.work)
+
+    def _step_start(self, name: str, queued: Mapping[int, _Queued]) -> float:
+        """When the oldest prefill reserved on ``name`` started: when it was placed or
+        when the prefill before it ended, whichever came last."""
+        placed_at = next(iter(queued.values())).placed_at
+        return max(placed_at, self._last_done.get(name, placed_at))
+
+    def queue_s(self, name: str) -> float:
+        """Predicted seconds before a prompt placed on ``name`` now is computed, beyond
+        its own prefill, by the producer's queue model (:mod:`narwhal.router.batching`)."""
+        serial, batched = self.queues_s(name)
+        return batched if name in self.queue_models.batched else serial
+
+    def queues_s(self, name: str) -> tuple[float, float]:
+        """The queue ahead of a prompt placed on ``name`` now, by both queue models.
+
+        Serial: the prefills reserved there, one after the other, less what the oldest
+        has done. Batched: the reserved prefills placed before the step in progress
+        began (the oldest's start, as in :meth:`head_done_s`) share that step, one fixed
+        cost (the TTFT curve at no tokens) and each its part beyond it, less the step's
+        time so far; those placed since wait for the next step, which this prompt joins:
+        each adds its part beyond the fixed cost, which this prompt's own prefill pays. A
+        prefill placed on an idle producer begins a step alone: the rest of a burst
+        placed with it reaches the engine after that step began.
+        Others' prefills count the same in both (their order is not known).
+        """
+        others = self.others_prefill_s(name)
+        serial = self.prefill_work_s[name] - self.head_done_s(name) + others
+        queued = self._prefills.get(name)
+        if not queued:
+            return serial, serial
+        fixed = max(self._ttft(self.profiles[name], 0), 0.0)
+        started = self._step_start(name, queued)
+        next_step = self._next_step(name)
+        waiting = sum(max(q.work - fixed, 0.0) for q in next_step)
+        in_step = fixed + sum(max(q.work - fixed, 0.0) for q in queued.values()) - waiting
+        return serial, max(in_step - (self.clock() - started), 0.0) + waiting + others
 
     def others_prefill_s(self, name: str) -> float:
         """Predicted prefill seconds of the prompts others queued on ``name``."""
@@ -345,9 +409,9 @@ class PricedPlacement(Placement):
         consumers = self._priced_candidates(self.decode_engines, avoid, model)
         if not producers or not consumers:
             return None
-        p = max(
+        p = max(  # one that would make no queued request late, then the most headroom
             (self.quote_producer(n, prompt_tokens, elapsed_s, cached(n) if cached else None) for n in producers),
-            key=lambda q: q.headroom,
+            key=lambda q: (not q.delays, q.headroom),
         )
         quotes = [
             q for n in consumers
@@ -391,7 +455,7 @@ class PricedPlacement(Placement):
         # comes after the prefill: the handoff to the consumer counts against the target.
         handoff = self.handoff_s.get(c.engine, 0.0)
         bound = p.predicted_s if self.admission_bound == "point" else p.low
-        late = self.slo.ttft_s is not None and bound + handoff > self.slo.ttft_s
+        late = self.slo.ttft_s is not None and (bound + handoff > self.slo.ttft_s or p.delays > 0)
         if late or (self.slo.tpot_s is not None and c.headroom < 0):
             self.counters["refused"] += 1
             if late and prompt_ids is not None and cached is not None and self.replicate is not None:
@@ -474,7 +538,7 @@ class PricedPlacement(Placement):
         for n in names:
             if n in self.replicating:
                 continue
-            queue = (self.prefill_work_s[n] - self.head_done_s(n) + self.others_prefill_s(n)) * self.ttft_correction[n]
+            queue = self.queue_s(n) * self.ttft_correction[n]
             if queue >= REPLICATE_AT * target:
                 continue
             done = queue + self.prefill_s(n, prompt_tokens, held[n]) * self.ttft_correction[n]
@@ -509,8 +573,12 @@ class PricedPlacement(Placement):
             work = p.own_s
         else:
             work = self._ttft(self.profiles[producer], prompt_tokens) if producer in self.profiles else 0.0
-        key = self._add_work(producer, work)
-        reservation.on_release_prefill = lambda: self._release_work(producer, work, key)
+        target = self.slo.ttft_s
+        latest_done = math.inf
+        if target is not None and p is not None and c is not None:
+            latest_done = self.clock() + target - p.elapsed_s - self.handoff_s.get(c.engine, 0.0)
+        key = self._add_work(producer, work, latest_done)
+        reservation.on_release_prefill = lambda done: self._release_work(producer, work, key, done)
         reservation.on_release_decode = self._capacity_changed
         reservation.predicted_ttft_s = p.predicted_s if p is not None else None
         reservation.predicted_tpot_s = c.predicted_s if c is not None else None
@@ -545,19 +613,27 @@ class PricedPlacement(Placement):
         if load.others < before:
             self._capacity_changed()
 
-    def _add_work(self, producer: str, work: float) -> int:
-        """Reserve ``work`` predicted prefill seconds on ``producer``, behind its queue."""
+    def _add_work(self, producer: str, work: float, latest_done: float = math.inf) -> int:
+        """Reserve ``work`` predicted prefill seconds on ``producer``, behind its queue;
+        ``latest_done``: when it must end to meet the TTFT target."""
         key = next(self._keys)
+        serial, batched = self.queues_s(producer) if producer in self.profiles else (0.0, 0.0)
         self.prefill_work_s[producer] += work
-        self._prefills.setdefault(producer, {})[key] = (work, self.clock())
+        queued = _Queued(work, self.clock(), serial + work, batched + work, latest_done)
+        self._prefills.setdefault(producer, {})[key] = queued
         return key
 
-    def _release_work(self, producer: str, work: float, key: int) -> None:
+    def _release_work(self, producer: str, work: float, key: int, done: bool = False) -> None:
+        """``work`` reserved on ``producer`` ends: ``done``, its prefill completed now
+        (what the queue models are scored on), else it failed or was given up."""
         if producer in self.prefill_work_s:
             self.prefill_work_s[producer] = max(0.0, self.prefill_work_s[producer] - work)
         queued = self._prefills.get(producer)
-        if queued is not None and queued.pop(key, None) is not None:
-            self._last_done[producer] = self.clock()
+        entry = queued.pop(key, None) if queued is not None else None
+        if entry is not None:
+            now = self._last_done[producer] = self.clock()
+            if done:
+                self.queue_models.observe(producer, now - entry.placed_at, entry.serial_s, entry.batched_s)
         self._capacity_changed()
 
     def _capacity_changed(self) -> None:
@@ -596,7 +672,8 @@ class PricedPlacement(Placement):
                         f"on {miss.producer.engine}{f' ({hit} prompt tokens cached there)' if hit else ''}, "
                         f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}"
                         f"{f' (TTFT with {handoff * 1000:.1f} ms of handoff to it)' if handoff else ''}"
-                        f"{f'; TTFT {(low + handoff) * 1000:.1f} ms at the low end of its prediction error' if self.admission_bound != 'point' and low < miss.producer.predicted_s else ''}",
+                        f"{f'; TTFT {(low + handoff) * 1000:.1f} ms at the low end of its prediction error' if self.admission_bound != 'point' and low < miss.producer.predicted_s else ''}"
+                        f"{f'; it would make {miss.producer.delays} request(s) queued there miss the TTFT target (they share its next step)' if miss.producer.delays else ''}",
                     ) from None  # (retry in Refused's default second)
                 if not waited:
                     waited = True
@@ -621,6 +698,7 @@ class PricedPlacement(Placement):
         for table in (self.ttft_correction, self.tpot_correction, self.prefill_work_s, self.profiles, self.unbound,
                       self._prefills, self._last_done, self.ttft_ratios, self._observed_low):  # fmt: skip
             table.pop(name, None)
+        self.queue_models.forget(name)
 
 
 #: Consumers whose predicted TPOT lies within this share of the best one's are equal
@@ -653,3 +731,18 @@ class _NoCapacity(Exception):
         self.producer = producer
         self.consumer = consumer
         self.handoff_s = handoff_s
+
+
+@attrs.define
+class _Queued:
+    """A prefill reserved on a producer."""
+
+    #: Its predicted prefill seconds.
+    work: float
+    placed_at: float
+    #: Seconds from placement to its end, as the serial and the batched queue model
+    #: predicted them (:mod:`narwhal.router.batching`).
+    serial_s: float
+    batched_s: float
+    #: When it must end for its request to meet the TTFT target (inf: no target).
+    latest_done: float

@@ -1,0 +1,291 @@
+"""A producer computing its queued prompts one at a time or together (chunked prefill):
+the two queue models, how the router learns which one an engine follows, and how
+admission protects the requests that share a step."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import trio
+
+from narwhal.errors import Refused
+from narwhal.router.admin import AdminApp
+from narwhal.router.batching import DIFFER, MIN_EVIDENCE, WINDOW, QueueModels
+
+from .routerkit import engine, fleet_doc, open_stack
+from .test_pricing_rules import PREFILL, Clock, priced, profile, ttft
+
+FIXED = PREFILL["a"]
+
+
+def share(length: float) -> float:
+    """A prompt's prefill beyond the fixed cost a step pays once."""
+    return ttft(length) - FIXED
+
+
+def learn(models: QueueModels, producer: str, *, batched: bool, times: int = MIN_EVIDENCE) -> None:
+    """``times`` observations that the batched (or the serial) prediction got right."""
+    for _ in range(times):
+        models.observe(producer, 0.2 if batched else 0.4, serial_s=0.4, batched_s=0.2)
+
+
+# ----------------------------------------------------------------- learning
+
+
+def test_a_producer_is_priced_serially_until_its_prefills_say_they_share_steps(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.router.placement")
+    models = QueueModels()
+    for _ in range(5 * MIN_EVIDENCE):  # predictions that agree tell nothing apart
+        models.observe("p0", 0.2, serial_s=0.3, batched_s=0.3 * (1 - DIFFER) + 1e-9)
+    learn(models, "p0", batched=True, times=MIN_EVIDENCE - 1)
+    assert models.batched == set() and caplog.records == []
+    learn(models, "p0", batched=True, times=1)
+    assert models.batched == {"p0"}
+    assert [r.getMessage() for r in caplog.records] == [
+        "producer p0 computes its queued prompts together (chunked prefill): its queue is priced as one step"
+    ]
+    learn(models, "p0", batched=True, times=3)  # no news: said once
+    assert len(caplog.records) == 1
+    # The engine changes (a restart with another scheduler): the latest window decides.
+    # 13 placements said batched (the serial prediction off by 100 %), now the serial
+    # one is right (the batched off by 50 %): 26 of them balance it.
+    learn(models, "p0", batched=False, times=25)
+    assert models.batched == {"p0"}
+    learn(models, "p0", batched=False, times=1)
+    assert models.batched == set()
+    assert caplog.records[-1].getMessage() == (
+        "producer p0 computes its queued prompts one at a time: its queue is priced prompt by prompt"
+    )
+
+
+def test_the_evidence_is_the_latest_window_and_weighs_errors_by_size() -> None:
+    models = QueueModels()
+    assert WINDOW == 100
+    learn(models, "p0", batched=True, times=WINDOW)  # -1 each
+    # +0.5 each: with 66 of them the window holds 34 of the -1s (-1 in all), with 67 only
+    # 33 (+0.5); without a window it would take 200.
+    learn(models, "p0", batched=False, times=66)
+    assert models.batched == {"p0"}
+    learn(models, "p0", batched=False, times=1)
+    assert models.batched == set()
+    # Fewer but larger errors of the serial model outweigh many small ones of the batched.
+    for _ in range(WINDOW // 2):
+        models.observe("p0", 0.1, serial_s=1.0, batched_s=0.12)  # serial 9x off, batched 20 %
+    assert models.batched == {"p0"}
+    models.forget("p0")
+    assert models.batched == set()
+    learn(models, "p0", batched=True, times=MIN_EVIDENCE - 1)
+    assert models.batched == set()  # the evidence went with it
+    models.forget("never-seen")  # nothing to forget: no error
+
+
+def test_predictions_that_differ_by_exactly_the_threshold_tell_the_models_apart() -> None:
+    models = QueueModels()
+    for _ in range(MIN_EVIDENCE):
+        models.observe("p0", 9.0, serial_s=10.0, batched_s=9.0)  # 1.0 apart: DIFFER of 10.0
+    assert DIFFER * 10.0 == 1.0 and models.batched == {"p0"}
+
+
+def test_an_observation_of_no_time_tells_nothing() -> None:
+    models = QueueModels()
+    for _ in range(MIN_EVIDENCE):
+        models.observe("p0", 0.0, serial_s=0.4, batched_s=0.0)
+    assert models.batched == set()
+
+
+# ----------------------------------------------------------------- the queue, both ways
+
+
+def test_the_batched_queue_is_the_step_in_progress_then_the_waiting_prompts_beyond_their_fixed_cost() -> None:
+    clock = Clock()
+    pl = priced(clock=clock, ttft_s=10.0)
+    assert pl.queues_s("p0") == (0.0, 0.0)
+    first = pl.choose(1000, 10)  # starts at 100.0: the step in progress
+    clock.now = 100.02
+    pl.choose(500, 10)
+    clock.now = 100.03
+    pl.choose(200, 10)  # both wait for the next step
+    clock.now = 100.05
+    serial, batched = pl.queues_s("p0")
+    assert serial == pytest.approx(ttft(1000) + ttft(500) + ttft(200) - 0.05)
+    assert batched == pytest.approx(ttft(1000) - 0.05 + share(500) + share(200))
+    assert pl.quote_producer("p0", 300).predicted_s == pytest.approx(serial + ttft(300))  # not learned yet
+    learn(pl.queue_models, "p0", batched=True)
+    assert pl.quote_producer("p0", 300).predicted_s == pytest.approx(batched + ttft(300))
+    # The step ends at 100.11: the two waiting ones are the new step, started then.
+    clock.now = 100.11
+    first.release_prefill(done=True)
+    clock.now = 100.12
+    assert pl.queues_s("p0")[1] == pytest.approx(FIXED + share(500) + share(200) - 0.01)
+    # A step overdue is predicted to end now, not in the past.
+    clock.now = 101.0
+    assert pl.queues_s("p0")[1] == 0.0
+
+
+def test_a_finished_prefill_scores_both_predictions_made_when_it_was_placed() -> None:
+    clock = Clock()
+    pl = priced(clock=clock, ttft_s=10.0)
+
+    def place() -> list:
+        reservations = [pl.choose(1000, 10)]
+        clock.now += 0.01
+        return reservations + [pl.choose(100, 10) for _ in range(3)]
+
+    reservations = place()
+    last = pl._prefills["p0"][max(pl._prefills["p0"])]
+    assert last.serial_s == pytest.approx(ttft(1000) - 0.01 + 3 * ttft(100))
+    assert last.batched_s == pytest.approx(ttft(1000) - 0.01 + 2 * share(100) + ttft(100))
+    # A batching engine: the first alone, then the other three in one step. Only the
+    # last of the three tells the models apart (they differ by 12.5 % for it, 7 % for
+    # the one before it).
+    for n in range(MIN_EVIDENCE):
+        assert pl.queue_models.batched == set()
+        clock.now += ttft(1000) - 0.01
+        reservations[0].release_prefill(done=True)
+        clock.now += FIXED + 3 * share(100)
+        for r in reservations[1:]:
+            r.release_prefill(done=True)
+        assert pl.prefill_work_s["p0"] == pytest.approx(0.0, abs=1e-9)
+        assert len(pl.queue_models._evidence["p0"]) == n + 1
+        reservations = place()
+    assert pl.queue_models.batched == {"p0"}
+
+
+def test_a_prefill_that_failed_scores_nothing() -> None:
+    clock = Clock()
+    pl = priced(clock=clock, ttft_s=10.0)
+    for _ in range(2 * MIN_EVIDENCE):
+        reservations = [pl.choose(1000, 10) for _ in range(3)]
+        clock.now += 0.01
+        for r in reservations:
+            r.release()  # given up (an error, a client gone): not a prefill's end
+    assert pl.queue_models._evidence == {}
+
+
+def test_a_producer_leaving_takes_its_queue_model_with_it() -> None:
+    pl = priced(["p0", "p1"], ["d0"])
+    learn(pl.queue_models, "p1", batched=True)
+    pl.set_roles(["p0"], ["d0"])
+    pl.remove_engine("p1")
+    assert pl.queue_models.batched == set()
+
+
+# ----------------------------------------------------------------- admission
+
+
+async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_elsewhere_or_is_refused() -> None:
+    clock = Clock()
+    profiles = {n: profile(n) for n in ("p0", "p1", "d0")}
+    pl = priced(["p0", "p1"], ["d0"], profiles=profiles, clock=clock, ttft_s=0.5)
+    learn(pl.queue_models, "p0", batched=True)
+    learn(pl.queue_models, "p1", batched=True)
+    pl.choose(2000, 10, avoid=frozenset({"p1"}))  # p0's step in progress: 0.21 s
+    clock.now = 100.1
+    # Waits for the next step on p0 with 0.28 s of its 0.5 s left when placed (it spent
+    # 0.22 s in the router): it must end by 100.38.
+    waiting = pl.choose(100, 10, elapsed_s=0.22, avoid=frozenset({"p1"}))
+    assert waiting.producer == "p0"
+    assert pl._prefills["p0"][max(pl._prefills["p0"])].latest_done == pytest.approx(100.38)
+    # A prompt whose share of that step would end it at 100.11 + 0.28 > 100.38: p0
+    # cannot take it, p1 (idle, 0.28 s) can.
+    clock.now = 100.11
+    q = pl.quote_producer("p0", 2600)
+    assert q.predicted_s == pytest.approx(0.1 + share(100) + ttft(2600)) and q.predicted_s < 0.5
+    assert q.delays == 1
+    assert pl.quote_producer("p1", 2600).delays == 0
+    assert pl.choose(2600, 10).producer == "p1"
+    # With p1 out, it is refused, and the refusal says why.
+    with pytest.raises(Refused) as refused:
+        await pl.acquire(2600, 10, avoid=frozenset({"p1"}))
+    assert "it would make 1 request(s) queued there miss the TTFT target (they share its next step)" in str(refused.value)
+    # A prompt small enough to share the step in time is taken.
+    assert pl.choose(500, 10, avoid=frozenset({"p1"})).producer == "p0"
+
+
+def test_the_prompts_a_newcomer_would_delay_are_those_waiting_for_its_step() -> None:
+    clock = Clock()
+    pl = priced(clock=clock, ttft_s=10.0)
+    learn(pl.queue_models, "p0", batched=True)
+    head = pl.choose(2000, 10)  # begins a step at 100.0
+    pl.choose(100, 10)  # placed as it began: waits for the next step
+    clock.now = 100.01
+    pl.choose(100, 10)  # waits too
+    head_q, first, second = pl._prefills["p0"].values()
+    head_q.latest_done = 0.0  # the step in progress: no newcomer delays it
+    second.latest_done = math.inf
+    clock.now = 100.05
+    own = pl.prefill_s("p0", 300)
+    done = clock.now + (pl.queues_s("p0")[1] + own)  # they would all end then
+    first.latest_done = done
+    assert pl.quote_producer("p0", 300).delays == 0  # just in time
+    first.latest_done = math.nextafter(done, -math.inf)
+    assert pl.quote_producer("p0", 300).delays == 1
+    # The correction scales the step's time as it scales the prediction.
+    first.latest_done = clock.now + (pl.queues_s("p0")[1] + own) * 1.5
+    pl.ttft_correction["p0"] = 2.0
+    assert pl.quote_producer("p0", 300).delays == 1
+    pl.ttft_correction["p0"] = 0.5
+    assert pl.quote_producer("p0", 300).delays == 0
+    pl.ttft_correction["p0"] = 1.0
+    # The head's step ends at 100.2: the two waiting ones are the step in progress now.
+    clock.now = 100.2
+    head.release_prefill(done=True)
+    clock.now = 100.21
+    first.latest_done = second.latest_done = 0.0
+    assert pl.quote_producer("p0", 300).delays == 0
+
+
+def test_a_serially_priced_producer_never_counts_delays() -> None:
+    clock = Clock()
+    pl = priced(clock=clock, ttft_s=0.5)
+    pl.choose(2000, 10)
+    clock.now = 100.1
+    pl.choose(100, 10, elapsed_s=0.22)
+    clock.now = 100.11
+    assert pl.quote_producer("p0", 100).delays == 0  # a later prompt runs after it
+
+
+# ----------------------------------------------------------------- end to end
+
+
+def _fleet(batched_tokens: int | None) -> dict:
+    extra = {} if batched_tokens is None else {"max_num_batched_tokens": batched_tokens}
+    return fleet_doc(
+        engine("p0", 8101, ["prefill"], prefill={"a": 0.02, "b": 1e-4, "c": 0.0}, **extra),
+        engine("d0", 8102, ["decode"]),
+        controller={"slo": {"ttft_s": 2.0, "tpot_s": 0.5}, "admission": "refuse"},
+    )
+
+
+@pytest.mark.parametrize("batched_tokens", [None, 8192])
+async def test_the_router_learns_whether_a_simulated_producer_shares_its_steps(
+    autojump_clock: trio.abc.Clock, batched_tokens: int | None
+) -> None:
+    async with open_stack(_fleet(batched_tokens), priced=True) as stack:
+        placement = stack.router.state.placement
+
+        async def one(i: int, delay: float) -> None:
+            await trio.sleep(delay)
+            assert (await stack.complete({"prompt": " ".join(f"w{i}x{j}" for j in range(200)), "max_tokens": 2}))
+
+        for burst in range(3 * MIN_EVIDENCE):
+            async with trio.open_nursery() as nursery:
+                for i, delay in enumerate((0.0, 0.005, 0.006, 0.007)):  # three behind the first
+                    nursery.start_soon(one, 4 * burst + i, delay)
+            await trio.sleep(0.5)
+        assert placement.queue_models.batched == ({"p0"} if batched_tokens else set())
+        fleet = {e["name"]: e for e in AdminApp(stack.router.state, stack.router.metrics, stack.router.events).fleet()["engines"]}
+        assert fleet["p0"]["prefill_queue"] == ("batched" if batched_tokens else "serial")
+        assert "prefill_queue" not in fleet["d0"]  # a consumer
+        # The last ones of the bursts are predicted exactly either way (no later arrival
+        # joined their step).
+        for r in stack.records[-40:]:
+            [attempt] = r["attempts"]
+            assert attempt["predicted_ttft_s"] <= attempt["ttft_s"] + 1e-9
+        by_arrival = sorted(stack.records, key=lambda r: r["arrival"])
+        last = [r["attempts"][0] for i, r in enumerate(by_arrival) if i % 4 == 3][-MIN_EVIDENCE:]
+        assert [a["predicted_ttft_s"] for a in last] == pytest.approx([a["ttft_s"] for a in last], rel=1e-6)
