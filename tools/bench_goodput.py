@@ -63,6 +63,13 @@ target.
 
     python tools/bench_goodput.py --workload shared-prefix --prefix-fleet slow --rates 2,4,6,8 --requests 300
 
+``--chunked-prefill N`` has every simulated engine schedule its prompts as vLLM V1 does
+(``sim.max_num_batched_tokens`` N): one prefill step computes the queued prompts
+together, up to N prompt tokens, for one fixed cost. Without it an engine computes one
+prompt a step.
+
+    python tools/bench_goodput.py --workload shared-prefix --chunked-prefill 2048 --rates 16,24,32,40
+
 ``--replicas N`` measures router replicas instead: the same fleet and the same arrivals
 (uniform workload) against one priced router, and against N priced ``narwhal serve``
 processes behind a round-robin client (``narwhal bench --url A --url B``), once with
@@ -441,12 +448,17 @@ def main() -> int:
                         help="also run the priced router of another source tree (e.g. a checkout of the last "
                              "release) as narwhal-today, same fleet and arrivals")
     parser.add_argument("--routers", help="comma-separated subset of the routers to run (default: all)")
+    parser.add_argument("--chunked-prefill", type=int, metavar="N",
+                        help="every simulated engine computes its queued prompts together, N prompt tokens a step "
+                             "at most (vLLM V1's chunked prefill, sim.max_num_batched_tokens)")
     parser.add_argument("--warmup-s", type=float, default=0.0,
                         help="leave the requests of each run's first S seconds unscored, every router alike "
                              "(shared-prefix, sessions); both figures are reported")
     args = parser.parse_args()
     if args.warmup_s < 0 or (args.warmup_s and args.workload == "uniform"):
         parser.error("--warmup-s takes S >= 0 seconds, with the shared-prefix or sessions workload")
+    if args.chunked_prefill is not None and args.chunked_prefill < 1:
+        parser.error("--chunked-prefill takes N >= 1 prompt tokens a step")
     if args.prefix_fleet != "default" and args.workload == "uniform":
         parser.error("--prefix-fleet goes with the shared-prefix or sessions workload")
     if args.replicas == 1 or args.replicas < 0 or (args.replicas and args.workload != "uniform"):
@@ -462,6 +474,9 @@ def main() -> int:
     ports = {k: free_port() for k in [*names, *(n + "-kv" for n in names), "priced", "least", "vr", "a1", "a2",
                                       "blind", "a3", "vrc", "workers", "a4"]}  # fmt: skip
     engines = fleet(ports, caching=shared, kind=args.prefix_fleet)
+    if args.chunked_prefill is not None:
+        for e in engines:
+            e["sim"]["max_num_batched_tokens"] = args.chunked_prefill
     producer_engines = [e for e in engines if e["roles"] == ["prefill"]]
     consumer_engines = [e for e in engines if e["roles"] == ["decode"]]
     (tmp / "sim.json").write_text(json.dumps({"engines": engines}))
@@ -628,7 +643,8 @@ def main() -> int:
         + (f", {args.turns} turns" if args.workload == "sessions" else ", tails uniform:50:250")
     )
     report: dict[str, Any] = {"slo": slo_ms, "fleet": {e["name"]: e["sim"] for e in engines}, "workload": args.workload,
-                              "prefix_fleet": args.prefix_fleet if shared else None, "prompt": prompt, "output": OUTPUT,
+                              "prefix_fleet": args.prefix_fleet if shared else None,
+                              "chunked_prefill": args.chunked_prefill, "prompt": prompt, "output": OUTPUT,
                               "requests_per_point": args.requests, "warmup_s": args.warmup_s,
                               "machine": {"cpus": os.cpu_count(), "load_average_1m": [load_before, os.getloadavg()[0]]},
                               "routers": {}}  # fmt: skip
