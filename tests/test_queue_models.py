@@ -13,6 +13,7 @@ import trio
 from narwhal.errors import Refused
 from narwhal.router.admin import AdminApp
 from narwhal.router.batching import DIFFER, MIN_EVIDENCE, WINDOW, QueueModels
+from narwhal.router.pricing import ARRIVALS
 
 from .routerkit import engine, fleet_doc, open_stack
 from .test_pricing_rules import PREFILL, Clock, priced, profile, ttft
@@ -112,7 +113,10 @@ def test_the_batched_queue_is_the_step_in_progress_then_the_waiting_prompts_beyo
     clock.now = 100.05
     serial, batched = pl.queues_s("p0")
     assert serial == pytest.approx(ttft(1000) + ttft(500) + ttft(200) - 0.05)
-    assert batched == pytest.approx(ttft(1000) - 0.05 + share(500) + share(200))
+    # ... and the prompts expected to join before the step in progress ends (0.06 s from
+    # now): the placements' parts beyond the fixed cost came at this rate.
+    joining = (share(1000) + share(500) + share(200)) / 0.05
+    assert batched == pytest.approx(ttft(1000) - 0.05 + share(500) + share(200) + 0.06 * joining)
     assert pl.quote_producer("p0", 300).predicted_s == pytest.approx(serial + ttft(300))  # not learned yet
     learn(pl.queue_models, "p0", batched=True)
     assert pl.quote_producer("p0", 300).predicted_s == pytest.approx(batched + ttft(300))
@@ -120,15 +124,33 @@ def test_the_batched_queue_is_the_step_in_progress_then_the_waiting_prompts_beyo
     clock.now = 100.11
     first.release_prefill(done=True)
     clock.now = 100.12
-    assert pl.queues_s("p0")[1] == pytest.approx(FIXED + share(500) + share(200) - 0.01)
-    # A step overdue is predicted to end now, not in the past.
+    joining = (share(1000) + share(500) + share(200)) / 0.12
+    step = FIXED + share(500) + share(200) - 0.01
+    assert pl.queues_s("p0")[1] == pytest.approx(step + step * joining)
+    # A step overdue is predicted to end now, not in the past (and no prompt joins it).
     clock.now = 101.0
     assert pl.queues_s("p0")[1] == 0.0
 
 
-def test_a_finished_prefill_scores_both_predictions_made_when_it_was_placed() -> None:
+def test_the_prompts_expected_to_join_come_at_the_rate_of_the_latest_placements() -> None:
     clock = Clock()
     pl = priced(clock=clock, ttft_s=10.0)
+    for _ in range(2 * ARRIVALS):  # one every 5 ms, then a pause
+        pl.choose(100, 10).release_prefill(done=True)
+        clock.now += 0.005
+    clock.now += 0.005 * ARRIVALS  # the latest ARRIVALS came in half of the time since
+    pl.choose(1000, 10)  # a step of 0.11 s begins
+    clock.now += 0.01
+    # The latest ARRIVALS: the last ARRIVALS - 1 of the 100-token ones and this one.
+    oldest = 100.0 + 0.005 * (ARRIVALS + 1)
+    rate = ((ARRIVALS - 1) * share(100) + share(1000)) / (clock.now - oldest)
+    assert pl.queues_s("p0")[1] == pytest.approx((ttft(1000) - 0.01) * (1 + rate))
+
+
+def test_a_finished_prefill_scores_both_predictions_made_when_it_was_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    pl = priced(clock=clock, ttft_s=10.0)
+    monkeypatch.setattr(pl, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
 
     def place() -> list:
         reservations = [pl.choose(1000, 10)]
@@ -177,10 +199,11 @@ def test_a_producer_leaving_takes_its_queue_model_with_it() -> None:
 # ----------------------------------------------------------------- admission
 
 
-async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_elsewhere_or_is_refused() -> None:
+async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_elsewhere_or_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     profiles = {n: profile(n) for n in ("p0", "p1", "d0")}
     pl = priced(["p0", "p1"], ["d0"], profiles=profiles, clock=clock, ttft_s=0.5)
+    monkeypatch.setattr(pl, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
     learn(pl.queue_models, "p0", batched=True)
     learn(pl.queue_models, "p1", batched=True)
     pl.choose(2000, 10, avoid=frozenset({"p1"}))  # p0's step in progress: 0.21 s
@@ -206,9 +229,10 @@ async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_e
     assert pl.choose(500, 10, avoid=frozenset({"p1"})).producer == "p0"
 
 
-def test_the_prompts_a_newcomer_would_delay_are_those_waiting_for_its_step() -> None:
+def test_the_prompts_a_newcomer_would_delay_are_those_waiting_for_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     pl = priced(clock=clock, ttft_s=10.0)
+    monkeypatch.setattr(pl, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
     learn(pl.queue_models, "p0", batched=True)
     head = pl.choose(2000, 10)  # begins a step at 100.0
     pl.choose(100, 10)  # placed as it began: waits for the next step
@@ -281,11 +305,7 @@ async def test_the_router_learns_whether_a_simulated_producer_shares_its_steps(
         fleet = {e["name"]: e for e in AdminApp(stack.router.state, stack.router.metrics, stack.router.events).fleet()["engines"]}
         assert fleet["p0"]["prefill_queue"] == ("batched" if batched_tokens else "serial")
         assert "prefill_queue" not in fleet["d0"]  # a consumer
-        # The last ones of the bursts are predicted exactly either way (no later arrival
-        # joined their step).
-        for r in stack.records[-40:]:
-            [attempt] = r["attempts"]
-            assert attempt["predicted_ttft_s"] <= attempt["ttft_s"] + 1e-9
-        by_arrival = sorted(stack.records, key=lambda r: r["arrival"])
-        last = [r["attempts"][0] for i, r in enumerate(by_arrival) if i % 4 == 3][-MIN_EVIDENCE:]
-        assert [a["predicted_ttft_s"] for a in last] == pytest.approx([a["ttft_s"] for a in last], rel=1e-6)
+        # Predictions within 15 % at the median (a serial
+        # producer's exactly; a batching one's miss which prompts of a burst share a step).
+        errors = sorted(abs(r["attempts"][0]["predicted_ttft_s"] / r["ttft_s"] - 1) for r in stack.records[-40:])
+        assert errors[len(errors) // 2] <= (0.15 if batched_tokens else 1e-9)

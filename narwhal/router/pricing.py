@@ -125,6 +125,10 @@ ERROR_MIN: Final = 20
 #: profile that no longer describes the engine, not noise to admit on).
 LOW_FLOOR: Final = 0.5
 
+#: A producer's latest placements, over which the prompts expected to join its next
+#: step are reckoned (their rate and their parts beyond a step's fixed cost).
+ARRIVALS: Final = 16
+
 #: Starts copying a prefix to a producer: (producer, prefix token ids, model, predicted
 #: seconds of the copy's prefill); returns whether it started.
 Replicate = Callable[[str, Sequence[int], "str | None", float], bool]
@@ -198,6 +202,8 @@ class PricedPlacement(Placement):
         self._prefills: dict[str, dict[int, _Queued]] = {n: {} for n in self.loads}
         #: Which queue model prices each producer (:mod:`narwhal.router.batching`).
         self.queue_models = QueueModels()
+        #: Per producer, its latest placements: (when, part beyond a step's fixed cost).
+        self._arrivals: dict[str, collections.deque[tuple[float, float]]] = {}
         self._last_done: dict[str, float] = {}
         self._keys = itertools.count()
         self.unbound: dict[str, str] = {}
@@ -248,16 +254,20 @@ class PricedPlacement(Placement):
         together = name in self.queue_models.batched
         ahead = ((batched if together else serial) + own) * self.ttft_correction[name]
         predicted = elapsed_s + ahead
-        delays = self._delays(name, batched + own) if together else 0
+        delays = self._delays(name, own) if together else 0
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s), cached_tokens=cached_tokens,
                      own_s=own, low_s=elapsed_s + ahead * self.low_factor(name), elapsed_s=elapsed_s,
                      delays=delays)  # fmt: skip
 
-    def _delays(self, name: str, done_in_s: float) -> int:
+    def _delays(self, name: str, own_s: float) -> int:
         """How many of the prefills waiting on ``name`` for its next step would end past
-        their TTFT target if that step took a prompt that ends ``done_in_s`` from now
-        (raw seconds; they end with it)."""
-        done = self.clock() + done_in_s * self.ttft_correction[name]
+        their TTFT target if that step took a prompt of ``own_s`` seconds of prefill
+        (they end with it; the prompts expected to join later are checked when they come)."""
+        queued = self._prefills.get(name)
+        if not queued:
+            return 0
+        remaining, waiting = self._steps_s(name, queued)
+        done = self.clock() + (remaining + waiting + self.others_prefill_s(name) + own_s) * self.ttft_correction[name]
         return sum(1 for q in self._next_step(name) if done > q.latest_done)
 
     def _next_step(self, name: str) -> list[_Queued]:
@@ -325,7 +335,10 @@ class PricedPlacement(Placement):
         time so far; those placed since wait for the next step, which this prompt joins:
         each adds its part beyond the fixed cost, which this prompt's own prefill pays. A
         prefill placed on an idle producer begins a step alone: the rest of a burst
-        placed with it reaches the engine after that step began.
+        placed with it reaches the engine after that step began. The prompts expected to
+        join the next step before it begins add their parts too: the producer's placement
+        rate over its latest :data:`ARRIVALS` placements times the time left of the step
+        in progress, each their mean part beyond the fixed cost.
         Others' prefills count the same in both (their order is not known).
         """
         others = self.others_prefill_s(name)
@@ -333,12 +346,29 @@ class PricedPlacement(Placement):
         queued = self._prefills.get(name)
         if not queued:
             return serial, serial
-        fixed = max(self._ttft(self.profiles[name], 0), 0.0)
-        started = self._step_start(name, queued)
-        next_step = self._next_step(name)
-        waiting = sum(max(q.work - fixed, 0.0) for q in next_step)
+        remaining, waiting = self._steps_s(name, queued)
+        return serial, remaining + waiting + remaining * self._join_rate_s(name) + others
+
+    def _join_rate_s(self, name: str) -> float:
+        """Seconds of prefill (parts beyond the fixed cost) placed on ``name`` a second,
+        over its latest :data:`ARRIVALS` placements."""
+        recent = self._arrivals.get(name)
+        if not recent:
+            return 0.0
+        span = self.clock() - recent[0][0]
+        return sum(share for _, share in recent) / span if span > 0 else 0.0
+
+    def _steps_s(self, name: str, queued: Mapping[int, _Queued]) -> tuple[float, float]:
+        """The seconds left of ``name``'s step in progress, and the parts beyond the fixed
+        cost of the prefills waiting for its next step."""
+        fixed = self._fixed_s(name)
+        waiting = sum(max(q.work - fixed, 0.0) for q in self._next_step(name))
         in_step = fixed + sum(max(q.work - fixed, 0.0) for q in queued.values()) - waiting
-        return serial, max(in_step - (self.clock() - started), 0.0) + waiting + others
+        return max(in_step - (self.clock() - self._step_start(name, queued)), 0.0), waiting
+
+    def _fixed_s(self, name: str) -> float:
+        """What a prefill step of ``name`` costs whatever it computes: its TTFT curve at no tokens."""
+        return max(self._ttft(self.profiles[name], 0), 0.0)
 
     def others_prefill_s(self, name: str) -> float:
         """Predicted prefill seconds of the prompts others queued on ``name``."""
@@ -617,11 +647,20 @@ class PricedPlacement(Placement):
         """Reserve ``work`` predicted prefill seconds on ``producer``, behind its queue;
         ``latest_done``: when it must end to meet the TTFT target."""
         key = next(self._keys)
-        serial, batched = self.queues_s(producer) if producer in self.profiles else (0.0, 0.0)
+        serial, batched = (0.0, 0.0)
+        if producer in self.profiles:
+            serial, batched = self.queues_s(producer)
+            self._arrived(producer, work)
         self.prefill_work_s[producer] += work
         queued = _Queued(work, self.clock(), serial + work, batched + work, latest_done)
         self._prefills.setdefault(producer, {})[key] = queued
         return key
+
+    def _arrived(self, producer: str, work: float) -> None:
+        """A prefill of ``work`` seconds was placed on ``producer`` now (its part beyond
+        the fixed cost counts in the rate of prompts expected to join a step)."""
+        recent = self._arrivals.setdefault(producer, collections.deque(maxlen=ARRIVALS))
+        recent.append((self.clock(), max(work - self._fixed_s(producer), 0.0)))
 
     def _release_work(self, producer: str, work: float, key: int, done: bool = False) -> None:
         """``work`` reserved on ``producer`` ends: ``done``, its prefill completed now
@@ -696,7 +735,7 @@ class PricedPlacement(Placement):
     def remove_engine(self, name: str) -> None:
         super().remove_engine(name)
         for table in (self.ttft_correction, self.tpot_correction, self.prefill_work_s, self.profiles, self.unbound,
-                      self._prefills, self._last_done, self.ttft_ratios, self._observed_low):  # fmt: skip
+                      self._prefills, self._last_done, self.ttft_ratios, self._observed_low, self._arrivals):  # fmt: skip
             table.pop(name, None)
         self.queue_models.forget(name)
 
@@ -746,3 +785,4 @@ class _Queued:
     batched_s: float
     #: When it must end for its request to meet the TTFT target (inf: no target).
     latest_done: float
+
