@@ -152,6 +152,17 @@ async def first_token_at(client: httpx.AsyncClient, n: int, tag: str, delay: flo
     out[tag] = trio.current_time()
 
 
+async def first_tokens(client: httpx.AsyncClient, *arrivals: tuple[int, str, float]) -> dict[str, float]:
+    """When each prompt of (tokens, tag, delay) got its first token, in seconds from now."""
+    done: dict[str, float] = {}
+    t0 = trio.current_time()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for n, tag, delay in arrivals:
+                nursery.start_soon(first_token_at, client, n, tag, delay, done)
+    return {tag: at - t0 for tag, at in done.items()}
+
+
 @pytest.mark.parametrize("budget", [None, 2048])
 async def test_chunked_prefill_computes_the_queued_prompts_in_one_step(
     autojump_clock: trio.abc.Clock, budget: int | None
@@ -187,50 +198,35 @@ async def test_chunked_prefill_computes_the_queued_prompts_in_one_step(
 
 async def test_a_prompt_longer_than_the_budget_is_computed_in_chunks(autojump_clock: trio.abc.Clock) -> None:
     async with one_engine(max_num_batched_tokens=256) as (_, engine, client):
-        done: dict[str, float] = {}
-        t0 = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(first_token_at, client, 600, "long", 0.0, done)
-            # Arrives during the first chunk; the second takes the whole budget, so it
-            # shares the third with the long prompt's last 88 tokens.
-            nursery.start_soon(first_token_at, client, 50, "short", 0.001, done)
+        # The short one arrives during the first chunk; the second takes the whole budget,
+        # so it shares the third with the long prompt's last 88 tokens.
+        done = await first_tokens(client, (600, "long", 0.0), (50, "short", 0.001))
         a = PREFILL["a"]
         steps = [a + prefill_s(0, 256), a + prefill_s(256, 512), a + prefill_s(512, 600) + prefill_s(0, 50)]
-        assert done["long"] - t0 == pytest.approx(sum(steps), rel=0.01)
+        assert done["long"] == pytest.approx(sum(steps), rel=0.01)
         assert done["short"] == done["long"]
         assert engine.stats.prompt_tokens["local_compute"] == 650
 
 
 async def test_after_a_chunk_that_used_the_whole_budget_its_prompt_goes_first(autojump_clock: trio.abc.Clock) -> None:
     async with one_engine(max_num_batched_tokens=256) as (_, _engine, client):
-        done: dict[str, float] = {}
-        t0 = trio.current_time()
-        with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(first_token_at, client, 600, "long", 0.0, done)
-                nursery.start_soon(first_token_at, client, 300, "next", 0.001, done)
+        done = await first_tokens(client, (600, "long", 0.0), (300, "next", 0.001))
         a = PREFILL["a"]
         # The long prompt's second chunk takes the budget whole; its last 88 tokens head
         # the third step, which the next prompt's first 168 fill; its rest is a fourth.
         steps = [a + prefill_s(0, 256), a + prefill_s(256, 512), a + prefill_s(512, 600) + prefill_s(0, 168),
                  a + prefill_s(168, 300)]  # fmt: skip
-        assert done["long"] - t0 == pytest.approx(sum(steps[:3]), rel=1e-6)
-        assert done["next"] - t0 == pytest.approx(sum(steps), rel=1e-6)
+        assert done["long"] == pytest.approx(sum(steps[:3]), rel=1e-6)
+        assert done["next"] == pytest.approx(sum(steps), rel=1e-6)
 
 
 async def test_a_budget_with_one_token_left_takes_one_token_of_the_next_prompt(autojump_clock: trio.abc.Clock) -> None:
     async with one_engine(max_num_batched_tokens=256) as (_, _engine, client):
-        done: dict[str, float] = {}
-        t0 = trio.current_time()
-        with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(first_token_at, client, 100, "first", 0.0, done)
-                nursery.start_soon(first_token_at, client, 255, "most", 0.001, done)
-                nursery.start_soon(first_token_at, client, 50, "rest", 0.002, done)
+        done = await first_tokens(client, (100, "first", 0.0), (255, "most", 0.001), (50, "rest", 0.002))
         a = PREFILL["a"]
         steps = [a + prefill_s(0, 100), a + prefill_s(0, 255) + prefill_s(0, 1), a + prefill_s(1, 50)]
-        assert done["most"] - t0 == pytest.approx(sum(steps[:2]), rel=1e-6)
-        assert done["rest"] - t0 == pytest.approx(sum(steps), rel=1e-6)
+        assert done["most"] == pytest.approx(sum(steps[:2]), rel=1e-6)
+        assert done["rest"] == pytest.approx(sum(steps), rel=1e-6)
 
 
 async def test_a_prompt_aborted_in_a_shared_step_leaves_the_others_their_tokens(autojump_clock: trio.abc.Clock) -> None:
@@ -253,7 +249,7 @@ async def test_a_prompt_aborted_in_a_shared_step_leaves_the_others_their_tokens(
 async def test_a_chunked_prompt_pays_its_cached_prefix_once(autojump_clock: trio.abc.Clock) -> None:
     d = 5e-5
     async with one_engine(max_num_batched_tokens=256, prefix_caching=True, block_size=16,
-                          prefill={**PREFILL, "d": d}) as (_, engine, client):  # fmt: skip
+                          prefill={**PREFILL, "d": d}) as (_, _engine, client):  # fmt: skip
         head = prompt(512, "h")
         r = await client.post("/v1/completions", json={"prompt": head, "max_tokens": 1})
         assert r.status_code == 200
