@@ -147,6 +147,21 @@ def test_the_prompts_expected_to_join_come_at_the_rate_of_the_latest_placements(
     assert pl.queues_s("p0")[1] == pytest.approx((ttft(1000) - 0.01) * (1 + rate))
 
 
+def test_no_prompt_is_expected_to_join_without_placements_to_reckon_from() -> None:
+    clock = Clock()
+    pl = priced(clock=clock, ttft_s=10.0)
+    pl.choose(1000, 10)
+    pl.choose(100, 10)  # placed in the same instant: no time to reckon a rate over
+    assert pl.queues_s("p0")[1] == pytest.approx(ttft(1000) + share(100))
+    # A producer placed on while it was not priced (no profile bound) has no placements
+    # to reckon from once it is.
+    bare = priced(clock=clock, ttft_s=10.0)
+    p0 = bare.profiles.pop("p0")
+    bare.choose(1000, 10)  # the fallback: nothing priced, nothing reckoned
+    bare.profiles["p0"] = p0
+    assert bare.queues_s("p0")[1] == pytest.approx(FIXED)  # a step of its fixed cost alone
+
+
 def test_a_finished_prefill_scores_both_predictions_made_when_it_was_placed(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     pl = priced(clock=clock, ttft_s=10.0)
