@@ -240,11 +240,40 @@ def test_a_kv_limit_excludes_a_consumer_a_measured_capacity_only_ends_the_domain
     for source in ("physical", "tpot"):
         p = priced(profiles={"p0": profile("p0"), "d0": profile("d0", capacity=10_000, source=source)})
         assert p.quote_consumer("d0", 9000, 1001) is None
-        assert p.price(9000, 1001, frozenset()) is None
+        # No consumer with room is not "no consumer priced": the pair cannot be placed.
+        quotes = p.price(9000, 1001, frozenset())
+        assert quotes is not None and quotes[1].engine == "d0" and quotes[1].kv_over == 1
     measured = priced(profiles={"p0": profile("p0"),
                                 "d0": profile("d0", capacity=10_000, source="measured", kv_tokens=(100.0, 10_000.0))})
     q = measured.quote_consumer("d0", 9000, 1001)
     assert q is not None and q.out_of_domain
+
+
+async def test_without_kv_room_on_any_consumer_admission_refuses_or_waits_and_never_falls_back(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    profiles = {"p0": profile("p0"), "d0": profile("d0", capacity=10_000), "d1": profile("d1", capacity=12_000)}
+    pl = priced(["p0"], ["d0", "d1"], profiles=profiles, clock=trio.current_time)
+    held = [pl.choose(1000, 8000), pl.choose(1000, 9000)]  # 9,000 of d0's 10,000, 10,000 of d1's 12,000
+    assert sorted((r.consumer, r.kv_tokens) for r in held) == [("d0", 9000), ("d1", 10000)]
+    with pytest.raises(Refused) as refused:
+        await pl.acquire(1000, 2000)  # 3,000 tokens: 2,000 past d0's capacity, 1,000 past d1's
+    assert str(refused.value).endswith(
+        "no KV room on d1 (this request would pass its capacity by 1000 tokens)")  # fmt: skip
+    assert pl.counters["fallback"] == 0 and pl.counters["refused"] == 1
+    waiting = priced(["p0"], ["d0", "d1"], profiles=profiles, clock=trio.current_time, admission="wait")
+    held = [waiting.choose(1000, 8000), waiting.choose(1000, 9000)]
+    async with trio.open_nursery() as nursery:
+
+        async def release_later() -> None:
+            await trio.sleep(0.5)
+            held[1].release()  # d1 has room again
+
+        nursery.start_soon(release_later)
+        t0 = trio.current_time()
+        r = await waiting.acquire(1000, 2000, deadline=t0 + 10.0)
+        assert r.consumer == "d1" and trio.current_time() - t0 == pytest.approx(0.5)
+    assert waiting.counters["fallback"] == 0 and waiting.counters["waited"] == 1
 
 
 def test_a_prefill_only_profile_is_never_priced_as_a_consumer() -> None:

@@ -21,7 +21,10 @@ When the fleet names a profiles pair whose fits bind to the engines running now
   domain the fit is used as is; outside it the price is taken at the domain's edge and
   scaled up by how far the point lies beyond it (conservative), and counted;
 - the KV constraint: a consumer whose resident KV would pass its capacity is not a
-  candidate, when that capacity is a limit (``physical`` or ``tpot``); a ``measured``
+  candidate, when that capacity is a limit (``physical`` or ``tpot``); when no priced
+  consumer has room, admission refuses or waits as for a missed target (the refusal
+  names the consumer closest to room and by how many tokens), and the request is never
+  placed by the fallback below, which is for engines without a bound profile; a ``measured``
   capacity is only the largest KV the sweep saw, the edge of the decode domain, and
   beyond it the consumer is priced conservatively like any point outside the domain;
 - the handoff: the client's first token comes out of the consumer after the prefill,
@@ -156,6 +159,9 @@ class Quote:
     #: Requests queued on the producer that this one would make miss the TTFT target
     #: (a producer computing its queued prompts together: they share its next step).
     delays: int = 0
+    #: Tokens by which this request's KV would pass the consumer's capacity (a consumer
+    #: quote when no priced consumer has room: no TPOT is predicted then).
+    kv_over: int = 0
 
     @property
     def low(self) -> float:
@@ -391,10 +397,9 @@ class PricedPlacement(Placement):
         decode, capacity = profile.decode, profile.kv_capacity
         if decode is None or capacity is None:
             return None  # profiled for prefill only
-        load = self.loads[name]
         others = self.others_decode(name)
-        active = load.decode_requests + others + 1
-        kv = load.decode_kv_tokens + round(others * self.mean_kv_tokens) + prompt_tokens + max_tokens
+        active = self.loads[name].decode_requests + others + 1
+        kv = self._consumer_kv(name, prompt_tokens, max_tokens)
         if capacity.is_limit and kv > capacity.tokens:
             return None
         domain = decode.domain
@@ -415,6 +420,12 @@ class PricedPlacement(Placement):
         return Quote(name, predicted, self._headroom(predicted, self.slo.tpot_s), out_of_domain=not inside,
                      cached_tokens=cached_tokens)  # fmt: skip
 
+    def _consumer_kv(self, name: str, prompt_tokens: int, max_tokens: int) -> int:
+        """The KV tokens resident on consumer ``name`` with this request added (the
+        others' streams each with this router's mean reservation)."""
+        load = self.loads[name]
+        return load.decode_kv_tokens + round(self.others_decode(name) * self.mean_kv_tokens) + prompt_tokens + max_tokens
+
     # ----------------------------------------------------------------- choosing
 
     def _priced_candidates(self, names: Sequence[str], avoid: frozenset[str], model: str | None) -> list[str]:
@@ -434,6 +445,9 @@ class PricedPlacement(Placement):
         when no priced pair exists.
 
         ``cached`` says how many leading prompt tokens an engine holds (the prefix index).
+        When every priced consumer's KV capacity is a limit this request would pass, the
+        consumer quote is the one it would pass by least, with ``kv_over`` set (a pair
+        that cannot be placed: no room is not no price).
         """
         producers = self._priced_candidates(self.prefill_engines, avoid, model)
         consumers = self._priced_candidates(self.decode_engines, avoid, model)
@@ -448,7 +462,12 @@ class PricedPlacement(Placement):
             if (q := self.quote_consumer(n, prompt_tokens, max_tokens, cached(n) if cached else None)) is not None
         ]  # fmt: skip
         if not quotes:
-            return None
+            limited = [(self._consumer_kv(n, prompt_tokens, max_tokens) - capacity.tokens, n) for n in consumers
+                       if (capacity := self.profiles[n].kv_capacity) is not None and self.profiles[n].decode is not None]
+            if not limited:
+                return None  # profiled for prefill only: no consumer is priced
+            over, name = min(limited)
+            return p, Quote(name, math.inf, -math.inf, cached_tokens=cached(name) if cached else None, kv_over=over)
         return p, best_consumer(quotes)
 
     def choose(
@@ -486,7 +505,7 @@ class PricedPlacement(Placement):
         handoff = self.handoff_s.get(c.engine, 0.0)
         bound = p.predicted_s if self.admission_bound == "point" else p.low
         late = self.slo.ttft_s is not None and (bound + handoff > self.slo.ttft_s or p.delays > 0)
-        if late or (self.slo.tpot_s is not None and c.headroom < 0):
+        if late or c.kv_over > 0 or (self.slo.tpot_s is not None and c.headroom < 0):
             self.counters["refused"] += 1
             if late and prompt_ids is not None and cached is not None and self.replicate is not None:
                 warm = self.warming(prompt_tokens, prompt_ids, cached, model, handoff)
@@ -709,7 +728,7 @@ class PricedPlacement(Placement):
                         f"no placement meets the SLO: predicted TTFT "
                         f"{(miss.producer.predicted_s + handoff) * 1000:.1f} ms "
                         f"on {miss.producer.engine}{f' ({hit} prompt tokens cached there)' if hit else ''}, "
-                        f"TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}"
+                        f"{f'no KV room on {miss.consumer.engine} (this request would pass its capacity by {miss.consumer.kv_over} tokens)' if miss.consumer.kv_over else f'TPOT {miss.consumer.predicted_s * 1000:.1f} ms on {miss.consumer.engine}'}"
                         f"{f' (TTFT with {handoff * 1000:.1f} ms of handoff to it)' if handoff else ''}"
                         f"{f'; TTFT {(low + handoff) * 1000:.1f} ms at the low end of its prediction error' if self.admission_bound != 'point' and low < miss.producer.predicted_s else ''}"
                         f"{f'; it would make {miss.producer.delays} request(s) queued there miss the TTFT target (they share its next step)' if miss.producer.delays else ''}",
