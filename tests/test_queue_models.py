@@ -270,6 +270,13 @@ def test_the_prompts_a_newcomer_would_delay_are_those_waiting_for_its_step(monke
     pl.ttft_correction["p0"] = 0.5
     assert pl.quote_producer("p0", 300).delays == 0
     pl.ttft_correction["p0"] = 1.0
+    # Prompts other routers queued there run before the step ends too.
+    first.latest_done = clock.now + (pl.queues_s("p0")[1] + own)
+    assert pl.quote_producer("p0", 300).delays == 0
+    pl.mean_prompt_tokens = 100.0
+    pl.engine_reported("p0", 4, 0, 3)  # one request of another router's
+    assert pl.others_prefill_s("p0") > 0 and pl.quote_producer("p0", 300).delays == 1
+    pl.engine_reported("p0", 3, 0, 3)
     # The head's step ends at 100.2: the two waiting ones are the step in progress now.
     clock.now = 100.2
     head.release_prefill(done=True)
