@@ -256,11 +256,9 @@ class PricedPlacement(Placement):
     ) -> Quote:
         """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
         own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
-        serial, batched = self.queues_s(name)
-        together = name in self.queue_models.batched
-        ahead = ((batched if together else serial) + own) * self.ttft_correction[name]
+        ahead = (self.queue_s(name) + own) * self.ttft_correction[name]
         predicted = elapsed_s + ahead
-        delays = self._delays(name, own) if together else 0
+        delays = self._delays(name, own) if name in self.queue_models.batched else 0
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s), cached_tokens=cached_tokens,
                      own_s=own, low_s=elapsed_s + ahead * self.low_factor(name), elapsed_s=elapsed_s,
                      delays=delays)  # fmt: skip
@@ -272,9 +270,9 @@ class PricedPlacement(Placement):
         queued = self._prefills.get(name)
         if not queued:
             return 0
-        remaining, waiting = self._steps_s(name, queued)
+        remaining, waiting, next_step = self._steps_s(name, queued)
         done = self.clock() + (remaining + waiting + self.others_prefill_s(name) + own_s) * self.ttft_correction[name]
-        return sum(1 for q in self._next_step(name) if done > q.latest_done)
+        return sum(1 for q in next_step if done > q.latest_done)
 
     def _next_step(self, name: str) -> list[_Queued]:
         """The prefills reserved on ``name`` that wait for its next step: placed since the
@@ -328,8 +326,7 @@ class PricedPlacement(Placement):
     def queue_s(self, name: str) -> float:
         """Predicted seconds before a prompt placed on ``name`` now is computed, beyond
         its own prefill, by the producer's queue model (:mod:`narwhal.router.batching`)."""
-        serial, batched = self.queues_s(name)
-        return batched if name in self.queue_models.batched else serial
+        return self._batched_s(name) if name in self.queue_models.batched else self._serial_s(name)
 
     def queues_s(self, name: str) -> tuple[float, float]:
         """The queue ahead of a prompt placed on ``name`` now, by both queue models.
@@ -347,13 +344,17 @@ class PricedPlacement(Placement):
         in progress, each their mean part beyond the fixed cost.
         Others' prefills count the same in both (their order is not known).
         """
-        others = self.others_prefill_s(name)
-        serial = self.prefill_work_s[name] - self.head_done_s(name) + others
+        return self._serial_s(name), self._batched_s(name)
+
+    def _serial_s(self, name: str) -> float:
+        return self.prefill_work_s[name] - self.head_done_s(name) + self.others_prefill_s(name)
+
+    def _batched_s(self, name: str) -> float:
         queued = self._prefills.get(name)
         if not queued:
-            return serial, serial
-        remaining, waiting = self._steps_s(name, queued)
-        return serial, remaining + waiting + remaining * self._join_rate_s(name) + others
+            return self._serial_s(name)
+        remaining, waiting, _ = self._steps_s(name, queued)
+        return remaining + waiting + remaining * self._join_rate_s(name) + self.others_prefill_s(name)
 
     def _join_rate_s(self, name: str) -> float:
         """Seconds of prefill (parts beyond the fixed cost) placed on ``name`` a second,
@@ -364,13 +365,14 @@ class PricedPlacement(Placement):
         span = self.clock() - recent[0][0]
         return sum(share for _, share in recent) / span if span > 0 else 0.0
 
-    def _steps_s(self, name: str, queued: Mapping[int, _Queued]) -> tuple[float, float]:
-        """The seconds left of ``name``'s step in progress, and the parts beyond the fixed
-        cost of the prefills waiting for its next step."""
+    def _steps_s(self, name: str, queued: Mapping[int, _Queued]) -> tuple[float, float, list[_Queued]]:
+        """The seconds left of ``name``'s step in progress, the parts beyond the fixed
+        cost of the prefills waiting for its next step, and those prefills."""
         fixed = self._fixed_s(name)
-        waiting = sum(max(q.work - fixed, 0.0) for q in self._next_step(name))
+        next_step = self._next_step(name)
+        waiting = sum(max(q.work - fixed, 0.0) for q in next_step)
         in_step = fixed + sum(max(q.work - fixed, 0.0) for q in queued.values()) - waiting
-        return max(in_step - (self.clock() - self._step_start(name, queued)), 0.0), waiting
+        return max(in_step - (self.clock() - self._step_start(name, queued)), 0.0), waiting, next_step
 
     def _fixed_s(self, name: str) -> float:
         """What a prefill step of ``name`` costs whatever it computes: its TTFT curve at no tokens."""
