@@ -734,7 +734,7 @@ async def test_a_seed_gives_the_same_prompts(autojump_clock: trio.abc.Clock, tmp
         await profile(config, tiny(tmp_path / out), wrap)
     # The same prompts (a cohort's streams start together, in no set order).
     first, second = (sorted(map(json.dumps, p.prompts)) for p in made)
-    assert first == second and len(first) == 24
+    assert first == second and len(first) == 12 + 3 * 4 + 12  # prefills, bursts, streams
 
 
 class _PromptsByEngine(Wrapper):
@@ -767,7 +767,7 @@ async def test_an_engines_prompts_are_those_of_its_recorded_seed(
     _, one, _ = await profile(fleet(engine("e1", 8102)), tiny(tmp_path / "one", seed=12), wrap)
     assert two["engines"]["e1"]["sweep"]["seed"] == one["engines"]["e1"]["sweep"]["seed"] == 13
     first, second = (sorted(m.prompts["e1.test"]) for m in made)
-    assert first == second and len(first) == 24
+    assert first == second and len(first) == 12 + 3 * 4 + 12  # prefills, bursts, streams
     assert sorted(made[0].prompts["e0.test"]) != first
 
 
@@ -867,8 +867,9 @@ async def test_prompts_are_sized_by_the_engines_tokens_per_word(
     _, doc, _ = await profile(fleet(engine("e0", 8101)), tiny(tmp_path), wrap)
     e0 = doc["engines"]["e0"]
     assert e0["engine"]["tokens_per_word"] == pytest.approx(0.5, abs=0.01)
-    # One /tokenize for the probe, then one per prompt: none sized wrong and tried again.
-    assert made[0].calls == 1 + 12 + 12
+    # One /tokenize for the probe, then one per prompt (12 prefills, 3 bursts of 4, 12
+    # decode streams): none sized wrong and tried again.
+    assert made[0].calls == 1 + 12 + 3 * 4 + 12
 
 
 class _HangLastIdentity(Wrapper):

@@ -87,9 +87,10 @@ async def test_prompts_are_exact_unique_and_tokenized_first(
     config = fleet(engine("e0", 8101, prefix_caching=True))
     async with open_sim_fleet(config) as sim:
         recording = Recording(sim.transport)
-        s = settings(  # the plain sweeps only (the cached-prefix sweep has its own tests)
+        s = settings(  # the plain sweeps only (the cached-prefix sweep and the burst probe
+            # have their own tests)
             tmp_path, warmup=2, decode_concurrency=(1, 2), decode_input_lens=(64, 256, 512),
-            prefix_fractions=(),
+            prefix_fractions=(), queue_burst=0,
         )
         run, out = await profile(config, recording, s)
         engine_stats = sim.engines["e0"].stats

@@ -83,6 +83,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     # The load-level comparisons (hundreds of requests each, half a minute a run) prove
     # that pricing pays off; the rules themselves are held by the quick tests.
     "narwhal/router/batching.py": ("tests/test_queue_models.py",),
+    # How a producer queues prompts: the probe against simulated engines in virtual
+    # time, the verdict's rule, and the sidecar's record as check and refit read it.
+    "narwhal/profile/burst.py": ("tests/test_profile_burst.py",),
+    "narwhal/profile/derive.py": ("tests/test_profile_derive.py", "tests/test_profile_burst.py"),
     "narwhal/router/pricing.py": (
         "tests/test_pricing_rules.py", "tests/test_priced_placement.py", "tests/test_prefix_placement.py",
         "tests/test_prefix_replication.py", "tests/test_reactive.py", "tests/test_queue_models.py",

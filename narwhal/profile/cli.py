@@ -112,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="cached-prefix sweep on engines reporting prefix caching: the cached "
                         "share of each prefill length, rounded down to whole blocks (default "
                         "0.25,0.5,0.875; 'none' skips the sweep)")  # fmt: skip
+    p.add_argument("--queue-burst", type=int, default=4, metavar="N",
+                   help="prompts sent at once, --repeats times, to each prefilling engine to "
+                        "tell whether it computes its waiting prompts together (chunked "
+                        "prefill) or one at a time, which placement prices differently "
+                        "(default 4; 0 skips the probe: the router then learns it from its "
+                        "requests)")  # fmt: skip
     p.add_argument("--quiet", "--no-progress", action="store_true", help="no progress output")
     p.add_argument("--plot", action="store_true",
                    help="also write PNGs of the fits beside the pair (needs the [plot] extra)")  # fmt: skip
@@ -198,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 seed=args.seed,
                 accept_rejected_cells=args.accept_rejected_cells,
                 prefix_fractions=args.prefix_fractions,
+                queue_burst=args.queue_burst,
             )
         except ValueError as exc:
             raise _UsageError(str(exc)) from None

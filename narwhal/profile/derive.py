@@ -35,6 +35,7 @@ import attrs
 from narwhal.config import converter, parse_as
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
+from narwhal.profile.burst import queue_verdict
 from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
     DEFAULT_MAX_WORST_ERROR,
@@ -65,6 +66,7 @@ from narwhal.profile.store import (
     DecodeModel,
     EngineProfile,
     KVCapacity,
+    QueueKind,
     TTFTCurve,
     Uncertainty,
 )
@@ -81,6 +83,7 @@ __all__ = [
     "derive_profile",
     "derive_ttft",
     "kv_capacity",
+    "prefill_queue",
     "prefill_repeats",
     "prefix_repeats",
     "profile_differences",
@@ -118,6 +121,37 @@ def prefill_repeats(entry: Mapping[str, Any], where: str) -> list[tuple[int, flo
             raise _bad("expected {length: int, ttft_s: number > 0}", f"{path}[{i}]")
         out.append((length, float(seconds)))
     return out
+
+
+def prefill_queue(entry: Mapping[str, Any], where: str, curve: TTFTCurve) -> QueueKind | None:
+    """How the engine queues prompts, from its recorded bursts (``prefill_queue``) and
+    its TTFT curve (:mod:`narwhal.profile.burst`); None when no burst probe ran (the
+    record absent or skipped).
+
+    Raises:
+        ConfigError: a malformed record (the message names its JSON path).
+    """
+    record = entry.get("prefill_queue")
+    path = f"{where}.prefill_queue"
+    if record is None or (isinstance(record, Mapping) and "skipped" in record):
+        return None
+    if not isinstance(record, Mapping):
+        raise _bad("expected the burst probe's record", path)
+    length = record.get("length")
+    if type(length) is not int or length <= 0:
+        raise _bad("expected an integer > 0", f"{path}.length")
+    bursts = record.get("bursts")
+    if not isinstance(bursts, list):
+        raise _bad("expected a list of bursts", f"{path}.bursts")
+    for i, times in enumerate(bursts):
+        if (not isinstance(times, list) or any(_number(t) is None or not t >= 0 for t in times)
+                or times != sorted(times)):  # fmt: skip
+            raise _bad("expected the answers' times in seconds (numbers >= 0, in order)",
+                       f"{path}.bursts[{i}]")  # fmt: skip
+    try:
+        return queue_verdict(bursts, curve.predict(length))
+    except ValueError as exc:
+        raise _bad(str(exc), f"{path}.bursts") from None
 
 
 def prefix_repeats(entry: Mapping[str, Any], where: str) -> tuple[int, list[tuple[int, int, float]]] | None:
@@ -374,9 +408,11 @@ def derive_profile(entry: Mapping[str, Any], name: str) -> EngineProfile:
     except ValueError as exc:
         raise _bad(str(exc), f"{where}.prefill.repeats") from None
     cached = _accepted_cached(entry, where, plain)
+    curve = ttft_curve(ttft)
+    queue = prefill_queue(entry, where, curve)
     if "decode" not in roles:
-        return EngineProfile(name=name, identity=identity, ttft=ttft_curve(ttft), roles=tuple(roles),
-                             cached_prefill=cached)  # fmt: skip
+        return EngineProfile(name=name, identity=identity, ttft=curve, roles=tuple(roles),
+                             cached_prefill=cached, prefill_queue=queue)  # fmt: skip
     try:
         decode = derive_decode(decode_cells(entry, where))
     except ValueError as exc:
@@ -387,9 +423,9 @@ def derive_profile(entry: Mapping[str, Any], name: str) -> EngineProfile:
     target = _number(inputs.get("tpot_target_s")) if isinstance(inputs, Mapping) else None
     capacity = kv_capacity(physical if type(physical) is int else None, decode.fit,
                            measured_kv_max=decode.kv_max, tpot_target_s=target)  # fmt: skip
-    return EngineProfile(name=name, identity=identity, ttft=ttft_curve(ttft),
+    return EngineProfile(name=name, identity=identity, ttft=curve,
                          decode=decode_model(decode), kv_capacity=capacity,
-                         roles=tuple(roles), cached_prefill=cached)  # fmt: skip
+                         roles=tuple(roles), cached_prefill=cached, prefill_queue=queue)  # fmt: skip
 
 
 def _close(a: Any, b: Any) -> bool:

@@ -20,7 +20,7 @@ import attrs
 from narwhal.config import FleetConfig, converter, parse_as
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
-from narwhal.profile.derive import derive_ttft, prefill_repeats, ttft_curve
+from narwhal.profile.derive import derive_ttft, prefill_queue, prefill_repeats, ttft_curve
 from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
     DEFAULT_MAX_WORST_ERROR,
@@ -40,6 +40,8 @@ from narwhal.profile.store import (
     SAMPLES_KIND,
     SCHEMA_VERSION,
     EngineProfile,
+    QueueKind,
+    TTFTCurve,
     file_sha256,
     pair_paths,
     read_json,
@@ -59,6 +61,13 @@ def _refuse(message: str, source: str, path: str) -> ConfigError:
 def _repeats(entry: Mapping[str, Any], name: str, source: str) -> list[tuple[int, float]]:
     try:
         return prefill_repeats(entry, f"$.engines.{name}")
+    except ConfigError as exc:
+        raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path) from None
+
+
+def _queue(entry: Mapping[str, Any], name: str, curve: TTFTCurve, source: str) -> QueueKind | None:
+    try:
+        return prefill_queue(entry, f"$.engines.{name}", curve)
     except ConfigError as exc:
         raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path) from None
 
@@ -178,7 +187,10 @@ def refit_pair(
             outcomes.append(EngineOutcome(e.name, "rejected", entry["reason"]))
             progress.warn(e.name, entry["reason"])
             continue
-        profile = attrs.evolve(snapshots[e.name], ttft=ttft_curve(derived))
+        # The burst probe's verdict is read against the curve: derived again with it.
+        curve = ttft_curve(derived)
+        queue = _queue(entry, e.name, curve, source)
+        profile = attrs.evolve(snapshots[e.name], ttft=curve, prefill_queue=queue)
         entry.update(status="ok", reason=None, profile=converter.unstructure(profile))
         outcomes.append(EngineOutcome(e.name, "ok", None, profile))
         progress.line(e.name, f"refitted TTFT = {fit.a:.4g} + {fit.b:.4g}*L + {fit.c:.4g}*L^2 s "

@@ -30,6 +30,7 @@ from narwhal import __version__
 from narwhal.config import EngineConfig, FleetConfig, ProfilesConfig, converter
 from narwhal.engines.client import EngineClient
 from narwhal.errors import ConfigError, EngineError
+from narwhal.profile.burst import burst_probe, median_gap, queue_verdict
 from narwhal.profile.cohort import StreamLimits
 from narwhal.profile.derive import (
     decode_cells,
@@ -40,6 +41,7 @@ from narwhal.profile.derive import (
     kv_capacity,
     prefill_repeats,
     prefix_repeats,
+    ttft_curve,
 )
 from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
@@ -53,6 +55,7 @@ from narwhal.profile.store import (
     EngineProfile,
     Profiles,
     SamplesRef,
+    TTFTCurve,
     file_sha256,
     load_profiles,
     pair_paths,
@@ -104,6 +107,11 @@ def _fractions(_inst: Any, _attr: attrs.Attribute[Any], value: tuple[float, ...]
         raise ValueError("prefix-fractions values must lie strictly between 0 and 1")
 
 
+def _burst(_inst: Any, _attr: attrs.Attribute[Any], value: int) -> None:
+    if value == 1 or value < 0:
+        raise ValueError("queue-burst must be 0 (no burst probe) or at least 2")
+
+
 def _at_least(floor: int) -> Any:
     return lambda _inst, attr, value: _check_at_least(value, floor, attr)  # pragma: no mutate (unreachable: runs at class definition, before a mutant is active; the check is tested)
 
@@ -136,6 +144,9 @@ class ProfileSettings:
         prefix_fractions: the cached-prefix sweep's cached share of each prefill length
             (rounded down to whole blocks), on engines that report prefix caching; empty
             skips that sweep.
+        queue_burst: prompts sent at once in each of ``repeats`` bursts to a prefilling
+            engine, to tell whether it computes its waiting prompts together
+            (:mod:`narwhal.profile.burst`); 0 skips the probe.
     """
 
     prefill_lens: tuple[int, ...] = attrs.field(
@@ -160,6 +171,7 @@ class ProfileSettings:
     accept_rejected_cells: bool = False
     prefix_fractions: tuple[float, ...] = attrs.field(default=(0.25, 0.5, 0.875), converter=tuple,
                                                       validator=_fractions)
+    queue_burst: int = attrs.field(default=4, validator=_burst)
 
 
 @attrs.frozen
@@ -343,6 +355,7 @@ class _EngineRun:
                                  f"worst {tfit.worst_error:.1%}; leave-one-length-out mean "
                                  f"{tfit.loo_mean_error:.1%}, worst {tfit.loo_worst_error:.1%})")  # fmt: skip
 
+        await self._queue(ttft_curve(ttft), prompt)
         await self._prefix(facts, prompt)
 
         if "decode" in self.roles:
@@ -366,6 +379,31 @@ class _EngineRun:
             raise SweepRejected(f"the samples give no profile: {exc}") from None
         record["profile"] = converter.unstructure(profile)
         return profile
+
+    async def _queue(self, curve: TTFTCurve, prompt: PromptFactory) -> None:
+        """The burst probe (:mod:`narwhal.profile.burst`) at the shortest swept length,
+        on an engine that prefills."""
+        client, settings, record, name = self.client, self.settings, self.record, self.client.name
+        if "prefill" not in self.roles:
+            skipped = "the engine's roles do not include prefill"
+        elif settings.queue_burst == 0:
+            skipped = "no --queue-burst"
+        else:
+            length = curve.min_length
+            queue: dict[str, Any] = {}
+            record["prefill_queue"] = queue
+            await burst_probe(client, length, queue, prompts=settings.queue_burst,
+                              bursts=settings.repeats, prompt=prompt,
+                              timeout_s=self.config.engine.request_timeout_s,
+                              progress=self.progress)  # fmt: skip
+            gap, one = median_gap(queue["bursts"]), curve.predict(length)
+            verdict = queue_verdict(queue["bursts"], one)
+            self.progress.line(name, f"prefill queue: {verdict} (answers of {settings.queue_burst} "
+                                     f"{length}-token prompts sent at once came a median "
+                                     f"{gap * 1e3:.2f} ms apart; one prefill takes "
+                                     f"{one * 1e3:.2f} ms)")  # fmt: skip
+            return
+        record["prefill_queue"] = {"skipped": skipped}
 
     def _prefix_cells(self, facts: EngineFacts) -> tuple[int, list[tuple[int, int]]] | str:
         """The block size and the ``(length, cached)`` cells of the cached-prefix sweep,

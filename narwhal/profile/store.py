@@ -43,6 +43,7 @@ __all__ = [
     "EngineProfile",
     "KVCapacity",
     "Profiles",
+    "QueueKind",
     "SamplesRef",
     "TTFTCurve",
     "Uncertainty",
@@ -52,6 +53,10 @@ __all__ = [
     "read_json",
     "write_json",
 ]
+
+#: How a producer queues prompts (:mod:`narwhal.profile.burst`): one whole prompt a
+#: step, or the waiting ones together in its next step.
+QueueKind = Literal["batched", "serial"]
 
 SCHEMA_VERSION: Final = 1
 PROFILES_KIND: Final = "narwhal.profiles"
@@ -285,6 +290,11 @@ class EngineProfile:
     ``cached_prefill`` is the cached-prefix model of an engine with prefix caching whose
     cached-prefix sweep was accepted (None otherwise: placement then prices a hit from
     the TTFT curve alone).
+
+    ``prefill_queue`` says how the engine queues prompts, as the burst probe measured it
+    (:mod:`narwhal.profile.burst`): ``batched`` (the waiting prompts share its next step)
+    or ``serial`` (one whole prompt a step); None where the probe did not run (placement
+    then learns it from its own requests).
     """
 
     name: str
@@ -294,6 +304,7 @@ class EngineProfile:
     kv_capacity: KVCapacity | None = None
     roles: tuple[str, ...] = ("prefill", "decode")
     cached_prefill: CachedPrefill | None = None
+    prefill_queue: QueueKind | None = None
 
     def predict_ttft(self, length: float) -> float:
         """Predicted TTFT in seconds for a ``length``-token prompt."""

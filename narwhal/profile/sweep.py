@@ -39,6 +39,7 @@ __all__ = [
     "bounded",
     "cell_summary",
     "decode_sweep",
+    "measure_prefill",
     "plan_cells",
     "plan_prefix_cells",
     "prefill_sweep",
@@ -221,9 +222,16 @@ class PromptFactory:
         )
 
 
-async def _measure_prefill(
+async def measure_prefill(
     client: EngineClient, ids: list[int], timeout_s: float
 ) -> dict[str, Any]:
+    """One prefill of exactly the prompt ``ids``: its TTFT and when it was sent.
+
+    Raises:
+        EngineTimeout: no answer within ``timeout_s``.
+        EngineError: the request failed.
+        SweepRejected: the engine processed another number of prompt tokens.
+    """
     with trio.move_on_after(timeout_s) as scope:
         result = await client.prefill({"prompt": ids, "temperature": 0.0}, transfer=False)
     if scope.cancelled_caught:
@@ -284,13 +292,13 @@ async def prefill_sweep(
     for n in effective:  # warm every shape first; these are not recorded as samples
         for _ in range(warmup):
             progress.status(name, f"prefill: warming up at {n} tokens")
-            record["warmup"].append(await _measure_prefill(client, await prompt(n), timeout_s))
+            record["warmup"].append(await measure_prefill(client, await prompt(n), timeout_s))
     medians: dict[int, float] = {}
     for n in effective:
         times = []
         for r in range(repeats):
             progress.status(name, f"prefill: {n} tokens, repeat {r + 1}/{repeats}")
-            sample = await _measure_prefill(client, await prompt(n), timeout_s)
+            sample = await measure_prefill(client, await prompt(n), timeout_s)
             record["repeats"].append(sample | {"repeat": r})
             times.append(sample["ttft_s"])
         medians[n] = float(statistics.median(times))
@@ -370,8 +378,8 @@ async def prefix_sweep(
                                   f"repeat {r + 1}/{repeats}")  # fmt: skip
             for _attempt in range(_PREFIX_TRIES):
                 ids = await prompt(n)
-                record["warm"].append(await _measure_prefill(client, ids[:k], timeout_s))
-                sample = await _measure_prefill(client, ids, timeout_s) | {"cached": k, "repeat": r}
+                record["warm"].append(await measure_prefill(client, ids[:k], timeout_s))
+                sample = await measure_prefill(client, ids, timeout_s) | {"cached": k, "repeat": r}
                 reported = sample["reported_cached"]
                 if reported is None or reported == k:
                     break

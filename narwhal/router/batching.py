@@ -9,15 +9,19 @@ engine's queue is over-predicted by a fixed cost for every prompt ahead, and adm
 refuses requests that would have met the target; priced the second way, a serial
 engine's queue is under-predicted, and admission lets through requests that will be late.
 
-No profile measures which of the two an engine does (both look alike to a prompt alone),
-so the router learns it from its own requests: each reserved prefill carries the
-duration both queue models predicted for it when it was placed, and when its prefill
-ends the :class:`QueueModels` of its producer scores the two against the duration
-observed. Only placements where the two predictions differ (by :data:`DIFFER` or more
-of the larger) tell them apart; once a producer has :data:`MIN_EVIDENCE` of those among
-its latest :data:`WINDOW`, it is priced by the model whose relative errors sum lower
-there. Until then it is priced serially, the conservative reading (it never
-under-predicts a serial engine's queue).
+A prompt alone looks alike on both, so the profile measures which of the two an engine
+does with bursts of prompts sent at once (:mod:`narwhal.profile.burst`), and a producer
+is priced as its bound profile says from its first request (:meth:`QueueModels.prior`).
+The router also learns it from its own requests, which decides for a profile without
+the probe and corrects a profile the engine no longer matches: each reserved prefill
+carries the duration both queue models predicted for it when it was placed, and when
+its prefill ends the :class:`QueueModels` of its producer scores the two against the
+duration observed. Only placements where the two predictions differ (by :data:`DIFFER`
+or more of the larger) tell them apart; once a producer has :data:`MIN_EVIDENCE` of
+those among its latest :data:`WINDOW`, it is priced by the model whose relative errors
+sum lower there. Until then it is priced as its profile says, and serially where the
+profile does not say, the conservative reading (it never under-predicts a serial
+engine's queue).
 """
 
 from __future__ import annotations
@@ -67,6 +71,17 @@ class QueueModels:
                 self.batched.discard(producer)
                 log.info("producer %s computes its queued prompts one at a time: its queue is "
                          "priced prompt by prompt", producer)  # fmt: skip
+
+    def prior(self, producer: str, queue: str | None) -> None:
+        """A profile newly bound to ``producer`` says how it queues (``batched``,
+        ``serial``, or None where its profile does not say): priced so until its own
+        requests say otherwise. What the requests said of the engine before is dropped
+        (a new profile is a new engine generation, or a new measurement of it)."""
+        self._evidence.pop(producer, None)
+        if queue == "batched":
+            self.batched.add(producer)
+        else:
+            self.batched.discard(producer)
 
     def forget(self, producer: str) -> None:
         """``producer`` left the fleet (or restarted as something else)."""

@@ -208,6 +208,8 @@ class PricedPlacement(Placement):
         self._prefills: dict[str, dict[int, _Queued]] = {n: {} for n in self.loads}
         #: Which queue model prices each producer (:mod:`narwhal.router.batching`).
         self.queue_models = QueueModels()
+        for name, profile in self.profiles.items():
+            self.queue_models.prior(name, profile.prefill_queue)
         #: Per producer, its latest placements: (when, part beyond a step's fixed cost).
         self._arrivals: dict[str, collections.deque[tuple[float, float]]] = {}
         self._last_done: dict[str, float] = {}
@@ -740,6 +742,14 @@ class PricedPlacement(Placement):
                     self.counters["waited"] += 1
                 with trio.move_on_at(slo_deadline):
                     await self._capacity.wait()
+
+    def bind(self, name: str, profile: EngineProfile) -> None:
+        """Price engine ``name`` by ``profile`` (bound to the generation running now).
+        A profile other than the one bound before says anew how the engine queues."""
+        if self.profiles.get(name) != profile:
+            self.queue_models.prior(name, profile.prefill_queue)
+        self.profiles[name] = profile
+        self.unbound.pop(name, None)
 
     def set_roles(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         """Reactive control assigns the active roles of engines that permit both; a fleet

@@ -443,8 +443,7 @@ class RouterState:
                     "re-profile or refit"
                 )
                 return
-            placement.profiles[name] = profile
-            placement.unbound.pop(name, None)
+            placement.bind(name, profile)
 
         async with trio.open_nursery() as nursery:
             for name in names if names is not None else list(self.engines):

@@ -302,6 +302,13 @@ def rig(pair: RealPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ri
             assert wait_for(lambda name=name: rig.follows(name), FOLLOW_S), router.log()[-3000:]
         unbound = router.admin_metrics().samples.get("narwhal_profile_unbound", ())
         assert all(s.value == 0 for s in unbound), router.log()[-3000:]
+        # vLLM V1 schedules the waiting prompts into its next step (chunked prefill):
+        # the profile's burst probe says so for both engines, and the router prices
+        # their queues so from its first request (docs/prefix-cache.md).
+        profiles = json.loads(Path(doc["profiles"]["path"]).read_text())["engines"]
+        assert {n: profiles[n].get("prefill_queue") for n in ENGINES} == dict.fromkeys(ENGINES, "batched")
+        fleet = httpx.get(f"{router.admin_url}/fleet", timeout=HTTP_TIMEOUT).json()["engines"]
+        assert {e["name"]: e.get("prefill_queue") for e in fleet} == dict.fromkeys(ENGINES, "batched")
         yield rig
     finally:
         rig.close()

@@ -188,6 +188,11 @@ def test_profile_writes_an_accepted_pair(
             # A prefill-only engine is not decode-profiled.
             assert profiles["engines"][name].get("decode") is None, report
             assert "skipped" in samples["engines"][name]["decode"], report
+        # vLLM V1 answers prompts sent together in the same step (chunked prefill): the
+        # burst probe says so for the producer; the decode-only consumer is not probed.
+        assert profiles["engines"]["producer"]["prefill_queue"] == "batched", samples["engines"]["producer"]["prefill_queue"]
+        assert profiles["engines"]["consumer"].get("prefill_queue") is None, report
+        assert samples["engines"]["consumer"]["prefill_queue"] == {"skipped": "the engine's roles do not include prefill"}
         worst = _worst_decode_error(profiles)
         print(f"profile attempt {attempt}: accepted (exit 0), worst decode MAPE {worst:.3f}")
         print(report)
