@@ -385,25 +385,21 @@ class _EngineRun:
         on an engine that prefills."""
         client, settings, record, name = self.client, self.settings, self.record, self.client.name
         if "prefill" not in self.roles:
-            skipped = "the engine's roles do not include prefill"
-        elif settings.queue_burst == 0:
-            skipped = "no --queue-burst"
-        else:
-            length = curve.min_length
-            queue: dict[str, Any] = {}
-            record["prefill_queue"] = queue
-            await burst_probe(client, length, queue, prompts=settings.queue_burst,
-                              bursts=settings.repeats, prompt=prompt,
-                              timeout_s=self.config.engine.request_timeout_s,
-                              progress=self.progress)  # fmt: skip
-            gap, one = median_gap(queue["bursts"]), curve.predict(length)
-            verdict = queue_verdict(queue["bursts"], one)
-            self.progress.line(name, f"prefill queue: {verdict} (answers of {settings.queue_burst} "
-                                     f"{length}-token prompts sent at once came a median "
-                                     f"{gap * 1e3:.2f} ms apart; one prefill takes "
-                                     f"{one * 1e3:.2f} ms)")  # fmt: skip
+            record["prefill_queue"] = {"skipped": "the engine's roles do not include prefill"}
             return
-        record["prefill_queue"] = {"skipped": skipped}
+        if settings.queue_burst == 0:
+            record["prefill_queue"] = {"skipped": "no --queue-burst"}
+            return
+        length = curve.min_length
+        queue: dict[str, Any] = {}
+        record["prefill_queue"] = queue
+        await burst_probe(client, length, queue, prompts=settings.queue_burst, bursts=settings.repeats,
+                          prompt=prompt, timeout_s=self.config.engine.request_timeout_s,
+                          progress=self.progress)  # fmt: skip
+        gap, one = median_gap(queue["bursts"]), curve.predict(length)
+        self.progress.line(name, f"prefill queue: {queue_verdict(queue['bursts'], one)} (answers of "
+                                 f"{settings.queue_burst} {length}-token prompts sent at once came a "
+                                 f"median {gap * 1e3:.2f} ms apart; one prefill takes {one * 1e3:.2f} ms)")  # fmt: skip
 
     def _prefix_cells(self, facts: EngineFacts) -> tuple[int, list[tuple[int, int]]] | str:
         """The block size and the ``(length, cached)`` cells of the cached-prefix sweep,
