@@ -5,23 +5,27 @@ into placement."""
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
 
-from narwhal.errors import ConfigError
-from narwhal.profile.burst import BATCHED_GAP, median_gap, queue_verdict
+from narwhal.engines.client import EngineClient
+from narwhal.errors import ConfigError, EngineError
+from narwhal.profile.burst import BATCHED_GAP, burst_probe, median_gap, queue_verdict
 from narwhal.profile.derive import derive_profile, prefill_queue
+from narwhal.profile.progress import Progress
 from narwhal.profile.refit import refit_pair
 from narwhal.profile.store import load_profiles
-from narwhal.profile.sweep import CODE_TOKENS
+from narwhal.profile.sweep import CODE_TOKENS, PromptFactory
 from narwhal.testing import open_sim_fleet
-from tests.profilekit import PREFILL, Recording, engine, fleet, profile, samples, settings
+from tests.profilekit import PREFILL, Recording, Wrapper, engine, fleet, profile, samples, settings
 
 #: The simulated engines' TTFT at the sweep's shortest length (128 tokens).
 SHORTEST = 128
@@ -41,7 +45,7 @@ def test_verdict_reads_the_median_gap_against_one_prefill() -> None:
     assert queue_verdict([[0.0, BATCHED_GAP * 0.2 - 1e-9]], 0.2) == "batched"
     # A burst of one answer has no gap; with no gap at all there is no verdict.
     assert median_gap([[0.5], [0.0, 0.2]]) == pytest.approx(0.2)
-    with pytest.raises(ValueError, match="no burst has two answers"):
+    with pytest.raises(ValueError, match=r"^no burst has two answers$"):
         queue_verdict([[0.5], []], 0.1)
 
 
@@ -140,22 +144,20 @@ def batched_entry(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return trio.run(measure, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+TIMES = "expected the answers' times in seconds (numbers >= 0, in order)"
+
+
 @pytest.mark.parametrize(
     ("edit", "path", "message"),
     [
         (lambda r: r.update(length=0), "$.engines.e0.prefill_queue.length", "expected an integer > 0"),
         (lambda r: r.update(length="128"), "$.engines.e0.prefill_queue.length", "expected an integer > 0"),
         (lambda r: r.update(bursts={}), "$.engines.e0.prefill_queue.bursts", "expected a list of bursts"),
-        (lambda r: r["bursts"].__setitem__(1, [0.2, 0.1]), "$.engines.e0.prefill_queue.bursts[1]",
-         "in order"),
-        (lambda r: r["bursts"].__setitem__(2, [-0.1, 0.1]), "$.engines.e0.prefill_queue.bursts[2]",
-         "numbers >= 0"),
-        (lambda r: r["bursts"].__setitem__(0, [0.1, True]), "$.engines.e0.prefill_queue.bursts[0]",
-         "numbers >= 0"),
-        (lambda r: r["bursts"].__setitem__(0, "0.1"), "$.engines.e0.prefill_queue.bursts[0]",
-         "numbers >= 0"),
-        (lambda r: r["bursts"].__setitem__(0, [float("nan")]), "$.engines.e0.prefill_queue.bursts[0]",
-         "numbers >= 0"),
+        (lambda r: r["bursts"].__setitem__(1, [0.2, 0.1]), "$.engines.e0.prefill_queue.bursts[1]", TIMES),
+        (lambda r: r["bursts"].__setitem__(2, [-0.1, 0.1]), "$.engines.e0.prefill_queue.bursts[2]", TIMES),
+        (lambda r: r["bursts"].__setitem__(0, [0.1, True]), "$.engines.e0.prefill_queue.bursts[0]", TIMES),
+        (lambda r: r["bursts"].__setitem__(0, "0.1"), "$.engines.e0.prefill_queue.bursts[0]", TIMES),
+        (lambda r: r["bursts"].__setitem__(0, [float("nan")]), "$.engines.e0.prefill_queue.bursts[0]", TIMES),
         (lambda r: r.update(bursts=[[0.1]]), "$.engines.e0.prefill_queue.bursts", "no burst has two answers"),
     ],
     ids=["zero-length", "text-length", "bursts-not-a-list", "out-of-order", "negative", "bool", "text",
@@ -166,16 +168,23 @@ def test_a_malformed_record_names_its_path(
 ) -> None:
     entry = copy.deepcopy(batched_entry)
     edit(entry["prefill_queue"])
-    with pytest.raises(ConfigError, match=message) as caught:
+    with pytest.raises(ConfigError) as caught:
         derive_profile(entry, "e0")
-    assert caught.value.path == path
+    assert (caught.value.reason, caught.value.path) == (message, path)
+
+
+def test_the_smallest_valid_record(batched_entry: dict[str, Any]) -> None:
+    """A one-token length and an answer at the burst's first send are valid."""
+    entry = copy.deepcopy(batched_entry)
+    entry["prefill_queue"] |= {"length": 1, "bursts": [[0.0, 0.0]]}
+    assert derive_profile(entry, "e0").prefill_queue == "batched"
 
 
 def test_the_record_is_not_a_mapping(batched_entry: dict[str, Any]) -> None:
     entry = copy.deepcopy(batched_entry) | {"prefill_queue": [1, 2]}
-    with pytest.raises(ConfigError, match="expected the burst probe's record") as caught:
+    with pytest.raises(ConfigError) as caught:
         derive_profile(entry, "e0")
-    assert caught.value.path == "$.engines.e0.prefill_queue"
+    assert (caught.value.reason, caught.value.path) == ("expected the burst probe's record", "$.engines.e0.prefill_queue")
 
 
 def test_an_edited_burst_changes_the_derived_verdict(batched_entry: dict[str, Any]) -> None:
@@ -214,3 +223,38 @@ async def test_a_refit_derives_the_verdict_again(autojump_clock: trio.abc.Clock,
     with pytest.raises(ConfigError, match="expected a list of bursts for engine 'e0'") as caught:
         refit_pair(config, edited, tmp_path / "refit2.json")
     assert caught.value.path == "$.engines.e0.prefill_queue.bursts"
+
+
+class _FailOne(Wrapper):
+    """Answers the ``which``-th completion request (0-based) with a 500."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, which: int) -> None:
+        super().__init__(inner)
+        self.which, self.completions = which, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            n, self.completions = self.completions, self.completions + 1
+            if n == self.which:
+                return httpx.Response(500, json={"error": {"message": "boom"}})
+        return await self.inner.handle_async_request(request)
+
+
+async def test_the_probe_shows_each_burst_and_a_failed_request_ends_it(autojump_clock: trio.abc.Clock) -> None:
+    config = fleet(engine("e0", 8101))
+    async with open_sim_fleet(config) as sim, httpx.AsyncClient(transport=_FailOne(sim.transport, 6)) as http:
+        client = EngineClient(config.engines[0].url, name="e0", http_client=http)
+        terminal = io.StringIO()
+        record: dict[str, Any] = {}
+        with pytest.raises(EngineError, match="500") as caught:
+            await burst_probe(client, 64, record, prompts=4, bursts=3, prompt=PromptFactory(client, seed=1),
+                              timeout_s=60, progress=Progress(terminal, tty=True))  # fmt: skip
+    # The burst of the failed request (its third of four) raised that request's error,
+    # after the burst ended; the burst before it is kept.
+    assert caught.value.engine == "e0"
+    assert record["length"] == 64 and record["prompts"] == 4 and len(record["bursts"]) == 1
+    assert len(record["bursts"][0]) == 4
+    shown = terminal.getvalue()
+    assert "e0: prefill queue: burst 1/3 of 4 64-token prompts" in shown
+    assert "e0: prefill queue: burst 2/3 of 4 64-token prompts" in shown
+    assert "burst 3/3" not in shown
