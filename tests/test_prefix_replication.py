@@ -67,11 +67,11 @@ async def test_a_prefix_queued_on_the_fast_producer_is_copied_to_the_slow_one(
         # The copy: one request of the prefix alone, computed by the slow producer
         # (0.56 s, longer than the burst), its work reserved there while it runs.
         assert placement.replicating == {"p-slow"}
-        assert placement.prefill_work_s["p-slow"] == pytest.approx(prefill_s(SLOW, 1024), rel=0.05)
+        assert placement.queues.work_s["p-slow"] == pytest.approx(prefill_s(SLOW, 1024), rel=0.05)
         await trio.sleep(1.0)
         assert slow.stats.prompt_tokens["local_compute"] == 1024
         assert stack.router.state.prefix.cached_tokens("p-slow", encode(prompt("z"))) == 1024
-        assert placement.prefill_work_s["p-slow"] == pytest.approx(0.0, abs=1e-9)
+        assert placement.queues.work_s["p-slow"] == pytest.approx(0.0, abs=1e-9)
         assert not placement.replicating
         # Now a burst spreads: the slow producer serves the prefix from its cache.
         await burst(stack, "jklmnopq")

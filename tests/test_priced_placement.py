@@ -168,7 +168,7 @@ async def test_the_queue_ahead_counts_only_what_is_left_of_the_running_prefill(
         expected = own[1900] - 0.1 + own[400]
         assert b["ttft_s"] == pytest.approx(expected, rel=0.02)
         assert b["attempts"][0]["predicted_ttft_s"] == pytest.approx(expected, rel=0.02)
-        assert stack.router.state.placement.head_done_s("p0") == 0.0  # nothing queued now
+        assert stack.router.state.placement.queues.head_done_s("p0") == 0.0  # nothing queued now
 
 
 async def test_admission_counts_the_handoff_to_the_first_token(autojump_clock: trio.abc.Clock) -> None:

@@ -105,7 +105,7 @@ def test_a_producer_quote_is_the_time_spent_plus_its_queue_and_own_prefill_times
     q = pl.quote_producer("p0", 1000)
     assert q == Quote("p0", pytest.approx(ttft(1000)), pytest.approx(1 - ttft(1000) / 1.0), own_s=pytest.approx(ttft(1000)),
                       low_s=pytest.approx(ttft(1000)))  # a profile without intervals, no requests seen: no lower end
-    pl.prefill_work_s["p0"] = 0.2  # a queue nothing has started on (no prefill placed)
+    pl.queues.work_s["p0"] = 0.2  # a queue nothing has started on (no prefill placed)
     pl.ttft_correction["p0"] = 1.5
     q = pl.quote_producer("p0", 1000, elapsed_s=0.05, cached_tokens=0)
     assert q.predicted_s == pytest.approx(0.05 + (0.2 + ttft(1000)) * 1.5)
@@ -168,25 +168,25 @@ def test_upper_pricing_takes_the_bounds_of_the_ttft_curve_for_queues_and_reserva
 def test_the_queue_ahead_is_what_is_left_of_the_oldest_prefill_and_the_rest() -> None:
     clock = Clock()
     pl = priced(clock=clock)
-    assert pl.head_done_s("p0") == 0.0  # nothing queued
+    assert pl.queues.head_done_s("p0") == 0.0  # nothing queued
     first = pl.choose(1000, 10)  # 0.11 s placed at 100.0
     clock.now = 100.04
     second = pl.choose(1000, 10)  # behind it
-    assert pl.prefill_work_s["p0"] == pytest.approx(2 * ttft(1000))
-    assert pl.head_done_s("p0") == pytest.approx(0.04)
+    assert pl.queues.work_s["p0"] == pytest.approx(2 * ttft(1000))
+    assert pl.queues.head_done_s("p0") == pytest.approx(0.04)
     assert pl.quote_producer("p0", 1000).predicted_s == pytest.approx(3 * ttft(1000) - 0.04)
     clock.now = 105.0  # never counted done while it is reserved
-    assert pl.head_done_s("p0") == pytest.approx(ttft(1000))
+    assert pl.queues.head_done_s("p0") == pytest.approx(ttft(1000))
     # The first ends at 100.15: the second started then, not when it was placed.
     clock.now = 100.15
     first.release()
-    assert pl.prefill_work_s["p0"] == pytest.approx(ttft(1000))
-    assert pl.head_done_s("p0") == 0.0
+    assert pl.queues.work_s["p0"] == pytest.approx(ttft(1000))
+    assert pl.queues.head_done_s("p0") == 0.0
     clock.now = 100.2
-    assert pl.head_done_s("p0") == pytest.approx(0.05)
+    assert pl.queues.head_done_s("p0") == pytest.approx(0.05)
     second.release()
-    assert pl.prefill_work_s["p0"] == pytest.approx(0.0, abs=1e-12)
-    assert pl.head_done_s("p0") == 0.0
+    assert pl.queues.work_s["p0"] == pytest.approx(0.0, abs=1e-12)
+    assert pl.queues.head_done_s("p0") == 0.0
 
 
 def test_a_prefill_placed_after_the_last_one_ended_started_when_placed() -> None:
@@ -196,7 +196,7 @@ def test_a_prefill_placed_after_the_last_one_ended_started_when_placed() -> None
     clock.now = 101.0
     pl.choose(1000, 10)
     clock.now = 101.03
-    assert pl.head_done_s("p0") == pytest.approx(0.03)
+    assert pl.queues.head_done_s("p0") == pytest.approx(0.03)
 
 
 def test_others_prefills_are_priced_at_the_mean_prompt_of_this_router() -> None:
@@ -370,7 +370,7 @@ def test_the_prefix_index_prices_each_engines_own_hit() -> None:
     reservation = pl.choose(1000, 10, cached=held.__getitem__)
     assert reservation.producer == "p1"
     # The reserved work is the hit-aware price.
-    assert pl.prefill_work_s["p1"] == pytest.approx(p.own_s)
+    assert pl.queues.work_s["p1"] == pytest.approx(p.own_s)
 
 
 def test_a_placed_pair_carries_its_predictions_and_reserves_prompt_and_output() -> None:
@@ -401,7 +401,7 @@ def test_a_predicted_ttft_miss_is_refused_at_or_under_the_target_it_is_placed() 
     with pytest.raises(Exception, match="no placement meets the SLO"):
         over.choose(1000, 10)
     assert over.counters["refused"] == 1 and over.counters["priced"] == 0
-    assert over.prefill_work_s["p0"] == 0.0 and over.loads["p0"].prefill_requests == 0  # nothing reserved
+    assert over.queues.work_s["p0"] == 0.0 and over.loads["p0"].prefill_requests == 0  # nothing reserved
 
 
 def test_a_predicted_tpot_miss_is_refused_the_target_itself_is_met() -> None:
@@ -422,16 +422,16 @@ def test_without_a_priced_pair_placement_falls_back_to_least_load_and_reserves_t
     r = pl.choose(1000, 10)
     assert pl.counters["fallback"] == 1 and pl.counters["priced"] == 0
     assert r.predicted_ttft_s is None and r.predicted_tpot_s is None
-    work = dict(pl.prefill_work_s)
+    work = dict(pl.queues.work_s)
     # Least reserved load: the next goes to the other producer.
     r2 = pl.choose(1000, 10)
     assert {r.producer, r2.producer} == {"p0", "p1"}
     # A profiled producer's share is its curve's price; an unprofiled one's is nothing.
     assert work[r.producer] == pytest.approx(ttft(1000) if r.producer == "p0" else 0.0)
-    assert pl.prefill_work_s == pytest.approx({"p0": ttft(1000), "p1": 0.0, "d0": 0.0})
+    assert pl.queues.work_s == pytest.approx({"p0": ttft(1000), "p1": 0.0, "d0": 0.0})
     r.release()
     r2.release()
-    assert pl.prefill_work_s == pytest.approx({"p0": 0.0, "p1": 0.0, "d0": 0.0})
+    assert pl.queues.work_s == pytest.approx({"p0": 0.0, "p1": 0.0, "d0": 0.0})
     assert pl.counters["fallback"] == 2
 
 
@@ -672,7 +672,7 @@ async def test_acquire_copies_a_busy_prefix_by_the_prompts_token_ids() -> None:
         return True
 
     pl.replicate = replicate
-    pl.prefill_work_s["p0"] = 0.6
+    pl.queues.work_s["p0"] = 0.6
     held = {"p0": 800, "p1": 100, "p2": 0, "d0": 0}
     await pl.acquire(1000, 10, cached=held.__getitem__, prompt_ids=list(range(1000)))
     assert started == [("p1", 800)]
@@ -732,26 +732,26 @@ def test_an_added_engine_is_priced_uncorrected_with_an_empty_queue_and_a_removed
     pl.add_engine("p0")  # known: kept as is
     assert pl.ttft_correction["p0"] == 2.0
     pl.add_engine("p1")
-    assert (pl.ttft_correction["p1"], pl.tpot_correction["p1"], pl.prefill_work_s["p1"]) == (1.0, 1.0, 0.0)
+    assert (pl.ttft_correction["p1"], pl.tpot_correction["p1"], pl.queues.work_s["p1"]) == (1.0, 1.0, 0.0)
     pl.profiles["p1"] = profile("p1")
     pl.set_roles(["p0", "p1"], ["d0"])
     r = pl.choose(1000, 10, avoid=frozenset({"p0"}))
-    assert r.producer == "p1" and pl.head_done_s("p1") == 0.0
+    assert r.producer == "p1" and pl.queues.head_done_s("p1") == 0.0
     clock.now += 0.05
-    assert pl.head_done_s("p1") == pytest.approx(0.05)
+    assert pl.queues.head_done_s("p1") == pytest.approx(0.05)
     r.release()
     pl.unbound["p1"] = "gone"
     pl.set_roles(["p0"], ["d0"])
     pl.remove_engine("p1")
-    for table in (pl.ttft_correction, pl.tpot_correction, pl.prefill_work_s, pl.profiles, pl.unbound, pl.loads):
+    for table in (pl.ttft_correction, pl.tpot_correction, pl.queues.work_s, pl.profiles, pl.unbound, pl.loads):
         assert "p1" not in table
-    assert pl.head_done_s("p1") == 0.0
+    assert pl.queues.head_done_s("p1") == 0.0
     r.release()  # released again after it left: nothing to release
-    assert "p1" not in pl.prefill_work_s
+    assert "p1" not in pl.queues.work_s
     # An engine that never had a profile, a prefill or a reason to be unbound leaves too.
     pl.add_engine("p2")
     pl.remove_engine("p2")
-    assert "p2" not in pl.loads and "p2" not in pl.prefill_work_s
+    assert "p2" not in pl.loads and "p2" not in pl.queues.work_s
 
 
 # ----------------------------------------------------------------- copying a busy prefix
@@ -767,11 +767,11 @@ def test_a_prefix_is_copied_when_its_holders_are_busy_to_the_producer_that_would
     held = {"p0": 800, "p1": 100, "p2": 0}
     own = ttft(1000) - ttft(800) + ttft(0)  # 0.03 s with the prefix
     assert pl.replication(1000, held.__getitem__) is None  # the holder is idle
-    pl.prefill_work_s["p0"] = 0.6  # busy: 0.63 s of the 1 s target
+    pl.queues.work_s["p0"] = 0.6  # busy: 0.63 s of the 1 s target
     assert pl.replication(1000, held.__getitem__) == ("p1", 800, 100)
-    pl.prefill_work_s["p1"] = 0.3  # now p2 would serve sooner
+    pl.queues.work_s["p1"] = 0.3  # now p2 would serve sooner
     assert pl.replication(1000, held.__getitem__) == ("p2", 800, 0)
-    pl.prefill_work_s["p2"] = 0.3  # equal: the first in order
+    pl.queues.work_s["p2"] = 0.3  # equal: the first in order
     assert pl.replication(1000, held.__getitem__) == ("p1", 800, 100)
     pl.replicating.add("p1")  # copying something already: not another
     assert pl.replication(1000, held.__getitem__) == ("p2", 800, 0)
@@ -785,7 +785,7 @@ def test_a_prefix_is_copied_when_its_holders_are_busy_to_the_producer_that_would
 
 def test_a_copy_is_due_at_half_the_target_for_a_prefix_of_half_the_prompt() -> None:
     pl = three_producers()
-    pl.prefill_work_s["p0"] = 0.6
+    pl.queues.work_s["p0"] = 0.6
     held = {"p0": 500, "p1": 0, "p2": 0}
     assert pl.replication(1000, held.__getitem__) == ("p1", 500, 0)
     held["p0"] = 499  # less than half the prompt: not worth a copy
@@ -799,14 +799,14 @@ def test_a_copy_is_due_at_half_the_target_for_a_prefix_of_half_the_prompt() -> N
     # A producer that would serve it only at half the target is no help.
     after = pl.quote_producer("p1", 1000, 0.0, 800).predicted_s
     pl.slo = SLOConfig(ttft_s=2 * after, tpot_s=0.05)
-    pl.prefill_work_s["p0"] = 5.0
+    pl.queues.work_s["p0"] = 5.0
     assert pl.replication(1000, held.__getitem__) is None
 
 
 def test_a_copy_stays_within_the_models_producers() -> None:
     profiles = {n: profile(n) for n in ("p0", "p1", "d0")}
     pl = priced(["p0", "p1"], ["d0"], profiles=profiles, models={"p0": ["m"], "p1": ["n"], "d0": ["m", "n"]})
-    pl.prefill_work_s["p0"] = 0.6
+    pl.queues.work_s["p0"] = 0.6
     held = {"p0": 800, "p1": 0}
     assert pl.replication(1000, held.__getitem__, "m") is None
     assert pl.replication(1000, held.__getitem__) == ("p1", 800, 0)
@@ -824,7 +824,7 @@ def test_choosing_starts_the_copy_reserves_its_work_and_releases_it_when_copied(
 
     held = {"p0": 800, "p1": 100, "p2": 0, "d0": 0}
     ids = list(range(1000))
-    pl.prefill_work_s["p0"] = 0.6
+    pl.queues.work_s["p0"] = 0.6
     pl.choose(1000, 10, cached=held.__getitem__).release()  # no prompt ids: nothing to copy
     pl.choose(1000, 10, prompt_ids=ids).release()  # no prefix index: nothing known to copy
     assert started == [] and pl.counters["replicated"] == 0
@@ -834,28 +834,28 @@ def test_choosing_starts_the_copy_reserves_its_work_and_releases_it_when_copied(
     assert started == [("p1", tuple(range(800)), "m", pytest.approx(copy_s))]
     assert pl.replicating == {"p1"} and pl.counters["replicated"] == 1
     assert r.producer == "p1"  # the copy is not in this request's price: p1 is idle
-    assert pl.prefill_work_s["p1"] == pytest.approx(copy_s + r.predicted_ttft_s)  # type: ignore[operator]
+    assert pl.queues.work_s["p1"] == pytest.approx(copy_s + r.predicted_ttft_s)  # type: ignore[operator]
     clock.now += 0.01
-    assert pl.head_done_s("p1") == pytest.approx(0.01)  # the copy runs first
+    assert pl.queues.head_done_s("p1") == pytest.approx(0.01)  # the copy runs first
     r.release()
     # p2 is copied to as well: a second copy counts.
-    pl.prefill_work_s["p1"] += 1.0
+    pl.queues.work_s["p1"] += 1.0
     pl.choose(1000, 10, cached=held.__getitem__, prompt_ids=ids)
     assert [s[0] for s in started] == ["p1", "p2"] and pl.counters["replicated"] == 2
     pl.copied("p1", copy_s)
     assert pl.replicating == {"p2"}
-    assert pl.prefill_work_s["p1"] == pytest.approx(1.0)
-    assert pl.head_done_s("p1") == 0.0
+    assert pl.queues.work_s["p1"] == pytest.approx(1.0)
+    assert pl.queues.head_done_s("p1") == 0.0
     pl.copied("p1", copy_s)  # once only
     pl.copied("p0", 0.5)  # nothing was copied there
-    assert pl.prefill_work_s["p1"] == pytest.approx(1.0) and pl.prefill_work_s["p0"] == pytest.approx(0.6)
+    assert pl.queues.work_s["p1"] == pytest.approx(1.0) and pl.queues.work_s["p0"] == pytest.approx(0.6)
     # A copy that does not start reserves nothing.
     answer[0] = False
     pl.replicating.clear()
-    pl.prefill_work_s["p1"] = 0.0
+    pl.queues.work_s["p1"] = 0.0
     pl.choose(1000, 10, cached=held.__getitem__, prompt_ids=ids).release()
     assert started[-1][0] == "p1" and "p1" not in pl.replicating and pl.counters["replicated"] == 2
-    assert pl.prefill_work_s["p1"] == pytest.approx(0.0, abs=1e-12)
+    assert pl.queues.work_s["p1"] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_consumers_tie_within_one_percent_on_the_same_side_of_the_target() -> None:

@@ -14,7 +14,7 @@ import trio
 from narwhal.errors import Refused
 from narwhal.router.admin import AdminApp
 from narwhal.router.batching import DIFFER, MIN_EVIDENCE, WINDOW, QueueModels
-from narwhal.router.pricing import ARRIVALS
+from narwhal.router.prefillqueue import ARRIVALS
 
 from .routerkit import engine, fleet_doc, open_stack
 from .test_pricing_rules import PREFILL, Clock, priced, profile, ttft
@@ -105,14 +105,14 @@ def test_an_observation_of_no_time_tells_nothing() -> None:
 def test_the_batched_queue_is_the_step_in_progress_then_the_waiting_prompts_beyond_their_fixed_cost() -> None:
     clock = Clock()
     pl = priced(clock=clock, ttft_s=10.0)
-    assert pl.queues_s("p0") == (0.0, 0.0)
+    assert pl.queues.queues_s("p0") == (0.0, 0.0)
     first = pl.choose(1000, 10)  # starts at 100.0: the step in progress
     clock.now = 100.02
     pl.choose(500, 10)
     clock.now = 100.03
     pl.choose(200, 10)  # both wait for the next step
     clock.now = 100.05
-    serial, batched = pl.queues_s("p0")
+    serial, batched = pl.queues.queues_s("p0")
     assert serial == pytest.approx(ttft(1000) + ttft(500) + ttft(200) - 0.05)
     # ... and the prompts expected to join before the step in progress ends (0.06 s from
     # now): the placements' parts beyond the fixed cost came at this rate.
@@ -127,10 +127,10 @@ def test_the_batched_queue_is_the_step_in_progress_then_the_waiting_prompts_beyo
     clock.now = 100.12
     joining = (share(1000) + share(500) + share(200)) / 0.12
     step = FIXED + share(500) + share(200) - 0.01
-    assert pl.queues_s("p0")[1] == pytest.approx(step + step * joining)
+    assert pl.queues.queues_s("p0")[1] == pytest.approx(step + step * joining)
     # A step overdue is predicted to end now, not in the past (and no prompt joins it).
     clock.now = 101.0
-    assert pl.queues_s("p0")[1] == 0.0
+    assert pl.queues.queues_s("p0")[1] == 0.0
 
 
 def test_the_prompts_expected_to_join_come_at_the_rate_of_the_latest_placements() -> None:
@@ -145,7 +145,7 @@ def test_the_prompts_expected_to_join_come_at_the_rate_of_the_latest_placements(
     # The latest ARRIVALS: the last ARRIVALS - 1 of the 100-token ones and this one.
     oldest = 100.0 + 0.005 * (ARRIVALS + 1)
     rate = ((ARRIVALS - 1) * share(100) + share(1000)) / (clock.now - oldest)
-    assert pl.queues_s("p0")[1] == pytest.approx((ttft(1000) - 0.01) * (1 + rate))
+    assert pl.queues.queues_s("p0")[1] == pytest.approx((ttft(1000) - 0.01) * (1 + rate))
 
 
 def test_no_prompt_is_expected_to_join_without_placements_to_reckon_from() -> None:
@@ -153,20 +153,20 @@ def test_no_prompt_is_expected_to_join_without_placements_to_reckon_from() -> No
     pl = priced(clock=clock, ttft_s=10.0)
     pl.choose(1000, 10)
     pl.choose(100, 10)  # placed in the same instant: no time to reckon a rate over
-    assert pl.queues_s("p0")[1] == pytest.approx(ttft(1000) + share(100))
+    assert pl.queues.queues_s("p0")[1] == pytest.approx(ttft(1000) + share(100))
     # A producer placed on while it was not priced (no profile bound) has no placements
     # to reckon from once it is.
     bare = priced(clock=clock, ttft_s=10.0)
     p0 = bare.profiles.pop("p0")
     bare.choose(1000, 10)  # the fallback: nothing priced, nothing reckoned
     bare.profiles["p0"] = p0
-    assert bare.queues_s("p0")[1] == pytest.approx(FIXED)  # a step of its fixed cost alone
+    assert bare.queues.queues_s("p0")[1] == pytest.approx(FIXED)  # a step of its fixed cost alone
 
 
 def test_a_finished_prefill_scores_both_predictions_made_when_it_was_placed(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     pl = priced(clock=clock, ttft_s=10.0)
-    monkeypatch.setattr(pl, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
+    monkeypatch.setattr(pl.queues, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
 
     def place() -> list:
         reservations = [pl.choose(1000, 10)]
@@ -174,7 +174,7 @@ def test_a_finished_prefill_scores_both_predictions_made_when_it_was_placed(monk
         return reservations + [pl.choose(100, 10) for _ in range(3)]
 
     reservations = place()
-    last = pl._prefills["p0"][max(pl._prefills["p0"])]
+    last = pl.queues.reserved["p0"][max(pl.queues.reserved["p0"])]
     assert last.serial_s == pytest.approx(ttft(1000) - 0.01 + 3 * ttft(100))
     assert last.batched_s == pytest.approx(ttft(1000) - 0.01 + 2 * share(100) + ttft(100))
     # A batching engine: the first alone, then the other three in one step. Only the
@@ -187,7 +187,7 @@ def test_a_finished_prefill_scores_both_predictions_made_when_it_was_placed(monk
         clock.now += FIXED + 3 * share(100)
         for r in reservations[1:]:
             r.release_prefill(done=True)
-        assert pl.prefill_work_s["p0"] == pytest.approx(0.0, abs=1e-9)
+        assert pl.queues.work_s["p0"] == pytest.approx(0.0, abs=1e-9)
         assert len(pl.queue_models._evidence["p0"]) == n + 1
         reservations = place()
     assert pl.queue_models.batched == {"p0"}
@@ -219,7 +219,7 @@ async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_e
     clock = Clock()
     profiles = {n: profile(n) for n in ("p0", "p1", "d0")}
     pl = priced(["p0", "p1"], ["d0"], profiles=profiles, clock=clock, ttft_s=0.5)
-    monkeypatch.setattr(pl, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
+    monkeypatch.setattr(pl.queues, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
     learn(pl.queue_models, "p0", batched=True)
     learn(pl.queue_models, "p1", batched=True)
     pl.choose(2000, 10, avoid=frozenset({"p1"}))  # p0's step in progress: 0.21 s
@@ -228,7 +228,7 @@ async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_e
     # 0.22 s in the router): it must end by 100.38.
     waiting = pl.choose(100, 10, elapsed_s=0.22, avoid=frozenset({"p1"}))
     assert waiting.producer == "p0"
-    assert pl._prefills["p0"][max(pl._prefills["p0"])].latest_done == pytest.approx(100.38)
+    assert pl.queues.reserved["p0"][max(pl.queues.reserved["p0"])].latest_done == pytest.approx(100.38)
     # A prompt whose share of that step would end it at 100.11 + 0.28 > 100.38: p0
     # cannot take it, p1 (idle, 0.28 s) can.
     clock.now = 100.11
@@ -248,31 +248,31 @@ async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_e
 def test_the_prompts_a_newcomer_would_delay_are_those_waiting_for_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     pl = priced(clock=clock, ttft_s=10.0)
-    monkeypatch.setattr(pl, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
+    monkeypatch.setattr(pl.queues, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join: the steps alone
     learn(pl.queue_models, "p0", batched=True)
     head = pl.choose(2000, 10)  # begins a step at 100.0
     pl.choose(100, 10)  # placed as it began: waits for the next step
     clock.now = 100.01
     pl.choose(100, 10)  # waits too
-    head_q, first, second = pl._prefills["p0"].values()
+    head_q, first, second = pl.queues.reserved["p0"].values()
     head_q.latest_done = 0.0  # the step in progress: no newcomer delays it
     second.latest_done = math.inf
     clock.now = 100.05
     own = pl.prefill_s("p0", 300)
-    done = clock.now + (pl.queues_s("p0")[1] + own)  # they would all end then
+    done = clock.now + (pl.queues.queues_s("p0")[1] + own)  # they would all end then
     first.latest_done = done
     assert pl.quote_producer("p0", 300).delays == 0  # just in time
     first.latest_done = math.nextafter(done, -math.inf)
     assert pl.quote_producer("p0", 300).delays == 1
     # The correction scales the step's time as it scales the prediction.
-    first.latest_done = clock.now + (pl.queues_s("p0")[1] + own) * 1.5
+    first.latest_done = clock.now + (pl.queues.queues_s("p0")[1] + own) * 1.5
     pl.ttft_correction["p0"] = 2.0
     assert pl.quote_producer("p0", 300).delays == 1
     pl.ttft_correction["p0"] = 0.5
     assert pl.quote_producer("p0", 300).delays == 0
     pl.ttft_correction["p0"] = 1.0
     # Prompts other routers queued there run before the step ends too.
-    first.latest_done = clock.now + (pl.queues_s("p0")[1] + own)
+    first.latest_done = clock.now + (pl.queues.queues_s("p0")[1] + own)
     assert pl.quote_producer("p0", 300).delays == 0
     pl.mean_prompt_tokens = 100.0
     pl.engine_reported("p0", 4, 0, 3)  # one request of another router's

@@ -83,6 +83,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     # The load-level comparisons (hundreds of requests each, half a minute a run) prove
     # that pricing pays off; the rules themselves are held by the quick tests.
     "narwhal/router/batching.py": ("tests/test_queue_models.py",),
+    # The reserved prefills and the queue ahead of a new one, as pricing reads them.
+    "narwhal/router/prefillqueue.py": (
+        "tests/test_queue_models.py", "tests/test_pricing_rules.py", "tests/test_priced_placement.py",
+        "tests/test_prefix_replication.py",
+        "--deselect=tests/test_priced_placement.py::test_priced_placement_holds_the_slo_for_more_requests",
+        "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
+    ),
     # How a producer queues prompts: the probe against simulated engines in virtual
     # time, the verdict's rule, and the sidecar's record as check and refit read it.
     "narwhal/profile/burst.py": ("tests/test_profile_burst.py",),

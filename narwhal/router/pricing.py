@@ -6,7 +6,9 @@ When the fleet names a profiles pair whose fits bind to the engines running now
 - producer: predicted TTFT = the predicted prefill time of the prompts already
   reserved on it (they run before this one, in order), less the part of the oldest
   one's already done (it started when it was sent or when the prefill before it
-  ended, whichever came last), + this prompt's own prefill, times the engine's
+  ended, whichever came last; a producer that computes its waiting prompts together
+  is priced as steps instead, :mod:`narwhal.router.prefillqueue`), + this prompt's
+  own prefill, times the engine's
   correction factor (reactive control keeps it). The own prefill is the
   fitted TTFT curve at the prompt's length L; where the router's prefix index says
   the producer holds the prompt's first k tokens, it is the curve's price of the
@@ -85,7 +87,6 @@ fallback is counted and reported.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -97,8 +98,8 @@ import trio
 from narwhal.config import SLOConfig
 from narwhal.errors import Refused
 from narwhal.profile.store import EngineProfile
-from narwhal.router.batching import QueueModels
 from narwhal.router.placement import Placement, Reservation
+from narwhal.router.prefillqueue import PrefillQueues
 
 __all__ = ["CONSUMER_TIE", "REPLICATE_AT", "PricedPlacement", "Quote", "Replicate", "best_consumer"]
 
@@ -127,10 +128,6 @@ ERROR_MIN: Final = 20
 #: ... and never below this share of the prediction (predictions that far off are a
 #: profile that no longer describes the engine, not noise to admit on).
 LOW_FLOOR: Final = 0.5
-
-#: A producer's latest placements, over which the prompts expected to join its next
-#: step are reckoned (their rate and their parts beyond a step's fixed cost).
-ARRIVALS: Final = 16
 
 #: Starts copying a prefix to a producer: (producer, prefix token ids, model, predicted
 #: seconds of the copy's prefill); returns whether it started.
@@ -201,19 +198,12 @@ class PricedPlacement(Placement):
         #: Multiplicative corrections of the predictions, kept by reactive control.
         self.ttft_correction: dict[str, float] = dict.fromkeys(self.loads, 1.0)
         self.tpot_correction: dict[str, float] = dict.fromkeys(self.loads, 1.0)
-        #: Predicted prefill seconds reserved per producer (the queue ahead of a new one).
-        self.prefill_work_s: dict[str, float] = dict.fromkeys(self.loads, 0.0)
-        #: Per producer, its reserved prefills in the order they were placed; and when its
-        #: last prefill ended.
-        self._prefills: dict[str, dict[int, _Queued]] = {n: {} for n in self.loads}
+        #: The prefills reserved per producer, and the queue ahead of a new one.
+        self.queues = PrefillQueues(self.loads, clock=clock, fixed_s=self._fixed_s, others_s=self.others_prefill_s)
         #: Which queue model prices each producer (:mod:`narwhal.router.batching`).
-        self.queue_models = QueueModels()
+        self.queue_models = self.queues.models
         for name, profile in self.profiles.items():
             self.queue_models.prior(name, profile.prefill_queue)
-        #: Per producer, its latest placements: (when, part beyond a step's fixed cost).
-        self._arrivals: dict[str, collections.deque[tuple[float, float]]] = {}
-        self._last_done: dict[str, float] = {}
-        self._keys = itertools.count()
         self.unbound: dict[str, str] = {}
         self.counters = {"priced": 0, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0,
                          "replicated": 0, "warmed": 0}  # fmt: skip
@@ -258,33 +248,12 @@ class PricedPlacement(Placement):
     ) -> Quote:
         """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
         own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
-        ahead = (self.queue_s(name) + own) * self.ttft_correction[name]
+        ahead = (self.queues.queue_s(name) + own) * self.ttft_correction[name]
         predicted = elapsed_s + ahead
-        delays = self._delays(name, own) if name in self.queue_models.batched else 0
+        delays = self.queues.delays(name, own, self.ttft_correction[name]) if name in self.queue_models.batched else 0
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s), cached_tokens=cached_tokens,
                      own_s=own, low_s=elapsed_s + ahead * self.low_factor(name), elapsed_s=elapsed_s,
                      delays=delays)  # fmt: skip
-
-    def _delays(self, name: str, own_s: float) -> int:
-        """How many of the prefills waiting on ``name`` for its next step would end past
-        their TTFT target if that step took a prompt of ``own_s`` seconds of prefill
-        (they end with it; the prompts expected to join later are checked when they come)."""
-        queued = self._prefills.get(name)
-        if not queued:
-            return 0
-        remaining, waiting, next_step = self._steps_s(name, queued)
-        done = self.clock() + (remaining + waiting + self.others_prefill_s(name) + own_s) * self.ttft_correction[name]
-        return sum(1 for q in next_step if done > q.latest_done)
-
-    def _next_step(self, name: str) -> list[_Queued]:
-        """The prefills reserved on ``name`` that wait for its next step: placed since the
-        step in progress began (the oldest prefill always in it, as in :meth:`head_done_s`;
-        a prefill placed on an idle producer begins a step alone)."""
-        queued = self._prefills.get(name)
-        if not queued:
-            return []
-        started = self._step_start(name, queued)
-        return [q for i, q in enumerate(queued.values()) if i and q.placed_at >= started]
 
     def low_factor(self, name: str) -> float:
         """The low end of ``name``'s TTFT predictions as a share of them: the
@@ -308,73 +277,6 @@ class PricedPlacement(Placement):
             ratios.append(observed_s / predicted_s)
             if len(ratios) >= ERROR_MIN:
                 self._observed_low[producer] = sorted(ratios)[int(LOW_QUANTILE * (len(ratios) - 1))]
-
-    def head_done_s(self, name: str) -> float:
-        """Predicted seconds already done of the oldest prefill reserved on ``name``: it
-        started when it was placed or when the prefill before it ended, whichever came
-        last (an engine runs its prefills in order), and is never counted done."""
-        queued = self._prefills.get(name)
-        if not queued:
-            return 0.0
-        head = next(iter(queued.values()))
-        return min(max(self.clock() - self._step_start(name, queued), 0.0), head.work)
-
-    def _step_start(self, name: str, queued: Mapping[int, _Queued]) -> float:
-        """When the oldest prefill reserved on ``name`` started: when it was placed or
-        when the prefill before it ended, whichever came last."""
-        placed_at = next(iter(queued.values())).placed_at
-        return max(placed_at, self._last_done.get(name, placed_at))
-
-    def queue_s(self, name: str) -> float:
-        """Predicted seconds before a prompt placed on ``name`` now is computed, beyond
-        its own prefill, by the producer's queue model (:mod:`narwhal.router.batching`)."""
-        return self._batched_s(name) if name in self.queue_models.batched else self._serial_s(name)
-
-    def queues_s(self, name: str) -> tuple[float, float]:
-        """The queue ahead of a prompt placed on ``name`` now, by both queue models.
-
-        Serial: the prefills reserved there, one after the other, less what the oldest
-        has done. Batched: the reserved prefills placed before the step in progress
-        began (the oldest's start, as in :meth:`head_done_s`) share that step, one fixed
-        cost (the TTFT curve at no tokens) and each its part beyond it, less the step's
-        time so far; those placed since wait for the next step, which this prompt joins:
-        each adds its part beyond the fixed cost, which this prompt's own prefill pays. A
-        prefill placed on an idle producer begins a step alone: the rest of a burst
-        placed with it reaches the engine after that step began. The prompts expected to
-        join the next step before it begins add their parts too: the producer's placement
-        rate over its latest :data:`ARRIVALS` placements times the time left of the step
-        in progress, each their mean part beyond the fixed cost.
-        Others' prefills count the same in both (their order is not known).
-        """
-        return self._serial_s(name), self._batched_s(name)
-
-    def _serial_s(self, name: str) -> float:
-        return self.prefill_work_s[name] - self.head_done_s(name) + self.others_prefill_s(name)
-
-    def _batched_s(self, name: str) -> float:
-        queued = self._prefills.get(name)
-        if not queued:
-            return self._serial_s(name)
-        remaining, waiting, _ = self._steps_s(name, queued)
-        return remaining + waiting + remaining * self._join_rate_s(name) + self.others_prefill_s(name)
-
-    def _join_rate_s(self, name: str) -> float:
-        """Seconds of prefill (parts beyond the fixed cost) placed on ``name`` a second,
-        over its latest :data:`ARRIVALS` placements."""
-        recent = self._arrivals.get(name)
-        if not recent:
-            return 0.0
-        span = self.clock() - recent[0][0]
-        return sum(share for _, share in recent) / span if span > 0 else 0.0
-
-    def _steps_s(self, name: str, queued: Mapping[int, _Queued]) -> tuple[float, float, list[_Queued]]:
-        """The seconds left of ``name``'s step in progress, the parts beyond the fixed
-        cost of the prefills waiting for its next step, and those prefills."""
-        fixed = self._fixed_s(name)
-        next_step = self._next_step(name)
-        waiting = sum(max(q.work - fixed, 0.0) for q in next_step)
-        in_step = fixed + sum(max(q.work - fixed, 0.0) for q in queued.values()) - waiting
-        return max(in_step - (self.clock() - self._step_start(name, queued)), 0.0), waiting, next_step
 
     def _fixed_s(self, name: str) -> float:
         """What a prefill step of ``name`` costs whatever it computes: its TTFT curve at no tokens."""
@@ -591,7 +493,7 @@ class PricedPlacement(Placement):
         for n in names:
             if n in self.replicating:
                 continue
-            queue = self.queue_s(n) * self.ttft_correction[n]
+            queue = self.queues.queue_s(n) * self.ttft_correction[n]
             if queue >= REPLICATE_AT * target:
                 continue
             done = queue + self.prefill_s(n, prompt_tokens, held[n]) * self.ttft_correction[n]
@@ -669,33 +571,12 @@ class PricedPlacement(Placement):
     def _add_work(self, producer: str, work: float, latest_done: float = math.inf) -> int:
         """Reserve ``work`` predicted prefill seconds on ``producer``, behind its queue;
         ``latest_done``: when it must end to meet the TTFT target."""
-        key = next(self._keys)
-        serial, batched = (0.0, 0.0)
-        if producer in self.profiles:
-            serial, batched = self.queues_s(producer)
-            self._arrived(producer, work)
-        self.prefill_work_s[producer] += work
-        queued = _Queued(work, self.clock(), serial + work, batched + work, latest_done)
-        self._prefills.setdefault(producer, {})[key] = queued
-        return key
-
-    def _arrived(self, producer: str, work: float) -> None:
-        """A prefill of ``work`` seconds was placed on ``producer`` now (its part beyond
-        the fixed cost counts in the rate of prompts expected to join a step)."""
-        recent = self._arrivals.setdefault(producer, collections.deque(maxlen=ARRIVALS))
-        recent.append((self.clock(), max(work - self._fixed_s(producer), 0.0)))
+        return self.queues.add(producer, work, latest_done, priced=producer in self.profiles)
 
     def _release_work(self, producer: str, work: float, key: int, done: bool = False) -> None:
-        """``work`` reserved on ``producer`` ends: ``done``, its prefill completed now
-        (what the queue models are scored on), else it failed or was given up."""
-        if producer in self.prefill_work_s:
-            self.prefill_work_s[producer] = max(0.0, self.prefill_work_s[producer] - work)
-        queued = self._prefills.get(producer)
-        entry = queued.pop(key, None) if queued is not None else None
-        if entry is not None:
-            now = self._last_done[producer] = self.clock()
-            if done:
-                self.queue_models.observe(producer, now - entry.placed_at, entry.serial_s, entry.batched_s)
+        """``work`` reserved on ``producer`` ends: ``done``, its prefill completed now,
+        else it failed or was given up."""
+        self.queues.release(producer, work, key, done)
         self._capacity_changed()
 
     def _capacity_changed(self) -> None:
@@ -761,14 +642,14 @@ class PricedPlacement(Placement):
         super().add_engine(name)
         self.ttft_correction.setdefault(name, 1.0)
         self.tpot_correction.setdefault(name, 1.0)
-        self.prefill_work_s.setdefault(name, 0.0)
+        self.queues.add_engine(name)
 
     def remove_engine(self, name: str) -> None:
         super().remove_engine(name)
-        for table in (self.ttft_correction, self.tpot_correction, self.prefill_work_s, self.profiles, self.unbound,
-                      self._prefills, self._last_done, self.ttft_ratios, self._observed_low, self._arrivals):  # fmt: skip
+        for table in (self.ttft_correction, self.tpot_correction, self.profiles, self.unbound, self.ttft_ratios,
+                      self._observed_low):  # fmt: skip
             table.pop(name, None)
-        self.queue_models.forget(name)
+        self.queues.remove_engine(name)
 
 
 #: Consumers whose predicted TPOT lies within this share of the best one's are equal
@@ -801,19 +682,3 @@ class _NoCapacity(Exception):
         self.producer = producer
         self.consumer = consumer
         self.handoff_s = handoff_s
-
-
-@attrs.define
-class _Queued:
-    """A prefill reserved on a producer."""
-
-    #: Its predicted prefill seconds.
-    work: float
-    placed_at: float
-    #: Seconds from placement to its end, as the serial and the batched queue model
-    #: predicted them (:mod:`narwhal.router.batching`).
-    serial_s: float
-    batched_s: float
-    #: When it must end for its request to meet the TTFT target (inf: no target).
-    latest_done: float
-
