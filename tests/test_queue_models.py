@@ -14,7 +14,7 @@ import trio
 from narwhal.errors import Refused
 from narwhal.router.admin import AdminApp
 from narwhal.router.batching import DIFFER, MIN_EVIDENCE, WINDOW, QueueModels
-from narwhal.router.prefillqueue import ARRIVALS
+from narwhal.router.prefillqueue import ARRIVALS, PrefillQueues
 
 from .routerkit import engine, fleet_doc, open_stack
 from .test_pricing_rules import PREFILL, Clock, priced, profile, ttft
@@ -131,6 +131,49 @@ def test_the_batched_queue_is_the_step_in_progress_then_the_waiting_prompts_beyo
     # A step overdue is predicted to end now, not in the past (and no prompt joins it).
     clock.now = 101.0
     assert pl.queues.queues_s("p0")[1] == 0.0
+    # Prompts others queued there count in both models, at this router's mean prompt.
+    pl.mean_prompt_tokens = 400.0
+    pl.engine_reported("p0", 2, 0, 0)
+    assert pl.queues.queues_s("p0") == pytest.approx((ttft(200) + 2 * ttft(400), 2 * ttft(400)))
+
+
+def test_an_unpriced_producers_prefills_teach_the_queue_models_nothing() -> None:
+    """A producer without a bound profile has no predictions to score: what its
+    prefills took says nothing of how it queues."""
+    work = ttft(500)
+    for priced_ in (False, True):
+        clock = Clock()
+        queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED, others_s=lambda name: 0.0)
+        keys = [queues.add("p0", work, math.inf, priced=priced_) for _ in range(3)]
+        predicted = [(q.serial_s, q.batched_s) for q in queues.reserved["p0"].values()]
+        if priced_:  # one after the other, or the two behind the first sharing the next step
+            assert predicted == pytest.approx([(work, work), (2 * work, 2 * work), (3 * work, 3 * work - FIXED)])
+        else:
+            assert predicted == [(work, work)] * 3
+        clock.now += 0.5
+        for key in keys:
+            queues.release("p0", key, done=True)
+        assert queues.models._evidence == {} or priced_
+        assert queues.work_s == {"p0": pytest.approx(0.0, abs=1e-12)}
+
+
+def test_a_release_after_its_producer_left_releases_nothing() -> None:
+    clock = Clock()
+    queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED, others_s=lambda name: 0.0)
+    old = queues.add("p0", 0.3, math.inf, priced=True)
+    queues.remove_engine("p0")
+    queues.release("p0", old, done=True)  # gone: nothing to release, no error
+    assert queues.work_s == {} and queues.reserved == {}
+    # Back in the fleet with a prefill of its own: the old reservation's release does
+    # not take from the new queue, nor release twice.
+    queues.add_engine("p0")
+    new = queues.add("p0", 0.2, math.inf, priced=True)
+    queues.release("p0", old, done=True)
+    assert queues.work_s == {"p0": 0.2} and list(queues.reserved["p0"]) == [new]
+    queues.release("p0", new, done=False)
+    queues.release("p0", new, done=False)
+    assert queues.work_s == {"p0": 0.0} and queues.reserved == {"p0": {}}
+    assert queues.models._evidence == {}  # given up, never scored
 
 
 def test_the_prompts_expected_to_join_come_at_the_rate_of_the_latest_placements() -> None:

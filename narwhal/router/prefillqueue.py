@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
@@ -165,9 +164,9 @@ class PrefillQueues:
 
     # ----------------------------------------------------------------- reservations
 
-    def add(self, producer: str, work: float, latest_done: float = math.inf, *, priced: bool = True) -> int:
+    def add(self, producer: str, work: float, latest_done: float, *, priced: bool) -> int:
         """Reserve ``work`` predicted prefill seconds on ``producer``, behind its queue;
-        ``latest_done``: when it must end to meet the TTFT target. An unpriced producer's
+        ``latest_done``: when it must end to meet the TTFT target (inf: no target). An unpriced producer's
         prefill (no profile bound) is reserved without the queue models' predictions.
         Returns the reservation's key for :meth:`release`."""
         key = next(self._keys)
@@ -186,17 +185,19 @@ class PrefillQueues:
         recent = self._arrivals.setdefault(producer, collections.deque(maxlen=ARRIVALS))
         recent.append((self.clock(), max(work - self._fixed(producer), 0.0)))
 
-    def release(self, producer: str, work: float, key: int, done: bool = False) -> None:
-        """``work`` reserved on ``producer`` ends: ``done``, its prefill completed now
-        (what the queue models are scored on), else it failed or was given up."""
-        if producer in self.work_s:
-            self.work_s[producer] = max(0.0, self.work_s[producer] - work)
+    def release(self, producer: str, key: int, *, done: bool) -> None:
+        """The prefill reserved on ``producer`` under ``key`` ends: ``done``, it completed
+        now (what the queue models are scored on), else it failed or was given up. A key
+        released before, or one whose producer left the fleet since (and came back),
+        releases nothing."""
         queued = self.reserved.get(producer)
         entry = queued.pop(key, None) if queued is not None else None
-        if entry is not None:
-            now = self._last_done[producer] = self.clock()
-            if done:
-                self.models.observe(producer, now - entry.placed_at, entry.serial_s, entry.batched_s)
+        if entry is None:
+            return
+        self.work_s[producer] = max(0.0, self.work_s[producer] - entry.work)
+        now = self._last_done[producer] = self.clock()
+        if done:
+            self.models.observe(producer, now - entry.placed_at, entry.serial_s, entry.batched_s)
 
     # ----------------------------------------------------------------- the fleet
 

@@ -515,12 +515,13 @@ class PricedPlacement(Placement):
                 self._warming[producer] = ids
 
     def copied(self, producer: str, work_s: float) -> None:
-        """The copy of a prefix to ``producer`` ended (done or failed): release its work."""
+        """The copy of a prefix to ``producer`` ended (done or failed): release its work
+        (``work_s``, as :attr:`replicate` was given it, is reserved under the copy's key)."""
         self.replicating.discard(producer)
         self._warming.pop(producer, None)
         key = self._copies.pop(producer, None)
         if key is not None:
-            self._release_work(producer, work_s, key)
+            self._release_work(producer, key)
 
     def _reserve(self, reservation: Reservation, prompt_tokens: int, p: Quote | None, c: Quote | None) -> Reservation:
         producer = reservation.producer
@@ -533,7 +534,7 @@ class PricedPlacement(Placement):
         if target is not None and p is not None and c is not None:
             latest_done = self.clock() + target - p.elapsed_s - self.handoff_s.get(c.engine, 0.0)
         key = self._add_work(producer, work, latest_done)
-        reservation.on_release_prefill = lambda done: self._release_work(producer, work, key, done)
+        reservation.on_release_prefill = lambda done: self._release_work(producer, key, done)
         reservation.on_release_decode = self._capacity_changed
         reservation.predicted_ttft_s = p.predicted_s if p is not None else None
         reservation.predicted_tpot_s = c.predicted_s if c is not None else None
@@ -573,10 +574,10 @@ class PricedPlacement(Placement):
         ``latest_done``: when it must end to meet the TTFT target."""
         return self.queues.add(producer, work, latest_done, priced=producer in self.profiles)
 
-    def _release_work(self, producer: str, work: float, key: int, done: bool = False) -> None:
-        """``work`` reserved on ``producer`` ends: ``done``, its prefill completed now,
-        else it failed or was given up."""
-        self.queues.release(producer, work, key, done)
+    def _release_work(self, producer: str, key: int, done: bool = False) -> None:
+        """The prefill reserved on ``producer`` under ``key`` ends: ``done``, it completed
+        now, else it failed or was given up."""
+        self.queues.release(producer, key, done=done)
         self._capacity_changed()
 
     def _capacity_changed(self) -> None:
