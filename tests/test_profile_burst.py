@@ -16,13 +16,14 @@ import pytest
 import trio
 import trio.testing
 
+from narwhal.config import converter, parse_as
 from narwhal.engines.client import EngineClient
 from narwhal.errors import ConfigError, EngineError
 from narwhal.profile.burst import BATCHED_GAP, burst_probe, median_gap, queue_verdict
 from narwhal.profile.derive import derive_profile, prefill_queue
 from narwhal.profile.progress import Progress
 from narwhal.profile.refit import refit_pair
-from narwhal.profile.store import load_profiles
+from narwhal.profile.store import EngineProfile, load_profiles
 from narwhal.profile.sweep import CODE_TOKENS, PromptFactory
 from narwhal.testing import open_sim_fleet
 from tests.profilekit import PREFILL, Recording, Wrapper, engine, fleet, profile, samples, settings
@@ -258,3 +259,13 @@ async def test_the_probe_shows_each_burst_and_a_failed_request_ends_it(autojump_
     assert "e0: prefill queue: burst 1/3 of 4 64-token prompts" in shown
     assert "e0: prefill queue: burst 2/3 of 4 64-token prompts" in shown
     assert "burst 3/3" not in shown
+
+
+def test_a_profile_naming_another_queue_is_refused(batched_entry: dict[str, Any]) -> None:
+    stored = converter.unstructure(derive_profile(batched_entry, "e0"))
+    assert stored["prefill_queue"] == "batched"
+    with pytest.raises(ConfigError) as caught:
+        parse_as(EngineProfile, stored | {"prefill_queue": "chunky"})
+    assert (caught.value.reason, caught.value.path) == ("expected one of 'batched', 'serial'", "$.prefill_queue")
+    # Written before the probe: no verdict, which placement learns from traffic.
+    assert parse_as(EngineProfile, {k: v for k, v in stored.items() if k != "prefill_queue"}).prefill_queue is None
