@@ -10,8 +10,9 @@ request to sweep the current engine processes afresh.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,8 +41,6 @@ from narwhal.profile.store import (
     SAMPLES_KIND,
     SCHEMA_VERSION,
     EngineProfile,
-    QueueKind,
-    TTFTCurve,
     file_sha256,
     pair_paths,
     read_json,
@@ -58,16 +57,11 @@ def _refuse(message: str, source: str, path: str) -> ConfigError:
     return ConfigError(f"{message}; {_FRESH}", path=path, source=source)
 
 
-def _repeats(entry: Mapping[str, Any], name: str, source: str) -> list[tuple[int, float]]:
+def _read(read: Callable[[Mapping[str, Any], str], T], entry: Mapping[str, Any], name: str, source: str) -> T:
+    """What ``read`` finds in engine ``name``'s sidecar entry; a malformed record is
+    refused with the sidecar's JSON path."""
     try:
-        return prefill_repeats(entry, f"$.engines.{name}")
-    except ConfigError as exc:
-        raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path) from None
-
-
-def _queue(entry: Mapping[str, Any], name: str, curve: TTFTCurve, source: str) -> QueueKind | None:
-    try:
-        return prefill_queue(entry, f"$.engines.{name}", curve)
+        return read(entry, f"$.engines.{name}")
     except ConfigError as exc:
         raise _refuse(f"{exc.reason} for engine {name!r}", source, exc.path) from None
 
@@ -149,7 +143,7 @@ def refit_pair(
     selected = select_engines(config, engines)
     snapshots = {e.name: _bound_snapshot(entries.get(e.name), e.url, e.name, source)
                  for e in selected}  # fmt: skip
-    repeats = {e.name: _repeats(entries[e.name], e.name, source) for e in selected}
+    repeats = {e.name: _read(prefill_repeats, entries[e.name], e.name, source) for e in selected}
     check_output(out, overwrite=overwrite)
 
     # The sidecar as read (this refit's own parse of the file, read by nothing else) is
@@ -189,7 +183,7 @@ def refit_pair(
             continue
         # The burst probe's verdict is read against the curve: derived again with it.
         curve = ttft_curve(derived)
-        queue = _queue(entry, e.name, curve, source)
+        queue = _read(functools.partial(prefill_queue, curve=curve), entry, e.name, source)
         profile = attrs.evolve(snapshots[e.name], ttft=curve, prefill_queue=queue)
         entry.update(status="ok", reason=None, profile=converter.unstructure(profile))
         outcomes.append(EngineOutcome(e.name, "ok", None, profile))
