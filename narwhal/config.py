@@ -538,7 +538,8 @@ class EngineTimeouts:
 
     Attributes:
         first_token_timeout_s: From opening a decode stream to its first token.
-        decode_read_timeout_s: Max silence after the first token; 0 leaves only request_timeout_s.
+        decode_read_timeout_s: Max silence after the first token (it ends a stream that
+            long after its last chunk, at most 1/64 of it later); 0 leaves only request_timeout_s.
         request_timeout_s: Whole-request deadline from arrival.
         connect_timeout_s: TCP connect to an engine.
     """

@@ -26,6 +26,7 @@ from narwhal.engines.connector import (
     prefill_request_params,
 )
 from narwhal.engines.sse import Chunk, json_dumps
+from narwhal.engines.stream import SILENCE_SLACK
 from narwhal.errors import (
     EmptyStream,
     EngineHTTPError,
@@ -1077,8 +1078,9 @@ async def test_loopback_connection_is_reused_after_done() -> None:
 async def test_watch_silence_moves_a_deadline_on_every_transport_chunk(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    # A token, then a keep-alive comment and an event in two pieces, 2 s apart each:
-    # every chunk, whole event or not, moves the watched scope's deadline.
+    # A token, then a keep-alive comment and an event in two pieces, 2 s apart each
+    # (farther apart than the slack): every chunk, whole event or not, moves the
+    # watched scope's deadline, to the bound and its slack after it.
     token = completion_event([2])
     parts = [completion_event([1]), b": keep-alive\n\n", token[:20], token[20:], DONE]
     engine = Engine()
@@ -1095,5 +1097,44 @@ async def test_watch_silence_moves_a_deadline_on_every_transport_chunk(
                     deadlines.append(scope.deadline)
     assert not scope.cancelled_caught
     # The second token was read after the comment and both halves: three more chunks.
-    assert deadlines == [start + 6.0 + 3.0]
+    assert deadlines == [start + 6.0 + 3.0 * (1 + SILENCE_SLACK)]
     assert stream.last_activity_at == start + 8.0
+
+
+async def test_watch_silence_moves_a_deadline_once_a_slack_not_once_a_chunk(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 30 tokens 10 ms apart under a 7.04 s bound (a slack of 0.11 s): after every chunk
+    # the deadline is at least the bound and at most the bound and its slack away, and
+    # it moved only when it would have fallen short, not at every chunk. A deadline
+    # lifted meanwhile (a write that waits for the client) is set again by the next
+    # chunk; one set inside the window is kept until it falls short.
+    bound = 7.04
+    slack = bound * SILENCE_SLACK
+    assert slack == pytest.approx(0.11)
+    engine = Engine()
+    engine.reply("POST", "/v1/completions", sse([completion_event([i]) for i in range(30)] + [DONE], gap_s=0.01))
+    seen: list[tuple[float, float]] = []
+    async with engine.client() as client:
+        async with client.decode(None, CLIENT_BODY) as stream:
+            with trio.CancelScope() as scope:
+                await stream.__anext__()
+                stream.watch_silence(scope, bound)
+                async for chunk in stream:
+                    assert chunk.count == 1
+                    now = trio.current_time()
+                    seen.append((now, scope.deadline))
+                    if len(seen) == 15:
+                        scope.deadline = math.inf
+                    if len(seen) == 20:
+                        kept = scope.deadline = now + bound + 0.045
+    assert not scope.cancelled_caught
+    assert len(seen) == 29
+    for now, deadline in seen:
+        assert now + bound <= deadline <= now + bound + slack, (now, deadline)
+    moves = [i for i in range(1, len(seen)) if seen[i][1] != seen[i - 1][1]]
+    # Due after 0.11 s (chunk 12), at the first chunk after the lift (15), the test's
+    # own deadline (20), kept until it fell short (24: 50 ms after it was set).
+    assert moves == [12, 15, 20, 24], moves
+    assert seen[20][1] == seen[23][1] == kept
+    assert seen[24][1] == seen[24][0] + bound + slack

@@ -46,7 +46,19 @@ from narwhal.errors import (
     caused,
 )
 
-__all__ = ["DecodeStream", "EngineReply", "HttpxReply", "StreamOwner", "abandon", "usage_cached_tokens"]
+__all__ = [
+    "SILENCE_SLACK",
+    "DecodeStream",
+    "EngineReply",
+    "HttpxReply",
+    "StreamOwner",
+    "abandon",
+    "usage_cached_tokens",
+]
+
+#: How much later than its bound a watched silence may end a stream, as a share of
+#: the bound (:meth:`DecodeStream.watch_silence`): never earlier, at most this later.
+SILENCE_SLACK: Final = 1 / 64
 
 
 def usage_cached_tokens(usage: Any) -> int | None:
@@ -323,11 +335,16 @@ class DecodeStream:
         return usage_cached_tokens(self.usage)
 
     def watch_silence(self, scope: trio.CancelScope, seconds: float) -> None:
-        """Move ``scope``'s deadline to ``seconds`` after every piece of the body that arrives.
+        """Keep ``scope``'s deadline at least ``seconds`` after every piece of the body
+        that arrives, and at most :data:`SILENCE_SLACK` of ``seconds`` more.
 
         The silence bound runs between transport chunks: any bytes from the engine (a
         token, a metadata event, an SSE comment or keep-alive, part of an event) reset
-        it, not only whole events.
+        it, not only whole events. A read moves the deadline only when it is outside that
+        window (short of the bound, or lifted), to the window's far end: a deadline
+        change is one of the costliest things a read did (trio re-files the scope in its
+        deadline heap), and so a stream moves it about once a slack's time, not once a
+        token.
         """
         self._silence_scope = scope
         self._silence_s = seconds
@@ -414,8 +431,11 @@ class DecodeStream:
             self._interrupted = True
             raise
         now = self.last_activity_at = trio.current_time()
-        if self._silence_scope is not None:
-            self._silence_scope.deadline = now + self._silence_s
+        scope = self._silence_scope
+        if scope is not None:
+            due = now + self._silence_s
+            if not due <= scope.deadline <= due + self._silence_s * SILENCE_SLACK:
+                scope.deadline = due + self._silence_s * SILENCE_SLACK
         if self._lazy:
             count, run, rest = self._decoder.feed_tokens(data)
             if count:

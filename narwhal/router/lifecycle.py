@@ -20,8 +20,9 @@ expires after the producer answered, before the consumer's first token, counts a
 the consumer (as a first-token failure), and the attempt's journal entry names the
 deadline (``deadline``) and that engine (``held_by``).
 
-One scope carries the decode leg's deadlines and is moved as the stream advances, so
-the per-token cost is one deadline assignment. The HTTP 200 of a streaming answer is
+One scope carries the decode leg's deadlines and is moved as the stream advances, in
+steps of a slack (the silence bound may end a stream up to 1/64 of the bound late,
+never early), so most tokens cost no deadline assignment at all. The HTTP 200 of a streaming answer is
 committed at the first generated token: every failure before it is an ordinary HTTP
 error; after it, the stream ends with a terminal ``data: {"error": ...}`` event.
 """
@@ -443,8 +444,8 @@ class RequestLifecycle:
         last_token_at = prefill_done  # pragma: no mutate (equivalent: set before read)
         burst_tokens = False  # pragma: no mutate (equivalent: set before read)
         name = reservation.consumer
-        # The silence deadline runs: set at the end of the first token's burst, then moved
-        # by the stream on every read; a write that waits for the client lifts it.
+        # The silence deadline runs: set at the end of the first token's burst, then kept
+        # ahead of every read by the stream; a write that waits for the client lifts it.
         armed = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
         ended = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed): the end ([DONE]) was read
 
