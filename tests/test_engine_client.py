@@ -1108,7 +1108,8 @@ async def test_watch_silence_moves_a_deadline_once_a_slack_not_once_a_chunk(
     # the deadline is at least the bound and at most the bound and its slack away, and
     # it moved only when it would have fallen short, not at every chunk. A deadline
     # lifted meanwhile (a write that waits for the client) is set again by the next
-    # chunk; one set inside the window is kept until it falls short.
+    # chunk; one set inside the window is kept until it falls short; one beyond it is
+    # brought back by the next chunk.
     bound = 7.04
     slack = bound * SILENCE_SLACK
     assert slack == pytest.approx(0.11)
@@ -1128,13 +1129,17 @@ async def test_watch_silence_moves_a_deadline_once_a_slack_not_once_a_chunk(
                         scope.deadline = math.inf
                     if len(seen) == 20:
                         kept = scope.deadline = now + bound + 0.045
+                    if len(seen) == 26:
+                        scope.deadline = now + 3 * bound
     assert not scope.cancelled_caught
     assert len(seen) == 29
     for now, deadline in seen:
         assert now + bound <= deadline <= now + bound + slack, (now, deadline)
     moves = [i for i in range(1, len(seen)) if seen[i][1] != seen[i - 1][1]]
     # Due after 0.11 s (chunk 12), at the first chunk after the lift (15), the test's
-    # own deadline (20), kept until it fell short (24: 50 ms after it was set).
-    assert moves == [12, 15, 20, 24], moves
+    # own deadline (20), kept until it fell short (24: 50 ms after it was set), and at
+    # the first chunk after one set beyond the window (26: the bound still holds).
+    assert moves == [12, 15, 20, 24, 26], moves
     assert seen[20][1] == seen[23][1] == kept
     assert seen[24][1] == seen[24][0] + bound + slack
+    assert seen[26][1] == seen[26][0] + bound + slack
