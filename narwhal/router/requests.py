@@ -108,19 +108,22 @@ def _deeper_than(body: dict[str, Any], limit: int) -> bool:
     return False
 
 
+def _too_deep() -> BadRequest:
+    return BadRequest(f"request body is nested more than {MAX_BODY_DEPTH} levels deep", code="invalid_json")
+
+
 def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     """Parse and check a completions or chat body; raises :class:`BadRequest`."""
-    too_deep = BadRequest(f"request body is nested more than {MAX_BODY_DEPTH} levels deep", code="invalid_json")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise caused(BadRequest("request body is not valid JSON", code="invalid_json"), None)
     except RecursionError:
-        raise caused(too_deep, None)
+        raise caused(_too_deep(), None)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     if _deeper_than(body, MAX_BODY_DEPTH):
-        raise too_deep
+        raise _too_deep()
     if kind == "completions":
         prompt = body.get("prompt")
         if prompt is None:
