@@ -753,8 +753,9 @@ class EngineClient:
         return await self._metrics(None)
 
     async def load(self) -> EngineMetrics:
-        """As :meth:`metrics`, with only the load gauges parsed (``LOAD_SAMPLES``;
-        the router's periodic load poll: a tenth of the parsing)."""
+        """As :meth:`metrics`, with only the samples its summary reads parsed
+        (``LOAD_SAMPLES``: the load gauges, the cache configuration, the process start;
+        a tenth of the parsing), for the router's periodic load poll and prefix watch."""
         return await self._metrics(LOAD_SAMPLES)
 
     async def _metrics(self, names: frozenset[str] | None) -> EngineMetrics:

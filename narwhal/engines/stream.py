@@ -327,6 +327,7 @@ class DecodeStream:
         self.closed = False
         self._silence_scope: trio.CancelScope | None = None
         self._silence_s = 0.0  # pragma: no mutate (equivalent: set before use)
+        self._silence_slack_s = 0.0  # pragma: no mutate (equivalent: set before use)
 
     @property
     def cached_tokens(self) -> int | None:
@@ -348,6 +349,7 @@ class DecodeStream:
         """
         self._silence_scope = scope
         self._silence_s = seconds
+        self._silence_slack_s = seconds * SILENCE_SLACK
 
     def __aiter__(self) -> Self:
         return self
@@ -434,8 +436,9 @@ class DecodeStream:
         scope = self._silence_scope
         if scope is not None:
             due = now + self._silence_s
-            if not due <= scope.deadline <= due + self._silence_s * SILENCE_SLACK:
-                scope.deadline = due + self._silence_s * SILENCE_SLACK
+            latest = due + self._silence_slack_s
+            if not due <= scope.deadline <= latest:
+                scope.deadline = latest
         if self._lazy:
             count, run, rest = self._decoder.feed_tokens(data)
             if count:

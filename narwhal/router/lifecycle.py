@@ -22,9 +22,10 @@ deadline (``deadline``) and that engine (``held_by``).
 
 One scope carries the decode leg's deadlines and is moved as the stream advances, in
 steps of a slack (the silence bound may end a stream up to 1/64 of the bound late,
-never early), so most tokens cost no deadline assignment at all. The HTTP 200 of a streaming answer is
-committed at the first generated token: every failure before it is an ordinary HTTP
-error; after it, the stream ends with a terminal ``data: {"error": ...}`` event.
+never early), so most tokens cost no deadline assignment at all. The HTTP 200 of a
+streaming answer is committed at the first generated token: every failure before it is
+an ordinary HTTP error; after it, the stream ends with a terminal ``data: {"error": ...}``
+event.
 """
 
 from __future__ import annotations
