@@ -19,6 +19,7 @@ import zmq
 
 from narwhal.config import EngineConfig, parse_as
 from narwhal.engines.kvevents import (
+    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -27,7 +28,9 @@ from narwhal.engines.kvevents import (
     MalformedBatch,
     decode_batch,
     encode_batch,
+    seq_bytes,
 )
+from narwhal.engines.zmqtrio import close_socket, recv_multipart, send_multipart
 from narwhal.errors import ConfigError
 from narwhal.testing import SimEngine, open_sim_fleet
 from narwhal.testing.blockpool import block_hashes, external_hash, none_hash
@@ -349,6 +352,60 @@ async def until(predicate: Callable[[], object]) -> None:
         await trio.sleep(0.01)
 
 
+async def test_replays_that_complete_share_one_connection() -> None:
+    """The replay on subscribing and every probe after it use one DEALER: a probe every
+    few seconds does not open and close a connection to the engine each time."""
+    ctx = RecordingContext()
+    async with subscribed(kv_engine(), context=ctx, probe_interval_s=0.02) as (_, client, got, sub):
+        await complete(client, list(range(10, 20)))
+        await got.until(lambda: got.batches)
+        await until(lambda: sub.probes >= 5)
+        dealers = [s for s in ctx.made if s.type == zmq.DEALER]
+        assert len(dealers) == 1 and not dealers[0].closed
+        assert sub.replays == 1 and sub.resets == 1 and sub.probe_gaps == 0
+    assert not ctx.open()
+    ctx.term()
+
+
+async def test_a_replay_that_failed_leaves_its_late_answer_unread() -> None:
+    """A replay without an answer in time closes its DEALER: the answer that comes later
+    is never read as the next replay's, which asks on a new connection."""
+    ctx = RecordingContext()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    requests: list[int] = []
+
+    async def answer_late_then_at_once() -> None:
+        while True:
+            client, _, start = await recv_multipart(router)
+            requests.append(int.from_bytes(start, "big"))
+            if len(requests) == 1:
+                await trio.sleep(0.5)  # after the first replay gave up
+            batch = encode_batch(EventBatch(ts=1.0, events=(AllBlocksCleared(),)))
+            send_multipart(router, [client, b"", b"kv", seq_bytes(len(requests)), batch])
+            send_multipart(router, [client, b"", b"", END_SEQ, b""])
+
+    sub = KVEventSubscriber("tcp://127.0.0.1:1", replay_endpoint=endpoint, on_batch=lambda s, b: None,
+                            on_reset=lambda r: None, replay_timeout_s=0.2, context=ctx)  # fmt: skip
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer_late_then_at_once)
+            assert await sub._replay(7) is None
+            assert [s.type for s in ctx.open()] == [zmq.ROUTER]  # the DEALER is closed
+            await trio.sleep(0.6)  # the late answer went out to the closed connection
+            got = await sub._replay(9)
+            assert got is not None and [seq for seq, _ in got] == [2]
+            assert requests == [7, 9]
+            assert len([s for s in ctx.made if s.type == zmq.DEALER]) == 2
+            nursery.cancel_scope.cancel()
+    sub._close_dealer()
+    close_socket(router)
+    assert not ctx.open()
+    ctx.term()
+
+
 @pytest.mark.parametrize("moment", ["following", "replaying", "retrying"])
 async def test_a_cancelled_subscriber_closes_every_socket_and_leaves_no_task(moment: str) -> None:
     """Cancelled while it follows live batches, while a replay is outstanding (the replay
@@ -373,7 +430,8 @@ async def test_a_cancelled_subscriber_closes_every_socket_and_leaves_no_task(mom
                 if moment == "following":
                     await complete(client, list(range(10, 20)))
                     await got.until(lambda: got.batches)
-                    assert len(ctx.open()) == 1  # the SUB socket; the replay's DEALER is closed
+                    # the SUB socket and the replay's DEALER, kept after the replay on subscribing
+                    assert sorted(s.type for s in ctx.open()) == sorted([zmq.SUB, zmq.DEALER])
                 elif moment == "replaying":
                     await until(lambda: sub.replays and len(ctx.open()) == 2)
                     assert sorted(s.type for s in ctx.open()) == sorted([zmq.SUB, zmq.DEALER])

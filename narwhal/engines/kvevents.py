@@ -344,6 +344,9 @@ class KVEventSubscriber:
         self._live_since_probe = 0
         self._last: tuple[int, bytes] | None = None
         self._last_error: str | None = None
+        #: The replay endpoint's DEALER, kept from one replay to the next while replays
+        #: complete (a failed one closes it, so its late answer is never read as the next's).
+        self._dealer: zmq.Socket[bytes] | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe and deliver until cancelled.
@@ -399,6 +402,7 @@ class KVEventSubscriber:
                 await self._receive(int.from_bytes(frames[1], "big"), frames[2])
         finally:
             close_socket(sub)
+            self._close_dealer()
 
     async def _receive(self, seq: int, payload: bytes) -> None:
         self.live += 1
@@ -525,13 +529,22 @@ class KVEventSubscriber:
                 self._deliver(seq, payload)
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """The engine's buffered batches from ``start`` on, or None if it did not answer."""
+        """The engine's buffered batches from ``start`` on, or None if it did not answer.
+
+        One DEALER serves every replay of a subscription (a probe every
+        ``probe_interval_s`` would otherwise open and close a connection to the engine
+        each time); a replay that does not complete (no answer in time, cancelled, an
+        error) closes it, and the next opens a new one.
+        """
         assert self.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer = self._dealer
         got: list[tuple[int, bytes]] = []
+        complete = False
         try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.replay_endpoint)
+            if dealer is None:
+                dealer = self._dealer = self._ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(self.replay_endpoint)
             send_multipart(dealer, [b"", seq_bytes(start)])
             with trio.move_on_after(self.replay_timeout_s):
                 while True:
@@ -540,6 +553,7 @@ class KVEventSubscriber:
                         continue
                     seq_frame, payload = frames[-2], frames[-1]
                     if seq_frame == END_SEQ:
+                        complete = True
                         return got
                     if len(frames) == 4:  # [b"", topic, seq, payload]
                         self.engine_topic = frames[1]
@@ -549,5 +563,11 @@ class KVEventSubscriber:
                         self.replay_timeout_s)  # fmt: skip
             return None
         finally:
+            if not complete:
+                self._close_dealer()
+
+    def _close_dealer(self) -> None:
+        dealer, self._dealer = self._dealer, None
+        if dealer is not None:
             close_socket(dealer)
 
