@@ -145,6 +145,9 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),
+    # The KV-event subscriber: the wire format, sequence following, replays and probes
+    # (on the real clock: ZeroMQ delivers on its own thread).
+    "narwhal/engines/kvevents.py": ("tests/test_kvevents.py", "tests/test_kvevents_stale.py"),
     # The reactive controller's rules directly (corrections, demand, the pressure model,
     # the decisions and their file), and end to end behind a router.
     "narwhal/router/controller.py": ("tests/test_controller_rules.py", "tests/test_reactive.py"),
