@@ -19,7 +19,6 @@ import zmq
 
 from narwhal.config import EngineConfig, parse_as
 from narwhal.engines.kvevents import (
-    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -28,12 +27,11 @@ from narwhal.engines.kvevents import (
     MalformedBatch,
     decode_batch,
     encode_batch,
-    seq_bytes,
 )
-from narwhal.engines.zmqtrio import close_socket, recv_multipart, send_multipart
 from narwhal.errors import ConfigError
 from narwhal.testing import SimEngine, open_sim_fleet
 from narwhal.testing.blockpool import block_hashes, external_hash, none_hash
+from narwhal.testing.kvpublisher import SimKVPublisher
 from narwhal.testing.ports import free_port
 
 GUARD_S = 20.0
@@ -370,38 +368,29 @@ async def test_replays_that_complete_share_one_connection() -> None:
 async def test_a_replay_that_failed_leaves_its_late_answer_unread() -> None:
     """A replay without an answer in time closes its DEALER: the answer that comes later
     is never read as the next replay's, which asks on a new connection."""
+    config = kv_engine()
+    kv = config.kv_events
+    assert kv is not None and kv.replay_endpoint is not None
     ctx = RecordingContext()
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(endpoint)
-    requests: list[int] = []
-
-    async def answer_late_then_at_once() -> None:
-        while True:
-            client, _, start = await recv_multipart(router)
-            requests.append(int.from_bytes(start, "big"))
-            if len(requests) == 1:
-                await trio.sleep(0.5)  # after the first replay gave up
-            batch = encode_batch(EventBatch(ts=1.0, events=(AllBlocksCleared(),)))
-            send_multipart(router, [client, b"", b"kv", seq_bytes(len(requests)), batch])
-            send_multipart(router, [client, b"", b"", END_SEQ, b""])
-
-    sub = KVEventSubscriber("tcp://127.0.0.1:1", replay_endpoint=endpoint, on_batch=lambda s, b: None,
-                            on_reset=lambda r: None, replay_timeout_s=0.2, context=ctx)  # fmt: skip
+    publisher = SimKVPublisher(kv, wall_time=lambda: 1.0, context=ctx)
+    publisher.bind()
+    for _ in range(10):
+        publisher.publish([AllBlocksCleared()])
+    sub = KVEventSubscriber(kv.endpoint, replay_endpoint=kv.replay_endpoint, topic=kv.topic,
+                            on_batch=lambda s, b: None, on_reset=lambda r: None,
+                            replay_timeout_s=0.05, context=ctx)  # fmt: skip
     with trio.fail_after(GUARD_S):
+        assert await sub._replay(7) is None  # the engine does not answer yet
+        assert sorted(s.type for s in ctx.open()) == sorted([zmq.PUB, zmq.ROUTER])  # DEALER closed
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(answer_late_then_at_once)
-            assert await sub._replay(7) is None
-            assert [s.type for s in ctx.open()] == [zmq.ROUTER]  # the DEALER is closed
-            await trio.sleep(0.6)  # the late answer went out to the closed connection
+            # Now it answers, the late request first: batches 7..9 to the closed DEALER.
+            nursery.start_soon(publisher.serve_replay)
             got = await sub._replay(9)
-            assert got is not None and [seq for seq, _ in got] == [2]
-            assert requests == [7, 9]
-            assert len([s for s in ctx.made if s.type == zmq.DEALER]) == 2
             nursery.cancel_scope.cancel()
-    sub._close_dealer()
-    close_socket(router)
+    assert got is not None and [seq for seq, _ in got] == [9]
+    assert len([s for s in ctx.made if s.type == zmq.DEALER]) == 2
+    sub._close_dealer()  # (its own run() would close it; this test calls _replay alone)
+    publisher.close()
     assert not ctx.open()
     ctx.term()
 
