@@ -296,8 +296,8 @@ async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: 
     recorded = {family.name for family in vars(metrics).values() if hasattr(family, "cells")}
     live = {name: family for name, family in families.items() if name.removesuffix("_created") not in recorded}
     per_engine = {"p0": 2, "p1": 0, "d0": 1, "d1": 0}
-    loads = {"p0": (1, 120, 0, 0), "p1": (0, 0, 0, 0), "d0": (0, 0, 2, 300), "d1": (0, 0, 0, 0)}
-    kinds = ("prefill_requests", "prefill_tokens", "decode_requests", "decode_kv_tokens")
+    loads = {"p0": (1, 120, 0, 0, 0), "p1": (0, 0, 0, 0, 0), "d0": (0, 0, 2, 300, 0), "d1": (0, 0, 0, 0, 0)}
+    kinds = ("prefill_requests", "prefill_tokens", "decode_requests", "decode_kv_tokens", "decode_kv_shared_tokens")
     assert live == {
         "narwhal_event_subscribers": ("gauge", "Live event subscribers.", [("narwhal_event_subscribers", {}, 2)]),
         "narwhal_in_flight_requests": (

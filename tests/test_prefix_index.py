@@ -203,6 +203,29 @@ def test_a_prompt_is_looked_up_once_for_every_engine_and_again_after_a_change() 
     assert lookup.cached_tokens("q0") == 88 and lookup.lookups == 3  # its own block size
 
 
+def test_a_lookup_names_the_blocks_each_engine_holds_by_their_chain_ids() -> None:
+    index = PrefixIndex()
+    index.enable("p0", block_size=2, capacity_tokens=64, events=False)
+    index.enable("p1", block_size=2, capacity_tokens=64, events=False)
+    index.enable("q0", block_size=4, capacity_tokens=64, events=False)
+    a = [1, 2, 3, 4, 5, 6, 7]
+    index.placed("p0", a)
+    index.placed("p1", a[:4])
+    index.placed("q0", a)
+    lookup = index.lookup(a)
+    chain, bs = lookup.held_chain("p0")
+    assert bs == 2 and len(chain) == 3 == len(set(chain))  # three blocks short of the last token
+    # The engine that holds the first two holds them under the same ids.
+    assert lookup.held_chain("p1") == (chain[:2], 2)
+    assert [lookup.cached_tokens(n) for n in ("p0", "p1")] == [6, 4]
+    other, bs = lookup.held_chain("q0")
+    assert bs == 4 and len(other) == 1 and other[0] not in chain  # its own block size, its own ids
+    # An engine whose hits are not priced holds nothing the router counts.
+    index.disable("p1")
+    assert lookup.held_chain("p1") == ((), 0) and lookup.held_chain("nobody") == ((), 0)
+    assert index.lookup([9, 9, 9]).held_chain("p0") == ([], 2)
+
+
 def test_an_engine_that_leaves_the_fleet_leaves_nothing_in_the_index() -> None:
     index = PrefixIndex()
     index.enable("e0", block_size=2, capacity_tokens=8, events=True)

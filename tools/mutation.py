@@ -97,10 +97,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/pricing.py": (
         "tests/test_pricing_rules.py", "tests/test_priced_placement.py", "tests/test_prefix_placement.py",
         "tests/test_prefix_replication.py", "tests/test_reactive.py", "tests/test_queue_models.py",
+        "tests/test_shared_kv.py",
         "--deselect=tests/test_priced_placement.py::test_priced_placement_holds_the_slo_for_more_requests",
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),
+    # The prompt blocks a consumer's streams share: its own tests and pricing's KV room.
+    "narwhal/router/sharedkv.py": ("tests/test_shared_kv.py",),
     # Prompt sizes and the learned tokens-per-byte ratio: pure functions, direct tests.
     "narwhal/router/promptlen.py": ("tests/test_promptlen.py",),
     # The poll's loop against stand-in engine clients (the replica tests' end-to-end runs
@@ -133,7 +136,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     # (without the load-level comparison, twenty seconds a run).
     "narwhal/router/prefix.py": (
         "tests/test_prefix_index.py", "tests/test_kvevents.py", "tests/test_kvevents_stale.py",
-        "tests/test_prefix_placement.py", "tests/test_prefix_replication.py",
+        "tests/test_prefix_placement.py", "tests/test_prefix_replication.py", "tests/test_shared_kv.py",
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),

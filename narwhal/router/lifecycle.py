@@ -303,11 +303,13 @@ class RequestLifecycle:
         prefix = state.prefix
         # The prompt's block chain is looked up once; each candidate engine's hit is then
         # a walk over its ids.
-        cached = prefix.lookup(ids).cached_tokens if ids is not None and prefix.active else None
+        lookup = prefix.lookup(ids) if ids is not None and prefix.active else None
+        cached = lookup.cached_tokens if lookup is not None else None
         try:
             reservation = await state.placement.acquire(
                 self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline,
                 elapsed_s=placed_at - self.arrival, cached=cached, model=self.record.model, prompt_ids=ids,
+                held=lookup.held_chain if lookup is not None else None,
             )  # fmt: skip
         finally:
             attempt.placement_wait_s = state.clock() - placed_at

@@ -71,11 +71,16 @@ class _LiveState(Collector):
         reserved = GaugeMetricFamily(
             "narwhal_engine_reserved", "Reserved load by engine and kind.", labels=["engine", "kind"]
         )
+        # Priced placement counts the prompt blocks a consumer's streams share once.
+        placement = state.placement
+        shared_kv = placement.shared_kv if isinstance(placement, PricedPlacement) else {}
         for name, load in state.placement.loads.items():
             reserved.add_metric([name, "prefill_requests"], load.prefill_requests)
             reserved.add_metric([name, "prefill_tokens"], load.prefill_tokens)
             reserved.add_metric([name, "decode_requests"], load.decode_requests)
             reserved.add_metric([name, "decode_kv_tokens"], load.decode_kv_tokens)
+            shared = shared_kv.get(name)
+            reserved.add_metric([name, "decode_kv_shared_tokens"], shared.shared_tokens if shared is not None else 0)
         yield reserved
         others = GaugeMetricFamily(
             "narwhal_engine_others_requests",

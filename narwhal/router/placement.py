@@ -34,6 +34,7 @@ import attrs
 import trio
 
 from narwhal.errors import Refused
+from narwhal.router.sharedkv import HeldChain
 
 __all__ = ["EngineLoad", "Placement", "Reservation"]
 
@@ -331,9 +332,10 @@ class Placement:
         cached: Callable[[str], int] | None = None,
         model: str | None = None,
         prompt_ids: Sequence[int] | None = None,
+        held: Callable[[str], HeldChain] | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` (least-loaded placement never waits; it ignores
-        ``cached`` and ``prompt_ids``).
+        ``cached``, ``prompt_ids`` and ``held``).
 
         Cancellation is honoured here, but it does not yield to the scheduler: the
         request's next step is engine I/O, which does (a pass of the run loop per

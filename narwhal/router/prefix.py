@@ -356,7 +356,21 @@ class PromptLookup:
         bs = view.block_size if view is not None else None
         if view is None or bs is None or engine not in self._index.active:
             return 0
-        limit = hit_limit(len(self.ids), bs)
+        return view.held_blocks(self._chain(bs)) * bs
+
+    def held_chain(self, engine: str) -> tuple[Sequence[int], int]:
+        """The chain ids of the prompt's leading blocks that ``engine``'s cache holds (as
+        many as :meth:`cached_tokens` counts), and its block size (no ids and 0: its
+        hits are not priced)."""
+        view = self._index.view(engine)
+        bs = view.block_size if view is not None else None
+        if view is None or bs is None or engine not in self._index.active:
+            return (), 0
+        chain = self._chain(bs)
+        return chain[: view.held_blocks(chain)], bs
+
+    def _chain(self, bs: int) -> list[int]:
+        """The prompt's leading chain ids in blocks of ``bs`` that some view holds."""
         chains = self._index.chains
         if chains.version != self._version:
             self._chains.clear()
@@ -364,8 +378,8 @@ class PromptLookup:
         chain = self._chains.get(bs)
         if chain is None:
             self.lookups += 1
-            chain = self._chains[bs] = chains.lookup(self.ids, bs, limit)
-        return view.held_blocks(chain) * bs
+            chain = self._chains[bs] = chains.lookup(self.ids, bs, hit_limit(len(self.ids), bs))
+        return chain
 
 
 class PrefixIndex:

@@ -23,7 +23,9 @@ When the fleet names a profiles pair whose fits bind to the engines running now
   domain the fit is used as is; outside it the price is taken at the domain's edge and
   scaled up by how far the point lies beyond it (conservative), and counted;
 - the KV constraint: a consumer whose resident KV would pass its capacity is not a
-  candidate, when that capacity is a limit (``physical`` or ``tpot``); when no priced
+  candidate, when that capacity is a limit (``physical`` or ``tpot``; against a
+  ``physical`` one the prompt blocks its streams share in its prefix cache count once,
+  :mod:`narwhal.router.sharedkv`); when no priced
   consumer has room, admission refuses or waits as for a missed target (the refusal
   names the consumer closest to room and by how many tokens), and the request is never
   placed by the fallback below, which is for engines without a bound profile; a ``measured``
@@ -100,6 +102,7 @@ from narwhal.errors import Refused
 from narwhal.profile.store import EngineProfile
 from narwhal.router.placement import Placement, Reservation
 from narwhal.router.prefillqueue import PrefillQueues
+from narwhal.router.sharedkv import HeldChain, SharedBlocks
 
 __all__ = ["CONSUMER_TIE", "REPLICATE_AT", "PricedPlacement", "Quote", "Replicate", "best_consumer"]
 
@@ -218,6 +221,8 @@ class PricedPlacement(Placement):
         self._copies: dict[str, int] = {}
         #: The refused prompts being computed (:meth:`warming`), by producer.
         self._warming: dict[str, Sequence[int]] = {}
+        #: Per consumer, the cached prompt blocks its streams hit when placed.
+        self.shared_kv: dict[str, SharedBlocks] = {}
 
     # ----------------------------------------------------------------- prices
 
@@ -295,10 +300,12 @@ class PricedPlacement(Placement):
         return profile.predict_ttft(prompt_tokens)
 
     def quote_consumer(
-        self, name: str, prompt_tokens: int, max_tokens: int, cached_tokens: int | None = None
+        self, name: str, prompt_tokens: int, max_tokens: int, cached_tokens: int | None = None,
+        held: HeldChain = ((), 0),
     ) -> Quote | None:
         """Predicted TPOT with this request added; ``cached_tokens`` (the consumer's own
-        prefix-cache hit, which it need not pull) rides on the quote for the choice."""
+        prefix-cache hit, which it need not pull) rides on the quote for the choice;
+        ``held``: the chain ids of that hit (streams that share them hold them once)."""
         profile = self.profiles[name]
         decode, capacity = profile.decode, profile.kv_capacity
         if decode is None or capacity is None:
@@ -306,7 +313,7 @@ class PricedPlacement(Placement):
         others = self.others_decode(name)
         active = self.loads[name].decode_requests + others + 1
         kv = self._consumer_kv(name, prompt_tokens, max_tokens)
-        if capacity.is_limit and kv > capacity.tokens:
+        if capacity.is_limit and self._room_kv(name, kv, held) > capacity.tokens:
             return None
         domain = decode.domain
         inside = domain.contains(active, kv)
@@ -328,9 +335,22 @@ class PricedPlacement(Placement):
 
     def _consumer_kv(self, name: str, prompt_tokens: int, max_tokens: int) -> int:
         """The KV tokens resident on consumer ``name`` with this request added (the
-        others' streams each with this router's mean reservation)."""
+        others' streams each with this router's mean reservation), every stream's
+        prompt counted in full: what its decode steps read (the TPOT fit's resident KV)."""
         load = self.loads[name]
         return load.decode_kv_tokens + round(self.others_decode(name) * self.mean_kv_tokens) + prompt_tokens + max_tokens
+
+    def _room_kv(self, name: str, kv: int, held: HeldChain) -> int:
+        """The KV tokens ``kv`` (:meth:`_consumer_kv`) takes of consumer ``name``'s
+        capacity: against its ``physical`` capacity the prompt blocks its streams share
+        in its prefix cache count once (:mod:`narwhal.router.sharedkv`), this
+        request's hit on blocks a stream there holds included; a ``tpot`` capacity is
+        a limit of what the decode steps read, every stream's prompt in full."""
+        shared = self.shared_kv.get(name)
+        capacity = self.profiles[name].kv_capacity
+        if shared is None or capacity is None or capacity.source != "physical":
+            return kv
+        return kv - shared.shared_tokens - shared.held_by_streams(*held)
 
     # ----------------------------------------------------------------- choosing
 
@@ -346,11 +366,13 @@ class PricedPlacement(Placement):
         elapsed_s: float = 0.0,
         cached: Callable[[str], int] | None = None,
         model: str | None = None,
+        held: Callable[[str], HeldChain] | None = None,
     ) -> tuple[Quote, Quote] | None:
         """The best (producer, consumer) quotes among engines serving ``model``, or None
         when no priced pair exists.
 
-        ``cached`` says how many leading prompt tokens an engine holds (the prefix index).
+        ``cached`` says how many leading prompt tokens an engine holds (the prefix index),
+        ``held`` which blocks (:meth:`narwhal.router.prefix.PromptLookup.held_chain`).
         When every priced consumer's KV capacity is a limit this request would pass, the
         consumer quote is the one it would pass by least, with ``kv_over`` set (a pair
         that cannot be placed: no room is not no price).
@@ -363,13 +385,19 @@ class PricedPlacement(Placement):
             (self.quote_producer(n, prompt_tokens, elapsed_s, cached(n) if cached else None) for n in producers),
             key=lambda q: (not q.delays, q.headroom),
         )
+        chains = {n: held(n) for n in consumers} if held is not None else {}
         quotes = [
             q for n in consumers
-            if (q := self.quote_consumer(n, prompt_tokens, max_tokens, cached(n) if cached else None)) is not None
+            if (q := self.quote_consumer(n, prompt_tokens, max_tokens, cached(n) if cached else None,
+                                         chains.get(n, ((), 0)))) is not None
         ]  # fmt: skip
         if not quotes:
-            limited = [(self._consumer_kv(n, prompt_tokens, max_tokens) - capacity.tokens, n) for n in consumers
-                       if (capacity := self.profiles[n].kv_capacity) is not None and self.profiles[n].decode is not None]
+            limited = [
+                (self._room_kv(n, self._consumer_kv(n, prompt_tokens, max_tokens), chains.get(n, ((), 0)))
+                 - capacity.tokens, n)
+                for n in consumers
+                if (capacity := self.profiles[n].kv_capacity) is not None and self.profiles[n].decode is not None
+            ]  # fmt: skip
             if not limited:
                 return None  # profiled for prefill only: no consumer is priced
             over, name = min(limited)
@@ -386,6 +414,7 @@ class PricedPlacement(Placement):
         cached: Callable[[str], int] | None = None,
         model: str | None = None,
         prompt_ids: Sequence[int] | None = None,
+        held: Callable[[str], HeldChain] | None = None,
     ) -> Reservation:
         """Reserve the best pair serving ``model`` now; raise ``_NoCapacity`` when none meets the SLO.
 
@@ -395,7 +424,7 @@ class PricedPlacement(Placement):
         ``prompt_ids`` (the prompt's token ids) lets a busy prefix be copied to another
         producer (:meth:`replication`).
         """
-        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s, cached, model)
+        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s, cached, model, held)
         if quotes is None:
             self.counters["fallback"] += 1
             reservation = super().choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
@@ -422,7 +451,28 @@ class PricedPlacement(Placement):
         if c.out_of_domain:
             self.counters["out_of_domain"] += 1
         reservation = Reservation(self, p.engine, c.engine, prompt_tokens, prompt_tokens + max_tokens)
-        return self._reserve(reservation, prompt_tokens, p, c)
+        self._reserve(reservation, prompt_tokens, p, c)
+        if held is not None:
+            self._share(reservation, held(c.engine))
+        return reservation
+
+    def _share(self, reservation: Reservation, held: HeldChain) -> None:
+        """The stream of ``reservation`` hits ``held`` in its consumer's cache: those
+        blocks are counted once with the other streams there until its decode ends."""
+        chain, block_size = held
+        if not chain:
+            return
+        consumer = reservation.consumer
+        shared = self.shared_kv.get(consumer)
+        if shared is None:
+            shared = self.shared_kv[consumer] = SharedBlocks()
+        shared.add(chain, block_size)
+
+        def release() -> None:
+            shared.remove(chain, block_size)
+            self._capacity_changed()
+
+        reservation.on_release_decode = release
 
     def replication(
         self, prompt_tokens: int, cached: Callable[[str], int], model: str | None = None
@@ -595,6 +645,7 @@ class PricedPlacement(Placement):
         cached: Callable[[str], int] | None = None,
         model: str | None = None,
         prompt_ids: Sequence[int] | None = None,
+        held: Callable[[str], HeldChain] | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` predicted to meet the SLO, waiting for capacity
         (admission ``wait``)."""
@@ -603,7 +654,7 @@ class PricedPlacement(Placement):
         while True:
             try:
                 return self.choose(prompt_tokens, max_tokens, avoid=avoid, elapsed_s=elapsed_s + self.clock() - start,
-                                   cached=cached, model=model, prompt_ids=prompt_ids)  # fmt: skip
+                                   cached=cached, model=model, prompt_ids=prompt_ids, held=held)  # fmt: skip
             except _NoCapacity as miss:
                 slo_deadline = deadline
                 if self.admission == "refuse" or self.clock() >= slo_deadline:
@@ -648,7 +699,7 @@ class PricedPlacement(Placement):
     def remove_engine(self, name: str) -> None:
         super().remove_engine(name)
         for table in (self.ttft_correction, self.tpot_correction, self.profiles, self.unbound, self.ttft_ratios,
-                      self._observed_low):  # fmt: skip
+                      self._observed_low, self.shared_kv):  # fmt: skip
             table.pop(name, None)
         self.queues.remove_engine(name)
 
