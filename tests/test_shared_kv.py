@@ -69,6 +69,31 @@ def test_a_physical_capacity_counts_the_prefix_its_streams_share_once() -> None:
     assert pl.loads["d0"].decode_kv_tokens == 0
 
 
+def test_others_streams_take_the_room_this_routers_streams_take_on_the_mean() -> None:
+    pl = priced(profiles={"p0": profile("p0"), "d0": profile("d0", capacity=2_728)}, ttft_s=None)
+    pl.mean_kv_tokens = 1200.0
+    pl.engine_reported("d0", 5, 0, 0)  # five streams that another router placed
+    assert pl.mean_room_tokens is None  # nothing placed yet: they count in full
+    assert pl.quote_consumer("d0", 1100, 100, held=held_prefix("d0")) is None
+    pl.profiles["d0"] = profile("d0", capacity=20_000)
+    streams = [pl.choose(1100, 100, held=held_prefix) for _ in range(3)]
+    # The first took 1,200 tokens, the next two 176 each: a moving mean from the first.
+    assert pl.mean_room_tokens == pytest.approx(1200 + 0.05 * (176 - 1200) + 0.05 * 0.95 * (176 - 1200))
+    pl.profiles["d0"] = profile("d0", capacity=2_728)
+    pl.mean_kv_tokens, pl.mean_room_tokens = 1200.0, 200.0
+    pl.engine_reported("d0", 8, 0, 3)
+    # Ours 3,600 - 2,048 shared, the others' 5 * 200, this one's 176: 2,728 of 2,728.
+    q = pl.quote_consumer("d0", 1100, 100, held=held_prefix("d0"))
+    assert q is not None and q.predicted_s == pytest.approx(tpot(9, 3600 + 5 * 1200 + 1200))
+    assert pl.quote_consumer("d0", 1100, 101, held=held_prefix("d0")) is None
+    # A tpot capacity counts the others' streams at the mean KV, in full.
+    pl.profiles["d0"] = profile("d0", capacity=10_800, source="tpot")
+    assert pl.quote_consumer("d0", 1100, 100, held=held_prefix("d0")) is not None
+    assert pl.quote_consumer("d0", 1100, 101, held=held_prefix("d0")) is None
+    for stream in streams:
+        stream.release()
+
+
 def test_a_prefix_in_the_cache_that_no_stream_holds_is_no_share() -> None:
     # The consumer holds both prefixes but no stream does: their blocks are free
     # (evictable) until a request hits them, so the first request of each counts in full.

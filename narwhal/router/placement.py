@@ -36,10 +36,10 @@ import trio
 from narwhal.errors import Refused
 from narwhal.router.sharedkv import HeldChain
 
-__all__ = ["EngineLoad", "Placement", "Reservation"]
+__all__ = ["MEAN_WEIGHT", "EngineLoad", "Placement", "Reservation"]
 
 #: Weight of the newest request in the moving means of request sizes.
-_MEAN_WEIGHT = 0.05
+MEAN_WEIGHT = 0.05
 
 
 @attrs.define
@@ -253,8 +253,8 @@ class Placement:
         if self.mean_kv_tokens == 0.0:
             self.mean_prompt_tokens, self.mean_kv_tokens = float(prompt_tokens), float(kv_tokens)
             return
-        self.mean_prompt_tokens += _MEAN_WEIGHT * (prompt_tokens - self.mean_prompt_tokens)
-        self.mean_kv_tokens += _MEAN_WEIGHT * (kv_tokens - self.mean_kv_tokens)
+        self.mean_prompt_tokens += MEAN_WEIGHT * (prompt_tokens - self.mean_prompt_tokens)
+        self.mean_kv_tokens += MEAN_WEIGHT * (kv_tokens - self.mean_kv_tokens)
 
     def engine_reported(self, name: str, running: int, waiting: int, own: int) -> None:
         """What the engine reports it runs and queues, and this router's legs on it then."""

@@ -100,7 +100,7 @@ import trio
 from narwhal.config import SLOConfig
 from narwhal.errors import Refused
 from narwhal.profile.store import EngineProfile
-from narwhal.router.placement import Placement, Reservation
+from narwhal.router.placement import MEAN_WEIGHT, Placement, Reservation
 from narwhal.router.prefillqueue import PrefillQueues
 from narwhal.router.sharedkv import HeldChain, SharedBlocks
 
@@ -223,6 +223,11 @@ class PricedPlacement(Placement):
         self._warming: dict[str, Sequence[int]] = {}
         #: Per consumer, the cached prompt blocks its streams hit when placed.
         self.shared_kv: dict[str, SharedBlocks] = {}
+        #: The moving mean of the KV a placed stream takes of its consumer's capacity:
+        #: its prompt and output less the blocks it hits that a stream there holds (None
+        #: until a priced placement). Others' streams are counted at it against a
+        #: ``physical`` capacity: they hit the same prefixes.
+        self.mean_room_tokens: float | None = None
 
     # ----------------------------------------------------------------- prices
 
@@ -346,11 +351,14 @@ class PricedPlacement(Placement):
         in its prefix cache count once (:mod:`narwhal.router.sharedkv`), this
         request's hit on blocks a stream there holds included; a ``tpot`` capacity is
         a limit of what the decode steps read, every stream's prompt in full."""
-        shared = self.shared_kv.get(name)
         capacity = self.profiles[name].kv_capacity
-        if shared is None or capacity is None or capacity.source != "physical":
+        if capacity is None or capacity.source != "physical":
             return kv
-        return kv - shared.shared_tokens - shared.held_by_streams(*held)
+        room = self.mean_room_tokens
+        if room is not None:  # the others' streams, each at the mean room rather than the mean KV
+            kv -= round(self.others_decode(name) * (self.mean_kv_tokens - room))
+        shared = self.shared_kv.get(name)
+        return kv if shared is None else kv - shared.shared_tokens - shared.held_by_streams(*held)
 
     # ----------------------------------------------------------------- choosing
 
@@ -452,18 +460,21 @@ class PricedPlacement(Placement):
             self.counters["out_of_domain"] += 1
         reservation = Reservation(self, p.engine, c.engine, prompt_tokens, prompt_tokens + max_tokens)
         self._reserve(reservation, prompt_tokens, p, c)
-        if held is not None:
-            self._share(reservation, held(c.engine))
+        self._share(reservation, held(c.engine) if held is not None else ((), 0))
         return reservation
 
     def _share(self, reservation: Reservation, held: HeldChain) -> None:
         """The stream of ``reservation`` hits ``held`` in its consumer's cache: those
-        blocks are counted once with the other streams there until its decode ends."""
+        blocks are counted once with the other streams there until its decode ends; the
+        KV it takes of the consumer's capacity joins :attr:`mean_room_tokens`."""
         chain, block_size = held
-        if not chain:
-            return
         consumer = reservation.consumer
         shared = self.shared_kv.get(consumer)
+        room = reservation.kv_tokens - (shared.held_by_streams(chain, block_size) if shared is not None else 0)
+        mean = self.mean_room_tokens
+        self.mean_room_tokens = room if mean is None else mean + MEAN_WEIGHT * (room - mean)
+        if not chain:
+            return
         if shared is None:
             shared = self.shared_kv[consumer] = SharedBlocks()
         shared.add(chain, block_size)
