@@ -208,6 +208,24 @@ def test_others_prefills_are_priced_at_the_mean_prompt_of_this_router() -> None:
     assert pl.quote_producer("p0", 1000).predicted_s == pytest.approx(3 * ttft(500) + ttft(1000))
 
 
+def test_others_prefills_are_priced_at_the_mean_prefill_this_router_placed_there() -> None:
+    # The others' traffic is the same mix as this router's: where its prompts hit a
+    # cached prefix, so do theirs.
+    pl = priced(["p0", "p1"], ["d0"])
+    pl.mean_prompt_tokens = 1000.0
+    hit = pl.prefill_s("p0", 1000, 800)
+    assert hit < ttft(1000) / 3
+    for _ in range(3):
+        pl.choose(1000, 10, cached=lambda name: 800 if name == "p0" else 0).release()
+    assert pl.queues.mean_work_s("p0") == pytest.approx(hit) and pl.queues.mean_work_s("p1") is None
+    pl.engine_reported("p0", 2, 0, 0)
+    pl.engine_reported("p1", 2, 0, 0)
+    assert pl.others_prefill_s("p0") == pytest.approx(2 * hit)
+    assert pl.others_prefill_s("p1") == pytest.approx(2 * ttft(1000))  # none placed there yet
+    # In steps, each other's prompt adds its part beyond the step's fixed cost.
+    assert pl.others_prefill_s("p0", batched=True) == pytest.approx(2 * (hit - ttft(0)))
+
+
 # ----------------------------------------------------------------- consumer prices
 
 

@@ -131,10 +131,13 @@ def test_the_batched_queue_is_the_step_in_progress_then_the_waiting_prompts_beyo
     # A step overdue is predicted to end now, not in the past (and no prompt joins it).
     clock.now = 101.0
     assert pl.queues.queues_s("p0")[1] == 0.0
-    # Prompts others queued there count in both models, at this router's mean prompt.
-    pl.mean_prompt_tokens = 400.0
+    # Prompts others queued there count in both models, each at the mean prefill this
+    # router placed there: whole serially, its part beyond the fixed cost in steps.
     pl.engine_reported("p0", 2, 0, 0)
-    assert pl.queues.queues_s("p0") == pytest.approx((ttft(200) + 2 * ttft(400), 2 * ttft(400)))
+    mean = ttft(1000)
+    for work in (ttft(500), ttft(200)):
+        mean += 0.05 * (work - mean)
+    assert pl.queues.queues_s("p0") == pytest.approx((ttft(200) + 2 * mean, 2 * (mean - FIXED)))
 
 
 def test_an_unpriced_producers_prefills_teach_the_queue_models_nothing() -> None:
@@ -143,7 +146,7 @@ def test_an_unpriced_producers_prefills_teach_the_queue_models_nothing() -> None
     work = ttft(500)
     for priced_ in (False, True):
         clock = Clock()
-        queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED, others_s=lambda name: 0.0)
+        queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED, others_s=lambda name, batched: 0.0)
         keys = [queues.add("p0", work, math.inf, priced=priced_) for _ in range(3)]
         predicted = [(q.serial_s, q.batched_s) for q in queues.reserved["p0"].values()]
         if priced_:  # one after the other, or the two behind the first sharing the next step
@@ -160,7 +163,7 @@ def test_an_unpriced_producers_prefills_teach_the_queue_models_nothing() -> None
 
 def test_a_release_after_its_producer_left_releases_nothing() -> None:
     clock = Clock()
-    queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED, others_s=lambda name: 0.0)
+    queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED, others_s=lambda name, batched: 0.0)
     old = queues.add("p0", 0.3, math.inf, priced=True)
     queues.remove_engine("p0")
     queues.release("p0", old, done=True)  # gone: nothing to release, no error

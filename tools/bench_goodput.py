@@ -80,12 +80,14 @@ replicas' to the one router's.
 
     python tools/bench_goodput.py --replicas 2 --poll 0.25 --rates 8,12,16,20 --requests 200
 
-``--workers N`` adds, to the uniform workload's routers, the priced router served by
-``narwhal serve --workers N`` (one port; the workers share engine load by reading the
-engines' load every ``--poll`` seconds), beside the same router with one worker, so
-that placement quality with workers is measured against it on the same arrivals.
+``--workers N`` adds the priced (hit-aware) router served by ``narwhal serve --workers
+N`` (one port; the workers share engine load by reading the engines' load every
+``--poll`` seconds), beside the same router with one worker, so that placement quality
+with workers is measured against it on the same arrivals.
 
     python tools/bench_goodput.py --workers 2 --rates 4,8,12,16 --requests 120
+    python tools/bench_goodput.py --workers 2 --workload shared-prefix --chunked-prefill 2048 \
+        --rates 24,32,40 --requests 600 --warmup-s 10 --routers narwhal-hit-aware,narwhal-priced-2-workers
 """
 
 from __future__ import annotations
@@ -441,7 +443,7 @@ def main() -> int:
     parser.add_argument("--poll", type=float, default=0.25,
                         help="the replicas' or workers' engine load poll period, seconds (--replicas, --workers)")
     parser.add_argument("--workers", type=int, default=1,
-                        help="N >= 2: also the priced router with narwhal serve --workers N (uniform workload)")
+                        help="N >= 2: also the priced router with narwhal serve --workers N")
     parser.add_argument("--profile-repeats", type=int, default=3,
                         help="narwhal profile --repeats (more on a noisy machine)")
     parser.add_argument("--baseline", metavar="TREE",
@@ -463,8 +465,8 @@ def main() -> int:
         parser.error("--prefix-fleet goes with the shared-prefix or sessions workload")
     if args.replicas == 1 or args.replicas < 0 or (args.replicas and args.workload != "uniform"):
         parser.error("--replicas takes N >= 2, with the uniform workload")
-    if args.workers < 1 or (args.workers > 1 and (args.workload != "uniform" or args.replicas)):
-        parser.error("--workers takes N >= 1; N >= 2 with the uniform workload and without --replicas")
+    if args.workers < 1 or (args.workers > 1 and args.replicas):
+        parser.error("--workers takes N >= 1; N >= 2 without --replicas")
     rates = [float(r) for r in args.rates.split(",")]
     shared = args.workload != "uniform"
     slo_ms = SHARED_SLO if shared else SLO

@@ -18,9 +18,12 @@ prompt placed now is read from what is reserved, by the producer's queue model
   its latest :data:`ARRIVALS` placements times the time left of the step in progress,
   each their mean part beyond the fixed cost.
 
-Others' prefills (other routers' load on the engine) count the same in both, as the
-caller prices them. Every reserved prefill keeps the durations both models predicted
-for it when it was placed, which the queue models are scored on when it ends.
+Others' prefills (other routers' load on the engine) are priced by the caller, for the
+serial model whole, for the batched model each its part beyond the fixed cost (they
+share steps); the caller prices them from :meth:`PrefillQueues.mean_work_s`, the mean
+of the prefills this router placed there. Every reserved prefill keeps the durations
+both models predicted for it when it was placed, which the queue models are scored on
+when it ends.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Final
 import attrs
 
 from narwhal.router.batching import QueueModels
+from narwhal.router.placement import MEAN_WEIGHT
 
 __all__ = ["ARRIVALS", "PrefillQueues", "Queued"]
 
@@ -64,11 +68,12 @@ class PrefillQueues:
         clock: the current time.
         fixed_s: a producer's fixed cost of a prefill step (its TTFT curve at no
             tokens); asked only of producers whose prefills are priced.
-        others_s: the predicted prefill seconds others queued on a producer.
+        others_s: the predicted prefill seconds others queued on a producer, whole
+            (``batched`` False) or each its part beyond the fixed cost (True).
     """
 
     def __init__(self, names: Iterable[str], *, clock: Callable[[], float],
-                 fixed_s: Callable[[str], float], others_s: Callable[[str], float]) -> None:  # fmt: skip
+                 fixed_s: Callable[[str], float], others_s: Callable[[str, bool], float]) -> None:  # fmt: skip
         self.clock = clock
         self._fixed = fixed_s
         self._others = others_s
@@ -82,6 +87,8 @@ class PrefillQueues:
         self.models = QueueModels()
         #: Per producer, its latest placements: (when, part beyond a step's fixed cost).
         self._arrivals: dict[str, collections.deque[tuple[float, float]]] = {}
+        #: Per producer, the moving mean of the predicted prefill seconds placed there.
+        self._mean_work: dict[str, float] = {}
         self._keys = itertools.count()
 
     # ----------------------------------------------------------------- the queue
@@ -115,7 +122,7 @@ class PrefillQueues:
         if not queued:
             return 0
         remaining, waiting, next_step = self._steps_s(name, queued)
-        done = self.clock() + (remaining + waiting + self._others(name) + own_s) * correction
+        done = self.clock() + (remaining + waiting + self._others(name, True) + own_s) * correction
         return sum(1 for q in next_step if done > q.latest_done)
 
     def _step_start(self, name: str, queued: Mapping[int, Queued]) -> float:
@@ -135,14 +142,14 @@ class PrefillQueues:
         return [q for i, q in enumerate(queued.values()) if i and q.placed_at >= started]
 
     def _serial_s(self, name: str) -> float:
-        return self.work_s[name] - self.head_done_s(name) + self._others(name)
+        return self.work_s[name] - self.head_done_s(name) + self._others(name, False)
 
     def _batched_s(self, name: str) -> float:
         queued = self.reserved.get(name)
         if not queued:
             return self._serial_s(name)
         remaining, waiting, _ = self._steps_s(name, queued)
-        return remaining + waiting + remaining * self._join_rate_s(name) + self._others(name)
+        return remaining + waiting + remaining * self._join_rate_s(name) + self._others(name, True)
 
     def _join_rate_s(self, name: str) -> float:
         """Seconds of prefill (parts beyond the fixed cost) placed on ``name`` a second,
@@ -181,9 +188,17 @@ class PrefillQueues:
 
     def _arrived(self, producer: str, work: float) -> None:
         """A prefill of ``work`` seconds was placed on ``producer`` now (its part beyond
-        the fixed cost counts in the rate of prompts expected to join a step)."""
+        the fixed cost counts in the rate of prompts expected to join a step; it joins
+        the mean of the prefills placed there)."""
         recent = self._arrivals.setdefault(producer, collections.deque(maxlen=ARRIVALS))
         recent.append((self.clock(), max(work - self._fixed(producer), 0.0)))
+        mean = self._mean_work.get(producer)
+        self._mean_work[producer] = work if mean is None else mean + MEAN_WEIGHT * (work - mean)
+
+    def mean_work_s(self, name: str) -> float | None:
+        """The moving mean of the predicted prefill seconds (hits priced as hits) of the
+        priced prefills placed on ``name``; None before the first."""
+        return self._mean_work.get(name)
 
     def release(self, producer: str, key: int, *, done: bool) -> None:
         """The prefill reserved on ``producer`` under ``key`` ends: ``done``, it completed
@@ -205,6 +220,6 @@ class PrefillQueues:
         self.work_s.setdefault(name, 0.0)
 
     def remove_engine(self, name: str) -> None:
-        for table in (self.work_s, self.reserved, self._last_done, self._arrivals):
+        for table in (self.work_s, self.reserved, self._last_done, self._arrivals, self._mean_work):
             table.pop(name, None)
         self.models.forget(name)

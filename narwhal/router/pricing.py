@@ -60,9 +60,12 @@ most of the prompt wins: it pulls fewer blocks from the producer (see
 
 Load that other routers placed (replicas, workers; :mod:`narwhal.router.loadpoll`) is
 priced from the same combined view as least-loaded placement: a producer's queue adds
-the others' prefills, each at the predicted prefill of this router's mean prompt; a
-consumer's active streams and resident KV add the others' streams, each with this
-router's mean KV reservation.
+the others' prefills, each at the mean predicted prefill of this router's placements
+on that producer (hits priced as hits; before the first, the prefill of this router's
+mean prompt), and on a producer priced as steps each at its part beyond the step's
+fixed cost; a consumer's active streams and resident KV add the others' streams, each
+with this router's mean KV reservation (against a ``physical`` capacity, the mean room
+its streams take, :attr:`PricedPlacement.mean_room_tokens`).
 
 The pair with the most headroom against both SLOs wins (headroom = the smaller of
 ``1 - predicted/target`` over TTFT and TPOT). Admission asks whether the chosen pair
@@ -292,12 +295,18 @@ class PricedPlacement(Placement):
         """What a prefill step of ``name`` costs whatever it computes: its TTFT curve at no tokens."""
         return max(self._ttft(self.profiles[name], 0), 0.0)
 
-    def others_prefill_s(self, name: str) -> float:
-        """Predicted prefill seconds of the prompts others queued on ``name``."""
+    def others_prefill_s(self, name: str, batched: bool = False) -> float:
+        """Predicted prefill seconds of the prompts others queued on ``name``: each the
+        mean prefill this router placed there (its hits priced as hits: the others'
+        traffic is the same mix), or before the first the prefill of this router's mean
+        prompt; ``batched``, each its part beyond the producer's fixed cost a step."""
         others = self.others_prefill(name)
         if not others:
             return 0.0
-        return others * self._ttft(self.profiles[name], round(self.mean_prompt_tokens))
+        mean = self.queues.mean_work_s(name)
+        if mean is None:
+            mean = self._ttft(self.profiles[name], round(self.mean_prompt_tokens))
+        return others * (max(mean - self._fixed_s(name), 0.0) if batched else mean)
 
     def _ttft(self, profile: EngineProfile, prompt_tokens: int) -> float:
         if self.pricing == "upper":
