@@ -324,6 +324,12 @@ def test_the_prompts_a_newcomer_would_delay_are_those_waiting_for_its_step(monke
     pl.mean_prompt_tokens = 100.0
     pl.engine_reported("p0", 4, 0, 3)  # one request of another router's
     assert pl.others_prefill_s("p0") > 0 and pl.quote_producer("p0", 300).delays == 1
+    # ... each at its part beyond the step's fixed cost: it shares the step.
+    assert 0 < pl.others_prefill_s("p0", batched=True) < pl.others_prefill_s("p0")
+    first.latest_done = clock.now + (pl.queues.queues_s("p0")[1] + own)
+    assert pl.quote_producer("p0", 300).delays == 0
+    first.latest_done = math.nextafter(first.latest_done, -math.inf)
+    assert pl.quote_producer("p0", 300).delays == 1
     pl.engine_reported("p0", 3, 0, 3)
     # The head's step ends at 100.2: the two waiting ones are the step in progress now.
     clock.now = 100.2
