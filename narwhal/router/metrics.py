@@ -74,7 +74,7 @@ class _LiveState(Collector):
         # Priced placement counts the prompt blocks a consumer's streams share once.
         placement = state.placement
         shared_kv = placement.shared_kv if isinstance(placement, PricedPlacement) else {}
-        for name, load in state.placement.loads.items():
+        for name, load in placement.loads.items():
             reserved.add_metric([name, "prefill_requests"], load.prefill_requests)
             reserved.add_metric([name, "prefill_tokens"], load.prefill_tokens)
             reserved.add_metric([name, "decode_requests"], load.decode_requests)
