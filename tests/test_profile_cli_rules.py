@@ -77,7 +77,7 @@ def test_the_options_become_the_settings(
     argv = [*SWEEP, "--repeats", "3", "--warmup", "0", "--decode-tokens", "12",
             "--min-window-steps", "4", "--engines", " e0 , e1,", "--out", "x/p.json",
             "--overwrite", "--seed", "9", "--accept-rejected-cells", "--prefix-fractions",
-            "0.5, 0.75", "--queue-burst", "0", "--quiet"]  # fmt: skip
+            "0.5, 0.75", "--queue-burst", "0", "--decode-shared-prefix", "28", "--quiet"]  # fmt: skip
     assert main(argv) == 0
     _, settings, kw = calls.profile[1]
     assert (settings.repeats, settings.warmup, settings.decode_tokens,
@@ -85,7 +85,7 @@ def test_the_options_become_the_settings(
     assert settings.engines == ("e0", "e1") and settings.out == "x/p.json"
     assert settings.overwrite and settings.seed == 9 and settings.accept_rejected_cells
     assert settings.prefix_fractions == (0.5, 0.75) and kw["progress"].quiet
-    assert settings.queue_burst == 0
+    assert settings.queue_burst == 0 and settings.decode_shared_prefix == 28
     assert main([*SWEEP, "--prefix-fractions", " None "]) == 0
     assert calls.profile[2][1].prefix_fractions == ()
 
@@ -217,6 +217,8 @@ def test_plots_are_asked_for_the_first_pair_only(
         ([*SWEEP, "--decode-tokens", "1"], "decode-tokens must be at least 2"),
         ([*SWEEP, "--queue-burst", "1"], "queue-burst must be 0 (no burst probe) or at least 2"),
         ([*SWEEP, "--queue-burst", "-2"], "queue-burst must be 0 (no burst probe) or at least 2"),
+        ([*SWEEP, "--decode-shared-prefix", "29"],
+         "decode-shared-prefix 29 leaves the shortest decode input (32 tokens) fewer than 4 tokens of its own"),
         (["--refit-samples", "s.json", "--prefill-lens", "1,2,3,4", "--decode-concurrency", "1,2",
           "--out", "x.json"], "--prefill-lens, --decode-concurrency do not apply to --refit-samples"),
         (["--refit-samples", "s.json"],

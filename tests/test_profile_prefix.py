@@ -4,6 +4,7 @@ the preflight."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from narwhal.profile import ProfileRun
 from narwhal.profile.fit import cached_rejection, fit_cached
 from narwhal.profile.stability import engine_figures
 from narwhal.profile.store import load_profiles
-from narwhal.profile.sweep import plan_prefix_cells
+from narwhal.profile.sweep import plan_cells, plan_prefix_cells
 from narwhal.router.pricing import PricedPlacement
 from narwhal.testing import open_sim_fleet
 from tests import profilekit
@@ -218,3 +219,65 @@ async def test_pricing_uses_the_cached_fit_and_the_formula_without_one(
     odd = PricedPlacement(["e0"], ["e0"], profiles={"e0": attrs.evolve(profile, cached_prefill=costly)},
                           slo=slo, admission="refuse")  # fmt: skip
     assert odd.prefill_s("e0", 1124, 1024) == pytest.approx(profile.predict_ttft(1124))
+
+
+# ------------------------------------------------------------ decode cells of one prefix
+
+
+def test_a_cohort_that_shares_a_prefix_needs_it_once() -> None:
+    args = {"decode_tokens": 16, "max_model_len": 4096, "kv_cache_size_tokens": 4096}
+    cells, dropped = plan_cells((600,), (8,), **args)  # 8 x 624 = 4,992 tokens
+    assert cells == [] and dropped[0]["reason"] == "8 streams of 624 tokens need 4992 KV tokens; the engine holds 4096"
+    cells, dropped = plan_cells((600,), (8,), held_once=512, **args)  # 512 + 8 x 112
+    assert cells == [(600, 8, 24)] and dropped == []
+    cells, dropped = plan_cells((4000,), (2,), held_once=512, **args)  # 512 + 2 x 3,506 = 7,524
+    assert dropped[0]["reason"] == (
+        "2 streams of 4018 tokens need 7524 KV tokens (512 of each a prefix held once); the engine holds 4096"
+    )
+
+
+def test_a_shared_prefix_must_leave_each_decode_prompt_tokens_of_its_own(tmp_path: Path) -> None:
+    assert profilekit.settings(tmp_path, decode_input_lens=(600, 1000), decode_shared_prefix=596)
+    for bad, message in ((597, "decode-shared-prefix 597 leaves the shortest decode input (600 tokens) fewer than 4"),
+                         (-1, "decode-shared-prefix must be 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            profilekit.settings(tmp_path, decode_input_lens=(600, 1000), decode_shared_prefix=bad)
+
+
+async def test_decode_cells_of_one_prefix_reach_more_kv_than_the_engine_holds(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    # 4,096 tokens of KV: six streams of 1,000-token prompts need 6,132 counted in full,
+    # 512 + 6 x 510 when they share their first 512 tokens (32 blocks of 16).
+    config = profilekit.fleet(_engine("e0", 8101, kv_capacity_tokens=4096))
+    async with open_sim_fleet(config) as sim:
+        run, _ = await _profile(tmp_path, config, sim.transport, decode_input_lens=(600, 1000),
+                                  decode_concurrency=(1, 6), decode_shared_prefix=512)  # fmt: skip
+        hits = sim.engines["e0"].stats.prompt_tokens["local_cache_hit"]
+        doc = unstructure_fleet(config) | {"profiles": {"path": str(run.profiles_path)}}
+        report = await _check(doc, sim.transport)
+    assert report.ok, [r.message for r in report.failures]
+    decode = profilekit.samples(run)["engines"]["e0"]["decode"]
+    assert decode["shared_prefix"] == 512 and decode["dropped_cells"] == []
+    assert [(c["input_len"], c["concurrency"], c["kept"]) for c in decode["cells"]] == [
+        (600, 1, True), (600, 6, True), (1000, 1, True), (1000, 6, True)]  # fmt: skip
+    # Every stream hit the prefix its cell computed first (14 streams, 512 tokens each),
+    # beside the cached-prefix sweep's own hits.
+    assert hits >= 14 * 512
+    profile = load_profiles(run.profiles_path).engines["e0"]
+    assert profile.decode is not None and profile.kv_capacity is not None
+    assert profile.decode.domain.kv_tokens.max > 4096 == profile.kv_capacity.tokens
+    # The simulator's decode step reads every sequence's whole context: the fit finds it.
+    assert profile.decode.c2 == pytest.approx(profilekit.DECODE["c2"], rel=0.05)
+    assert profile.decode.c1 == pytest.approx(profilekit.DECODE["c1"], rel=0.05)
+
+
+async def test_an_engine_without_prefix_caching_gets_decode_prompts_unique_from_their_start(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    config = profilekit.fleet(profilekit.engine("e0", 8101))
+    async with open_sim_fleet(config) as sim:
+        run, out = await _profile(tmp_path, config, sim.transport, decode_shared_prefix=64)
+        assert sim.engines["e0"].stats.prompt_tokens["local_cache_hit"] == 0
+    assert "--decode-shared-prefix 64: the engine does not report prefix caching" in out
+    assert profilekit.samples(run)["engines"]["e0"]["decode"]["shared_prefix"] == 0

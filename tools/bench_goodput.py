@@ -505,8 +505,11 @@ def main() -> int:
         profiled = subprocess.run(
             narwhal("profile", "--fleet", str(router_doc(ports["least"], ports["a2"], "profile")),
                     "--prefill-lens", "128,512,1024,1536" if shared else "64,128,256,512",
-                    "--decode-input-lens", "512,1024" if shared else "128,512",
-                    "--decode-concurrency", "1,8,24" if shared else "1,4,8",
+                    # The consumers' streams share 1,024-token prefixes: the decode cells
+                    # do too, to reach the KV those streams read (beyond what a consumer holds).
+                    *(["--decode-input-lens", "1100,1300", "--decode-concurrency", "1,8,24,40",
+                       "--decode-shared-prefix", "1024"] if shared else
+                      ["--decode-input-lens", "128,512", "--decode-concurrency", "1,4,8"]),
                     "--repeats", str(args.profile_repeats), "--out", str(profiles), "--quiet"),
             check=False, capture_output=True, text=True,
         )  # fmt: skip

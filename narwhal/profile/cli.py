@@ -118,6 +118,11 @@ def _parser() -> argparse.ArgumentParser:
                         "prefill) or one at a time, which placement prices differently "
                         "(default 4; 0 skips the probe: the router then learns it from its "
                         "requests)")  # fmt: skip
+    p.add_argument("--decode-shared-prefix", type=int, default=0, metavar="N",
+                   help="on engines reporting prefix caching, every prompt of a decode cell "
+                        "starts with the same N tokens, computed once before the cohort: the "
+                        "streams then read more KV than the engine holds, as streams of a "
+                        "shared system prompt do (default 0: prompts unique from their start)")  # fmt: skip
     p.add_argument("--quiet", "--no-progress", action="store_true", help="no progress output")
     p.add_argument("--plot", action="store_true",
                    help="also write PNGs of the fits beside the pair (needs the [plot] extra)")  # fmt: skip
@@ -205,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 accept_rejected_cells=args.accept_rejected_cells,
                 prefix_fractions=args.prefix_fractions,
                 queue_burst=args.queue_burst,
+                decode_shared_prefix=args.decode_shared_prefix,
             )
         except ValueError as exc:
             raise _UsageError(str(exc)) from None

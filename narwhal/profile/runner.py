@@ -112,6 +112,15 @@ def _burst(_inst: Any, _attr: attrs.Attribute[Any], value: int) -> None:
         raise ValueError("queue-burst must be 0 (no burst probe) or at least 2")
 
 
+def _shared_prefix(inst: ProfileSettings, _attr: attrs.Attribute[Any], value: int) -> None:
+    if value < 0:
+        raise ValueError("decode-shared-prefix must be 0 (prompts unique from their start) or more")
+    shortest = min(inst.decode_input_lens)
+    if value and value > shortest - CODE_TOKENS:
+        raise ValueError(f"decode-shared-prefix {value} leaves the shortest decode input ({shortest} tokens) "
+                         f"fewer than {CODE_TOKENS} tokens of its own")  # fmt: skip
+
+
 def _at_least(floor: int) -> Any:
     return lambda _inst, attr, value: _check_at_least(value, floor, attr)  # pragma: no mutate (unreachable: runs at class definition, before a mutant is active; the check is tested)
 
@@ -147,6 +156,10 @@ class ProfileSettings:
         queue_burst: prompts sent at once in each of ``repeats`` bursts to a prefilling
             engine, to tell whether it computes its waiting prompts together
             (:mod:`narwhal.profile.burst`); 0 skips the probe.
+        decode_shared_prefix: on engines that report prefix caching, every prompt of a
+            decode cell starts with the same this many tokens (computed once before the
+            cohort), so that the sweep reaches the resident KV of streams that share a
+            prefix, beyond what the engine holds; 0: prompts unique from their start.
     """
 
     prefill_lens: tuple[int, ...] = attrs.field(
@@ -172,6 +185,7 @@ class ProfileSettings:
     prefix_fractions: tuple[float, ...] = attrs.field(default=(0.25, 0.5, 0.875), converter=tuple,
                                                       validator=_fractions)
     queue_burst: int = attrs.field(default=4, validator=_burst)
+    decode_shared_prefix: int = attrs.field(default=0, validator=_shared_prefix)
 
 
 @attrs.frozen
@@ -478,10 +492,15 @@ class _EngineRun:
         silence = timeouts.decode_read_timeout_s or timeouts.request_timeout_s
         limits = StreamLimits(first_token_s=timeouts.first_token_timeout_s,
                               between_tokens_s=silence)  # fmt: skip
+        shared = settings.decode_shared_prefix
+        if shared and not facts.prefix_caching:
+            self.warn(f"--decode-shared-prefix {shared}: the engine does not report prefix caching; "
+                      "its decode cells use prompts unique from their start")  # fmt: skip
+            shared = 0
         await decode_sweep(
             client, facts, settings.decode_input_lens, settings.decode_concurrency, decode,
             decode_tokens=settings.decode_tokens, min_window_steps=settings.min_window_steps,
-            prompt=prompt, limits=limits, progress=self.progress,
+            prompt=prompt, limits=limits, progress=self.progress, shared_prefix=shared,
         )  # fmt: skip
         decode["cell_medians"] = cell_summary(decode["cells"])
         rejected = [c for c in decode["cells"] if not c["kept"]]

@@ -401,12 +401,15 @@ def plan_cells(
     decode_tokens: int,
     max_model_len: int,
     kv_cache_size_tokens: int | None,
+    held_once: int = 0,
 ) -> tuple[list[tuple[int, int, int]], list[dict[str, Any]]]:
     """The cells ``(input_len, concurrency, max_tokens)`` that fit, and those dropped.
 
     Each stream asks for ``decode_tokens + concurrency`` tokens: the cohort's prefills
     take turns with decode steps, so the first stream emits about ``concurrency``
     tokens before the last one starts, and the window still needs ``decode_tokens``.
+    ``held_once``: leading prompt tokens every stream of a cell shares in the engine's
+    prefix cache (whole blocks), which the engine holds once for the cohort.
     """
     cells: list[tuple[int, int, int]] = []
     dropped: list[dict[str, Any]] = []
@@ -417,9 +420,10 @@ def plan_cells(
             if n + out > max_model_len:
                 reason = (f"input {n} + requested output {out} = {n + out} tokens exceed the "
                           f"live context limit {max_model_len}")  # fmt: skip
-            elif kv_cache_size_tokens is not None and c * (n + out) > kv_cache_size_tokens:
-                reason = (f"{c} streams of {n + out} tokens need {c * (n + out)} KV tokens; "
-                          f"the engine holds {kv_cache_size_tokens}")  # fmt: skip
+            elif kv_cache_size_tokens is not None and held_once + c * (n + out - held_once) > kv_cache_size_tokens:
+                shared = f" ({held_once} of each a prefix held once)" if held_once else ""
+                reason = (f"{c} streams of {n + out} tokens need {held_once + c * (n + out - held_once)} KV "
+                          f"tokens{shared}; the engine holds {kv_cache_size_tokens}")  # fmt: skip
             if reason is None:
                 cells.append((n, c, out))
             else:
@@ -440,21 +444,30 @@ async def decode_sweep(
     prompt: PromptFactory,
     limits: StreamLimits,
     progress: Progress,
+    shared_prefix: int = 0,
 ) -> list[CellResult]:
     """Run every cell that fits; returns the kept ones.
 
     ``record`` receives the plan, the dropped cells and every cell's result as it ends.
+    ``shared_prefix`` (on an engine that caches prefixes): every prompt of a cell starts
+    with the same ``shared_prefix`` tokens, new to the cell and computed once before
+    the cohort starts, so that every stream hits it in the engine's cache: the cohort's
+    streams then read more KV (each sequence's whole context) than the engine holds, as
+    streams of one shared prefix do in service.
 
     Raises:
         EngineError: a stream's request failed.
     """
     name = client.name
+    block = facts.block_size
     cells, dropped = plan_cells(
         input_lens,
         concurrency,
         decode_tokens=decode_tokens,
         max_model_len=facts.max_model_len,
         kv_cache_size_tokens=facts.kv_cache_size_tokens,
+        # Blocks are cached whole; unknown blocks count nothing as shared.
+        held_once=shared_prefix // block * block if block else 0,
     )
     record.update(
         requested_cells=[
@@ -462,6 +475,7 @@ async def decode_sweep(
         ],
         dropped_cells=dropped,
         cells=[],
+        shared_prefix=shared_prefix,
     )
     for d in dropped:
         progress.line(name, f"decode: dropped cell input {d['input_len']} x {d['concurrency']} "
@@ -469,7 +483,13 @@ async def decode_sweep(
     kept: list[CellResult] = []
     for i, (n, c, out) in enumerate(cells, 1):
         progress.status(name, f"decode: cell {i}/{len(cells)}: input {n} x {c} streams")
-        prompts = [await prompt(n) for _ in range(c)]
+        if shared_prefix:
+            head = await prompt(shared_prefix)
+            # Computed alone first: streams that arrive together would each compute it.
+            await measure_prefill(client, head, limits.first_token_s)
+            prompts = [head + await prompt(n - shared_prefix) for _ in range(c)]
+        else:
+            prompts = [await prompt(n) for _ in range(c)]
         cell = await run_cell(
             client, prompts, max_tokens=out, limits=limits, min_window_steps=min_window_steps
         )
