@@ -226,14 +226,18 @@ async def test_pricing_uses_the_cached_fit_and_the_formula_without_one(
 
 def test_a_cohort_that_shares_a_prefix_needs_it_once() -> None:
     args = {"decode_tokens": 16, "max_model_len": 4096, "kv_cache_size_tokens": 4096}
-    cells, dropped = plan_cells((600,), (8,), **args)  # 8 x 624 = 4,992 tokens
+    cells, dropped = plan_cells((600,), (8,), shared_prefix=0, block_size=16, **args)  # 8 x 624 = 4,992 tokens
     assert cells == [] and dropped[0]["reason"] == "8 streams of 624 tokens need 4992 KV tokens; the engine holds 4096"
-    cells, dropped = plan_cells((600,), (8,), held_once=512, **args)  # 512 + 8 x 112
+    cells, dropped = plan_cells((600,), (8,), shared_prefix=512, block_size=16, **args)  # 512 + 8 x 112
     assert cells == [(600, 8, 24)] and dropped == []
-    cells, dropped = plan_cells((4000,), (2,), held_once=512, **args)  # 512 + 2 x 3,506 = 7,524
+    # Whole blocks are held once: 520 tokens are 32 blocks and 8 tokens of each stream's own.
+    cells, dropped = plan_cells((4000,), (2,), shared_prefix=520, block_size=16, **args)  # 512 + 2 x 3,506
     assert dropped[0]["reason"] == (
         "2 streams of 4018 tokens need 7524 KV tokens (512 of each a prefix held once); the engine holds 4096"
     )
+    # An engine that reports no block size: nothing is known to be held once.
+    cells, dropped = plan_cells((600,), (8,), shared_prefix=512, block_size=None, **args)
+    assert cells == [] and dropped[0]["reason"].startswith("8 streams of 624 tokens need 4992 KV tokens;")
 
 
 def test_a_shared_prefix_must_leave_each_decode_prompt_tokens_of_its_own(tmp_path: Path) -> None:

@@ -460,20 +460,20 @@ async def test_an_evicted_prefix_is_measured_again_then_refused(autojump_clock: 
 
 def test_decode_cells_fit_the_context_and_the_kv_cache() -> None:
     cells, dropped = plan_cells((100, 50, 100), (2, 1), decode_tokens=10, max_model_len=112,
-                                kv_cache_size_tokens=None)  # fmt: skip
+                                kv_cache_size_tokens=None, shared_prefix=0, block_size=16)  # fmt: skip
     assert cells == [(50, 1, 11), (50, 2, 12), (100, 1, 11), (100, 2, 12)]  # 100 + 12 fits 112
     assert dropped == []
     cells, dropped = plan_cells((100,), (1, 2), decode_tokens=10, max_model_len=111,
-                                kv_cache_size_tokens=None)  # fmt: skip
+                                kv_cache_size_tokens=None, shared_prefix=0, block_size=16)  # fmt: skip
     assert cells == [(100, 1, 11)]
     assert dropped == [{"input_len": 100, "concurrency": 2, "max_tokens": 12,
                         "reason": "input 100 + requested output 12 = 112 tokens exceed the live "
                                   "context limit 111"}]  # fmt: skip
     cells, dropped = plan_cells((100,), (1, 2, 3), decode_tokens=10, max_model_len=4096,
-                                kv_cache_size_tokens=224)  # fmt: skip
+                                kv_cache_size_tokens=224, shared_prefix=0, block_size=16)  # fmt: skip
     assert cells == [(100, 1, 11), (100, 2, 12)]  # 2 x 112 = 224 fits exactly
     assert plan_cells((100,), (3,), decode_tokens=10, max_model_len=4096,
-                      kv_cache_size_tokens=300)[0] == []  # 3 x 113 = 339  # fmt: skip
+                      kv_cache_size_tokens=300, shared_prefix=0, block_size=16)[0] == []  # 3 x 113 = 339  # fmt: skip
     assert dropped == [{"input_len": 100, "concurrency": 3, "max_tokens": 13,
                         "reason": "3 streams of 113 tokens need 339 KV tokens; the engine "
                                   "holds 224"}]  # fmt: skip

@@ -93,6 +93,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     # How a producer queues prompts: the probe against simulated engines in virtual
     # time, the verdict's rule, and the sidecar's record as check and refit read it.
     "narwhal/profile/burst.py": ("tests/test_profile_burst.py",),
+    # The sweeps' plans and runs against simulated engines (the decode cells of one prefix
+    # in the prefix tests).
+    "narwhal/profile/sweep.py": (
+        "tests/test_profile_sweep.py", "tests/test_profile_sweep_rules.py", "tests/test_profile_prefix.py",
+    ),
     "narwhal/profile/derive.py": ("tests/test_profile_derive.py", "tests/test_profile_burst.py"),
     "narwhal/router/pricing.py": (
         "tests/test_pricing_rules.py", "tests/test_priced_placement.py", "tests/test_prefix_placement.py",

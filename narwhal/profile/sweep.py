@@ -401,16 +401,19 @@ def plan_cells(
     decode_tokens: int,
     max_model_len: int,
     kv_cache_size_tokens: int | None,
-    held_once: int = 0,
+    shared_prefix: int,
+    block_size: int | None,
 ) -> tuple[list[tuple[int, int, int]], list[dict[str, Any]]]:
     """The cells ``(input_len, concurrency, max_tokens)`` that fit, and those dropped.
 
     Each stream asks for ``decode_tokens + concurrency`` tokens: the cohort's prefills
     take turns with decode steps, so the first stream emits about ``concurrency``
     tokens before the last one starts, and the window still needs ``decode_tokens``.
-    ``held_once``: leading prompt tokens every stream of a cell shares in the engine's
-    prefix cache (whole blocks), which the engine holds once for the cohort.
+    ``shared_prefix``: leading prompt tokens every stream of a cell shares in the
+    engine's prefix cache, which holds their whole blocks (of ``block_size`` tokens)
+    once for the cohort; with no block size known, nothing counts as held once.
     """
+    held_once = shared_prefix // block_size * block_size if block_size else 0
     cells: list[tuple[int, int, int]] = []
     dropped: list[dict[str, Any]] = []
     for n in sorted(set(input_lens)):
@@ -459,15 +462,14 @@ async def decode_sweep(
         EngineError: a stream's request failed.
     """
     name = client.name
-    block = facts.block_size
     cells, dropped = plan_cells(
         input_lens,
         concurrency,
         decode_tokens=decode_tokens,
         max_model_len=facts.max_model_len,
         kv_cache_size_tokens=facts.kv_cache_size_tokens,
-        # Blocks are cached whole; unknown blocks count nothing as shared.
-        held_once=shared_prefix // block * block if block else 0,
+        shared_prefix=shared_prefix,
+        block_size=facts.block_size,
     )
     record.update(
         requested_cells=[
