@@ -55,7 +55,7 @@ from narwhal.engines.kvevents import (
     EventBatch,
 )
 
-__all__ = ["CacheView", "Chains", "EventView", "PlacementView", "PrefixIndex", "PromptLookup", "hit_limit"]
+__all__ = ["CacheView", "Chains", "EventView", "PlacementView", "PrefixIndex", "PromptLookup", "count_held", "hit_limit"]
 
 #: A chain link: the parent block's chain id (0 at the root) and the block's tokens.
 _Link = tuple[int, tuple[int, ...]]
@@ -139,7 +139,8 @@ class Chains:
         return out
 
 
-def _count_held(chain: Sequence[int], held: Container[int]) -> int:
+def count_held(chain: Sequence[int], held: Container[int]) -> int:
+    """How many leading ids of ``chain`` are in ``held``."""
     n = 0
     for cid in chain:
         if cid not in held:
@@ -262,7 +263,7 @@ class EventView:
         return list(self._held)
 
     def held_blocks(self, chain: Sequence[int]) -> int:
-        return _count_held(chain, self._held)
+        return count_held(chain, self._held)
 
     def cached_blocks(self, ids: Sequence[int], limit: int) -> int:
         if self.block_size is None:
@@ -328,7 +329,7 @@ class PlacementView:
         self._evict()
 
     def held_blocks(self, chain: Sequence[int]) -> int:
-        return _count_held(chain, self._lru)
+        return count_held(chain, self._lru)
 
     def cached_blocks(self, ids: Sequence[int], limit: int) -> int:
         return self.held_blocks(self.chains.lookup(ids, self.block_size, limit))
@@ -352,22 +353,29 @@ class PromptLookup:
 
     def cached_tokens(self, engine: str) -> int:
         """Leading tokens of the prompt that ``engine`` would serve from its cache."""
-        view = self._index.view(engine)
-        bs = view.block_size if view is not None else None
-        if view is None or bs is None or engine not in self._index.active:
+        priced = self._priced_view(engine)
+        if priced is None:
             return 0
+        view, bs = priced
         return view.held_blocks(self._chain(bs)) * bs
 
     def held_chain(self, engine: str) -> tuple[Sequence[int], int]:
         """The chain ids of the prompt's leading blocks that ``engine``'s cache holds (as
         many as :meth:`cached_tokens` counts), and its block size (no ids and 0: its
         hits are not priced)."""
-        view = self._index.view(engine)
-        bs = view.block_size if view is not None else None
-        if view is None or bs is None or engine not in self._index.active:
+        priced = self._priced_view(engine)
+        if priced is None:
             return (), 0
+        view, bs = priced
         chain = self._chain(bs)
         return chain[: view.held_blocks(chain)], bs
+
+    def _priced_view(self, engine: str) -> tuple[EventView | PlacementView, int] | None:
+        """``engine``'s view and block size, when its hits are priced and the size is known."""
+        view = self._index.view(engine)
+        if view is None or view.block_size is None or engine not in self._index.active:
+            return None
+        return view, view.block_size
 
     def _chain(self, bs: int) -> list[int]:
         """The prompt's leading chain ids in blocks of ``bs`` that some view holds."""

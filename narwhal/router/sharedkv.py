@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from narwhal.router.prefix import count_held
+
 __all__ = ["HeldChain", "SharedBlocks"]
 
 #: The chain ids of a prompt's leading blocks an engine's cache holds, and its block
@@ -51,13 +53,7 @@ class SharedBlocks:
     def held_by_streams(self, chain: Sequence[int], block_size: int) -> int:
         """Tokens of the leading blocks of ``chain`` (a prompt's chain ids the consumer
         holds) that a stream here holds too: a request hitting them adds no copy."""
-        refs = self._refs
-        n = 0
-        for cid in chain:
-            if cid not in refs:
-                break
-            n += 1
-        return n * block_size
+        return count_held(chain, self._refs) * block_size
 
     def add(self, chain: Sequence[int], block_size: int) -> None:
         """A stream placed here hits ``chain`` (chain ids of blocks of ``block_size``
