@@ -371,6 +371,10 @@ class SimConfig:
             own tokens. None: one whole prompt a step (vLLM without chunked prefill).
             Decode steps alternate with prefill steps either way.
         transfer_s_per_token: Seconds to pull one KV token from a producer.
+        frontend_s_per_token: Seconds the API server spends per prompt token before the
+            engine core sees a request (parsing, tokenization, hashing its blocks): each
+            request its own, concurrently with the engine's steps, and not in the
+            engine's own time histograms, as vLLM's frontend.
         handoff_ttl_s: Seconds a producer holds KV blocks for an unclaimed handoff.
         prefix_caching: Whether the engine reuses KV of a previously seen prompt prefix.
         prompt_tokens_details: Whether usage reports ``prompt_tokens_details.cached_tokens``
@@ -394,6 +398,7 @@ class SimConfig:
     max_num_seqs: int = attrs.field(default=256, validator=_positive_int)
     max_num_batched_tokens: int | None = attrs.field(default=None, validator=_opt(_positive_int))
     transfer_s_per_token: float = attrs.field(default=2e-07, validator=_non_negative)
+    frontend_s_per_token: float = attrs.field(default=0.0, validator=_non_negative)
     handoff_ttl_s: float = attrs.field(default=480.0, validator=_positive)
     prefix_caching: bool = False
     prompt_tokens_details: bool = False

@@ -482,7 +482,8 @@ def test_defaults_match_the_plan() -> None:
         "prefill": {"a": 0.005, "b": 2e-05, "c": 0.0, "d": 0.0},
         "decode": {"c0": 0.004, "c1": 0.0002, "c2": 2e-08},
         "kv_capacity_tokens": 262144, "block_size": 16, "max_num_seqs": 256, "max_num_batched_tokens": None,
-        "transfer_s_per_token": 2e-07, "handoff_ttl_s": 480.0, "prefix_caching": False,
+        "transfer_s_per_token": 2e-07, "frontend_s_per_token": 0.0, "handoff_ttl_s": 480.0,
+        "prefix_caching": False,
         "prompt_tokens_details": False, "kv_events_connect": False, "noise": 0.0, "faults": [],
     }  # fmt: skip
     assert unstructure_fleet(parse_fleet(with_faults({"kind": "restart"})))["engines"][1]["sim"][

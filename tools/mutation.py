@@ -98,7 +98,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/profile/sweep.py": (
         "tests/test_profile_sweep.py", "tests/test_profile_sweep_rules.py", "tests/test_profile_prefix.py",
     ),
-    "narwhal/profile/derive.py": ("tests/test_profile_derive.py", "tests/test_profile_burst.py"),
+    "narwhal/profile/derive.py": ("tests/test_profile_derive.py", "tests/test_profile_burst.py",
+                                  "tests/test_engine_time.py"),
+    # The engine's own time of a probe prefill, and the fit of the time outside its steps.
+    "narwhal/profile/enginetime.py": ("tests/test_engine_time.py",),
     "narwhal/router/pricing.py": (
         "tests/test_pricing_rules.py", "tests/test_priced_placement.py", "tests/test_prefix_placement.py",
         "tests/test_prefix_replication.py", "tests/test_reactive.py", "tests/test_queue_models.py",

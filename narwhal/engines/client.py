@@ -748,9 +748,10 @@ class EngineClient:
         status, _reason, _body = await self._fetch("POST", "/reset_prefix_cache", None, leg="reset")
         return status == 200
 
-    async def metrics(self) -> EngineMetrics:
-        """The engine's load from ``/metrics``, with every sample parsed."""
-        return await self._metrics(None)
+    async def metrics(self, names: frozenset[str] | None = None) -> EngineMetrics:
+        """The engine's load from ``/metrics``, with every sample parsed, or only the
+        samples ``names`` (and those the load reads)."""
+        return await self._metrics(None if names is None else names | LOAD_SAMPLES)
 
     async def load(self) -> EngineMetrics:
         """As :meth:`metrics`, with only the samples its summary reads parsed

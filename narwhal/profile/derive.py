@@ -36,6 +36,7 @@ from narwhal.config import converter, parse_as
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
 from narwhal.profile.burst import queue_verdict
+from narwhal.profile.enginetime import fit_outside
 from narwhal.profile.fit import (
     DEFAULT_MAX_MEAN_ERROR,
     DEFAULT_MAX_WORST_ERROR,
@@ -66,6 +67,7 @@ from narwhal.profile.store import (
     DecodeModel,
     EngineProfile,
     KVCapacity,
+    PrefillOutside,
     QueueKind,
     TTFTCurve,
     Uncertainty,
@@ -83,6 +85,7 @@ __all__ = [
     "derive_profile",
     "derive_ttft",
     "kv_capacity",
+    "prefill_outside",
     "prefill_queue",
     "prefill_repeats",
     "prefix_repeats",
@@ -183,6 +186,33 @@ def prefix_repeats(entry: Mapping[str, Any], where: str) -> tuple[int, list[tupl
                        f"{path}[{i}]")  # fmt: skip
         out.append((length, cached, float(seconds)))
     return block, out
+
+
+def prefill_outside(entry: Mapping[str, Any], where: str) -> PrefillOutside | None:
+    """What a prefill spends outside the engine's steps, fitted over the plain and
+    cached-prefix repeats that carry the engine's own seconds (``engine_s``); None over
+    too few lengths (:func:`narwhal.profile.enginetime.fit_outside`).
+
+    Raises:
+        ConfigError: a malformed ``engine_s`` (the message names its JSON path).
+    """
+    samples: list[tuple[int, float, float]] = []
+    for sweep in ("prefill", "prefix"):
+        record = entry.get(sweep)
+        repeats = record.get("repeats") if isinstance(record, Mapping) else None
+        for i, r in enumerate(repeats if isinstance(repeats, list) else ()):
+            if not isinstance(r, Mapping) or r.get("engine_s") is None:
+                continue
+            seconds, ttft = _number(r["engine_s"]), _number(r.get("ttft_s"))
+            if seconds is None or not 0 <= seconds < math.inf:
+                raise _bad("expected the engine's seconds (a number >= 0, or null)",
+                           f"{where}.{sweep}.repeats[{i}].engine_s")  # fmt: skip
+            if type(r.get("length")) is int and ttft is not None:  # the repeat's own checks name the rest
+                samples.append((r["length"], ttft, seconds))
+    fit = fit_outside(samples)
+    if fit is None:
+        return None
+    return PrefillOutside(base_s=fit[0], per_token_s=fit[1], samples=len(samples))
 
 
 def decode_cells(entry: Mapping[str, Any], where: str) -> list[list[dict[str, float]]]:
@@ -410,9 +440,10 @@ def derive_profile(entry: Mapping[str, Any], name: str) -> EngineProfile:
     cached = _accepted_cached(entry, where, plain)
     curve = ttft_curve(ttft)
     queue = prefill_queue(entry, where, curve)
+    outside = prefill_outside(entry, where)
     if "decode" not in roles:
         return EngineProfile(name=name, identity=identity, ttft=curve, roles=tuple(roles),
-                             cached_prefill=cached, prefill_queue=queue)  # fmt: skip
+                             cached_prefill=cached, prefill_queue=queue, prefill_outside=outside)  # fmt: skip
     try:
         decode = derive_decode(decode_cells(entry, where))
     except ValueError as exc:
@@ -425,7 +456,8 @@ def derive_profile(entry: Mapping[str, Any], name: str) -> EngineProfile:
                            measured_kv_max=decode.kv_max, tpot_target_s=target)  # fmt: skip
     return EngineProfile(name=name, identity=identity, ttft=curve,
                          decode=decode_model(decode), kv_capacity=capacity,
-                         roles=tuple(roles), cached_prefill=cached, prefill_queue=queue)  # fmt: skip
+                         roles=tuple(roles), cached_prefill=cached, prefill_queue=queue,
+                         prefill_outside=outside)  # fmt: skip
 
 
 def _close(a: Any, b: Any) -> bool:

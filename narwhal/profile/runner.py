@@ -353,7 +353,7 @@ class _EngineRun:
         await prefill_sweep(
             client, facts, settings.prefill_lens, prefill, repeats=settings.repeats,
             warmup=settings.warmup, prompt=prompt, timeout_s=timeouts.request_timeout_s,
-            progress=self.progress,
+            progress=self.progress, engine_time=facts.metrics_error is None,
         )  # fmt: skip
         ttft = derive_ttft(prefill_repeats(record, f"$.engines.{name}"))  # pragma: no mutate (equivalent: the path names a malformed record in an error; the runner reads back its own)
         tfit = ttft.fit
@@ -453,8 +453,8 @@ class _EngineRun:
                                   "fractions": list(settings.prefix_fractions)}  # fmt: skip
         record["prefix"] = prefix
         await prefix_sweep(client, cells, prefix, repeats=settings.repeats, prompt=prompt,
-                           timeout_s=self.config.engine.request_timeout_s,
-                           progress=self.progress)  # fmt: skip
+                           timeout_s=self.config.engine.request_timeout_s, progress=self.progress,
+                           engine_time=facts.metrics_error is None)  # fmt: skip
         # Fitted from what the sweep recorded, as narwhal check fits it again.
         where = f"$.engines.{name}"  # pragma: no mutate (equivalent: the path names a malformed record in an error; the runner reads back its own)
         recorded = prefix_repeats(record, where)  # pragma: no mutate (equivalent: likewise)

@@ -42,6 +42,7 @@ __all__ = [
     "DecodeModel",
     "EngineProfile",
     "KVCapacity",
+    "PrefillOutside",
     "Profiles",
     "QueueKind",
     "SamplesRef",
@@ -194,6 +195,27 @@ class CachedPrefill:
 
 
 @attrs.frozen(kw_only=True)
+class PrefillOutside:
+    """What a prefill spends outside the engine's steps, ``base_s + per_token_s * L``
+    for a prompt of L tokens: its TTFT at the client less the engine's own waiting and
+    prefill seconds, fitted over the sweeps' prefills
+    (:mod:`narwhal.profile.enginetime`).
+
+    Attributes:
+        base_s, per_token_s: non-negative coefficients.
+        samples: prefills fitted.
+    """
+
+    base_s: float = attrs.field(validator=_nonneg)
+    per_token_s: float = attrs.field(validator=_nonneg)
+    samples: int
+
+    def predict(self, length: float) -> float:
+        """Seconds a ``length``-token prefill spends outside the engine's steps."""
+        return self.base_s + self.per_token_s * length
+
+
+@attrs.frozen(kw_only=True)
 class DecodeAxis:
     """Observed range of one decode axis."""
 
@@ -295,6 +317,10 @@ class EngineProfile:
     (:mod:`narwhal.profile.burst`): ``batched`` (the waiting prompts share its next step)
     or ``serial`` (one whole prompt a step); None where the probe did not run (placement
     then learns it from its own requests).
+
+    ``prefill_outside`` is what a prefill spends outside the engine's steps, where the
+    engine reports its own time per request (None otherwise: placement then prices a
+    prompt's whole prefill as part of the step it shares).
     """
 
     name: str
@@ -305,6 +331,7 @@ class EngineProfile:
     roles: tuple[str, ...] = ("prefill", "decode")
     cached_prefill: CachedPrefill | None = None
     prefill_queue: QueueKind | None = None
+    prefill_outside: PrefillOutside | None = None
 
     def predict_ttft(self, length: float) -> float:
         """Predicted TTFT in seconds for a ``length``-token prompt."""

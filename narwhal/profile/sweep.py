@@ -28,6 +28,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.metrics import Sample
 from narwhal.errors import EngineError, EngineTimeout
 from narwhal.profile.cohort import CellResult, StreamLimits, run_cell
+from narwhal.profile.enginetime import engine_seconds, read_clock
 from narwhal.profile.progress import Progress
 
 __all__ = [
@@ -223,15 +224,18 @@ class PromptFactory:
 
 
 async def measure_prefill(
-    client: EngineClient, ids: list[int], timeout_s: float
+    client: EngineClient, ids: list[int], timeout_s: float, *, engine_time: bool = False
 ) -> dict[str, Any]:
-    """One prefill of exactly the prompt ``ids``: its TTFT and when it was sent.
+    """One prefill of exactly the prompt ``ids``: its TTFT and when it was sent;
+    ``engine_time``, also the engine's own seconds of it (``engine_s``, None where the
+    engine's histograms do not tell them: :mod:`narwhal.profile.enginetime`).
 
     Raises:
         EngineTimeout: no answer within ``timeout_s``.
         EngineError: the request failed.
         SweepRejected: the engine processed another number of prompt tokens.
     """
+    before = await read_clock(client) if engine_time else None
     with trio.move_on_after(timeout_s) as scope:
         result = await client.prefill({"prompt": ids, "temperature": 0.0}, transfer=False)
     if scope.cancelled_caught:
@@ -245,13 +249,16 @@ async def measure_prefill(
             f"engine {client.name} processed {result.prompt_tokens} prompt tokens for an "
             f"exact {len(ids)}-token prompt"
         )
-    return {
+    sample = {
         "length": len(ids),
         "ttft_s": result.completed_at - result.started_at,
         "started_at": result.started_at,
         "prompt_tokens": result.prompt_tokens,
         "reported_cached": result.cached_tokens,
     }
+    if engine_time:
+        sample["engine_s"] = None if before is None else await engine_seconds(client, before)
+    return sample
 
 
 async def prefill_sweep(
@@ -265,11 +272,13 @@ async def prefill_sweep(
     prompt: PromptFactory,
     timeout_s: float,
     progress: Progress,
+    engine_time: bool = False,
 ) -> dict[int, float]:
     """Measure TTFT at each usable length; returns the median per exact length.
 
     ``record`` receives the requested, effective and dropped lengths, the warm-up
-    requests, every repeat and the medians, as they are measured.
+    requests, every repeat and the medians, as they are measured; ``engine_time``: each
+    repeat with the engine's own seconds of it (:func:`measure_prefill`).
 
     Raises:
         EngineError: a request failed.
@@ -298,7 +307,7 @@ async def prefill_sweep(
         times = []
         for r in range(repeats):
             progress.status(name, f"prefill: {n} tokens, repeat {r + 1}/{repeats}")
-            sample = await measure_prefill(client, await prompt(n), timeout_s)
+            sample = await measure_prefill(client, await prompt(n), timeout_s, engine_time=engine_time)
             record["repeats"].append(sample | {"repeat": r})
             times.append(sample["ttft_s"])
         medians[n] = float(statistics.median(times))
@@ -335,6 +344,7 @@ async def prefix_sweep(
     prompt: PromptFactory,
     timeout_s: float,
     progress: Progress,
+    engine_time: bool = False,
 ) -> None:
     """Measure prefill with a cached prefix at every cell ``(L, k)``.
 
@@ -350,7 +360,8 @@ async def prefix_sweep(
 
     ``record`` receives the cells, whether the cache was reset, every warm-up prefill
     (``warm``) and every measured repeat (``repeats``: ``length``, ``cached``,
-    ``ttft_s``, ``reported_cached``), as they are measured.
+    ``ttft_s``, ``reported_cached``, and with ``engine_time`` the engine's own seconds
+    ``engine_s``), as they are measured.
 
     Raises:
         EngineError: a request failed.
@@ -379,7 +390,8 @@ async def prefix_sweep(
             for _attempt in range(_PREFIX_TRIES):
                 ids = await prompt(n)
                 record["warm"].append(await measure_prefill(client, ids[:k], timeout_s))
-                sample = await measure_prefill(client, ids, timeout_s) | {"cached": k, "repeat": r}
+                sample = await measure_prefill(client, ids, timeout_s, engine_time=engine_time) | {
+                    "cached": k, "repeat": r}
                 reported = sample["reported_cached"]
                 if reported is None or reported == k:
                     break

@@ -363,6 +363,8 @@ class SimEngine:
                 from the named producer failed (500, after 5 s).
             EngineRestarted: the engine restarted while the request waited.
         """
+        if self.sim.frontend_s_per_token > 0:  # the API server's own work, beside the steps
+            await trio.sleep(len(params.prompt_ids) * self.sim.frontend_s_per_token)
         sched = self.scheduler
         need = sched.blocks_for(len(params.prompt_ids) + params.max_tokens)
         if need > sched.num_blocks:

@@ -87,6 +87,10 @@ class EngineMetrics:
     tpot: Histogram = attrs.field(factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = attrs.field(factory=lambda: Histogram(REQUEST_BUCKETS))
     queue_time: Histogram = attrs.field(factory=lambda: Histogram(REQUEST_BUCKETS))
+    #: From a request's scheduling to its first token (vLLM's PREFILL phase), and to its
+    #: end (RUNNING).
+    prefill_time: Histogram = attrs.field(factory=lambda: Histogram(REQUEST_BUCKETS))
+    inference_time: Histogram = attrs.field(factory=lambda: Histogram(REQUEST_BUCKETS))
     xfer_time: Histogram = attrs.field(factory=lambda: Histogram(XFER_BUCKETS))
 
 
@@ -192,6 +196,10 @@ def render_metrics(snap: MetricsSnapshot, m: EngineMetrics) -> str:
                 "Histogram of e2e request latency in seconds.", m.e2e)  # fmt: skip
     w.histogram("vllm:request_queue_time_seconds",
                 "Histogram of time spent in WAITING phase for request.", m.queue_time)  # fmt: skip
+    w.histogram("vllm:request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.", m.inference_time)  # fmt: skip
+    w.histogram("vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.", m.prefill_time)  # fmt: skip
     w.head("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
     info = {
         "block_size": str(snap.block_size),

@@ -141,6 +141,8 @@ class Seq:
     computed: int = 0
     generated: int = 0
     admitted: trio.Event = attrs.field(factory=trio.Event)
+    #: When it was scheduled (admitted to the prefill queue, or to fetch its KV).
+    scheduled_at: float | None = None
     first_at: float | None = None
     last_at: float | None = None
     finish_reason: str | None = None
@@ -454,6 +456,8 @@ class Scheduler:
                 self.metrics.prefix_cache_queries += seq.prompt_len
                 self.metrics.prefix_cache_hits += seq.cached_tokens
             self.metrics.queue_time.observe(now - seq.arrival)
+            if seq.scheduled_at is None:  # vLLM keeps a preempted request's first scheduling
+                seq.scheduled_at = now
             if seq.remote:
                 seq.state = "fetching"
                 self._fetching.add(seq)
@@ -538,6 +542,8 @@ class Scheduler:
         if seq.first_at is None:
             seq.first_at = now
             self.metrics.ttft.observe(now - seq.arrival)
+            if seq.scheduled_at is not None:
+                self.metrics.prefill_time.observe(now - seq.scheduled_at)
         elif seq.last_at is not None:
             self.metrics.itl.observe(now - seq.last_at)
         seq.last_at = now
@@ -575,6 +581,8 @@ class Scheduler:
         m = self.metrics
         m.request_success[reason] += 1
         m.e2e.observe(now - seq.arrival)
+        if seq.scheduled_at is not None:
+            m.inference_time.observe(now - seq.scheduled_at)
         if seq.generated > 1 and seq.first_at is not None:
             m.tpot.observe((now - seq.first_at) / (seq.generated - 1))
         self.stats.completed += 1

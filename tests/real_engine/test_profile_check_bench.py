@@ -193,6 +193,15 @@ def test_profile_writes_an_accepted_pair(
         assert profiles["engines"]["producer"]["prefill_queue"] == "batched", samples["engines"]["producer"]["prefill_queue"]
         assert profiles["engines"]["consumer"].get("prefill_queue") is None, report
         assert samples["engines"]["consumer"]["prefill_queue"] == {"skipped": "the engine's roles do not include prefill"}
+        # vLLM reports its own waiting and prefill time per request: every measured prefill
+        # has it, short of the client's TTFT (HTTP, parsing, tokenization: outside its
+        # steps), and the profile fits that outside time.
+        for name in ENGINES:
+            repeats = samples["engines"][name]["prefill"]["repeats"]
+            assert all(0 < r["engine_s"] < r["ttft_s"] for r in repeats), repeats
+            outside = profiles["engines"][name]["prefill_outside"]
+            assert outside is not None and outside["samples"] >= len(repeats), report
+            assert outside["base_s"] + outside["per_token_s"] * 512 > 0, outside
         worst = _worst_decode_error(profiles)
         print(f"profile attempt {attempt}: accepted (exit 0), worst decode MAPE {worst:.3f}")
         print(report)
