@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -168,10 +168,12 @@ async def open_stack(
     *,
     priced: bool = False,
     wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
+    profile: Callable[[FleetConfig, SimFleet], Awaitable[Profiles]] | None = None,
 ) -> AsyncIterator[Stack]:
     """A router in front of simulated engines, in memory; ``priced`` gives it profiles
-    that state the simulated latency models exactly; ``wrap`` wraps the router's
-    transport to the engines (to answer some requests otherwise)."""
+    that state the simulated latency models exactly, ``profile`` those it returns for
+    the running engines (a profiling run); ``wrap`` wraps the router's transport to the
+    engines (to answer some requests otherwise)."""
     config = parse_fleet(doc if doc is not None else fleet_doc())
     records: list[dict[str, Any]] = []
     journal = Journal(None)
@@ -179,6 +181,8 @@ async def open_stack(
     async with open_memory_network() as net:
         async with open_sim_fleet(config, network=net) as fleet:
             profiles = await sim_profiles(config, net) if priced else None
+            if profile is not None:
+                profiles = await profile(config, fleet)
             transport = fleet.transport if wrap is None else wrap(fleet.transport)
             async with open_router(config, transport=transport, journal=journal, profiles=profiles) as router:
                 net.listen(ROUTER_HOST, ROUTER_PORT, router.server)

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from narwhal.errors import Refused
+from narwhal.profile.store import PrefillOutside
 from narwhal.router.admin import AdminApp
 from narwhal.router.batching import DIFFER, MIN_EVIDENCE, WINDOW, QueueModels
 from narwhal.router.prefillqueue import ARRIVALS, PrefillQueues
@@ -140,14 +141,51 @@ def test_the_batched_queue_is_the_step_in_progress_then_the_waiting_prompts_beyo
     assert pl.queues.queues_s("p0") == pytest.approx((ttft(200) + 2 * mean, 2 * (mean - FIXED)))
 
 
+def test_a_prompts_time_outside_the_engines_steps_is_not_part_of_the_step_it_shares() -> None:
+    """Each prompt pays its own HTTP, parsing and tokenization beside the step (the
+    profile measured 20 us a token of it): a step's waiting prompts add only what they
+    add to the step; the prompt's own prediction still pays its own in full."""
+    outside = PrefillOutside(base_s=0.001, per_token_s=2e-5, samples=30)
+    profiles = {n: attrs.evolve(profile(n), prefill_outside=outside) for n in ("p0", "d0")}
+    clock = Clock()
+    pl = priced(clock=clock, ttft_s=10.0, profiles=profiles)
+    learn(pl.queue_models, "p0", batched=True)
+
+    def part(length: float) -> float:
+        return share(length) - 2e-5 * length
+
+    pl.choose(1000, 10)  # the step in progress, from 100.0
+    clock.now = 100.02
+    pl.choose(500, 10)
+    clock.now = 100.03
+    pl.choose(200, 10)
+    clock.now = 100.05
+    # The step in progress: its fixed cost and the first prompt's part, less 0.05 s done;
+    # the waiting prompts' parts; those expected to join at the placements' rate of parts.
+    remaining = FIXED + part(1000) - 0.05
+    joining = (part(1000) + part(500) + part(200)) / 0.05
+    expected = remaining + part(500) + part(200) + remaining * joining
+    assert pl.queues.queues_s("p0")[1] == pytest.approx(expected)
+    assert pl.quote_producer("p0", 300).predicted_s == pytest.approx(expected + ttft(300))
+    # Prompts others queued there: each the mean part of this router's placements.
+    pl.engine_reported("p0", 2 + 3, 0, 3)
+    mean = part(1000)
+    for length in (500, 200):
+        mean += 0.05 * (part(length) - mean)
+    assert pl.others_prefill_s("p0", batched=True) == pytest.approx(2 * mean)
+    # A prompt whose outside time exceeds what it adds beyond the fixed cost adds nothing.
+    assert pl._part_s("p0", FIXED + 0.001, 1000) == 0.0
+
+
 def test_an_unpriced_producers_prefills_teach_the_queue_models_nothing() -> None:
     """A producer without a bound profile has no predictions to score: what its
     prefills took says nothing of how it queues."""
     work = ttft(500)
     for priced_ in (False, True):
         clock = Clock()
-        queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED, others_s=lambda name, batched: 0.0)
-        keys = [queues.add("p0", work, math.inf, priced=priced_) for _ in range(3)]
+        queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED,
+                               part_s=lambda name, work, tokens: work - FIXED, others_s=lambda name, batched: 0.0)
+        keys = [queues.add("p0", work, math.inf, priced=priced_, prompt_tokens=500) for _ in range(3)]
         predicted = [(q.serial_s, q.batched_s) for q in queues.reserved["p0"].values()]
         if priced_:  # one after the other, or the two behind the first sharing the next step
             assert predicted == pytest.approx([(work, work), (2 * work, 2 * work), (3 * work, 3 * work - FIXED)])
@@ -163,15 +201,16 @@ def test_an_unpriced_producers_prefills_teach_the_queue_models_nothing() -> None
 
 def test_a_release_after_its_producer_left_releases_nothing() -> None:
     clock = Clock()
-    queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED, others_s=lambda name, batched: 0.0)
-    old = queues.add("p0", 0.3, math.inf, priced=True)
+    queues = PrefillQueues(["p0"], clock=clock, fixed_s=lambda name: FIXED,
+                           part_s=lambda name, work, tokens: work - FIXED, others_s=lambda name, batched: 0.0)
+    old = queues.add("p0", 0.3, math.inf, priced=True, prompt_tokens=300)
     queues.remove_engine("p0")
     queues.release("p0", old, done=True)  # gone: nothing to release, no error
     assert queues.work_s == {} and queues.reserved == {}
     # Back in the fleet with a prefill of its own: the old reservation's release does
     # not take from the new queue, nor release twice.
     queues.add_engine("p0")
-    new = queues.add("p0", 0.2, math.inf, priced=True)
+    new = queues.add("p0", 0.2, math.inf, priced=True, prompt_tokens=200)
     queues.release("p0", old, done=True)
     assert queues.work_s == {"p0": 0.2} and list(queues.reserved["p0"]) == [new]
     queues.release("p0", new, done=False)

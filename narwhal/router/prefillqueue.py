@@ -12,6 +12,9 @@ prompt placed now is read from what is reserved, by the producer's queue model
   step, one fixed cost (the TTFT curve at no tokens) and each its part beyond it, less
   the step's time so far; those placed since wait for the next step, which this prompt
   joins: each adds its part beyond the fixed cost, which this prompt's own prefill pays.
+  A prefill's part in a step is its predicted prefill less the fixed cost and less what
+  it spends outside the engine's steps (HTTP, parsing, tokenization: each prompt pays
+  its own beside the step, as the profile measured; :mod:`narwhal.profile.enginetime`).
   A prefill placed on an idle producer begins a step alone: the rest of a burst placed
   with it reaches the engine after that step began. The prompts expected to join the
   next step before it begins add their parts too: the producer's placement rate over
@@ -19,9 +22,9 @@ prompt placed now is read from what is reserved, by the producer's queue model
   each their mean part beyond the fixed cost.
 
 Others' prefills (other routers' load on the engine) are priced by the caller, for the
-serial model whole, for the batched model each its part beyond the fixed cost (they
-share steps); the caller prices them from :meth:`PrefillQueues.mean_work_s`, the mean
-of the prefills this router placed there. Every reserved prefill keeps the durations
+serial model whole, for the batched model each its part in a step (they share steps);
+the caller prices them from :meth:`PrefillQueues.mean_work_s`, the means of the
+prefills this router placed there and of their parts. Every reserved prefill keeps the durations
 both models predicted for it when it was placed, which the queue models are scored on
 when it ends.
 """
@@ -51,6 +54,9 @@ class Queued:
 
     #: Its predicted prefill seconds.
     work: float
+    #: What it adds to a step it shares: its prefill less the step's fixed cost and its
+    #: own time outside the engine's steps.
+    part: float
     placed_at: float
     #: Seconds from placement to its end, as the serial and the batched queue model
     #: predicted them (:mod:`narwhal.router.batching`).
@@ -68,14 +74,18 @@ class PrefillQueues:
         clock: the current time.
         fixed_s: a producer's fixed cost of a prefill step (its TTFT curve at no
             tokens); asked only of producers whose prefills are priced.
+        part_s: what a prefill of the given predicted seconds and prompt tokens adds to
+            a step of the producer it shares with others (beyond the fixed cost).
         others_s: the predicted prefill seconds others queued on a producer, whole
-            (``batched`` False) or each its part beyond the fixed cost (True).
+            (``batched`` False) or each its part in a step (True).
     """
 
     def __init__(self, names: Iterable[str], *, clock: Callable[[], float],
-                 fixed_s: Callable[[str], float], others_s: Callable[[str, bool], float]) -> None:  # fmt: skip
+                 fixed_s: Callable[[str], float], part_s: Callable[[str, float, int], float],
+                 others_s: Callable[[str, bool], float]) -> None:  # fmt: skip
         self.clock = clock
         self._fixed = fixed_s
+        self._part = part_s
         self._others = others_s
         #: Predicted prefill seconds reserved per producer.
         self.work_s: dict[str, float] = dict.fromkeys(names, 0.0)
@@ -87,8 +97,10 @@ class PrefillQueues:
         self.models = QueueModels()
         #: Per producer, its latest placements: (when, part beyond a step's fixed cost).
         self._arrivals: dict[str, collections.deque[tuple[float, float]]] = {}
-        #: Per producer, the moving mean of the predicted prefill seconds placed there.
+        #: Per producer, the moving means of the predicted prefill seconds placed there
+        #: and of their parts in a step.
         self._mean_work: dict[str, float] = {}
+        self._mean_part: dict[str, float] = {}
         self._keys = itertools.count()
 
     # ----------------------------------------------------------------- the queue
@@ -163,42 +175,45 @@ class PrefillQueues:
     def _steps_s(self, name: str, queued: Mapping[int, Queued]) -> tuple[float, float, list[Queued]]:
         """The seconds left of ``name``'s step in progress, the parts beyond the fixed
         cost of the prefills waiting for its next step, and those prefills."""
-        fixed = self._fixed(name)
         next_step = self._next_step(name)
-        waiting = sum(max(q.work - fixed, 0.0) for q in next_step)
-        in_step = fixed + sum(max(q.work - fixed, 0.0) for q in queued.values()) - waiting
+        waiting = sum(q.part for q in next_step)
+        in_step = self._fixed(name) + sum(q.part for q in queued.values()) - waiting
         return max(in_step - (self.clock() - self._step_start(name, queued)), 0.0), waiting, next_step
 
     # ----------------------------------------------------------------- reservations
 
-    def add(self, producer: str, work: float, latest_done: float, *, priced: bool) -> int:
-        """Reserve ``work`` predicted prefill seconds on ``producer``, behind its queue;
-        ``latest_done``: when it must end to meet the TTFT target (inf: no target). An unpriced producer's
-        prefill (no profile bound) is reserved without the queue models' predictions.
-        Returns the reservation's key for :meth:`release`."""
+    def add(self, producer: str, work: float, latest_done: float, *, priced: bool, prompt_tokens: int) -> int:
+        """Reserve ``work`` predicted prefill seconds of a ``prompt_tokens``-token prompt
+        on ``producer``, behind its queue; ``latest_done``: when it must end to meet the
+        TTFT target (inf: no target). An unpriced producer's prefill (no profile bound)
+        is reserved without the queue models' predictions. Returns the reservation's key
+        for :meth:`release`."""
         key = next(self._keys)
-        serial, batched = (0.0, 0.0)
+        serial, batched, part = (0.0, 0.0, 0.0)
         if priced:
             serial, batched = self.queues_s(producer)
-            self._arrived(producer, work)
+            part = self._part(producer, work, prompt_tokens)
+            self._arrived(producer, work, part)
         self.work_s[producer] += work
-        self.reserved.setdefault(producer, {})[key] = Queued(work, self.clock(), serial + work, batched + work,
-                                                             latest_done)  # fmt: skip
+        self.reserved.setdefault(producer, {})[key] = Queued(work, part, self.clock(), serial + work,
+                                                             batched + work, latest_done)  # fmt: skip
         return key
 
-    def _arrived(self, producer: str, work: float) -> None:
-        """A prefill of ``work`` seconds was placed on ``producer`` now (its part beyond
-        the fixed cost counts in the rate of prompts expected to join a step; it joins
-        the mean of the prefills placed there)."""
+    def _arrived(self, producer: str, work: float, part: float) -> None:
+        """A prefill of ``work`` seconds, ``part`` of them in a step it shares, was
+        placed on ``producer`` now (its part counts in the rate of prompts expected to
+        join a step; both join the means of the prefills placed there)."""
         recent = self._arrivals.setdefault(producer, collections.deque(maxlen=ARRIVALS))
-        recent.append((self.clock(), max(work - self._fixed(producer), 0.0)))
-        mean = self._mean_work.get(producer)
-        self._mean_work[producer] = work if mean is None else mean + MEAN_WEIGHT * (work - mean)
+        recent.append((self.clock(), part))
+        for means, value in ((self._mean_work, work), (self._mean_part, part)):
+            mean = means.get(producer)
+            means[producer] = value if mean is None else mean + MEAN_WEIGHT * (value - mean)
 
-    def mean_work_s(self, name: str) -> float | None:
+    def mean_work_s(self, name: str, *, part: bool = False) -> float | None:
         """The moving mean of the predicted prefill seconds (hits priced as hits) of the
-        priced prefills placed on ``name``; None before the first."""
-        return self._mean_work.get(name)
+        priced prefills placed on ``name``, or (``part``) of their parts in a step; None
+        before the first."""
+        return (self._mean_part if part else self._mean_work).get(name)
 
     def release(self, producer: str, key: int, *, done: bool) -> None:
         """The prefill reserved on ``producer`` under ``key`` ends: ``done``, it completed
@@ -220,6 +235,7 @@ class PrefillQueues:
         self.work_s.setdefault(name, 0.0)
 
     def remove_engine(self, name: str) -> None:
-        for table in (self.work_s, self.reserved, self._last_done, self._arrivals, self._mean_work):
+        for table in (self.work_s, self.reserved, self._last_done, self._arrivals, self._mean_work,
+                      self._mean_part):  # fmt: skip
             table.pop(name, None)
         self.models.forget(name)

@@ -205,7 +205,8 @@ class PricedPlacement(Placement):
         self.ttft_correction: dict[str, float] = dict.fromkeys(self.loads, 1.0)
         self.tpot_correction: dict[str, float] = dict.fromkeys(self.loads, 1.0)
         #: The prefills reserved per producer, and the queue ahead of a new one.
-        self.queues = PrefillQueues(self.loads, clock=clock, fixed_s=self._fixed_s, others_s=self.others_prefill_s)
+        self.queues = PrefillQueues(self.loads, clock=clock, fixed_s=self._fixed_s, part_s=self._part_s,
+                                    others_s=self.others_prefill_s)  # fmt: skip
         #: Which queue model prices each producer (:mod:`narwhal.router.batching`).
         self.queue_models = self.queues.models
         for name, profile in self.profiles.items():
@@ -295,18 +296,30 @@ class PricedPlacement(Placement):
         """What a prefill step of ``name`` costs whatever it computes: its TTFT curve at no tokens."""
         return max(self._ttft(self.profiles[name], 0), 0.0)
 
+    def _part_s(self, name: str, work: float, prompt_tokens: int) -> float:
+        """What a prefill of ``work`` predicted seconds for a ``prompt_tokens``-token
+        prompt adds to a step of ``name`` it shares: beyond the step's fixed cost, less
+        what the prompt spends outside the engine's steps where the profile measured it
+        (:class:`~narwhal.profile.store.PrefillOutside`)."""
+        outside = self.profiles[name].prefill_outside
+        own = outside.per_token_s * prompt_tokens if outside is not None else 0.0
+        return max(work - self._fixed_s(name) - own, 0.0)
+
     def others_prefill_s(self, name: str, batched: bool = False) -> float:
         """Predicted prefill seconds of the prompts others queued on ``name``: each the
         mean prefill this router placed there (its hits priced as hits: the others'
         traffic is the same mix), or before the first the prefill of this router's mean
-        prompt; ``batched``, each its part beyond the producer's fixed cost a step."""
+        prompt; ``batched``, each the mean part in a step of those (:meth:`_part_s`)."""
         others = self.others_prefill(name)
         if not others:
             return 0.0
-        mean = self.queues.mean_work_s(name)
+        mean = self.queues.mean_work_s(name, part=batched)
         if mean is None:
-            mean = self._ttft(self.profiles[name], round(self.mean_prompt_tokens))
-        return others * (max(mean - self._fixed_s(name), 0.0) if batched else mean)
+            tokens = round(self.mean_prompt_tokens)
+            mean = self._ttft(self.profiles[name], tokens)
+            if batched:
+                mean = self._part_s(name, mean, tokens)
+        return others * mean
 
     def _ttft(self, profile: EngineProfile, prompt_tokens: int) -> float:
         if self.pricing == "upper":
@@ -580,7 +593,7 @@ class PricedPlacement(Placement):
         if self.replicate(producer, ids, model, work):
             self.replicating.add(producer)
             self.counters["warmed" if warm else "replicated"] += 1
-            self._copies[producer] = self._add_work(producer, work)
+            self._copies[producer] = self._add_work(producer, work, len(ids))
             if warm:
                 self._warming[producer] = ids
 
@@ -603,7 +616,7 @@ class PricedPlacement(Placement):
         latest_done = math.inf
         if target is not None and p is not None and c is not None:
             latest_done = self.clock() + target - p.elapsed_s - self.handoff_s.get(c.engine, 0.0)
-        key = self._add_work(producer, work, latest_done)
+        key = self._add_work(producer, work, prompt_tokens, latest_done)
         reservation.on_release_prefill = lambda done: self._release_work(producer, key, done)
         reservation.on_release_decode = self._capacity_changed
         reservation.predicted_ttft_s = p.predicted_s if p is not None else None
@@ -639,10 +652,12 @@ class PricedPlacement(Placement):
         if load.others < before:
             self._capacity_changed()
 
-    def _add_work(self, producer: str, work: float, latest_done: float = math.inf) -> int:
-        """Reserve ``work`` predicted prefill seconds on ``producer``, behind its queue;
-        ``latest_done``: when it must end to meet the TTFT target."""
-        return self.queues.add(producer, work, latest_done, priced=producer in self.profiles)
+    def _add_work(self, producer: str, work: float, prompt_tokens: int, latest_done: float = math.inf) -> int:
+        """Reserve ``work`` predicted prefill seconds of a ``prompt_tokens``-token prompt
+        on ``producer``, behind its queue; ``latest_done``: when it must end to meet the
+        TTFT target."""
+        return self.queues.add(producer, work, latest_done, priced=producer in self.profiles,
+                               prompt_tokens=prompt_tokens)  # fmt: skip
 
     def _release_work(self, producer: str, key: int, done: bool = False) -> None:
         """The prefill reserved on ``producer`` under ``key`` ends: ``done``, it completed
