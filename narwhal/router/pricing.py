@@ -264,6 +264,9 @@ class PricedPlacement(Placement):
         own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
         ahead = (self.queues.queue_s(name) + own) * self.ttft_correction[name]
         predicted = elapsed_s + ahead
+        # The prompts waiting for the step are held to its point prediction under either
+        # admission bound: the low end is for the newcomer's own TTFT (held to it, they
+        # were made late: docs/prefix-cache.md).
         delays = self.queues.delays(name, own, self.ttft_correction[name]) if name in self.queue_models.batched else 0
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s), cached_tokens=cached_tokens,
                      own_s=own, low_s=elapsed_s + ahead * self.low_factor(name), elapsed_s=elapsed_s,
