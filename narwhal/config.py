@@ -672,7 +672,9 @@ class ControllerConfig:
 
     Attributes:
         slo: Latency targets.
-        admission: When no placement meets the SLO: ``wait`` for capacity or ``refuse`` (503).
+        admission: When no placement meets the SLO: ``wait`` for capacity or ``refuse`` (503;
+            a request that would itself meet the targets but would make the prompts
+            waiting for a producer's next step late waits for that step either way).
         admission_bound: What admission holds against the TTFT target: ``lower`` the low
             end of the producer's prediction (the prediction times the 10th percentile of
             observed / predicted TTFT over the producer's latest priced requests; before

@@ -397,7 +397,7 @@ def test_a_placed_pair_carries_its_predictions_and_reserves_prompt_and_output() 
     assert (r.producer, r.consumer, r.prompt_tokens, r.kv_tokens) == ("p0", "d0", 1000, 1200)
     assert r.predicted_ttft_s == pytest.approx(ttft(1000))
     assert r.predicted_tpot_s == pytest.approx(tpot(1, 1200))
-    assert pl.counters == {"priced": 1, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0,
+    assert pl.counters == {"priced": 1, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0, "deferred": 0,
                            "replicated": 0, "warmed": 0}  # fmt: skip
     pl.choose(10, 2)
     assert pl.counters["priced"] == 2
@@ -460,7 +460,7 @@ def test_a_model_without_a_priced_pair_falls_back_within_its_own_engines() -> No
         r = pl.choose(100, 10, model="n")
         assert (r.producer, r.consumer, r.predicted_ttft_s) == ("p1", "d1", None)
         r.release()
-    assert pl.counters == {"priced": 0, "fallback": 2, "out_of_domain": 0, "refused": 0, "waited": 0,
+    assert pl.counters == {"priced": 0, "fallback": 2, "out_of_domain": 0, "refused": 0, "waited": 0, "deferred": 0,
                            "replicated": 0, "warmed": 0}  # fmt: skip
     assert pl.choose(100, 10, model="m").predicted_ttft_s is not None
 

@@ -15,8 +15,9 @@ from narwhal.errors import Refused
 from narwhal.profile.store import PrefillOutside
 from narwhal.router.admin import AdminApp
 from narwhal.router.batching import DIFFER, MIN_EVIDENCE, WINDOW, QueueModels
+from narwhal.router.placement import Reservation
 from narwhal.router.prefillqueue import ARRIVALS, PrefillQueues
-from narwhal.router.pricing import ERROR_MIN
+from narwhal.router.pricing import ERROR_MIN, PricedPlacement
 
 from .routerkit import engine, fleet_doc, open_stack
 from .test_pricing_rules import PREFILL, Clock, priced, profile, ttft
@@ -302,7 +303,7 @@ def test_a_producer_leaving_takes_its_queue_model_with_it() -> None:
 # ----------------------------------------------------------------- admission
 
 
-async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_elsewhere_or_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     profiles = {n: profile(n) for n in ("p0", "p1", "d0")}
     pl = priced(["p0", "p1"], ["d0"], profiles=profiles, clock=clock, ttft_s=0.5)
@@ -324,12 +325,58 @@ async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_goes_e
     assert q.delays == 1
     assert pl.quote_producer("p1", 2600).delays == 0
     assert pl.choose(2600, 10).producer == "p1"
-    # With p1 out, it is refused, and the refusal says why.
-    with pytest.raises(Refused) as refused:
-        await pl.acquire(2600, 10, avoid=frozenset({"p1"}))
-    assert "it would make 1 request(s) queued there miss the TTFT target (they share its next step)" in str(refused.value)
     # A prompt small enough to share the step in time is taken.
     assert pl.choose(500, 10, avoid=frozenset({"p1"})).producer == "p0"
+
+
+async def test_a_prompt_that_would_make_the_prompts_sharing_its_step_late_waits_for_that_step(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock
+) -> None:
+    """Under ``admission: refuse`` such a prompt is not refused while it can meet its
+    own target a step later: it waits for the next reservation to end (the step the
+    others wait for under way) and is priced again, its wait counted; it is refused,
+    saying why, once its own target has passed."""
+
+    async def busy() -> tuple[PricedPlacement, Reservation, float]:
+        pl = priced(clock=trio.current_time, ttft_s=0.5)
+        monkeypatch.setattr(pl.queues, "_join_rate_s", lambda name: 0.0)  # no prompt expected to join
+        learn(pl.queue_models, "p0", batched=True)
+        t0 = trio.current_time()
+        head = pl.choose(2000, 10)  # p0's step in progress: 0.21 s
+        await trio.sleep(0.1)
+        pl.choose(100, 10, elapsed_s=0.22)  # waits for the next step: must end by t0 + 0.38
+        await trio.sleep(0.01)
+        return pl, head, t0
+
+    pl, head, t0 = await busy()
+    placed: list[Reservation] = []
+
+    async def newcomer() -> None:
+        placed.append(await pl.acquire(2600, 10))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(newcomer)
+        await trio.sleep(0.05)
+        assert placed == [] and pl.counters["deferred"] == 1 and pl.counters["refused"] == 1
+        await trio.sleep_until(t0 + 0.21)
+        head.release_prefill(done=True)  # the next step begins: the other prompt in it
+    (reservation,) = placed
+    assert reservation.producer == "p0" and trio.current_time() == pytest.approx(t0 + 0.21)
+    # Priced again from there: that step (its fixed cost and the other's part), then its
+    # own prefill, after the 0.1 s it waited.
+    assert reservation.predicted_ttft_s == pytest.approx(0.1 + FIXED + share(100) + ttft(2600))
+    assert pl.counters["deferred"] == 1 and pl.counters["priced"] == 3
+    # Nothing ends before its own target has passed (0.45 s of it left): refused then,
+    # saying why.
+    pl, head, t0 = await busy()
+    with pytest.raises(Refused) as refused:
+        await pl.acquire(2600, 10, elapsed_s=0.05)
+    assert trio.current_time() == pytest.approx(t0 + 0.11 + 0.45)
+    assert "it would make 1 request(s) queued there miss the TTFT target (they share its next step)" in str(refused.value)
+    assert pl.counters["deferred"] == 1
+    # Without a target nothing is late, for it or for the others: placed at once.
+    pl.slo = attrs.evolve(pl.slo, ttft_s=None)
+    assert (await pl.acquire(2600, 10)).producer == "p0"
 
 
 def test_the_prompts_a_newcomer_would_delay_are_those_waiting_for_its_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,7 +76,9 @@ latest priced requests (:data:`LOW_QUANTILE`, :data:`ERROR_WINDOW`; until
 :data:`ERROR_MIN` of them, the low end of the profile's bootstrap prediction interval),
 so that a request predicted over the target by less than the producer's own prediction
 error is served, not refused; with ``point`` it compares the point prediction. When no
-pair can meet them, ``controller.admission`` decides: ``refuse`` answers 503 with ``Retry-After`` at once;
+pair can meet them, ``controller.admission`` decides: ``refuse`` answers 503 with ``Retry-After`` at once
+(except a request that would itself meet the targets but would make the prompts
+waiting for a producer's next step late: it waits for that step, :meth:`acquire`);
 ``wait`` waits for capacity (a reservation released) until the TTFT target or the
 request deadline has passed, then refuses. The wait is part of the router TTFT.
 
@@ -213,7 +215,7 @@ class PricedPlacement(Placement):
             self.queue_models.prior(name, profile.prefill_queue)
         self.unbound: dict[str, str] = {}
         self.counters = {"priced": 0, "fallback": 0, "out_of_domain": 0, "refused": 0, "waited": 0,
-                         "replicated": 0, "warmed": 0}  # fmt: skip
+                         "deferred": 0, "replicated": 0, "warmed": 0}  # fmt: skip
         self._capacity = trio.Event()
         #: Copies prefixes to producers (set while the router runs); None: never.
         self.replicate: Replicate | None = None
@@ -472,14 +474,16 @@ class PricedPlacement(Placement):
         # comes after the prefill: the handoff to the consumer counts against the target.
         handoff = self.handoff_s.get(c.engine, 0.0)
         bound = p.predicted_s if self.admission_bound == "point" else p.low
-        late = self.slo.ttft_s is not None and (bound + handoff > self.slo.ttft_s or p.delays > 0)
-        if late or c.kv_over > 0 or (self.slo.tpot_s is not None and c.headroom < 0):
+        own_late = self.slo.ttft_s is not None and bound + handoff > self.slo.ttft_s
+        delays = self.slo.ttft_s is not None and p.delays > 0
+        decode_miss = c.kv_over > 0 or (self.slo.tpot_s is not None and c.headroom < 0)
+        if own_late or delays or decode_miss:
             self.counters["refused"] += 1
-            if late and prompt_ids is not None and cached is not None and self.replicate is not None:
+            if own_late and prompt_ids is not None and cached is not None and self.replicate is not None:
                 warm = self.warming(prompt_tokens, prompt_ids, cached, model, handoff)
                 if warm is not None:
                     self._start_copy(warm[0], prompt_ids, warm[1], model, warm=True)
-            raise _NoCapacity(p, c, handoff)
+            raise _NoCapacity(p, c, handoff, deferrable=not (own_late or decode_miss))
         self.counters["priced"] += 1
         if c.out_of_domain:
             self.counters["out_of_domain"] += 1
@@ -686,7 +690,11 @@ class PricedPlacement(Placement):
         held: Callable[[str], HeldChain] | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` predicted to meet the SLO, waiting for capacity
-        (admission ``wait``)."""
+        (admission ``wait``). Under ``refuse``, a request that would itself meet the
+        targets but would make the prompts waiting for a producer's next step late is not
+        refused: it waits for the next reservation to end (that step under way, the
+        prompts no longer waiting) and is priced again, its wait counted against its own
+        TTFT target, until it is placed or would itself miss."""
         waited = False  # pragma: no mutate (equivalent: falsy alike)
         start = self.clock()
         while True:
@@ -695,7 +703,11 @@ class PricedPlacement(Placement):
                                    cached=cached, model=model, prompt_ids=prompt_ids, held=held)  # fmt: skip
             except _NoCapacity as miss:
                 slo_deadline = deadline
-                if self.admission == "refuse" or self.clock() >= slo_deadline:
+                deferred = self.admission == "refuse" and miss.deferrable
+                if deferred:  # no later than its own target (it has one: it delays others')
+                    assert self.slo.ttft_s is not None
+                    slo_deadline = min(deadline, start - elapsed_s + self.slo.ttft_s)
+                if (self.admission == "refuse" and not deferred) or self.clock() >= slo_deadline:
                     hit = miss.producer.cached_tokens
                     handoff = miss.handoff_s
                     low = miss.producer.low
@@ -710,7 +722,7 @@ class PricedPlacement(Placement):
                     ) from None  # (retry in Refused's default second)
                 if not waited:
                     waited = True
-                    self.counters["waited"] += 1
+                    self.counters["deferred" if deferred else "waited"] += 1
                 with trio.move_on_at(slo_deadline):
                     await self._capacity.wait()
 
@@ -767,8 +779,12 @@ def best_consumer(quotes: Sequence[Quote]) -> Quote:
 
 
 class _NoCapacity(Exception):
-    def __init__(self, producer: Quote, consumer: Quote, handoff_s: float = 0.0) -> None:
+    """No pair meets the SLO; ``deferrable``: the request itself would, but would make
+    the prompts waiting for the producer's next step late (it can wait for that step)."""
+
+    def __init__(self, producer: Quote, consumer: Quote, handoff_s: float = 0.0, *, deferrable: bool = False) -> None:
         super().__init__("no placement meets the SLO")
         self.producer = producer
         self.consumer = consumer
         self.handoff_s = handoff_s
+        self.deferrable = deferrable
