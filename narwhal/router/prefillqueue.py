@@ -24,9 +24,9 @@ prompt placed now is read from what is reserved, by the producer's queue model
 Others' prefills (other routers' load on the engine) are priced by the caller, for the
 serial model whole, for the batched model each its part in a step (they share steps);
 the caller prices them from :meth:`PrefillQueues.mean_work_s`, the means of the
-prefills this router placed there and of their parts. Every reserved prefill keeps the durations
-both models predicted for it when it was placed, which the queue models are scored on
-when it ends.
+prefills this router placed there and of their parts. Every reserved prefill keeps
+the durations both models predicted for it when it was placed, which the queue models
+are scored on when it ends.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ class PrefillQueues:
         return sum(share for _, share in recent) / span if span > 0 else 0.0
 
     def _steps_s(self, name: str, queued: Mapping[int, Queued]) -> tuple[float, float, list[Queued]]:
-        """The seconds left of ``name``'s step in progress, the parts beyond the fixed
-        cost of the prefills waiting for its next step, and those prefills."""
+        """The seconds left of ``name``'s step in progress, the parts in a step of the
+        prefills waiting for its next step, and those prefills."""
         next_step = self._next_step(name)
         waiting = sum(q.part for q in next_step)
         in_step = self._fixed(name) + sum(q.part for q in queued.values()) - waiting
