@@ -56,8 +56,9 @@ async def test_the_simulator_reports_its_own_waiting_and_prefill_time_without_th
     assert _histogram(text, "vllm:request_queue_time_seconds") == (0.0, 1.0)
     assert _histogram(text, "vllm:request_prefill_time_seconds") == pytest.approx((model(1000), 1.0))
     assert _histogram(text, "vllm:request_inference_time_seconds") == pytest.approx((model(1000), 1.0))
-    # TTFT as vLLM's frontend counts it (from the request's arrival at the engine).
-    assert _histogram(text, "vllm:time_to_first_token_seconds") == pytest.approx((model(1000), 1.0))
+    # TTFT and latency as vLLM counts them: from the API server's receipt of the request.
+    assert _histogram(text, "vllm:time_to_first_token_seconds") == pytest.approx((took, 1.0))
+    assert _histogram(text, "vllm:e2e_request_latency_seconds") == pytest.approx((took, 1.0))
 
 
 async def test_the_profile_measures_the_time_outside_the_engines_steps(

@@ -363,6 +363,7 @@ class SimEngine:
                 from the named producer failed (500, after 5 s).
             EngineRestarted: the engine restarted while the request waited.
         """
+        received = self.now()
         if self.sim.frontend_s_per_token > 0:  # the API server's own work, beside the steps
             await trio.sleep(len(params.prompt_ids) * self.sim.frontend_s_per_token)
         sched = self.scheduler
@@ -374,6 +375,7 @@ class SimEngine:
         seq = Seq(
             params=params,
             arrival=self.now(),
+            received=received,
             send=send,
             remote=self._is_remote(kv),
             want_descriptor=self.config.connector is not None

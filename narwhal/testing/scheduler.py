@@ -122,7 +122,11 @@ class Seq:
     """One request inside the scheduler."""
 
     params: GenerateParams
+    #: When the scheduler got it (the engine core), and when the API server did: its
+    #: TTFT and end-to-end latency count from there, as vLLM's count from the arrival
+    #: its frontend stamps before the engine core sees the request.
     arrival: float
+    received: float
     remote: bool
     want_descriptor: bool
     send: trio.MemorySendChannel[TokenEvent | _Broken]
@@ -541,7 +545,7 @@ class Scheduler:
         finish = "length" if seq.generated >= seq.params.max_tokens else None
         if seq.first_at is None:
             seq.first_at = now
-            self.metrics.ttft.observe(now - seq.arrival)
+            self.metrics.ttft.observe(now - seq.received)
             if seq.scheduled_at is not None:
                 self.metrics.prefill_time.observe(now - seq.scheduled_at)
         elif seq.last_at is not None:
@@ -580,7 +584,7 @@ class Scheduler:
             seq.kv_transfer_params = self.describe(h)
         m = self.metrics
         m.request_success[reason] += 1
-        m.e2e.observe(now - seq.arrival)
+        m.e2e.observe(now - seq.received)
         if seq.scheduled_at is not None:
             m.inference_time.observe(now - seq.scheduled_at)
         if seq.generated > 1 and seq.first_at is not None:
