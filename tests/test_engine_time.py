@@ -5,7 +5,7 @@ of it."""
 
 from __future__ import annotations
 
-import re
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,9 @@ import trio
 from narwhal.check import run_check
 from narwhal.config import FleetConfig, unstructure_fleet
 from narwhal.engines.client import EngineClient
+from narwhal.engines.metrics import parse_prometheus, sum_samples
 from narwhal.errors import ConfigError
+from narwhal.profile.cohort import METRICS_TIMEOUT_S
 from narwhal.profile.derive import prefill_outside
 from narwhal.profile.enginetime import EngineClock, engine_seconds, fit_outside, read_clock
 from narwhal.profile.store import Profiles, load_profiles
@@ -35,9 +37,9 @@ def model(length: int, cached: int = 0) -> float:
     return p["a"] + p["b"] * (length - cached) + p["c"] * (length**2 - cached**2)
 
 
-def _histogram(text: str, name: str) -> tuple[float, float]:
-    values = dict(re.findall(rf"^{name}_(sum|count)\{{[^}}]*\}} (\S+)$", text, re.M))
-    return float(values["sum"]), float(values["count"])
+def _histogram(text: str, name: str) -> tuple[float | None, float | None]:
+    samples = parse_prometheus(text)
+    return sum_samples(samples.get(f"{name}_sum", ())), sum_samples(samples.get(f"{name}_count", ()))
 
 
 async def test_the_simulator_reports_its_own_waiting_and_prefill_time_without_the_frontends(
@@ -47,6 +49,7 @@ async def test_the_simulator_reports_its_own_waiting_and_prefill_time_without_th
     async with open_sim_fleet(config) as sim, EngineClient(
         config.engines[0].url, name="e0", transport=sim.transport
     ) as client:
+        await trio.sleep(100.0)  # not at the clock's zero: a time counted from 0 shows
         start = trio.current_time()
         result = await client.prefill({"prompt": list(range(1000)), "temperature": 0.0}, transfer=False)
         took = trio.current_time() - start
@@ -183,6 +186,14 @@ async def test_a_reading_that_counts_another_request_or_none_gives_no_engine_tim
     # The histograms gone (a restart into a build without them): none.
     assert await engine_seconds(_Scripted(None), before) is None  # type: ignore[arg-type]
     assert await read_clock(_Scripted((7, 6, 2.0))) == EngineClock(7, 6, 2.0)  # type: ignore[arg-type]
+    # A /metrics that never answers: none, after the probes' wait for it.
+    class Silent:
+        async def metrics(self, names: frozenset[str] | None = None) -> Any:
+            await trio.sleep_forever()
+
+    start = trio.current_time()
+    assert await read_clock(Silent()) is None  # type: ignore[arg-type]
+    assert trio.current_time() - start == METRICS_TIMEOUT_S
     for missing in ("queue_time_seconds_sum", "queue_time_seconds_count", "prefill_time_seconds_sum",
                     "prefill_time_seconds_count"):  # fmt: skip
         assert await read_clock(_Scripted(missing)) is None  # type: ignore[arg-type]
@@ -214,12 +225,22 @@ def test_a_malformed_engine_time_is_named_by_its_path() -> None:
     with pytest.raises(ConfigError) as info:
         prefill_outside(entry, "$.engines.e0")
     assert info.value.path == "$.engines.e0.prefill.repeats[1].engine_s"
-    entry["prefill"]["repeats"][1]["engine_s"] = -0.01
-    with pytest.raises(ConfigError, match="expected the engine's seconds"):
-        prefill_outside(entry, "$.engines.e0")
+    assert str(info.value) == "expected the engine's seconds (a number >= 0, or null) @ $.engines.e0.prefill.repeats[1].engine_s"
+    for bad in (-0.01, math.inf, math.nan, True):
+        entry["prefill"]["repeats"][1]["engine_s"] = bad
+        with pytest.raises(ConfigError, match="expected the engine's seconds"):
+            prefill_outside(entry, "$.engines.e0")
     # Repeats without it (a build that does not report it) are left out; too few: none.
     entry["prefill"]["repeats"][1]["engine_s"] = None
     assert prefill_outside(entry, "$.engines.e0") is None
+    entry["prefill"]["repeats"].append({"length": 200, "ttft_s": 0.06, "engine_s": 0.05})
+    # ... and those after it still count, over both sweeps; an engine time of 0 is one;
+    # a repeat without its TTFT (malformed: its own check names it) is left out here.
+    entry["prefix"] = {"repeats": [{"length": 300, "cached": 16, "ttft_s": 0.05, "engine_s": 0.0},
+                                   {"length": 300, "cached": 16, "engine_s": 0.02},
+                                   {"length": 400, "cached": 16, "ttft_s": 0.07, "engine_s": 0.06}]}  # fmt: skip
+    outside = prefill_outside(entry, "$.engines.e0")
+    assert outside is not None and outside.samples == 4
 
 
 async def _burst_of_hits(tmp_path: Path, *, outside: bool) -> list[dict[str, Any]]:

@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: mutmut runs, for each mutant, those of them that reach the mutated function.
 MODULES: dict[str, tuple[str, ...]] = {
     # The simulated engine's scheduler: what every timing test measures against.
-    "narwhal/testing/scheduler.py": ("tests/test_sim_engine.py", "tests/test_sim_prefix_cache.py", "tests/test_sim_handoff.py"),
+    "narwhal/testing/scheduler.py": ("tests/test_sim_engine.py", "tests/test_sim_prefix_cache.py", "tests/test_sim_handoff.py",
+                                     "tests/test_engine_time.py"),  # its own time histograms
     "narwhal/router/breaker.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # The fault matrix exercises probes too, but its 200-odd cases per mutant are too slow here.
     "narwhal/router/probe.py": ("tests/test_readmission.py", "tests/test_readiness.py", "tests/test_router_recovery.py"),

@@ -36,6 +36,7 @@ from narwhal.errors import EngineError, EngineTimeout
 from narwhal.profile.fit import cell_figures
 
 __all__ = [
+    "METRICS_TIMEOUT_S",
     "CellResult",
     "CohortCollector",
     "Completed",
@@ -48,7 +49,8 @@ __all__ = [
     "run_cell",
 ]
 
-_METRICS_TIMEOUT_S: Final = 10.0
+#: Seconds a probe waits for an engine's ``/metrics`` (the client sets no read timeout).
+METRICS_TIMEOUT_S: Final = 10.0
 
 
 @attrs.frozen
@@ -333,7 +335,7 @@ def _stream_problem(end: StreamEnd, input_len: int, max_tokens: int) -> str | No
 
 async def _metrics_now(client: EngineClient) -> dict[str, Any]:
     at = trio.current_time()
-    with trio.move_on_after(_METRICS_TIMEOUT_S):
+    with trio.move_on_after(METRICS_TIMEOUT_S):
         try:
             m = await client.metrics()
         except EngineError as exc:
