@@ -13,8 +13,10 @@ import pytest
 import trio
 
 from narwhal.config import EngineConfig, parse_as
+from narwhal.engines.metrics import parse_prometheus
 from narwhal.testing import SimEngine, SimFleet, open_memory_network, open_sim_fleet
 from narwhal.testing.metrics import format_value
+from narwhal.testing.scheduler import GenerateParams, Seq, open_seq_channel
 
 PREFILL = {"a": 0.010, "b": 1e-4, "c": 2e-7}
 DECODE = {"c0": 0.005, "c1": 0.001, "c2": 1e-6}
@@ -304,6 +306,65 @@ async def test_outputs_are_deterministic_and_count_by_id(autojump_clock: trio.ab
         assert one == two and len(one) == 64
         texts = [e["choices"][0]["text"] for _, e in await stream_times(client, body)]
         assert "" in texts  # some ids have no text of their own; they still count
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of the engine's ``/metrics`` (its engine and model labels aside)."""
+    got = [s.value for s in parse_prometheus(text).get(name, ())
+           if all(dict(s.labels).get(k) == v for k, v in labels.items())]  # fmt: skip
+    assert len(got) == 1, (name, labels, got)
+    return got[0]
+
+
+async def test_the_engine_counts_tokens_requests_and_intervals_as_vllm_does(autojump_clock: trio.abc.Clock) -> None:
+    # One request at a time, so that every interval is one request's own; 1, 2 and 8
+    # tokens: a one-token request has no time per output token, a two-token one has one.
+    async with one_engine() as (_, engine, client):
+        await trio.sleep(100.0)  # not at the clock's zero: a time counted from 0 shows
+        arrivals = [[t for t, _ in await stream_times(client, {"prompt": prompt(30), "max_tokens": n})]
+                    for n in (1, 2, 8)]  # fmt: skip
+        text = (await client.get("/metrics")).text
+    assert [len(a) for a in arrivals] == [1, 2, 8]
+    gaps = [b - a for times in arrivals for a, b in itertools.pairwise(times)]
+    assert all(g > 0 for g in gaps)
+    assert _sample(text, "vllm:generation_tokens_total") == 11
+    assert engine.stats.generated_tokens == 11
+    assert _sample(text, "vllm:request_success_total", finished_reason="length") == 3
+    assert _sample(text, "vllm:request_success_total", finished_reason="abort") == 0
+    assert _sample(text, "vllm:time_to_first_token_seconds_count") == 3
+    assert _sample(text, "vllm:inter_token_latency_seconds_count") == len(gaps) == 8
+    assert _sample(text, "vllm:inter_token_latency_seconds_sum") == pytest.approx(sum(gaps))
+    assert _sample(text, "vllm:request_time_per_output_token_seconds_count") == 2
+    per_token = [(t[-1] - t[0]) / (len(t) - 1) for t in arrivals if len(t) > 1]
+    assert _sample(text, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(sum(per_token))
+
+
+async def test_token_events_carry_their_index_and_time(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine() as (_, engine, _client):
+        await trio.sleep(100.0)
+        params = GenerateParams(prompt_ids=tuple(range(30)), max_tokens=5, request_id="r-1")
+        async with engine.generate(params) as gen:
+            events = [(event, trio.current_time()) async for event in gen]
+    assert [e.index for e, _ in events] == [0, 1, 2, 3, 4]
+    assert [e.at for e, _ in events] == [at for _, at in events]
+    assert [e.finish_reason for e, _ in events] == [None, None, None, None, "length"]
+
+
+async def test_a_sequence_whose_reader_is_gone_is_aborted_at_its_next_token(autojump_clock: trio.abc.Clock) -> None:
+    # The engine's own requests abort as their reader leaves; the scheduler still ends a
+    # sequence whose channel closed first, at the token it could not deliver.
+    async with one_engine() as (_, engine, _client):
+        sched = engine.scheduler
+        send, recv = open_seq_channel()
+        seq = Seq(params=GenerateParams(prompt_ids=tuple(range(30)), max_tokens=50, request_id="r-1"),
+                  arrival=engine.now(), received=engine.now(), remote=False, want_descriptor=False, send=send)  # fmt: skip
+        recv.close()
+        sched.submit(seq)
+        await trio.sleep(1.0)
+        assert seq.state == "aborted" and seq.generated == 1  # its first token, after the prefill
+        assert sched.running == 0 and sched.kv_usage == 0.0
+        assert engine.stats.aborted == 1 and engine.stats.generated_tokens == 1
+        assert sched.metrics.request_success["abort"] == 1
 
 
 async def test_client_disconnect_aborts_and_frees_kv(autojump_clock: trio.abc.Clock) -> None:

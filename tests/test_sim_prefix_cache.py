@@ -180,17 +180,19 @@ async def test_usage_reports_cached_tokens_when_enabled(autojump_clock: trio.abc
         assert (await complete(client, prompt(50)))["usage"]["prompt_tokens_details"] is None
 
 
-async def test_generated_tokens_are_cached_too(autojump_clock: trio.abc.Clock) -> None:
+# 20 prompt tokens and N generated: N + 19 have KV when the request ends (the last one
+# sampled has none), and the next turn hits their full blocks of 16.
+@pytest.mark.parametrize(("max_tokens", "hit"), [(30, 48), (29, 48), (28, 32)])
+async def test_generated_tokens_are_cached_too(autojump_clock: trio.abc.Clock, max_tokens: int, hit: int) -> None:
     async with one_engine(prefix_caching=True, block_size=16) as (_, engine, client):
         text = prompt(20)
-        out = await complete(client, text, max_tokens=30, return_token_ids=True)
+        out = await complete(client, text, max_tokens=max_tokens, return_token_ids=True)
         generated = out["choices"][0]["token_ids"]
         # the next turn: the prompt, the answer and more: the answer's full blocks hit
         follow = [*out["choices"][0]["prompt_token_ids"], *generated, *range(300, 310)]
         before = engine.stats.prompt_tokens["local_cache_hit"]
         await complete(client, follow)
-        # 20 + 30 tokens; 49 had KV when the request ended (the last one sampled had none)
-        assert engine.stats.prompt_tokens["local_cache_hit"] - before == 48
+        assert engine.stats.prompt_tokens["local_cache_hit"] - before == hit
 
 
 async def test_lru_eviction_under_a_small_cache(autojump_clock: trio.abc.Clock) -> None:
