@@ -112,6 +112,22 @@ async def test_first_decode_token_after_transfer_and_one_step(autojump_clock: tr
         assert firsts[1] - firsts[0] == pytest.approx(STEP["c0"], rel=0.01)
 
 
+async def test_a_request_receiving_its_kv_counts_as_waiting(autojump_clock: trio.abc.Clock) -> None:
+    # vLLM keeps a request whose KV is still arriving in its waiting queue
+    # (num_requests_waiting); it runs once the transfer is done.
+    async with pair() as (fleet, p, d):
+        consumer = fleet.engines["d0"]
+        text = prompt(1000)
+        desc = (await prefill(p, text))["kv_transfer_params"]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(decode, d, text, desc, 50)
+            await trio.sleep(1000 * TPS / 2)
+            assert (consumer.waiting, consumer.running) == (1, 0)
+            await trio.sleep(1000 * TPS)
+            assert (consumer.waiting, consumer.running) == (0, 1)
+        assert (consumer.waiting, consumer.running) == (0, 0)
+
+
 async def test_incomplete_descriptor_is_recomputed(autojump_clock: trio.abc.Clock) -> None:
     async with pair() as (fleet, p, d):
         text = prompt(100)

@@ -135,6 +135,43 @@ async def test_at_least_one_prompt_token_is_computed(autojump_clock: trio.abc.Cl
         assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-llama"} 16.0' in metrics
 
 
+@pytest.mark.parametrize(("length", "hit"), [(32, 16), (33, 32), (48, 32), (49, 48)])
+async def test_a_repeated_prompt_hits_every_full_block_before_its_last_token(
+    autojump_clock: trio.abc.Clock, length: int, hit: int
+) -> None:
+    async with one_engine(prefix_caching=True, block_size=16) as (_, engine, client):
+        await complete(client, prompt(length))
+        await complete(client, prompt(length))
+        assert engine.stats.prompt_tokens["local_cache_hit"] == hit
+
+
+async def test_a_hit_needs_room_only_for_the_blocks_it_adds(autojump_clock: trio.abc.Clock) -> None:
+    # 8 blocks of 16. A's 64-token prompt leaves 4 blocks cached and free; Y holds the 3
+    # blocks never used while it decodes. A again (B) hits 3 of A's blocks and needs 2 new
+    # ones beside them: with 5 free blocks it fits exactly and runs beside Y. A again with
+    # 16 more tokens to generate (B2) needs one block more than is free: it waits for Y.
+    async with one_engine(prefix_caching=True, block_size=16, kv_capacity_tokens=128) as (_, engine, client):
+        a = prompt(64, "a")
+        await complete(client, a)
+        done: list[str] = []
+
+        async def run(name: str, text: str, max_tokens: int) -> None:
+            await complete(client, text, max_tokens=max_tokens)
+            done.append(name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "Y", prompt(16, "y"), 30)
+            await trio.sleep(0.05)
+            assert engine.running == 1 and engine.waiting == 0
+            await run("B", a, 1)
+            assert done == ["B"]
+            nursery.start_soon(run, "B2", a, 17)
+        assert done == ["B", "Y", "B2"]
+        assert engine.stats.prompt_tokens["local_cache_hit"] == 96
+        metrics = (await client.get("/metrics")).text
+        assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-llama"} 96.0' in metrics
+
+
 async def test_a_request_queued_behind_the_same_prefix_hits_it(autojump_clock: trio.abc.Clock) -> None:
     # vLLM caches the blocks a step will compute when it schedules them (allocate_slots),
     # not when the forward pass ends: a request scheduled behind one computing a prefix
@@ -180,12 +217,15 @@ async def test_usage_reports_cached_tokens_when_enabled(autojump_clock: trio.abc
         assert (await complete(client, prompt(50)))["usage"]["prompt_tokens_details"] is None
 
 
-# 20 prompt tokens and N generated: N + 19 have KV when the request ends (the last one
-# sampled has none), and the next turn hits their full blocks of 16.
-@pytest.mark.parametrize(("max_tokens", "hit"), [(30, 48), (29, 48), (28, 32)])
-async def test_generated_tokens_are_cached_too(autojump_clock: trio.abc.Clock, max_tokens: int, hit: int) -> None:
+# P prompt tokens and N generated: P + N - 1 have KV when the request ends (the last one
+# sampled has none), and the next turn hits their full blocks of 16; a prompt shorter
+# than a block chains its first block from the engine's root as the prompt's would.
+@pytest.mark.parametrize(("length", "max_tokens", "hit"), [(20, 30, 48), (20, 29, 48), (20, 28, 32), (10, 30, 32)])
+async def test_generated_tokens_are_cached_too(
+    autojump_clock: trio.abc.Clock, length: int, max_tokens: int, hit: int
+) -> None:
     async with one_engine(prefix_caching=True, block_size=16) as (_, engine, client):
-        text = prompt(20)
+        text = prompt(length)
         out = await complete(client, text, max_tokens=max_tokens, return_token_ids=True)
         generated = out["choices"][0]["token_ids"]
         # the next turn: the prompt, the answer and more: the answer's full blocks hit
