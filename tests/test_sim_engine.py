@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import statistics
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -296,6 +298,20 @@ async def test_noise_is_seeded(autojump_clock: trio.abc.Clock) -> None:
     assert first == pytest.approx(second, rel=1e-9)
     plain = [PREFILL["a"] + PREFILL["b"] * n + PREFILL["c"] * n * n for n in (50, 60, 70)]
     assert first != pytest.approx(plain, rel=1e-6)
+
+
+async def test_noise_is_lognormal_around_the_model(autojump_clock: trio.abc.Clock) -> None:
+    # Each step's time is the model's times exp(N(0, noise)): the log of observed over
+    # modelled has mean 0 and standard deviation ``noise``.
+    sigma, n = 0.2, 400
+    async with one_engine(noise=sigma) as (_, _engine, client):
+        logs = []
+        for _ in range(n):
+            t0 = trio.current_time()
+            await client.post("/v1/completions", json={"prompt": prompt(50), "max_tokens": 1})
+            logs.append(math.log((trio.current_time() - t0) / (PREFILL["a"] + PREFILL["b"] * 50 + PREFILL["c"] * 2500)))
+    assert statistics.fmean(logs) == pytest.approx(0.0, abs=4 * sigma / math.sqrt(n))
+    assert statistics.stdev(logs) == pytest.approx(sigma, rel=0.15)
 
 
 async def test_outputs_are_deterministic_and_count_by_id(autojump_clock: trio.abc.Clock) -> None:

@@ -171,11 +171,13 @@ async def test_held_blocks_expire_after_ttl(autojump_clock: trio.abc.Clock) -> N
     async with pair(handoff_ttl_s=30.0) as (fleet, p, d):
         producer = fleet.engines["p0"]
         desc = (await prefill(p, prompt(64)))["kv_transfer_params"]
+        await prefill(p, prompt(64, "v"))
         await trio.sleep(29.0)
-        assert producer.stats.held_handoffs == 1 and producer.kv_usage > 0
+        assert producer.stats.held_handoffs == 2 and producer.kv_usage > 0
         await trio.sleep(2.0)
         assert producer.stats.held_handoffs == 0 and producer.kv_usage == 0.0
-        assert producer.stats.expired_handoffs == 1
+        assert producer.stats.expired_handoffs == 2
+        assert 'vllm:nixl_num_kv_expired_reqs_total{engine="0",model_name="sim-llama"} 2.0' in (await p.get("/metrics")).text
         assert (await decode(d, prompt(64), desc))[0] == 500
 
 
