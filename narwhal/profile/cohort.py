@@ -31,6 +31,7 @@ import attrs
 import trio
 
 from narwhal.engines.client import EngineClient
+from narwhal.engines.metrics import EngineMetrics
 from narwhal.engines.sse import Chunk
 from narwhal.errors import EngineError, EngineTimeout
 from narwhal.profile.fit import cell_figures
@@ -46,6 +47,7 @@ __all__ = [
     "StreamEnd",
     "StreamLimits",
     "infer_load",
+    "read_metrics",
     "run_cell",
 ]
 
@@ -333,24 +335,32 @@ def _stream_problem(end: StreamEnd, input_len: int, max_tokens: int) -> str | No
     return None
 
 
-async def _metrics_now(client: EngineClient) -> dict[str, Any]:
-    at = trio.current_time()
+async def read_metrics(client: EngineClient, names: frozenset[str] | None = None) -> EngineMetrics | str:
+    """The engine's ``/metrics`` (only the samples ``names``, if given), or why not: the
+    engine's error, or no answer within :data:`METRICS_TIMEOUT_S`."""
     with trio.move_on_after(METRICS_TIMEOUT_S):
         try:
-            m = await client.metrics()
+            return await (client.metrics() if names is None else client.metrics(names=names))
         except EngineError as exc:
-            return {"at": at, "error": str(exc)}
-        kv_tokens = round(m.kv_usage * m.kv_cache_size_tokens) if m.kv_cache_size_tokens else None
-        return {
-            "at": at,
-            "running": m.running,
-            "waiting": m.waiting,
-            "kv_usage": m.kv_usage,
-            "kv_tokens": kv_tokens,
-            "itl_sum_s": m.total("vllm:inter_token_latency_seconds_sum"),
-            "itl_count": m.total("vllm:inter_token_latency_seconds_count"),
-        }
-    return {"at": at, "error": "the engine's /metrics did not answer in time"}
+            return str(exc)
+    return "the engine's /metrics did not answer in time"
+
+
+async def _metrics_now(client: EngineClient) -> dict[str, Any]:
+    at = trio.current_time()
+    m = await read_metrics(client)
+    if isinstance(m, str):
+        return {"at": at, "error": m}
+    kv_tokens = round(m.kv_usage * m.kv_cache_size_tokens) if m.kv_cache_size_tokens else None
+    return {
+        "at": at,
+        "running": m.running,
+        "waiting": m.waiting,
+        "kv_usage": m.kv_usage,
+        "kv_tokens": kv_tokens,
+        "itl_sum_s": m.total("vllm:inter_token_latency_seconds_sum"),
+        "itl_count": m.total("vllm:inter_token_latency_seconds_count"),
+    }
 
 
 def _itl_mean(before: Mapping[str, Any], after: Mapping[str, Any]) -> float | None:

@@ -30,8 +30,7 @@ import numpy as np
 import trio
 
 from narwhal.engines.client import EngineClient
-from narwhal.errors import EngineError
-from narwhal.profile.cohort import METRICS_TIMEOUT_S
+from narwhal.profile.cohort import read_metrics
 
 __all__ = ["MIN_LENGTHS", "EngineClock", "engine_seconds", "fit_outside", "read_clock"]
 
@@ -59,13 +58,8 @@ class EngineClock:
 async def read_clock(client: EngineClient) -> EngineClock | None:
     """The engine's histograms now; None when it does not report both, or ``/metrics``
     did not answer (within :data:`~narwhal.profile.cohort.METRICS_TIMEOUT_S`)."""
-    metrics = None
-    with trio.move_on_after(METRICS_TIMEOUT_S):
-        try:
-            metrics = await client.metrics(names=_NAMES)
-        except EngineError:
-            return None
-    if metrics is None:
+    metrics = await read_metrics(client, _NAMES)
+    if isinstance(metrics, str):
         return None
     values = [metrics.total(f"{h}_{part}") for h in (QUEUE, PREFILL) for part in ("sum", "count")]
     if None in values:
