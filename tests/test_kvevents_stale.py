@@ -352,16 +352,25 @@ async def test_a_silent_stream_is_stale_until_live_batches_flow_again() -> None:
             assert publisher is not None
             async with trio.open_nursery() as nursery:
                 await nursery.start(sub.run)
-                await complete(client, list(range(10, 20)))
-                await got.until(lambda: sub.live == 1)
+                # The SUB socket joins on ZeroMQ's time (a batch published before it has
+                # joined is delivered by a probe): requests until one batch arrives live.
+                base = 10
+                while not sub.live:
+                    await complete(client, list(range(base, base + 10)))
+                    base += 20
+                    await trio.sleep(0.05)
+                # Everything published so far delivered, and its live copies landed.
+                await until(lambda: sub.expected == publisher.published)
+                await trio.sleep(0.2)
+                live = sub.live
                 publisher.drop_next = 10**6  # nothing more goes out live
-                base = await until_stale(stale, client, 30)
-                assert stale == [sub.stale] and sub.live == 1
+                base = await until_stale(stale, client, base)
+                assert stale == [sub.stale] and sub.live == live
                 publisher.drop_next = 0
                 await complete(client, list(range(base, base + 10)))
                 await until(lambda: len(stale) == 2)
                 nursery.cancel_scope.cancel()
-    assert stale[1] is None and sub.stale is None and sub.live == 2
+    assert stale[1] is None and sub.stale is None and sub.live == live + 1
     assert got.seqs == list(range(len(got.seqs))) and len(got.resets) == 1  # nothing lost on the way
 
 
