@@ -18,7 +18,13 @@ from narwhal.config import EngineConfig, parse_as
 from narwhal.engines.metrics import parse_prometheus
 from narwhal.testing import SimEngine, SimFleet, open_memory_network, open_sim_fleet
 from narwhal.testing.metrics import format_value
-from narwhal.testing.scheduler import GenerateParams, Seq, open_seq_channel
+from narwhal.testing.scheduler import (
+    EngineRestarted,
+    GenerateParams,
+    Generation,
+    Seq,
+    open_seq_channel,
+)
 
 PREFILL = {"a": 0.010, "b": 1e-4, "c": 2e-7}
 DECODE = {"c0": 0.005, "c1": 0.001, "c2": 1e-6}
@@ -475,3 +481,72 @@ async def test_closing_the_fleet_leaves_nothing_open(autojump_clock: trio.abc.Cl
         assert net.open_connections == 0
         assert engine.running == 0 and engine.kv_usage == 0.0
         await client.aclose()
+
+
+async def test_prefill_and_decode_steps_take_turns(autojump_clock: trio.abc.Clock) -> None:
+    # Prompts queued behind a running decode each wait for one decode step: the decode
+    # gets a token between any two prefills, and no prefill waits for the decode to end.
+    async with one_engine() as (_, _engine, client):
+        times: dict[str, list[float]] = {}
+
+        async def run(name: str, n: int, max_tokens: int, delay: float) -> None:
+            await trio.sleep(delay)
+            times[name] = [t for t, _ in await stream_times(client, {"prompt": prompt(n, name), "max_tokens": max_tokens})]
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "d", 10, 30, 0.0)
+            for i in range(3):
+                nursery.start_soon(run, f"p{i}-", 1000, 1, 0.05)
+        prefill_1000 = PREFILL["a"] + prefill_s(0, 1000)  # 0.31 s a prompt
+        gaps = [b - a for a, b in itertools.pairwise(times["d"])]
+        assert max(gaps) < prefill_1000 + 2 * DECODE["c0"]  # one prefill between two tokens, never two
+        assert sum(g > prefill_1000 for g in gaps) == 3  # one for each prompt
+        firsts = sorted(times[f"p{i}-"][0] for i in range(3))
+        assert firsts[2] - firsts[0] < 3 * prefill_1000  # the prompts wait on decode steps, not on the decode
+
+
+async def test_a_restart_breaks_every_live_request(autojump_clock: trio.abc.Clock) -> None:
+    async with one_engine(max_num_seqs=2) as (_, engine, _client):
+        sched = engine.scheduler
+        gens = []
+        seqs = []
+        for i, max_tokens in enumerate((50, 50, 50)):
+            send, recv = open_seq_channel()
+            seq = Seq(params=GenerateParams(prompt_ids=tuple(range(i, i + 30)), max_tokens=max_tokens, request_id=f"r-{i}"),
+                      arrival=engine.now(), received=engine.now(), remote=False, want_descriptor=False, send=send)  # fmt: skip
+            seqs.append(seq)
+            if i == 2:
+                recv.close()  # its reader is gone and the engine has not noticed yet
+            else:
+                gens.append(Generation(seq, recv))
+            sched.submit(seq)
+        await trio.sleep(0.2)
+        assert (sched.running, sched.waiting) == (2, 1)
+        sched.break_all()
+        assert [s.state for s in seqs] == ["broken"] * 3 and all(s.broken for s in seqs)
+        assert engine.stats.broken == 3 and sched.running == sched.waiting == 0 and sched.kv_usage == 0.0
+        for gen in gens:
+            with pytest.raises(EngineRestarted, match=r"^engine restarted$"):
+                async for _ in gen:
+                    pass
+
+
+async def test_aborted_requests_leave_every_queue_and_are_counted(autojump_clock: trio.abc.Clock) -> None:
+    # 256 tokens of KV: the first request holds it, the next two wait; both leave waiting.
+    async with one_engine(kv_capacity_tokens=256, max_model_len=256) as (_, engine, _client):
+        sched = engine.scheduler
+        seqs = []
+        for i in range(3):
+            send, _recv = open_seq_channel()
+            seq = Seq(params=GenerateParams(prompt_ids=tuple(range(i, i + 100)), max_tokens=50, request_id=f"r-{i}"),
+                      arrival=engine.now(), received=engine.now(), remote=False, want_descriptor=False, send=send)  # fmt: skip
+            seqs.append(seq)
+            sched.submit(seq)
+        await trio.sleep(0.1)
+        assert (sched.running, sched.waiting) == (1, 2)
+        for seq in seqs[1:]:
+            sched.abort(seq)
+        assert (sched.running, sched.waiting) == (1, 0) and [s.state for s in seqs[1:]] == ["aborted"] * 2
+        assert engine.stats.aborted == 2 and sched.metrics.request_success["abort"] == 2
+        sched.abort(seqs[1])  # once ended, an abort is a no-op
+        assert engine.stats.aborted == 2

@@ -142,9 +142,15 @@ async def test_incomplete_descriptor_is_recomputed(autojump_clock: trio.abc.Cloc
         assert fleet.engines["p0"].stats.held_handoffs == 1  # never read: held until it expires
 
 
-@pytest.mark.parametrize("breakage", ["unknown_endpoint", "dead_generation", "consumed", "bad_blocks"])
+@pytest.mark.parametrize(("breakage", "reason"), [
+    ("unknown_endpoint", "no KV endpoint at p0.kv:1"),
+    ("dead_generation", "engine {engine_id} is not running at this endpoint"),
+    ("consumed", "request {request_id} holds no KV here (consumed or expired)"),
+    ("bad_blocks", "block ids do not match those of request {request_id}"),
+    ("scalar_blocks", "block ids do not match those of request {request_id}"),
+])  # fmt: skip
 async def test_unusable_descriptor_fails_after_five_seconds(
-    autojump_clock: trio.abc.Clock, breakage: str
+    autojump_clock: trio.abc.Clock, breakage: str, reason: str
 ) -> None:
     async with pair() as (fleet, p, d):
         text = prompt(64)
@@ -155,11 +161,14 @@ async def test_unusable_descriptor_fails_after_five_seconds(
             await fleet.engines["p0"].restart()
         elif breakage == "consumed":
             assert (await decode(d, text, desc))[0] == 200
-        else:
+        elif breakage == "bad_blocks":
             desc["remote_block_ids"] = [[999]]
+        else:
+            desc["remote_block_ids"] = desc["remote_block_ids"][0][0]  # one id, not a list
         t0 = trio.current_time()
         status, [body] = await decode(d, text, desc)
         assert status == 500 and trio.current_time() - t0 == pytest.approx(5.0, rel=0.01)
+        assert body["error"]["message"] == "KV transfer failed: " + reason.format(engine_id=desc["remote_engine_id"], request_id=desc["remote_request_id"])
         assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == 500
         consumer = fleet.engines["d0"]
         assert consumer.stats.failed_transfers == 1 and consumer.kv_usage == 0.0
@@ -210,3 +219,82 @@ async def test_loopback_handoff_through_engine_client() -> None:
                 assert len(tokens) == 6
                 assert fleet.engines["d0"].stats.prompt_tokens["external_kv_transfer"] == 50
                 assert fleet.engines["p0"].stats.held_handoffs == 0
+
+
+async def test_a_handoff_being_read_is_not_read_twice(autojump_clock: trio.abc.Clock) -> None:
+    async with pair() as (fleet, p, d):
+        text = prompt(1000)
+        desc = (await prefill(p, text))["kv_transfer_params"]
+        results: list[tuple[int, list[Any]]] = []
+
+        async def read(delay: float) -> None:
+            await trio.sleep(delay)
+            results.append(await decode(d, text, desc))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, 0.0)
+            nursery.start_soon(read, 1000 * TPS / 2)  # while the first pulls the blocks
+        (first, _), (second, [body]) = sorted(results, key=lambda r: r[0])
+        assert (first, second) == (200, 500)
+        assert body["error"]["message"] == f"KV transfer failed: request {desc['remote_request_id']} is already being read"
+        assert fleet.engines["p0"].stats.held_handoffs == 0  # the first read freed them
+
+
+async def test_a_producer_restarted_during_the_read_fails_the_transfer(autojump_clock: trio.abc.Clock) -> None:
+    async with pair() as (fleet, p, d):
+        text = prompt(1000)
+        desc = (await prefill(p, text))["kv_transfer_params"]
+        async def restart_mid_read() -> None:
+            await trio.sleep(1000 * TPS / 2)
+            assert fleet.engines["d0"].waiting == 1  # pulling the blocks
+            await fleet.engines["p0"].restart()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_mid_read)
+            status, [body] = await decode(d, text, desc)
+        assert status == 500
+        assert body["error"]["message"] == "KV transfer failed: the producer restarted during the transfer"
+        assert fleet.engines["d0"].stats.failed_transfers == 1 and fleet.engines["d0"].kv_usage == 0.0
+
+
+async def test_a_consumer_leaving_during_the_read_gives_the_blocks_back(autojump_clock: trio.abc.Clock) -> None:
+    # A pull of 1 s; the client leaves after 0.5 s and the engine notices (its server
+    # watches a request's client once the request has lasted disconnect_check_s).
+    async with pair(transfer_s_per_token=1e-3) as (fleet, p, d):
+        producer, consumer = fleet.engines["p0"], fleet.engines["d0"]
+        text = prompt(1000)
+        desc = (await prefill(p, text))["kv_transfer_params"]
+        with trio.move_on_after(0.5):
+            await decode(d, text, desc)
+        await trio.sleep(0.1)
+        assert (consumer.waiting, consumer.running) == (0, 0) and consumer.kv_usage == 0.0
+        assert producer.stats.held_handoffs == 1  # unread: another consumer may read them
+        assert (await decode(d, text, desc))[0] == 200
+        assert producer.stats.held_handoffs == 0
+
+
+@pytest.mark.parametrize("uptime_s", [0.0, 100.0])
+async def test_an_idle_producer_frees_its_handoffs_when_they_expire(autojump_clock: trio.abc.Clock, uptime_s: float) -> None:
+    # Nothing else happens on the producer: its idle loop wakes for the expiry itself,
+    # however long it has been up, and however soon the expiry is.
+    async with pair(handoff_ttl_s=0.5) as (fleet, p, _):
+        producer = fleet.engines["p0"]
+        await trio.sleep(uptime_s)
+        await prefill(p, prompt(64))
+        assert producer.stats.held_handoffs == 1
+        await trio.sleep(0.49)
+        assert producer.stats.held_handoffs == 1
+        await trio.sleep(0.02)
+        assert producer.stats.held_handoffs == 0 and producer.kv_usage == 0.0
+
+
+async def test_block_ids_as_one_flat_list_are_read_too(autojump_clock: trio.abc.Clock) -> None:
+    # vLLM's descriptor groups block ids per KV-cache group; a single group may come flat.
+    async with pair() as (fleet, p, d):
+        text = prompt(100)
+        desc = (await prefill(p, text))["kv_transfer_params"]
+        desc["remote_block_ids"] = desc["remote_block_ids"][0]
+        status, events = await decode(d, text, desc)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert fleet.engines["d0"].stats.prompt_tokens["external_kv_transfer"] == 100
+        assert fleet.engines["p0"].stats.held_handoffs == 0

@@ -282,3 +282,20 @@ async def test_consumer_holding_the_prefix_pulls_fewer_blocks(autojump_clock: tr
                                                     "external_kv_transfer": 240}  # fmt: skip
             assert full_pull - (trio.current_time() - t0) == pytest.approx(160 * TPS, rel=0.01)
             assert fleet.engines["p0"].stats.prompt_tokens["local_cache_hit"] == 160
+
+
+async def test_each_step_publishes_its_events_as_one_batch(autojump_clock: trio.abc.Clock) -> None:
+    # A 40-token prompt fills two blocks in its prefill step; its generated tokens fill
+    # the third and the fourth in two decode steps (70 tokens, the last not yet computed).
+    # The other steps, and the idle engine, have no events and publish nothing.
+    async with one_engine(prefix_caching=True, block_size=16) as (_, engine, client):
+        batches: list[list[Any]] = []
+        engine.scheduler.publish = batches.append
+        r = await client.post("/v1/completions", json={"prompt": prompt(40), "max_tokens": 30})
+        assert r.status_code == 200
+        await trio.sleep(1.0)
+        assert [[type(e) for e in b] for b in batches] == [[BlockStored]] * 3
+        (first,), (second,), (third,) = batches
+        assert len(first.block_hashes) == 2 and first.parent_block_hash is None and len(first.token_ids) == 32
+        assert len(second.block_hashes) == 1 and second.parent_block_hash == first.block_hashes[-1]
+        assert len(third.block_hashes) == 1 and third.parent_block_hash == second.block_hashes[-1]

@@ -319,7 +319,7 @@ class Scheduler:
         """A fetched (remote-prefilled) ``seq`` joins the batch at the next step."""
         self._fetching.discard(seq)
         self._cache_computed(seq, seq.prompt_len)
-        seq.state = "ready"
+        seq.state = "ready"  # pragma: no mutate (equivalent: nothing reads "ready"; the loop's next pass runs it)
         self._ready.append(seq)
         self.refresh()
         self._wake.set()
@@ -334,7 +334,7 @@ class Scheduler:
             if seq in lst:
                 lst.remove(seq)
         self.pool.free(reversed(seq.blocks))  # tail first: a chain's tail is evicted first
-        seq.blocks = []
+        seq.blocks = []  # pragma: no mutate (equivalent: nothing reads a released sequence's blocks)
         seq.state = state
         self._live.discard(seq)
         seq.send.close()
@@ -352,7 +352,7 @@ class Scheduler:
     def break_all(self) -> None:
         """The generation ends: every live request sees :class:`EngineRestarted`."""
         for seq in list(self._live):
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            with contextlib.suppress(trio.BrokenResourceError):  # its reader is gone
                 seq.send.send_nowait(_BROKEN)
             self.release(seq, "broken")
             self.stats.broken += 1
@@ -384,7 +384,8 @@ class Scheduler:
         return h
 
     def unclaim(self, handoff: Handoff) -> None:
-        handoff.claimed = False
+        # (None is as false; True is killed by test_a_consumer_leaving_during_the_read_gives_the_blocks_back.)
+        handoff.claimed = False  # pragma: no mutate (equivalent: None)
         self._wake.set()  # its expiry counts again
 
     def finish_read(self, handoff: Handoff) -> None:
@@ -409,7 +410,8 @@ class Scheduler:
 
     async def run(self) -> None:
         """Schedule forever (cancel to stop)."""
-        prefill_turn = True
+        # (The first pass finds nothing running: either value starts the same.)
+        prefill_turn = True  # pragma: no mutate (equivalent: see above)
         while True:
             now = self.clock()
             self.expire(now)
@@ -421,7 +423,8 @@ class Scheduler:
             self._publish()
             if self._prefill_q and (prefill_turn or not self._running):
                 await self._run_prefill()
-                prefill_turn = False
+                # (None is as false; True, killed by test_prefill_and_decode_steps_take_turns.)
+                prefill_turn = False  # pragma: no mutate (equivalent: None)
             elif self._running:
                 await self._run_step()
                 prefill_turn = True
