@@ -103,7 +103,7 @@ async def test_decode_step_grows_with_batch_and_resident_kv(autojump_clock: trio
                 if len(steps[prev]) == n and len(steps[cur]) == n and min(steps[prev].values()) >= 1:
                     resident = sum(L + k for k in steps[cur].values())
                     expected = DECODE["c0"] + DECODE["c1"] * n + DECODE["c2"] * resident
-                    assert cur - prev == pytest.approx(expected, rel=0.01)
+                    assert cur - prev == pytest.approx(expected, rel=1e-6)  # exact: noise off, virtual time
                     intervals.append(cur - prev)
             assert len(intervals) >= 5
             means[n] = sum(intervals) / len(intervals)

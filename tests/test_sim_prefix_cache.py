@@ -290,7 +290,14 @@ async def test_each_step_publishes_its_events_as_one_batch(autojump_clock: trio.
     # The other steps, and the idle engine, have no events and publish nothing.
     async with one_engine(prefix_caching=True, block_size=16) as (_, engine, client):
         batches: list[list[Any]] = []
-        engine.scheduler.publish = batches.append
+
+        class Publisher:  # the engine's own ZeroMQ publisher is tested in test_kvevents.py
+            publish = batches.append
+
+            def close(self) -> None:
+                pass
+
+        engine.kv_publisher = Publisher()  # type: ignore[assignment]
         r = await client.post("/v1/completions", json={"prompt": prompt(40), "max_tokens": 30})
         assert r.status_code == 200
         await trio.sleep(1.0)
