@@ -315,7 +315,7 @@ async def test_noise_is_lognormal_around_the_model(autojump_clock: trio.abc.Cloc
         for _ in range(n):
             t0 = trio.current_time()
             await client.post("/v1/completions", json={"prompt": prompt(50), "max_tokens": 1})
-            logs.append(math.log((trio.current_time() - t0) / (PREFILL["a"] + PREFILL["b"] * 50 + PREFILL["c"] * 2500)))
+            logs.append(math.log((trio.current_time() - t0) / (PREFILL["a"] + prefill_s(0, 50))))
     assert statistics.fmean(logs) == pytest.approx(0.0, abs=4 * sigma / math.sqrt(n))
     assert statistics.stdev(logs) == pytest.approx(sigma, rel=0.15)
 
@@ -372,14 +372,20 @@ async def test_token_events_carry_their_index_and_time(autojump_clock: trio.abc.
     assert [e.finish_reason for e, _ in events] == [None, None, None, None, "length"]
 
 
+def hand_built(engine: SimEngine, ids: range, max_tokens: int, request_id: str) -> tuple[Seq, trio.MemoryReceiveChannel[Any]]:
+    """A sequence built as ``SimEngine.generate`` builds one, for the scheduler alone, and its reader."""
+    send, recv = open_seq_channel()
+    seq = Seq(params=GenerateParams(prompt_ids=tuple(ids), max_tokens=max_tokens, request_id=request_id),
+              arrival=engine.now(), received=engine.now(), remote=False, want_descriptor=False, send=send)  # fmt: skip
+    return seq, recv
+
+
 async def test_a_sequence_whose_reader_is_gone_is_aborted_at_its_next_token(autojump_clock: trio.abc.Clock) -> None:
     # The engine's own requests abort as their reader leaves; the scheduler still ends a
     # sequence whose channel closed first, at the token it could not deliver.
     async with one_engine() as (_, engine, _client):
         sched = engine.scheduler
-        send, recv = open_seq_channel()
-        seq = Seq(params=GenerateParams(prompt_ids=tuple(range(30)), max_tokens=50, request_id="r-1"),
-                  arrival=engine.now(), received=engine.now(), remote=False, want_descriptor=False, send=send)  # fmt: skip
+        seq, recv = hand_built(engine, range(30), 50, "r-1")
         recv.close()
         sched.submit(seq)
         await trio.sleep(1.0)
@@ -510,10 +516,8 @@ async def test_a_restart_breaks_every_live_request(autojump_clock: trio.abc.Cloc
         sched = engine.scheduler
         gens = []
         seqs = []
-        for i, max_tokens in enumerate((50, 50, 50)):
-            send, recv = open_seq_channel()
-            seq = Seq(params=GenerateParams(prompt_ids=tuple(range(i, i + 30)), max_tokens=max_tokens, request_id=f"r-{i}"),
-                      arrival=engine.now(), received=engine.now(), remote=False, want_descriptor=False, send=send)  # fmt: skip
+        for i in range(3):
+            seq, recv = hand_built(engine, range(i, i + 30), 50, f"r-{i}")
             seqs.append(seq)
             if i == 2:
                 recv.close()  # its reader is gone and the engine has not noticed yet
@@ -535,12 +539,9 @@ async def test_aborted_requests_leave_every_queue_and_are_counted(autojump_clock
     # 256 tokens of KV: the first request holds it, the next two wait; both leave waiting.
     async with one_engine(kv_capacity_tokens=256, max_model_len=256) as (_, engine, _client):
         sched = engine.scheduler
-        seqs = []
-        for i in range(3):
-            send, _recv = open_seq_channel()
-            seq = Seq(params=GenerateParams(prompt_ids=tuple(range(i, i + 100)), max_tokens=50, request_id=f"r-{i}"),
-                      arrival=engine.now(), received=engine.now(), remote=False, want_descriptor=False, send=send)  # fmt: skip
-            seqs.append(seq)
+        built = [hand_built(engine, range(i, i + 100), 50, f"r-{i}") for i in range(3)]  # readers kept open
+        seqs = [seq for seq, _ in built]
+        for seq in seqs:
             sched.submit(seq)
         await trio.sleep(0.1)
         assert (sched.running, sched.waiting) == (1, 2)

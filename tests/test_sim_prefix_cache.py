@@ -298,8 +298,7 @@ async def test_each_step_publishes_its_events_as_one_batch(autojump_clock: trio.
                 pass
 
         engine.kv_publisher = Publisher()  # type: ignore[assignment]
-        r = await client.post("/v1/completions", json={"prompt": prompt(40), "max_tokens": 30})
-        assert r.status_code == 200
+        await complete(client, prompt(40), max_tokens=30)
         await trio.sleep(1.0)
         assert [[type(e) for e in b] for b in batches] == [[BlockStored]] * 3
         (first,), (second,), (third,) = batches
