@@ -587,11 +587,14 @@ class RecoveryConfig:
     """Failure handling (the ``recovery`` section).
 
     Attributes:
-        eject_after: Consecutive stream failures that eject an engine from placement.
+        eject_after: Consecutive stream failures that eject an engine from placement
+            (even the last of its role: requests for that role are then refused at once).
         failure_quarantine_s: Seconds a failed engine is skipped by placement; 0 disables.
         max_attempts: Prefill/decode attempts per request, the first included.
         retry_budget: Limit on retries across all requests.
-        probe_interval_s: Seconds between readmission probes of an ejected engine.
+        probe_interval_s: Seconds between readmission probes of an ejected engine (and
+            the ``Retry-After`` of a request that finds no engine of a role while a probe
+            of one runs).
     """
 
     eject_after: int = attrs.field(default=3, validator=_positive_int)

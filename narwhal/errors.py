@@ -16,7 +16,8 @@ exc``), most specific first::
     │   ├── MethodNotAllowed (405)
     │   ├── PayloadTooLarge (413)
     │   └── Unsupported (400)                a valid but unsupported option (n > 1, ...)
-    ├── Refused (503, refused)               no capacity / no engine; carries Retry-After
+    ├── Refused (503, refused)               no capacity; carries Retry-After
+    │   └── NoEngine (503, no_engine)         no engine of a role in placement (every one ejected)
     ├── DeadlineExceeded (504, deadline_exceeded)
     └── EngineError (502, ...)               anything an engine did wrong
         ├── EngineUnavailable (502, engine_unavailable)   connect refused / reset
@@ -62,6 +63,7 @@ __all__ = [
     "InvalidDescriptor",
     "MethodNotAllowed",
     "NarwhalError",
+    "NoEngine",
     "NotFound",
     "PayloadTooLarge",
     "Refused",
@@ -170,6 +172,14 @@ class Refused(NarwhalError):
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class NoEngine(Refused):
+    """No engine of a role (prefill, decode) serving the request's model is in
+    placement: every one is ejected until a readmission probe succeeds (503 with
+    ``Retry-After``: when the next probe is due)."""
+
+    terminal_class = "no_engine"
 
 
 class DeadlineExceeded(NarwhalError):

@@ -62,10 +62,8 @@ class TopView:
         elif event.get("type") == "breaker" and event.get("engine") in self.engines:
             kind = event["event"]
             engine = self.engines[event["engine"]]
-            if kind in ("ejected", "released"):
+            if kind == "ejected":
                 engine["breaker"] = "ejected"
-            elif kind == "held":
-                engine["breaker"] = "held"
             elif kind in ("readmitted", "closed"):
                 engine["breaker"] = "ok"
             elif kind == "quarantined" and engine.get("breaker") == "ok":

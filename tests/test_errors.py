@@ -25,6 +25,7 @@ from narwhal.errors import (
     InvalidDescriptor,
     MethodNotAllowed,
     NarwhalError,
+    NoEngine,
     NotFound,
     PayloadTooLarge,
     Refused,
@@ -100,6 +101,9 @@ def test_refused_carries_retry_after() -> None:
         "code": None,
     }
     assert Refused("busy", retry_after_s=7.5).retry_after_s == 7.5
+    none = NoEngine("no engine available for decode", retry_after_s=3.0)
+    assert isinstance(none, Refused) and none.retry_after_s == 3.0
+    assert (none.http_status, none.terminal_class, none.error_type) == (503, "no_engine", "service_unavailable")
 
 
 def test_deadline_exceeded() -> None:

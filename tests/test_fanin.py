@@ -73,9 +73,8 @@ def test_gauges_and_counters_add_up_and_a_counter_was_created_when_its_first_wor
         (["ok", "trial"], "trial"),
         (["trial", "quarantined"], "quarantined"),
         (["quarantined", "trial"], "quarantined"),
-        (["trial", "held"], "held"),
         (["ejected", "trial"], "ejected"),
-        (["held", "ejected", "ok"], "ejected"),
+        (["quarantined", "ejected", "ok"], "ejected"),
         (["ok", "ok"], "ok"),
     ],
 )
@@ -140,9 +139,8 @@ def test_fleets_combine_per_engine() -> None:
         (["trial", "starting"], "starting"),
         (["quarantined", "draining", "starting"], "quarantined"),
         (["ok", "quarantined", "trial"], "quarantined"),
-        (["quarantined", "held"], "held"),
-        (["held", "ejected", "quarantined"], "ejected"),
-        (["ejected", "held"], "ejected"),
+        (["draining", "ejected", "quarantined"], "ejected"),
+        (["ejected", "quarantined"], "ejected"),
     ],
 )
 def test_the_fleet_view_shows_the_worst_breaker_state(states: list[str], worst: str) -> None:

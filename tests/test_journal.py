@@ -39,7 +39,7 @@ async def _written(journal: Journal, n: int) -> int:
 def test_the_closed_set_of_terminal_classes() -> None:
     # The measurement contract's classes: a record carries one of these and nothing else.
     assert TERMINAL_CLASSES == {
-        "ok", "refused", "invalid_request", "client_cancelled", "prefill_failed", "decode_failed",
+        "ok", "refused", "no_engine", "invalid_request", "client_cancelled", "prefill_failed", "decode_failed",
         "first_token_timeout", "silence_timeout", "handoff_expired", "invalid_descriptor",
         "deadline_exceeded", "shutdown", "internal_error",
     }  # fmt: skip

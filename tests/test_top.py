@@ -50,11 +50,6 @@ def test_view_follows_breaker_events() -> None:
     assert "ejected" in next(line for line in view.render().splitlines() if line.startswith("d0"))
     view.apply({"type": "breaker", "engine": "d0", "event": "readmitted"})
     assert "ejected" not in next(line for line in view.render().splitlines() if line.startswith("d0"))
-    # A whole wave: the last engine of a role is held in placement, then released.
-    view.apply({"type": "breaker", "engine": "d0", "event": "held"})
-    assert "held" in next(line for line in view.render().splitlines() if line.startswith("d0"))
-    view.apply({"type": "breaker", "engine": "d0", "event": "released"})
-    assert "ejected" in next(line for line in view.render().splitlines() if line.startswith("d0"))
 
 
 @pytest.mark.parametrize("sent", [0, 1])

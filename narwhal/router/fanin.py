@@ -7,7 +7,7 @@ scrape and ``narwhal top`` see one router:
 - ``/metrics``: every worker's exposition, samples with the same name and labels
   summed (counters, histogram buckets, sums and counts, in-flight and reservation
   gauges all add up); ``narwhal_breaker_state`` takes the worst worker's state (ejected,
-  held, quarantined, on trial, ok: the gauge's codes are not in that order) and
+  quarantined, on trial, ok: the gauge's codes are not in that order) and
   ``narwhal_ready`` the best worker's, and ``narwhal_workers_up`` counts the workers
   that answered. A worker that does not answer is left out (and not counted up).
 - ``/fleet``: engines merged by name (load summed, the worst breaker state, a worker's
@@ -52,7 +52,7 @@ RELOAD_TIMEOUT_S = 60.0
 #: An engine's states, least to most severe: each worker's breaker judges the engine
 #: on its own traffic, and the combined view shows the worst of their judgements.
 _SEVERITY = {state: rank for rank, state in enumerate(
-    ("ok", "trial", "starting", "draining", "quarantined", "held", "ejected")
+    ("ok", "trial", "starting", "draining", "quarantined", "ejected")
 )}  # fmt: skip
 #: The same order of the ``narwhal_breaker_state`` gauge's codes (not their numeric one).
 _CODE_SEVERITY = {float(code): _SEVERITY[state] for state, code in BREAKER_CODES.items()}

@@ -28,6 +28,7 @@ TERMINAL_CLASSES = frozenset(
     {
         "ok",
         "refused",
+        "no_engine",
         "invalid_request",
         "client_cancelled",
         "prefill_failed",

@@ -97,7 +97,7 @@ def terminal_class_for(err: NarwhalError) -> str:
     if isinstance(err, DeadlineExceeded):
         return "deadline_exceeded"
     if isinstance(err, Refused):
-        return "refused"
+        return err.terminal_class  # refused, or no_engine
     if isinstance(err, ClientError):
         return "invalid_request"
     return "internal_error"

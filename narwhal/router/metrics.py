@@ -39,7 +39,8 @@ _LATENCY_BUCKETS = (
 )
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 #: The ``narwhal_breaker_state`` gauge's value of each breaker state.
-BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "held": 3, "trial": 4}
+#: (3 is no longer used: the other codes keep the values dashboards know.)
+BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "trial": 4}
 _ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 #: ``_created`` samples, unless switched off as prometheus_client switches them off.
 _USE_CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
@@ -94,7 +95,7 @@ class _LiveState(Collector):
         breaker = GaugeMetricFamily(
             "narwhal_breaker_state",
             "Breaker state by engine: 0 in placement, 1 quarantined, 2 ejected, "
-            "3 ejected but held in placement (whole wave), 4 on trial (half-open).",
+            "4 on trial (half-open).",
             labels=["engine"],
         )
         for name in state.breaker.states:

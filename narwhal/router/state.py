@@ -14,7 +14,7 @@ from narwhal.config import EngineConfig, FleetConfig
 from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import RequestKind
 from narwhal.engines.kvevents import KVEventSubscriber
-from narwhal.errors import BadRequest, EngineError, NotFound, Refused
+from narwhal.errors import BadRequest, EngineError, NotFound
 from narwhal.profile.store import Profiles
 from narwhal.router.breaker import Breaker
 from narwhal.router.journal import Journal
@@ -93,10 +93,12 @@ class RouterState:
             self.placement = PricedPlacement(
                 prefill, decode, profiles={}, slo=ctl.slo, admission=ctl.admission,
                 available=self.placeable, clock=clock, pricing=ctl.pricing, models=declared,
-                admission_bound=ctl.admission_bound,
+                admission_bound=ctl.admission_bound, retry_after_s=self.breaker.retry_after_s,
             )  # fmt: skip
         else:
-            self.placement = Placement(prefill, decode, available=self.placeable, models=declared)
+            self.placement = Placement(
+                prefill, decode, available=self.placeable, models=declared, retry_after_s=self.breaker.retry_after_s
+            )
         budget = rec.retry_budget
         self.retry_budget = RetryBudget(
             ratio=budget.ratio,
@@ -239,7 +241,7 @@ class RouterState:
         return self.unready_reason() is None
 
     def engine_state(self, name: str) -> str:
-        """The breaker's word for the engine: ``ok``, ``trial``, ``quarantined``, ``held`` or
+        """The breaker's word for the engine: ``ok``, ``trial``, ``quarantined`` or
         ``ejected`` (out until a readmission probe succeeds); or the fleet's: ``starting``
         (added, waiting for its readiness probe) or ``draining`` (removed, finishing its
         requests)."""
@@ -338,7 +340,7 @@ class RouterState:
             key=lambda n: loads[n].prefill_tokens,
         )
         if not candidates:
-            raise Refused(f"no engine{placement.of_model(model)} available for prefill")
+            raise placement.no_engine("prefill", model)
         for i, name in enumerate(candidates):
             client = self.clients[name]
             self.in_flight_by_engine[name] += 1
