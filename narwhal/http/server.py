@@ -180,7 +180,11 @@ class HTTPServer:
         for conn in list(self._connections):
             conn.scope.cancel("server shutdown: grace period over")
         await self._wait_closed()
-        await self.watch_starts.aclose()  # no connection left to watch: its task ends too
+        # No connection left to watch: their tasks end too, and the watch's epoll set is
+        # closed (a server shut down in a process that goes on leaves no descriptor).
+        await self.watch_starts.aclose()
+        if self.socket_watch is not None:
+            await self.socket_watch.aclose()
 
     async def _wait_closed(self) -> None:
         while self._connections:
