@@ -183,6 +183,48 @@ def test_retry_after_is_when_the_next_probe_of_the_role_is_due() -> None:
     assert b.retry_after_s(["d0", "d1"]) == 3.0 and b.retry_after_s(["d0"]) == 3.0
 
 
+def test_eject_takes_an_engine_out_at_once() -> None:
+    # The start-up probe found it unreachable: out until a readmission probe finds it
+    # serving, whatever its streak, even the last of its role.
+    b, clock = breaker(probe_interval_s=7.0, roles={"prefill": ["p0"], "decode": ["d0"]})
+    b.eject("d0", "no answer to GET /health")
+    st = b.states["d0"]
+    assert st == BreakerState(ejected=True, ejected_at=100.0, next_probe_at=107.0, last_error="no answer to GET /health")
+    assert not b.available("d0") and b.transitions == [Transition("d0", "ejected", 100.0, "no answer to GET /health")]
+    clock.now = 101.0
+    b.eject("d0", "still no answer")  # already out: the detail is kept, nothing else moves
+    assert st.last_error == "still no answer" and st.next_probe_at == 107.0 and len(b.transitions) == 1
+    b.eject("gone", "x")  # not (or no longer) in the fleet: ignored
+    assert "gone" not in b.states
+
+
+def test_engines_added_and_removed_at_run_time() -> None:
+    b, _ = breaker(eject_after=5, quarantine_s=10.0)
+    b.add("d2")  # no role until set_roles names it: a role of its own
+    assert b.states["d2"] == BreakerState()
+    b.record_failure("d2", "x")
+    assert not b.available("d2")  # quarantined, and no role to keep it for
+    b.add("d2")  # known already: its state stays
+    assert b.states["d2"].streak == 1
+    b.remove("d1")
+    assert "d1" not in b.states
+    b.record_failure("d1", "late report")  # a request that outlived it: ignored
+    b.record_success("d1")
+    b.readmit("d1")
+    b.probe_failed("d1", "x")
+    b.probe_inconclusive("d1", "x")
+    assert "d1" not in b.states and [t.engine for t in b.transitions] == ["d2"]
+    # d0 is the decode role's only engine now: a quarantine keeps it in placement.
+    b.record_failure("d0", "y")
+    assert b.available("d0") and not b.available("d2")
+    b.remove("never-known")  # nothing to forget: no error
+    # Added again, d1 starts clean and in no role (its old one is forgotten): a
+    # quarantine takes it out, although d0 is quarantined too.
+    b.add("d1")
+    b.record_failure("d1", "z")
+    assert b.states["d1"].streak == 1 and not b.available("d1")
+
+
 def test_probe_readmission_is_half_open() -> None:
     b, clock = breaker(eject_after=2, quarantine_s=3.0)
     for _ in range(2):

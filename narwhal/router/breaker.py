@@ -106,8 +106,8 @@ class Breaker:
         self.probe_interval_s = probe_interval_s
         self._clock = clock
         self.states: dict[str, BreakerState] = {name: BreakerState() for name in engines}
-        #: engine -> the engine lists of its roles.
-        self._peers: dict[str, list[list[str]]] = {}
+        #: engine -> the engine lists of its roles (set by set_roles).
+        self._peers: dict[str, list[list[str]]]
         self.set_roles(roles or {})
         self._listeners: list[Callable[[Transition], None]] = []
         self.transitions: list[Transition] = []
