@@ -211,7 +211,8 @@ def _resource(config: TracingConfig) -> Any:
     attributes: dict[str, Any] = {
         "service.name": "narwhal",
         "service.version": __version__,
-        # One per process: each worker of --workers is an instance of its own.
+        # One per process: each worker of --workers is an instance of its own (the SDK's
+        # own, a random one, wins where it makes one).
         "service.instance.id": f"{socket.gethostname()}:{os.getpid()}",
         **detected,
     }
