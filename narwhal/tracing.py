@@ -291,12 +291,12 @@ class Tracing:
         return ProbeTrace(self, engine, path)
 
     def headers(self, span: Span) -> tuple[tuple[str, str], ...]:
-        """``traceparent`` (and ``tracestate``) naming ``span``, for an engine request."""
-        from opentelemetry.trace import set_span_in_context
-
-        carrier: dict[str, str] = {}
-        self.propagator.inject(carrier, context=set_span_in_context(span))
-        return tuple(carrier.items())
+        """``traceparent`` (and ``tracestate``) naming ``span``, for an engine request:
+        what the W3C propagator's ``inject`` writes, formatted here (once per leg)."""
+        ctx = span.get_span_context()
+        parent = ("traceparent", f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}")
+        state = ctx.trace_state.to_header() if ctx.trace_state else ""
+        return (parent, ("tracestate", state)) if state else (parent,)
 
     async def aclose(self) -> None:
         """Export what is left and stop the exporters' threads (bounded)."""
@@ -304,22 +304,22 @@ class Tracing:
             await trio.to_thread.run_sync(self.provider.shutdown, abandon_on_cancel=True)
 
 
-def _child(tracing: Tracing, name: str, parent: Span, kind: Any = None, **attributes: Any) -> Span:
+def _child(tracing: Tracing, name: str, parent: Span, attributes: Mapping[str, Any], kind: Any = None) -> Span:
+    """A span under ``parent`` with those of ``attributes`` that have a value."""
     from opentelemetry.trace import SpanKind, set_span_in_context
 
     return tracing.tracer.start_span(
         name,
         context=set_span_in_context(parent),
         kind=SpanKind.INTERNAL if kind is None else kind,
-        attributes={k.replace("__", "."): v for k, v in attributes.items() if v is not None},
+        attributes={k: v for k, v in attributes.items() if v is not None},
     )
 
 
 def _set(span: Span, values: Iterable[tuple[str, Any]]) -> None:
-    """Set the attributes that have a value (OpenTelemetry takes no None)."""
-    for key, value in values:
-        if value is not None:
-            span.set_attribute(key, value)
+    """Set the attributes that have a value (OpenTelemetry takes no None), at once (one
+    lock and one pass of the SDK's checks, not one per attribute)."""
+    span.set_attributes({key: value for key, value in values if value is not None})
 
 
 def _error(span: Span, err: BaseException | None, message: str | None) -> None:
@@ -385,8 +385,8 @@ class RequestTrace:
         if record.n > 1:
             self.span.add_event("retry", {"narwhal.attempt": record.n})
         self._attempt_record = record
-        self._attempt = _child(self._tracing, "narwhal.attempt", self.span, narwhal__attempt=record.n,
-                               narwhal__retry=record.n > 1)  # fmt: skip
+        self._attempt = _child(self._tracing, "narwhal.attempt", self.span,
+                               {"narwhal.attempt": record.n, "narwhal.retry": record.n > 1})  # fmt: skip
 
     def _end_attempt(self, terminal_class: str | None) -> None:
         span, record = self._attempt, self._attempt_record
@@ -415,12 +415,11 @@ class RequestTrace:
         if not self.recording or self._attempt is None:
             return
         avoided = sorted(avoid)
-        self._placement = _child(
-            self._tracing, "narwhal.placement", self._attempt,
-            narwhal__candidates__prefill=_candidates(placement, placement.prefill_engines, model),
-            narwhal__candidates__decode=_candidates(placement, placement.decode_engines, model),
-            narwhal__avoid=avoided or None,
-        )  # fmt: skip
+        self._placement = _child(self._tracing, "narwhal.placement", self._attempt, {
+            "narwhal.candidates.prefill": _candidates(placement, placement.prefill_engines, model),
+            "narwhal.candidates.decode": _candidates(placement, placement.decode_engines, model),
+            "narwhal.avoid": avoided or None,
+        })  # fmt: skip
 
     def placed(self, record: AttemptRecord) -> None:
         """Placement chose the pair ``record`` names, with its predictions."""
@@ -447,8 +446,9 @@ class RequestTrace:
         from opentelemetry.trace import SpanKind
 
         parent = self._attempt if self._attempt is not None else self.span
-        self._leg = _child(self._tracing, name, parent, SpanKind.CLIENT, narwhal__engine=engine,
-                           narwhal__backend_request_id=request_id)  # fmt: skip
+        self._leg = _child(self._tracing, name, parent,
+                           {"narwhal.engine": engine, "narwhal.backend_request_id": request_id},
+                           SpanKind.CLIENT)  # fmt: skip
         return self._tracing.headers(self._leg)
 
     def prefill(self, engine: str, request_id: str | None) -> tuple[tuple[str, str], ...]:
@@ -470,17 +470,16 @@ class RequestTrace:
         descriptor = result.descriptor
         blocks = descriptor.get("remote_block_ids")
         self._handoff_started_at = result.started_at
-        self._handoff = _child(
-            self._tracing, "narwhal.handoff", self._attempt,
-            narwhal__connector=result.connector,
-            narwhal__handoff__validated=result.validated,
-            narwhal__handoff__producer=result.producer,
-            narwhal__handoff__remote_engine_id=_text(descriptor.get("remote_engine_id")),
-            narwhal__handoff__endpoint=f"{result.endpoint[0]}:{result.endpoint[1]}" if result.endpoint else None,
-            narwhal__handoff__blocks=len(blocks) if isinstance(blocks, Sequence) else None,
-            narwhal__handoff__max_age_s=max_age_s,
-            narwhal__handoff__prefill_s=result.completed_at - result.started_at,
-        )  # fmt: skip
+        self._handoff = _child(self._tracing, "narwhal.handoff", self._attempt, {
+            "narwhal.connector": result.connector,
+            "narwhal.handoff.validated": result.validated,
+            "narwhal.handoff.producer": result.producer,
+            "narwhal.handoff.remote_engine_id": _text(descriptor.get("remote_engine_id")),
+            "narwhal.handoff.endpoint": f"{result.endpoint[0]}:{result.endpoint[1]}" if result.endpoint else None,
+            "narwhal.handoff.blocks": len(blocks) if isinstance(blocks, Sequence) else None,
+            "narwhal.handoff.max_age_s": max_age_s,
+            "narwhal.handoff.prefill_s": result.completed_at - result.started_at,
+        })  # fmt: skip
 
     def decode(self, engine: str, request_id: str | None) -> tuple[tuple[str, str], ...]:
         """The decode leg on ``engine`` begins; returns the trace headers to send it."""
@@ -517,7 +516,7 @@ class RequestTrace:
         if isinstance(err, InvalidDescriptor | HandoffExpired):
             if handoff is None and self._attempt is not None:
                 handoff = _child(self._tracing, "narwhal.handoff", self._attempt,
-                                 narwhal__handoff__validated=False)  # fmt: skip
+                                 {"narwhal.handoff.validated": False})  # fmt: skip
             if handoff is not None:
                 _engine_error(handoff, err)
                 handoff.end()
