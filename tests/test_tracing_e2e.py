@@ -154,6 +154,10 @@ def test_each_worker_exports_over_otlp_grpc_from_the_fleet_document(tmp_path: Pa
                     resp = client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 3})
                     assert resp.status_code == 200
             spans = collected.wait_for(lambda got: sum(s.kind == 2 for s in got) >= n and len(got) >= 6 * n, 60)
+            # The combined admin surface: the workers' exemplars, in OpenMetrics.
+            om = httpx.get(f"http://127.0.0.1:{admin}/metrics", headers={"accept": "application/openmetrics-text"},
+                           timeout=30)  # fmt: skip
+            plain = httpx.get(f"http://127.0.0.1:{admin}/metrics", timeout=30)
         finally:
             _stop(proc)
     roots = [s for s in spans if s.kind == 2]
@@ -164,4 +168,8 @@ def test_each_worker_exports_over_otlp_grpc_from_the_fleet_document(tmp_path: Pa
     instances = Counter(str(s.resource["service.instance.id"]) for s in roots)
     assert len(instances) == 2, instances
     assert {s.resource["service.name"] for s in spans} == {"narwhal-workers"}
+    assert om.headers["content-type"].startswith("application/openmetrics-text") and "narwhal_workers_up 2.0" in om.text
+    shown = {line.split('trace_id="')[1][:32] for line in om.text.splitlines() if 'trace_id="' in line}
+    assert shown and shown <= {s.trace_id for s in roots}
+    assert plain.headers["content-type"].startswith("text/plain") and "trace_id" not in plain.text
 
