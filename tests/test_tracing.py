@@ -197,6 +197,20 @@ async def test_a_request_without_trace_context_starts_a_trace(autojump_clock: tr
     assert all(set(h) == {"traceparent"} for h in seen)
 
 
+async def test_a_same_worker_request_has_no_handoff(autojump_clock: trio.abc.Clock, spans: Spans) -> None:
+    async with open_stack(fleet_doc(engine("w0", 8101, ["prefill", "decode"])), tracing=spans.tracing) as stack:
+        assert (await stack.complete(BODY)).status_code == 200
+        seen = trace_headers(stack, "w0")
+    spans.assert_whole()
+    assert spans.tree() == (
+        "POST /v1/completions",
+        [("narwhal.attempt", [("narwhal.placement", []), ("narwhal.prefill", []), ("narwhal.decode", [])])],
+    )
+    assert attr(spans.one("narwhal.attempt"), "narwhal.same_worker") is True
+    prefill, decode = spans.one("narwhal.prefill"), spans.one("narwhal.decode")
+    assert [h["traceparent"].split("-")[2] for h in seen] == [span_id(prefill), span_id(decode)]
+
+
 async def test_chat_route_names_its_span(autojump_clock: trio.abc.Clock, spans: Spans) -> None:
     async with open_stack(tracing=spans.tracing) as stack:
         resp = await stack.client.post(
