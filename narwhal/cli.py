@@ -59,6 +59,9 @@ def _preflight(config: FleetConfig) -> Profiles | None:
     returns the profiles placement is priced by."""
     if config.controller.reactive.enabled:
         _require_record(config)
+    from narwhal.tracing import check_tracing
+
+    check_tracing(config.tracing)  # its packages, before any worker starts
     return _serving_profiles(config)
 
 

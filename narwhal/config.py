@@ -32,7 +32,7 @@ __all__ = [
     "FAULT_KINDS", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
     "EngineContract", "EngineGroupConfig", "EngineTimeouts", "FaultSpec", "FleetConfig",
     "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
-    "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "converter",
+    "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "TracingConfig", "converter",
     "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "unstructure_fleet",
 ]  # fmt: skip
 
@@ -54,6 +54,8 @@ _ON = ("prefill", "decode", "any")
 _VARIANTS: tuple[str, ...] = get_args(DescriptorVariant)
 _ADMISSION = ("wait", "refuse")
 _PROMPT_TOKENS = ("auto", "tokenize", "estimate")
+#: The OTLP protocols the router exports with (OTEL_EXPORTER_OTLP_PROTOCOL's values but http/json).
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 _LITERAL: Any = Literal  # typed Any so that mypy accepts the identity test below
 
 # ------------------------------------------------------------------ validators
@@ -734,6 +736,61 @@ class JournalConfig:
     fsync: bool = True
 
 
+def _collector_url(v: Any) -> bool:
+    """An OTLP collector's base URL: http(s)://host:port, a path allowed (a collector behind a
+    proxy), no query or fragment."""
+    if not isinstance(v, str):
+        return False
+    try:
+        parts = urlsplit(v)
+        port = parts.port
+    except ValueError:
+        return False
+    return (
+        parts.scheme in ("http", "https") and bool(parts.hostname) and port is not None
+        and "@" not in parts.netloc and not parts.query and not parts.fragment
+    )  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class TracingConfig:
+    """OpenTelemetry tracing of every request (the ``tracing`` section; docs/operations.md).
+
+    Off unless this section names an ``endpoint`` or the standard OpenTelemetry environment
+    turns it on (``OTEL_TRACES_EXPORTER=otlp``, or ``OTEL_EXPORTER_OTLP_ENDPOINT`` with no
+    exporter named); ``OTEL_SDK_DISABLED=true`` keeps it off. What this section sets wins
+    over the environment, which supplies the rest (headers, timeouts, TLS, batching). Needs
+    the OpenTelemetry packages: ``pip install 'narwhal[tracing]'``.
+
+    Attributes:
+        endpoint: The OTLP collector's base URL, as ``OTEL_EXPORTER_OTLP_ENDPOINT`` gives it:
+            ``http://collector:4318`` for http/protobuf (spans go to ``/v1/traces`` under it),
+            ``http://collector:4317`` for grpc (``https`` for TLS); setting it turns tracing
+            on. null: the environment decides.
+        protocol: ``http/protobuf`` or ``grpc``; null: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
+            or ``OTEL_EXPORTER_OTLP_PROTOCOL``, else http/protobuf.
+        sampling_ratio: Fraction of the traces started here that are sampled (recorded and
+            exported), 0 to 1. null: ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG``
+            decide (every trace, and a client's decision for its own, by default).
+        parent_based: With sampling_ratio: a request whose client sent a ``traceparent``
+            follows the client's sampling decision, and the ratio applies to traces that
+            start at the router; false applies the ratio to every request.
+        service_name: The ``service.name`` the spans carry; null: ``OTEL_SERVICE_NAME`` (or
+            ``OTEL_RESOURCE_ATTRIBUTES``), else ``narwhal``.
+    """
+
+    endpoint: str | None = attrs.field(
+        default=None,
+        validator=_opt(_rule(_collector_url, "expected an http(s)://host:port URL (a path allowed)")),
+    )
+    protocol: Literal["http/protobuf", "grpc"] | None = attrs.field(
+        default=None, validator=_opt(_member(OTLP_PROTOCOLS))
+    )
+    sampling_ratio: float | None = attrs.field(default=None, validator=_opt(_fraction))
+    parent_based: bool = True
+    service_name: str | None = attrs.field(default=None, validator=_opt(_text))
+
+
 @attrs.frozen(kw_only=True)
 class FleetConfig:
     """The whole fleet document.
@@ -750,6 +807,7 @@ class FleetConfig:
         controller: Placement control under the SLO.
         journal: The router journal.
         engine_groups: Engines found in DNS (a Kubernetes headless Service per role).
+        tracing: OpenTelemetry tracing (off unless configured here or by the environment).
     """
 
     server: ServerConfig = attrs.field(factory=ServerConfig)
@@ -762,6 +820,7 @@ class FleetConfig:
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     journal: JournalConfig = attrs.field(factory=JournalConfig)
     engine_groups: tuple[EngineGroupConfig, ...] = attrs.field(default=(), converter=_group_tuple)
+    tracing: TracingConfig = attrs.field(factory=TracingConfig)
 
     def __attrs_post_init__(self) -> None:
         if not self.engines and not self.engine_groups:

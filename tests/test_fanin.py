@@ -54,6 +54,30 @@ def test_an_exposition_keeps_each_familys_help_and_type() -> None:
     assert _samples(combine_expositions([])) == {"narwhal_workers_up": 0.0}
 
 
+def test_openmetrics_expositions_combine_with_the_latest_exemplar_of_each_bucket() -> None:
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    def worker(count: int, trace: str, at: float) -> str:
+        return (
+            "# TYPE narwhal_request_duration_seconds histogram\n"
+            f'narwhal_request_duration_seconds_bucket{{route="chat",le="0.5"}} {count} # {{trace_id="{trace}"}} 0.2 {at}\n'
+            f'narwhal_request_duration_seconds_bucket{{route="chat",le="+Inf"}} {count}\n'
+            f'narwhal_request_duration_seconds_count{{route="chat"}} {count}\n'
+            f'narwhal_request_duration_seconds_sum{{route="chat"}} {0.2 * count}\n'
+            "# EOF\n"
+        )
+
+    text = combine_expositions([worker(2, "a" * 32, 1000.0), worker(3, "b" * 32, 2000.0), worker(1, "c" * 32, 1500.0)],
+                               openmetrics=True).decode()  # fmt: skip
+    assert text.endswith("# EOF\n")
+    samples = {(s.name, s.labels.get("le")): s for f in text_string_to_metric_families(text) for s in f.samples}
+    bucket = samples[("narwhal_request_duration_seconds_bucket", "0.5")]
+    assert bucket.value == 6.0
+    assert bucket.exemplar is not None and bucket.exemplar.labels == {"trace_id": "b" * 32}
+    assert samples[("narwhal_request_duration_seconds_bucket", "+Inf")].exemplar is None
+    assert samples[("narwhal_workers_up", None)].value == 3.0
+
+
 def test_gauges_and_counters_add_up_and_a_counter_was_created_when_its_first_worker_started() -> None:
     def worker(n: int, created: float) -> str:
         return _family("narwhal_in_flight", "gauge", f"narwhal_in_flight {n}\n") + _family(

@@ -68,6 +68,10 @@ from narwhal.errors import (
 
 __all__ = ["DecodeStream", "EngineClient", "EngineIdentity", "Tokenized", "start_date"]
 
+#: Trace context headers for an engine request: ``(name, value)`` pairs (``traceparent``,
+#: ``tracestate``), sent as they are.
+TraceHeaders = Sequence[tuple[str, str]]
+
 _PATHS: Final[Mapping[str, str]] = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
@@ -120,9 +124,11 @@ class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
         request_id: str,
         leg: str | None,
         lazy: bool = False,
+        trace: TraceHeaders = (),
     ) -> None:
         self._client = client
         self._lazy = lazy
+        self._trace = trace
         self._prefill = prefill
         self._body = body
         self._kind: RequestKind = kind
@@ -136,7 +142,7 @@ class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
             raise RuntimeError("a decode context can be entered only once")
         self._entered = True
         self._stream = await self._client._open_decode(
-            self._prefill, self._body, self._kind, self._request_id, self._leg, self._lazy
+            self._prefill, self._body, self._kind, self._request_id, self._leg, self._lazy, self._trace
         )
         return self._stream
 
@@ -264,7 +270,9 @@ class EngineClient:
 
     # ----------------------------------------------------------------- plumbing
 
-    def _headers(self, request_id: str | None, *, stream: bool = False) -> dict[str, str]:
+    def _headers(
+        self, request_id: str | None, *, stream: bool = False, trace: TraceHeaders = ()
+    ) -> dict[str, str]:
         headers = {"accept": "text/event-stream" if stream else "application/json"}
         if stream:
             # Compression would hold tokens back in the encoder's buffer.
@@ -273,6 +281,8 @@ class EngineClient:
             headers["authorization"] = f"Bearer {self._api_key}"
         if request_id is not None:
             headers["x-request-id"] = request_id
+        for name, value in trace:
+            headers[name] = value
         return headers
 
     def map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError:
@@ -320,8 +330,12 @@ class EngineClient:
         leg: str | None,
         request_id: str | None = None,
         stream: bool = False,
+        trace: TraceHeaders = (),
     ) -> EngineReply:
-        """Send a request; the reply once its head has arrived (the caller closes it)."""
+        """Send a request; the reply once its head has arrived (the caller closes it).
+
+        ``trace``: the trace context headers (``traceparent``, ``tracestate``) to send.
+        """
         content = json_dumps(payload) if payload is not None else None
         try:
             wire = self._wire
@@ -331,10 +345,12 @@ class EngineClient:
                 )
                 if request_id is not None:
                     fields += b"x-request-id: %s\r\n" % _header_value(request_id)
+                for name, value in trace:
+                    fields += b"%s: %s\r\n" % (name.encode("ascii"), _header_value(value, name))
                 return await wire.request(
                     method, self._host, self._port, self._prefix + path, fields, content or b""
                 )
-            headers = self._headers(request_id, stream=stream)
+            headers = self._headers(request_id, stream=stream, trace=trace)
             if content is not None:
                 headers["content-type"] = "application/json"
             transport = self._transport
@@ -359,9 +375,10 @@ class EngineClient:
         *,
         leg: str | None,
         request_id: str | None = None,
+        trace: TraceHeaders = (),
     ) -> tuple[int, str, bytes]:
         """Send a request and read the whole answer: (status, reason, body)."""
-        reply = await self._open(method, path, payload, leg=leg, request_id=request_id)
+        reply = await self._open(method, path, payload, leg=leg, request_id=request_id, trace=trace)
         try:
             body = await reply.read()  # closes the reply, however it ends
         except httpx.HTTPError as exc:
@@ -406,8 +423,11 @@ class EngineClient:
         *,
         leg: str | None,
         request_id: str | None = None,
+        trace: TraceHeaders = (),
     ) -> dict[str, Any]:
-        status, reason, body = await self._fetch(method, path, payload, leg=leg, request_id=request_id)
+        status, reason, body = await self._fetch(
+            method, path, payload, leg=leg, request_id=request_id, trace=trace
+        )
         if status != 200:
             raise self._http_error(status, body, reason, leg)
         return self._json_body(body, path, leg)
@@ -453,6 +473,7 @@ class EngineClient:
         request_id: str | None = None,
         leg: str | None = "prefill",
         transfer: bool = True,
+        trace: TraceHeaders = (),
     ) -> PrefillResult:
         """Run the producer leg: a one-token, non-streaming request that yields a handoff.
 
@@ -471,6 +492,8 @@ class EngineClient:
             transfer: ``False`` runs the same one-token request with every transfer
                 parameter stripped and expects no handoff (the prefill leg of a
                 same-worker decode); the result then has no descriptor.
+            trace: trace context headers to send (``traceparent``, ``tracestate``), so
+                that the engine's spans join the router's trace.
 
         Raises:
             EngineUnavailable, EngineHTTPError, EngineStreamError, EngineProtocolError,
@@ -505,7 +528,7 @@ class EngineClient:
         self._with_model(payload)
 
         started_at = trio.current_time()
-        obj = await self._request_json("POST", _PATHS[kind], payload, leg=leg, request_id=rid)
+        obj = await self._request_json("POST", _PATHS[kind], payload, leg=leg, request_id=rid, trace=trace)
         completed_at = trio.current_time()
 
         choices = obj.get("choices")
@@ -576,6 +599,7 @@ class EngineClient:
         request_id: str | None = None,
         leg: str | None = "decode",
         lazy: bool = False,
+        trace: TraceHeaders = (),
     ) -> AbstractAsyncContextManager[DecodeStream]:
         """Open a streaming decode; use as ``async with client.decode(result) as stream``.
 
@@ -594,6 +618,7 @@ class EngineClient:
             leg: the leg errors are attributed to.
             lazy: count token events of the usual shape without parsing them (see
                 :class:`DecodeStream`).
+            trace: trace context headers to send (``traceparent``, ``tracestate``).
 
         Raises (on entering):
             EngineUnavailable, EngineHTTPError, EngineStreamError, StreamClosed: the
@@ -611,7 +636,7 @@ class EngineClient:
         if kind is None:
             kind = prefill.kind if prefill is not None else "completions"
         rid = request_id if request_id is not None else new_request_id()
-        return _DecodeOpener(self, prefill, body, check_kind(kind), rid, leg, lazy)
+        return _DecodeOpener(self, prefill, body, check_kind(kind), rid, leg, lazy, trace)
 
     def _decode_body(
         self, prefill: PrefillResult | None, body: Mapping[str, Any], leg: str | None
@@ -652,11 +677,12 @@ class EngineClient:
         request_id: str,
         leg: str | None,
         lazy: bool = False,
+        trace: TraceHeaders = (),
     ) -> DecodeStream:
         payload = self._decode_body(prefill, body, leg)
         opened_at = trio.current_time()
         response = await self._open(
-            "POST", _PATHS[kind], payload, leg=leg, request_id=request_id, stream=True
+            "POST", _PATHS[kind], payload, leg=leg, request_id=request_id, stream=True, trace=trace
         )
         if response.status != 200:
             data = await self._read_limited(response, _ERROR_BODY_LIMIT)
@@ -837,8 +863,8 @@ def _cached_tokens(obj: Mapping[str, Any]) -> int | None:
     return usage_cached_tokens(obj.get("usage"))
 
 
-def _header_value(value: str) -> bytes:
+def _header_value(value: str, name: str = "request id") -> bytes:
     """A header value as bytes; refuses what would break the head (CR, LF, non-ASCII)."""
     if not (value.isascii() and value.isprintable()):
-        raise ValueError(f"request id {value!r} is not printable ASCII")
+        raise ValueError(f"{name} {value!r} is not printable ASCII")
     return value.encode("ascii")

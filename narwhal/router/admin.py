@@ -22,7 +22,7 @@ from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
 from narwhal.router.fleet import FleetChange
-from narwhal.router.metrics import EXPOSITION_HEADERS, RouterMetrics
+from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
@@ -51,7 +51,8 @@ class AdminApp:
         if request.method != "GET":
             raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         if request.path == "/metrics":
-            await response.respond(200, EXPOSITION_HEADERS, self.metrics.exposition())
+            body, content_type = self.metrics.render(request.header("accept"))
+            await response.respond(200, (("content-type", content_type),), body)
         elif request.path == "/events":
             await self._events(request, response)
         elif request.path == "/fleet":

@@ -17,12 +17,10 @@ from narwhal.engines.connector import RequestKind
 from narwhal.errors import MethodNotAllowed, NotFound, Unauthorized
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.lifecycle import RequestLifecycle
-from narwhal.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from narwhal.router.state import RouterState
 
 __all__ = ["RouterApp"]
 
-_METRICS = (("content-type", METRICS_CONTENT_TYPE),)
 _AUTHORIZATION = "authorization"  # header names are matched case-insensitively
 _INFERENCE: dict[str, RequestKind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -37,8 +35,10 @@ class RouterApp:
     def __init__(self, state: RouterState) -> None:
         self.state = state
         #: Serve ``GET /metrics`` here too (as vLLM does on its API port): the
-        #: exposition, or None for the admin listener only.
-        self.metrics: Callable[[], bytes] | None = None
+        #: exposition in the format an ``Accept`` asks for, and its content type (see
+        #: :meth:`narwhal.router.metrics.RouterMetrics.render`), or None for the admin
+        #: listener only.
+        self.metrics: Callable[[str | None], tuple[bytes, str]] | None = None
         self._keys = [k.encode() for k in state.config.server.api_keys]
         self._created = int(time.time())
 
@@ -69,7 +69,8 @@ class RouterApp:
             await self._health(response)
         elif path == "/metrics" and self.metrics is not None:
             self._authorize(request)
-            await response.respond(200, _METRICS, self.metrics())
+            body, content_type = self.metrics(request.header("accept"))
+            await response.respond(200, (("content-type", content_type),), body)
         elif path == "/v1/models":
             self._authorize(request)
             await self._models(response)

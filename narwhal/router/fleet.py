@@ -62,6 +62,7 @@ log = logging.getLogger("narwhal.router.fleet")
 RESTART_ONLY: Final = (
     "server",
     "journal",
+    "tracing",  # the exporter and its batch thread are built once, at start
     "controller.prompt_tokens",
     "controller.prefix_cache",
     "controller.reactive.enabled",

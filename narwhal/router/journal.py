@@ -128,6 +128,8 @@ class RequestRecord:
         consumer: consumer of the final attempt.
         attempts: every attempt with its outcome.
         error: error detail for a failed request.
+        trace_id: the OpenTelemetry trace id (32 hex digits) of a request whose trace is
+            sampled; None when tracing is off or the sampler dropped it.
     """
 
     request_id: str
@@ -148,6 +150,7 @@ class RequestRecord:
     consumer: str | None = None
     attempts: list[AttemptRecord] = _EMPTY_LIST
     error: str | None = None
+    trace_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # attrs.asdict, written out: it runs once per request on the router's hot path.

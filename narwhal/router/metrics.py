@@ -6,6 +6,12 @@ additions, exposed in prometheus_client's format when scraped); gauges of
 live state (in-flight per engine, reservations, breaker state) are read at scrape
 time by a custom collector. Each router has its own registry, so several routers in
 one process (tests, ``--workers``) never share series.
+
+With tracing on, the latency histograms keep an exemplar per bucket: the trace id of
+the latest sampled request that fell in it. Only the OpenMetrics format carries them:
+:meth:`RouterMetrics.render` answers in it when the scraper's ``Accept`` asks for
+``application/openmetrics-text`` (Prometheus does with ``--enable-feature=exemplar-storage``),
+and in the classic text format otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Exemplar, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -211,7 +218,7 @@ class _Histogram:
     ``_bucket`` samples with the same ``le`` labels, ``_count``, ``_sum`` summed in
     the same order, ``_created``)."""
 
-    __slots__ = ("bounds", "cells", "doc", "labelnames", "le", "name")
+    __slots__ = ("bounds", "cells", "doc", "exemplars", "labelnames", "le", "name")
 
     def __init__(self, name: str, doc: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]) -> None:
         self.name = name
@@ -224,14 +231,23 @@ class _Histogram:
         self.le = tuple(floatToGoString(b) for b in bounds)  # type: ignore[no-untyped-call]
         #: labels -> (counts per bucket, not cumulative; [sum, created])
         self.cells: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+        #: labels -> per bucket, the latest exemplar (trace id, value, Unix time) or None
+        #: (only once a traced observation came).
+        self.exemplars: dict[tuple[str, ...], list[tuple[str, float, float] | None]] = {}
 
-    def observe(self, labels: tuple[str, ...], amount: float) -> None:
+    def observe(self, labels: tuple[str, ...], amount: float, trace_id: str | None = None) -> None:
         cell = self.cells.get(labels)
         if cell is None:
             cell = self.cells[labels] = ([0] * len(self.bounds), [0.0, time.time()])
         cell[1][0] += amount
         if amount <= math.inf:  # (NaN falls in no bucket, as prometheus_client has it)
-            cell[0][bisect.bisect_left(self.bounds, amount)] += 1
+            bucket = bisect.bisect_left(self.bounds, amount)
+            cell[0][bucket] += 1
+            if trace_id is not None:
+                kept = self.exemplars.get(labels)
+                if kept is None:
+                    kept = self.exemplars[labels] = [None] * len(self.bounds)
+                kept[bucket] = (trace_id, amount, time.time())
 
     def metric(self) -> Metric:
         metric = Metric(self.name, self.doc, "histogram")
@@ -240,9 +256,12 @@ class _Histogram:
             # Their other mutants are killed (the exposition tests); strict only asserts.
             series = dict(zip(names, labels, strict=True))  # pragma: no mutate (equivalent: a cell's labels are as many as the family's names)
             acc = 0.0
-            for le, n in zip(self.le, counts, strict=True):  # pragma: no mutate (equivalent: one count per bound)
+            kept = self.exemplars.get(labels)
+            for i, (le, n) in enumerate(zip(self.le, counts, strict=True)):  # pragma: no mutate (equivalent: one count per bound)
                 acc += n
-                metric.add_sample(self.name + "_bucket", {**series, "le": le}, acc)
+                ex = kept[i] if kept is not None else None
+                exemplar = None if ex is None else Exemplar({"trace_id": ex[0]}, ex[1], ex[2])
+                metric.add_sample(self.name + "_bucket", {**series, "le": le}, acc, exemplar=exemplar)
             metric.add_sample(self.name + "_count", series, acc)
             if self.bounds[0] >= 0:
                 metric.add_sample(self.name + "_sum", series, total)
@@ -341,17 +360,18 @@ class RouterMetrics:
         if klass == "refused":
             self.refusals.inc(())
         key = (route,)
+        trace_id = record.get("trace_id")  # an exemplar of each latency it observes
         latency = record.get("latency_s")
         if latency is not None:
-            self.duration.observe(key, latency)
+            self.duration.observe(key, latency, trace_id)
         if klass == "ok":
             ttft, first_byte, tpot = record.get("ttft_s"), record.get("first_byte_s"), record.get("tpot_s")
             if ttft is not None:
-                self.ttft.observe(key, ttft)
+                self.ttft.observe(key, ttft, trace_id)
             if first_byte is not None:
-                self.first_byte.observe(key, first_byte)
+                self.first_byte.observe(key, first_byte, trace_id)
             if tpot is not None:
-                self.tpot.observe(key, tpot)
+                self.tpot.observe(key, tpot, trace_id)
         output_len = record.get("output_len")
         if output_len:
             self.output_tokens.inc(key, output_len)
@@ -382,3 +402,10 @@ class RouterMetrics:
     def exposition(self) -> bytes:
         """The Prometheus text exposition of every family."""
         return generate_latest(self.registry)
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """Every family in the format ``accept`` (a scrape's ``Accept`` header) asks for:
+        OpenMetrics, which carries the latency histograms' exemplars, or the classic
+        text format; returns the body and its content type."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -29,6 +29,7 @@ from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import probe_at_start, run_probes
 from narwhal.router.replicate import PrefixReplicator
 from narwhal.router.state import RouterState
+from narwhal.tracing import Tracing, open_tracing
 
 __all__ = ["Prepare", "Router", "open_router"]
 
@@ -148,6 +149,7 @@ async def open_router(
     profiles: Profiles | None = None,
     metrics_on_api_port: bool = False,
     prepare: Prepare | None = None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[Router]:
     """Start a router's background tasks; on exit drain, flush the journal, close clients.
 
@@ -162,15 +164,24 @@ async def open_router(
         prepare: how a reload turns a document into config and profiles (the command
             line's checks); None: a document sent to ``PUT /fleet`` is validated and
             served with the profiles the router has, and there is no file to re-read.
+        tracing: the tracer to use (tests pass one over an in-memory exporter); None:
+            the one ``config.tracing`` and the OpenTelemetry environment ask for, if any
+            (made here, in the process that serves: each worker its own).
+
+    Raises:
+        ConfigError: tracing is asked for but cannot run (see :func:`narwhal.tracing.check_tracing`).
     """
+    if tracing is None:
+        tracing = open_tracing(config.tracing)
     state = RouterState(config, transport=transport, journal=journal, profiles=profiles)
+    state.tracing = tracing
     limits = server_limits(config)
     app = RouterApp(state)
     server = HTTPServer(app, limits, server_name="narwhal")
     events = EventHub()
     metrics = RouterMetrics(state, events)
     if metrics_on_api_port:
-        app.metrics = metrics.exposition
+        app.metrics = metrics.render
     state.journal.add_listener(events.on_record)
     state.breaker.add_listener(events.on_transition)
     admin_app = AdminApp(state, metrics, events)
@@ -224,4 +235,8 @@ async def open_router(
                     await fleet.aclose()
                 nursery.cancel_scope.cancel()
     finally:
-        await state.aclose()
+        try:
+            await state.aclose()
+        finally:
+            if tracing is not None:
+                await tracing.aclose()

@@ -23,6 +23,7 @@ from narwhal.router.prefix import PrefixIndex
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.promptlen import PromptLengths, prompt_size
 from narwhal.router.retry import RetryBudget
+from narwhal.tracing import Tracing
 
 __all__ = ["PromptCount", "RouterState"]
 
@@ -129,6 +130,8 @@ class RouterState:
         self.kv_subscribers: dict[str, KVEventSubscriber] = {}
         #: Why an engine is still ``starting`` (its last readiness probe), for /health.
         self.phase_errors: dict[str, str] = {}
+        #: Spans of requests and probes (None: tracing is off); set by the router.
+        self.tracing: Tracing | None = None
 
     def _client(self, e: EngineConfig) -> EngineClient:
         return EngineClient(

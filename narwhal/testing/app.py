@@ -294,7 +294,7 @@ class SimApp:
     async def _generate_counted(self, request: _Request, response: _Response, kind: Kind) -> None:
         engine = self.engine
         body = self._body(request)
-        engine.record_request(body, request.header("x-request-id"))
+        engine.record_request(body, request.header("x-request-id"), request.headers)
         job = self._job(request, body, kind)
         faults = engine.draw_faults(leg_of(body))
         if (spec := faults.get("http_error")) is not None:
