@@ -46,6 +46,15 @@ def _stdlib_dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+def _stdlib_loads(data: bytes | str) -> Any:
+    import json
+
+    try:
+        return json.loads(data)
+    except RecursionError:  # nesting deeper than the interpreter's stack: a ValueError as orjson's
+        raise caused(ValueError("JSON nested too deeply"), None)
+
+
 json_loads: Callable[[bytes | str], Any]
 """Parse JSON from bytes or str (``orjson`` when importable, else :mod:`json`)."""
 
@@ -54,14 +63,6 @@ _orjson_dumps: Callable[[Any], bytes] | None
 try:
     import orjson
 except ImportError:  # pragma: no cover - orjson is optional
-    import json as _json
-
-    def _stdlib_loads(data: bytes | str) -> Any:
-        try:
-            return _json.loads(data)
-        except RecursionError:  # nesting deeper than the interpreter's stack
-            raise ValueError("JSON nested too deeply") from None
-
     json_loads = _stdlib_loads
     _orjson_dumps = None
 else:
