@@ -284,3 +284,13 @@ def test_bad_input_is_counted_every_time_and_logged_once_a_minute(caplog: pytest
         "engine p0: unusable kv_events: other source",
         "engine d0: unusable metrics: other engine",
     ]
+
+
+def test_without_orjson_json_nested_too_deeply_is_a_value_error() -> None:
+    """The stdlib fallback raises RecursionError for deep nesting: every reader of engine
+    JSON catches ValueError, as orjson raises it."""
+    from narwhal.engines.sse import _stdlib_loads
+
+    with pytest.raises(ValueError, match="JSON nested too deeply"):
+        _stdlib_loads(b"[" * 100_000)
+    assert _stdlib_loads(b'{"a": [1]}') == {"a": [1]}
