@@ -33,7 +33,7 @@ class _Engine:
             if self.hang:
                 await trio.sleep_forever()
             if self.unusable:
-                raise EngineProtocolError("engine d0 sent an unusable answer: vllm:num_requests_running is inf")
+                raise EngineProtocolError("unusable metrics: vllm:num_requests_running is inf")
             raise EngineError("metrics: connection refused")
         self.answers -= 1
         return SimpleNamespace(running=self.running, waiting=self.waiting)
@@ -157,9 +157,10 @@ async def test_a_report_the_engine_cannot_back_with_usable_metrics_is_dropped_at
     # d0 reports at 0 s, then answers with metrics it cannot use (+Inf running): its report
     # is dropped at the first such answer (1 s), not three periods later, with no warning
     # of the poll's own (the client counted and logged the fault). Sound again at 3 s.
+    # p0's are unusable from the first: there is no report to drop.
     d0 = _Engine(4, answers=1, unusable=True)
-    state = _state({"p0": _Engine(0), "d0": d0})
-    with caplog.at_level(logging.WARNING, logger="narwhal.router.loadpoll"):
+    state = _state({"p0": _Engine(3, answers=0, unusable=True), "d0": d0})
+    with caplog.at_level(logging.DEBUG, logger="narwhal.router.loadpoll"):
         async with trio.open_nursery() as nursery:
             await nursery.start(poll_engine_load, state, 1.0)
             await trio.sleep(0.5)
@@ -168,6 +169,9 @@ async def test_a_report_the_engine_cannot_back_with_usable_metrics_is_dropped_at
             assert _report(state, "d0") == (0, 0, 0)
             d0.answers = 10
             await trio.sleep(2.0)
-            assert _report(state, "d0") == (4, 0, 0)
+            assert _report(state, "d0") == (4, 0, 0) and _report(state, "p0") == (0, 0, 0)
             nursery.cancel_scope.cancel()
-    assert caplog.records == []
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG] * len(caplog.records)
+    assert "engine d0 metrics unusable: unusable metrics: vllm:num_requests_running is inf" in [
+        r.getMessage() for r in caplog.records
+    ]

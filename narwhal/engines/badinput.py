@@ -57,12 +57,13 @@ class BadInput:
         key = (engine, source)
         self.counts[key] = self.counts.get(key, 0) + 1
         now = self._clock()
-        if now < self._quiet_until.get(key, -float("inf")):
+        quiet_until = self._quiet_until.get(key)
+        if quiet_until is not None and now < quiet_until:
             self._unlogged[key] = self._unlogged.get(key, 0) + 1
             return
         self._quiet_until[key] = now + self.interval_s
-        unlogged = self._unlogged.pop(key, 0)
-        more = f" ({unlogged} more since the last warning)" if unlogged else ""
+        unlogged = self._unlogged.pop(key, None)
+        more = f" ({unlogged} more since the last warning)" if unlogged is not None else ""
         self._logger.warning("engine %s: unusable %s: %s%s", engine, source, reason, more)
 
     def total(self, engine: str | None = None, source: str | None = None) -> int:

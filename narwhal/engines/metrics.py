@@ -15,6 +15,7 @@ so that what it returns is safe to do arithmetic on.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Final
@@ -254,15 +255,20 @@ def _capacity(info: Sample) -> int | None:
     return min(blocks * block_size, MAX_CAPACITY)
 
 
-def _values(samples: Iterable[Sample], low: float, high: float) -> list[float]:
-    """The samples' values, each a finite number in ``low..high`` (else :class:`MalformedMetrics`)."""
-    out = []
-    for sample in samples:
-        value = sample.value
-        if not low <= value <= high:  # False for NaN too
-            raise MalformedMetrics(f"{sample.name} is {value!r}, not a number in {low:g}..{high:g}")
-        out.append(value)
-    return out
+def _value(sample: Sample, low: float, high: float) -> float:
+    """The sample's value, a finite number in ``low..high`` (else :class:`MalformedMetrics`)."""
+    value = sample.value
+    if not low <= value <= high:  # False for NaN too
+        raise MalformedMetrics(f"{sample.name} is {value!r}, not a number in {low:g}..{high:g}")
+    return value
+
+
+_RUNNING: Final = "vllm:num_requests_running"
+_WAITING: Final = "vllm:num_requests_waiting"
+_USAGE: Final = "vllm:kv_cache_usage_perc"
+_USAGE_BEFORE: Final = "vllm:gpu_cache_usage_perc"  # its name in older vLLM builds
+_CACHE_INFO: Final = "vllm:cache_config_info"
+_START: Final = "process_start_time_seconds"
 
 
 def start_time(samples: Mapping[str, tuple[Sample, ...]]) -> float | None:
@@ -271,15 +277,12 @@ def start_time(samples: Mapping[str, tuple[Sample, ...]]) -> float | None:
     Raises:
         MalformedMetrics: it is not a date (not finite, negative, past year 9999).
     """
-    start = samples.get("process_start_time_seconds", ())
-    return _values(start[:1], 0.0, MAX_START_TIME)[0] if start else None
+    start = samples.get(_START)
+    return _value(start[0], 0.0, MAX_START_TIME) if start else None
 
 
 #: The samples :func:`engine_metrics` reads: what a load poll needs parsed.
-LOAD_SAMPLES: Final = frozenset({
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc", "vllm:cache_config_info", "process_start_time_seconds",
-})  # fmt: skip
+LOAD_SAMPLES: Final = frozenset({_RUNNING, _WAITING, _USAGE, _USAGE_BEFORE, _CACHE_INFO, _START})
 
 
 def engine_metrics(samples: Mapping[str, tuple[Sample, ...]]) -> EngineMetrics:
@@ -289,30 +292,19 @@ def engine_metrics(samples: Mapping[str, tuple[Sample, ...]]) -> EngineMetrics:
         MalformedMetrics: a required gauge (running, waiting, KV usage) is missing, or a
             gauge or label read is not a finite number in its range.
     """
-    running_samples = samples.get("vllm:num_requests_running", ())
-    waiting_samples = samples.get("vllm:num_requests_waiting", ())
-    usage_samples = samples.get("vllm:kv_cache_usage_perc") or samples.get(
-        "vllm:gpu_cache_usage_perc", ()
-    )
-    missing = [
-        name
-        for name, present in (
-            ("vllm:num_requests_running", running_samples),
-            ("vllm:num_requests_waiting", waiting_samples),
-            ("vllm:kv_cache_usage_perc", usage_samples),
-        )
-        if not present
-    ]
+    usage_name = _USAGE if samples.get(_USAGE) else _USAGE_BEFORE
+    missing = [name for name, read in ((_RUNNING, _RUNNING), (_WAITING, _WAITING), (_USAGE, usage_name))
+               if not samples.get(read)]  # fmt: skip
     if missing:
         raise MalformedMetrics(f"metrics lack {', '.join(missing)}")
-    running = sum(_values(running_samples, 0.0, MAX_REQUESTS))
-    waiting = sum(_values(waiting_samples, 0.0, MAX_REQUESTS))
-    usages = _values(usage_samples, 0.0, 1.0)
+    running = sum(_value(s, 0.0, MAX_REQUESTS) for s in samples[_RUNNING])
+    waiting = sum(_value(s, 0.0, MAX_REQUESTS) for s in samples[_WAITING])
+    usage_samples = samples[usage_name]
+    usages = [_value(s, 0.0, 1.0) for s in usage_samples]
 
-    infos = samples.get("vllm:cache_config_info", ())
     capacity_by_engine: dict[str | None, int] = {}
     prefix_flags: list[bool] = []
-    for info in infos:
+    for info in samples.get(_CACHE_INFO, ()):
         _int_label(info, "block_size")  # checked here: EngineMetrics.block_size reads it
         cap = _capacity(info)
         if cap is not None:
@@ -321,21 +313,20 @@ def engine_metrics(samples: Mapping[str, tuple[Sample, ...]]) -> EngineMetrics:
         flag = info.label("enable_prefix_caching")
         if flag is not None:
             prefix_flags.append(flag.strip().lower() == "true")
-    kv_size = sum(capacity_by_engine.values()) if capacity_by_engine else None
 
-    # Each core's usage weighted by its capacity, when every core reports one (> 0).
+    # Each core's usage weighted by its capacity, when every core reports one (> 0: so
+    # their sum is too); else their plain mean.
     weights = [capacity_by_engine.get(s.label("engine")) or 0 for s in usage_samples]
-    total_weight = sum(weights)
-    if all(weights) and total_weight > 0:
-        kv_usage = sum(u * w for u, w in zip(usages, weights, strict=True)) / total_weight
+    if all(weights):
+        kv_usage = sum(map(operator.mul, usages, weights)) / sum(weights)
     else:
         kv_usage = sum(usages) / len(usages)
 
     return EngineMetrics(
         running=round(running),
         waiting=round(waiting),
-        kv_usage=min(kv_usage, 1.0),
-        kv_cache_size_tokens=kv_size,
+        kv_usage=kv_usage,
+        kv_cache_size_tokens=sum(capacity_by_engine.values()) if capacity_by_engine else None,
         prefix_caching=all(prefix_flags) if prefix_flags else None,
         process_start_time=start_time(samples),
         samples=samples,
