@@ -30,7 +30,7 @@ from narwhal.errors import ConfigError
 
 __all__ = [
     "FAULT_KINDS", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
-    "EngineContract", "EngineGroupConfig", "EngineTimeouts", "FaultSpec", "FleetConfig",
+    "EngineContract", "EngineGroupConfig", "EngineLimits", "EngineTimeouts", "FaultSpec", "FleetConfig",
     "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
     "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "TracingConfig", "converter",
     "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "unstructure_fleet",
@@ -557,6 +557,53 @@ class EngineTimeouts:
     connect_timeout_s: float = attrs.field(default=5.0, validator=_positive)
 
 
+_MIB = 1024 * 1024
+
+
+@attrs.frozen(kw_only=True)
+class EngineLimits:
+    """What the router accepts from an engine (the ``engine_limits`` section).
+
+    An engine is trusted no more than a client: each limit bounds what one engine's
+    answer can hold in the router's memory, and an answer past it is that engine's
+    fault (an engine protocol error, counted in ``narwhal_engine_bad_input_total``),
+    never the router's. They take effect at start (a reload that changes them is
+    refused).
+
+    Attributes:
+        max_response_bytes: Largest non-streaming answer read from an engine (a
+            prefill's one-token completion, ``/tokenize``, ``/v1/models``, ``/version``);
+            one that declares or sends more is the engine's protocol error.
+        max_metrics_bytes: Largest ``/metrics`` answer read (a vLLM exposition is about
+            60 KB per engine core).
+        max_stream_event_bytes: Largest event (or line) of a decode stream (the first
+            event carries the prompt's token ids: about 7 bytes a token).
+        max_listed_models: Most models one ``/v1/models`` answer may list (base model,
+            aliases and LoRA adapters).
+        kv_max_message_bytes: Largest KV-event message (ZeroMQ ``MAXMSGSIZE``): ZeroMQ
+            drops the connection of a peer that sends a larger one, and the router
+            replays what it missed.
+        kv_max_queued_messages: KV-event messages ZeroMQ queues for the router before it
+            drops (``RCVHWM``); with ``kv_max_message_bytes`` it bounds what one engine's
+            live events hold in memory.
+        kv_replay_timeout_s: Total deadline of one replay from an engine's replay
+            endpoint, however fast its messages come.
+        kv_replay_max_batches: Most batches one replay may return (vLLM buffers 10,000
+            steps by default); a longer one is abandoned and the engine's view dropped.
+        kv_replay_max_bytes: Most payload bytes one replay may return.
+    """
+
+    max_response_bytes: int = attrs.field(default=64 * _MIB, validator=_positive_int)
+    max_metrics_bytes: int = attrs.field(default=16 * _MIB, validator=_positive_int)
+    max_stream_event_bytes: int = attrs.field(default=16 * _MIB, validator=_positive_int)
+    max_listed_models: int = attrs.field(default=1024, validator=_positive_int)
+    kv_max_message_bytes: int = attrs.field(default=16 * _MIB, validator=_positive_int)
+    kv_max_queued_messages: int = attrs.field(default=1000, validator=_positive_int)
+    kv_replay_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    kv_replay_max_batches: int = attrs.field(default=10_000, validator=_positive_int)
+    kv_replay_max_bytes: int = attrs.field(default=256 * _MIB, validator=_positive_int)
+
+
 @attrs.frozen(kw_only=True)
 class HandoffConfig:
     """The KV handoff between producer and consumer (the ``handoff`` section).
@@ -800,6 +847,7 @@ class FleetConfig:
         engines: The engines; names and urls unique, at least one prefill and one decode
             (counting those of ``engine_groups``), and so for each model declared.
         engine: Deadlines of engine legs.
+        engine_limits: What the router accepts from an engine (sizes, counts, deadlines).
         handoff: The KV handoff.
         recovery: Failure handling.
         engine_contract: What every engine must report; null skips contract checks.
@@ -813,6 +861,7 @@ class FleetConfig:
     server: ServerConfig = attrs.field(factory=ServerConfig)
     engines: tuple[EngineConfig, ...] = attrs.field(converter=_engine_tuple, validator=_engines)
     engine: EngineTimeouts = attrs.field(factory=EngineTimeouts)
+    engine_limits: EngineLimits = attrs.field(factory=EngineLimits)
     handoff: HandoffConfig = attrs.field(factory=HandoffConfig)
     recovery: RecoveryConfig = attrs.field(factory=RecoveryConfig)
     engine_contract: EngineContract | None = None

@@ -290,6 +290,8 @@ async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: 
     state.prefix.fallbacks["d0"] = PlacementView(16, 8)
     state.kv_subscribers["p0"] = _Subscriber(stale=None)  # type: ignore[assignment]
     state.kv_subscribers["p1"] = _Subscriber(stale="replay probes find batches", delivered=4)  # type: ignore[assignment]
+    for name, source in (("p0", "metrics"), ("d0", "stream"), ("p0", "metrics")):
+        state.bad_input.report(name, source, "no number")
     with hub.subscribe(), hub.subscribe():
         families = _families(metrics.exposition().decode())
     recorded = {family.name for family in vars(metrics).values() if hasattr(family, "cells")}
@@ -342,6 +344,14 @@ async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: 
             for k, n in (("delivered", delivered), ("live", 7), ("replays", 3), ("probes", 5), ("probe_gaps", 2),
                          ("resets", 1))
         ]),
+        "narwhal_engine_bad_input": (
+            "counter",
+            "What engines sent that the router could not use, by engine and source (metrics, kv_events, "
+            "tokenize, models, version, completions, stream): a value that is no number or out of range, "
+            "an answer over its size limit, a count that contradicts its ids, a malformed event or batch.",
+            [("narwhal_engine_bad_input_total", {"engine": "p0", "source": "metrics"}, 2),
+             ("narwhal_engine_bad_input_total", {"engine": "d0", "source": "stream"}, 1)],
+        ),
         "narwhal_ready": ("gauge", "1 when an engine can prefill and one can decode.", [("narwhal_ready", {}, 1)]),
         "narwhal_engine_model": (
             "gauge", "1 for each model an engine serves (declared or listed).",

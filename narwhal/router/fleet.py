@@ -21,7 +21,7 @@ knows and changes only the difference:
   ``kv_events``) changes is **replaced**: drained, then added again under its name;
 - settings (deadlines, SLO, recovery, the engine contract, profiles) apply to the
   requests that arrive after the change; requests in flight keep the document they
-  arrived under. ``server``, ``journal`` and some controller settings take a restart
+  arrived under. ``server``, ``journal``, ``engine_limits`` and some controller settings take a restart
   (:data:`RESTART_ONLY`): a document that changes them is refused, as is any document
   that fails validation, and nothing changes.
 
@@ -63,6 +63,7 @@ RESTART_ONLY: Final = (
     "server",
     "journal",
     "tracing",  # the exporter and its batch thread are built once, at start
+    "engine_limits",
     "controller.prompt_tokens",
     "controller.prefix_cache",
     "controller.reactive.enabled",

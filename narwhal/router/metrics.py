@@ -159,6 +159,16 @@ class _LiveState(Collector):
                 batches.add_metric([name, kind], count)
         yield stale
         yield batches
+        bad = CounterMetricFamily(
+            "narwhal_engine_bad_input",
+            "What engines sent that the router could not use, by engine and source (metrics, kv_events, "
+            "tokenize, models, version, completions, stream): a value that is no number or out of range, "
+            "an answer over its size limit, a count that contradicts its ids, a malformed event or batch.",
+            labels=["engine", "source"],
+        )
+        for (engine, source), count in list(state.bad_input.counts.items()):
+            bad.add_metric([engine, source], count)
+        yield bad
         ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
         ready.add_metric([], 1 if state.ready() else 0)
         yield ready

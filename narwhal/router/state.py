@@ -11,6 +11,7 @@ import httpx
 import trio
 
 from narwhal.config import EngineConfig, FleetConfig
+from narwhal.engines.badinput import BadInput
 from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import RequestKind
 from narwhal.engines.kvevents import KVEventSubscriber
@@ -65,6 +66,9 @@ class RouterState:
         self.clock = clock
         self._transport = transport
         self.engines: dict[str, EngineConfig] = {e.name: e for e in config.engines}
+        #: What engines sent that could not be used, per engine and source (every client's
+        #: and KV-event subscriber's; ``narwhal_engine_bad_input_total``).
+        self.bad_input = BadInput()
         self.clients: dict[str, EngineClient] = {e.name: self._client(e) for e in config.engines}
         #: Engines that are not (or no longer) plainly serving: ``starting`` (added at run
         #: time, waiting for its readiness probe) or ``draining`` (removed: no new
@@ -143,6 +147,8 @@ class RouterState:
             transport=self._transport,
             connect_timeout_s=self.config.engine.connect_timeout_s,
             url_in_errors=self.config.server.engine_urls_in_errors,
+            limits=self.config.engine_limits,
+            bad_input=self.bad_input,
         )
 
     # ------------------------------------------------------------ a changing fleet
