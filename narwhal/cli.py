@@ -30,6 +30,7 @@ from narwhal.cmdline import (
 from narwhal.config import FleetConfig, load_fleet, parse_fleet
 from narwhal.errors import ConfigError
 from narwhal.logs import LEVELS, configure_logging
+from narwhal.router.keys import ADMIN_KEY_ENV, admin_listener_problem
 
 if TYPE_CHECKING:
     from narwhal.profile.store import Profiles
@@ -173,6 +174,11 @@ def _parser() -> argparse.ArgumentParser:
     top = add("top")
     top.add_argument("--admin", default="http://127.0.0.1:8001", help="the router's admin URL")
     top.add_argument(
+        "--admin-key", metavar="KEY",
+        help=f"the admin key to present (server.admin_api_keys; default: the {ADMIN_KEY_ENV} environment "
+        "variable, which other users cannot read in ps)",
+    )  # fmt: skip
+    top.add_argument(
         "--once", type=duration, metavar="SECONDS", help="follow for SECONDS, print once, exit"
     )
     for name in ("bench", "profile", "check"):
@@ -191,6 +197,12 @@ def _serve_config(args: argparse.Namespace, document: object = None) -> FleetCon
         if any(not k.strip() for k in keys):
             raise CommandError("an API key is empty (--api-key, NARWHAL_API_KEY)", status=2)
         config = attrs.evolve(config, server=attrs.evolve(config.server, api_keys=(*config.server.api_keys, *keys)))
+    admin_key = os.environ.get(ADMIN_KEY_ENV)
+    if admin_key is not None:
+        if not admin_key.strip():
+            raise CommandError(f"the admin key is empty ({ADMIN_KEY_ENV})", status=2)
+        server = config.server
+        config = attrs.evolve(config, server=attrs.evolve(server, admin_api_keys=(*server.admin_api_keys, admin_key)))
     if args.engine_load_poll is not None:
         config = attrs.evolve(config, server=attrs.evolve(config.server, engine_load_poll_s=args.engine_load_poll))
     port = config.server.port if args.port is None else args.port
@@ -243,6 +255,9 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "serve":
         config = _serve_config(args)
+        problem = admin_listener_problem(config.server)
+        if problem is not None:
+            raise problem
         profiles = _preflight(config)
         if args.workers > 1:
             trio.run(serving.run_workers, config, args.workers, _worker_argv(args, config), _admin_port(args, config))
@@ -264,7 +279,8 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "top":
         from narwhal.top import run_top
 
-        trio.run(functools.partial(run_top, args.admin, once_after_s=args.once))
+        key = args.admin_key if args.admin_key is not None else os.environ.get(ADMIN_KEY_ENV)
+        trio.run(functools.partial(run_top, args.admin, once_after_s=args.once, key=key or None))
     return 0
 
 

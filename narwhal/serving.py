@@ -270,7 +270,9 @@ async def run_workers(
             if admin_port:
                 host = config.server.admin_host
                 urls = [f"http://{_url_host(host)}:{p}" for p in worker_admin_ports(admin_port, workers)]
-                admin_server = HTTPServer(WorkersAdminApp(urls), server_name="narwhal-admin")
+                server = config.server
+                app = WorkersAdminApp(urls, keys=server.admin_api_keys, fleet_writes=server.admin_fleet_writes)
+                admin_server = HTTPServer(app, server_name="narwhal-admin")
                 where = "admin port (--admin-port, server.admin_port)"
                 await _listen(nursery, admin_server.serve_tcp, host, admin_port, where)
                 log.info("admin endpoints of the %d workers, combined, on http://%s:%d", workers, host, admin_port)

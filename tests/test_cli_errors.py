@@ -209,3 +209,52 @@ def test_serve_attaches_to_the_engines_narwhal_sim_runs(tmp_path: Path) -> None:
                 proc.send_signal(signal.SIGTERM)
                 proc.communicate(timeout=30)
     assert serve is not None and serve.returncode == 0 and sim.returncode == 0
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_an_admin_port_others_can_reach_needs_admin_keys(tmp_path: Path, workers: str) -> None:
+    doc = json.loads(sim_fleet(tmp_path).read_text())
+    doc["server"]["admin_host"] = "0.0.0.0"
+    (tmp_path / "fleet.json").write_text(json.dumps(doc))
+    done = narwhal("serve", "--fleet", "fleet.json", "--port", "0", "--workers", workers, cwd=tmp_path)
+    assert done.returncode == 2
+    assert one_line(done) == (
+        "narwhal serve: admin_host '0.0.0.0' is not a loopback address and no admin key is set: anyone who "
+        "reaches the admin port could read /events and reload the fleet with PUT /fleet; set "
+        "server.admin_api_keys (or NARWHAL_ADMIN_KEY), or bind it to 127.0.0.1 @ $.server.admin_host"
+    )
+    assert "started" not in done.stdout + done.stderr  # refused before anything started
+
+
+def test_serve_and_top_take_the_admin_key_from_the_environment(tmp_path: Path) -> None:
+    admin = free_port()
+    fleet = sim_fleet(tmp_path, sims=False, admin_port=admin)
+    keyless = {k: v for k, v in ENV.items() if k != "NARWHAL_ADMIN_KEY"}
+    keyed = {**keyless, "NARWHAL_ADMIN_KEY": "admin-key-from-env"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "serve", "--fleet", str(fleet), "--port", "0"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=keyed,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    url = f"http://127.0.0.1:{admin}"
+    top = [sys.executable, "-m", "narwhal", "top", "--admin", url, "--once", "0.5"]
+    try:
+        assert "narwhal serving on" in proc.stdout.readline()
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+        scraped = httpx.get(f"{url}/metrics", headers={"authorization": "Bearer admin-key-from-env"}, timeout=10)
+        assert scraped.status_code == 200 and "narwhal_ready" in scraped.text
+        refused = subprocess.run(top, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=keyless)
+        from_env = subprocess.run(top, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=keyed)
+        from_flag = subprocess.run([*top, "--admin-key", "admin-key-from-env"], cwd=tmp_path, capture_output=True,
+                                   text=True, timeout=60, env=keyless)  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert refused.returncode == 1 and one_line(refused) == (
+        f"narwhal top: {url}/fleet answered HTTP 401: the router asks for an admin key (server.admin_api_keys): "
+        "pass --admin-key or set NARWHAL_ADMIN_KEY"
+    )
+    for done in (from_env, from_flag):
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("narwhal top — 0 requests")
+    assert proc.returncode == 0
