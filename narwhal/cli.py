@@ -169,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
         "placed (replicas behind a load balancer; sets server.engine_load_poll_s)",
     )  # fmt: skip
     serve.add_argument("--worker-of", type=int, default=0, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     sim = add("sim")
     sim.add_argument("--fleet", metavar="F", help="fleet document (default: the embedded simulated fleet)")
     top = add("top")
@@ -233,7 +234,7 @@ def _worker_argv(args: argparse.Namespace, config: FleetConfig) -> Callable[[int
 
     def argv(i: int) -> list[str]:
         cmd = ["--log-level", args.log_level, *(["--log-json"] if args.log_json else [])]
-        cmd += ["serve", "--worker-of", str(args.workers), "--admin-port", str(ports[i])]
+        cmd += ["serve", "--worker-of", str(args.workers), "--worker-index", str(i), "--admin-port", str(ports[i])]
         for flag, value in (("--fleet", args.fleet), ("--profiles", args.profiles), ("--host", args.host)):
             if value:
                 cmd += [flag, value]
@@ -272,6 +273,7 @@ def _run(args: argparse.Namespace) -> int:
                 serving.run_serve, _as_worker(args, config), args.host, args.port, args.admin_port,
                 profiles=profiles, metrics_on_api_port=args.metrics_on_api_port, prepare=prepare,
                 reuse_port=bool(args.worker_of), start_sims=not args.worker_of,
+                worker=args.worker_index if args.worker_of else None,
             )  # fmt: skip
             trio.run(run)
     elif args.command == "sim":

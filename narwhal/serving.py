@@ -172,11 +172,19 @@ async def run_serve(
     profiles: Profiles | None = None,
     metrics_on_api_port: bool = False,
     prepare: Prepare | None = None,
+    worker: int | None = None,
 ) -> None:
-    """``narwhal serve`` (one process, or one worker of ``--workers``) until signalled.
+    """``narwhal serve`` (one process, or worker ``worker`` of ``--workers``) until signalled.
 
     ``prepare`` turns the fleet document (re-read on SIGHUP, or sent to ``PUT /fleet``)
     into what to serve; see :data:`narwhal.router.service.Prepare`."""
+    router_port, admin_where = "router port (--port, server.port)", "admin port (--admin-port, server.admin_port)"
+    if worker is not None:  # its error names the worker, and the port it was given
+        router_port = f"worker {worker}: {router_port}, shared by the workers"
+        admin_where = f"worker {worker}: its own admin port" + (
+            f" {admin_port} (server.admin_port + {worker + 1}: the workers' admin ports follow the combined one)"
+            if admin_port else ""
+        )
 
     async def body(stop: Stop) -> None:
         from narwhal.router.service import open_router
@@ -191,14 +199,10 @@ async def run_serve(
                 open_router(config, profiles=profiles, metrics_on_api_port=metrics_on_api_port, prepare=prepare)
             )
             nursery = await stack.enter_async_context(trio.open_nursery())
-            bound = await _listen(
-                nursery, router.serve_tcp, host, port, "router port (--port, server.port)", reuse_port=reuse_port
-            )
+            bound = await _listen(nursery, router.serve_tcp, host, port, router_port, reuse_port=reuse_port)
             for h, p in bound:
                 log.info("narwhal %s serving on http://%s:%d", __version__, h, p)
-            admin = await _listen(
-                nursery, router.serve_admin_tcp, None, admin_port, "admin port (--admin-port, server.admin_port)"
-            )
+            admin = await _listen(nursery, router.serve_admin_tcp, None, admin_port, admin_where)
             log.info("admin endpoints (/metrics, /events, /fleet, /health) on http://%s:%d", admin[0][0], admin[0][1])
             journal = router.journal.path
             log.info("journal: %s", journal.resolve() if journal is not None else "off (journal.path is null)")
@@ -254,7 +258,12 @@ async def run_workers(
 ) -> None:
     """``--workers N``: N router processes on one port (SO_REUSEPORT); this process runs
     the simulated engines (if any), supervises the workers, forwards the signals and
-    serves their admin surfaces combined on ``admin_port``."""
+    serves their admin surfaces combined on ``admin_port``.
+
+    Raises:
+        CommandError: a worker exited on its own (it could not start, or it failed): the
+            others were stopped; the worker's own error line names the cause.
+    """
     from narwhal.http.server import HTTPServer
     from narwhal.router.fanin import WorkersAdminApp
 
@@ -279,6 +288,7 @@ async def run_workers(
             else:
                 log.warning("admin_port 0 with --workers: each worker has its own admin port, none combined")
             procs = []
+            failed: list[str] = []
             try:
                 for i in range(workers):
                     # Their own process group: a Ctrl-C at the terminal reaches this
@@ -293,8 +303,8 @@ async def run_workers(
                 print(f"narwhal: {workers} workers started", flush=True)
                 async with trio.open_nursery() as watch:
                     await watch.start(_forward_sighup, procs)
-                    for proc in procs:
-                        watch.start_soon(_exited, proc, stop)
+                    for i, proc in enumerate(procs):
+                        watch.start_soon(_exited, proc, i, stop, failed)
                     await stop.first.wait()
                     watch.cancel_scope.cancel()
             finally:
@@ -302,6 +312,8 @@ async def run_workers(
                     await _stop_workers(procs, stop, config.server.shutdown_grace_s + 10)
                     if admin_server is not None:
                         await admin_server.shutdown(0)
+            if failed:
+                raise CommandError(f"{failed[0]} (its error is above): stopped the other workers")
 
     await _with_stop(body)
 
@@ -328,11 +340,14 @@ async def _forward_sighup(
                     proc.send_signal(signal.SIGHUP)
 
 
-async def _exited(proc: trio.Process, stop: Stop) -> None:
-    """A worker that exits on its own (it could not start) stops the others."""
+async def _exited(proc: trio.Process, index: int, stop: Stop, failed: list[str]) -> None:
+    """A worker that exits on its own (it could not start) stops the others; what
+    happened goes into ``failed``."""
     await proc.wait()
     if not stop.first.is_set():
-        log.error("worker %d exited with status %s: stopping", proc.pid, proc.returncode)
+        what = f"worker {index} (pid {proc.pid}) exited with status {proc.returncode}"
+        log.error("%s: stopping the others", what)
+        failed.append(what)
         stop.first.set()
 
 
