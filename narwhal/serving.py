@@ -1,8 +1,10 @@
 """``narwhal serve`` and ``narwhal sim`` as processes: start-up, signals, shutdown.
 
 - Start-up: the fleet's simulated engines start in this process, except those whose
-  port already serves that engine (a ``narwhal sim`` of the same document running):
-  the router attaches to those, so that profiles taken against them stay bound. Then
+  port already serves that engine (a ``narwhal sim`` of the same document running: the
+  same name, ``sim`` and ``connector`` at ``GET /narwhal/sim``): the router attaches to
+  those, so that profiles taken against them stay bound; a port held by anything else
+  is an error saying what answers there. Then
   the router (which probes every engine and names the unreachable ones) and its two
   listeners. A port that cannot be bound is a :class:`~narwhal.cmdline.CommandError`
   naming it and the flag that sets it.
@@ -98,21 +100,30 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-async def _serves(engine: EngineConfig, timeout_s: float) -> bool:
-    """Whether ``engine``'s URL answers as that simulated engine (its model, version and
-    max_model_len)."""
-    from narwhal.engines.client import EngineClient
-    from narwhal.errors import EngineError
+async def _not_serving(engine: EngineConfig, timeout_s: float) -> str | None:
+    """Why what answers at ``engine``'s URL is not that simulated engine (``GET /narwhal/sim``:
+    its name, ``sim`` block and ``connector`` as the fleet document says); None when it is."""
+    import httpx
 
-    assert engine.sim is not None
+    from narwhal.testing.app import SIM_IDENTITY_PATH, sim_identity
+
     try:
         with trio.fail_after(timeout_s):
-            async with EngineClient(engine.url, name=engine.name, model=engine.sim.model) as client:
-                ident = await client.identity()
-    except (EngineError, trio.TooSlowError):
-        return False
-    sim = engine.sim
-    return (ident.model, ident.version, ident.max_model_len) == (sim.model, sim.version, sim.max_model_len)
+            async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+                resp = await client.get(engine.url + SIM_IDENTITY_PATH)
+        found = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, trio.TooSlowError, ValueError):
+        found = None
+    if not isinstance(found, dict):
+        return f"something that is not a simulated engine answers there (GET {SIM_IDENTITY_PATH})"
+    if found.get("name") != engine.name:
+        return f"it is simulated engine {found.get('name')!r}, not {engine.name} (a narwhal sim of another fleet document?)"
+    wanted = sim_identity(engine)
+    differ = [key for key in ("sim", "connector") if found.get(key) != wanted[key]]
+    if differ:
+        return (f"it is {engine.name} with another {' and '.join(differ)} block than this fleet document's "
+                "(a narwhal sim of an older version of the document?)")  # fmt: skip
+    return None
 
 
 async def _split_sims(sims: list[EngineConfig], timeout_s: float) -> list[EngineConfig]:
@@ -121,12 +132,12 @@ async def _split_sims(sims: list[EngineConfig], timeout_s: float) -> list[Engine
     for e in sims:
         if _port_free(e.host, e.port):
             start.append(e)
-        elif await _serves(e, timeout_s):
+        elif (problem := await _not_serving(e, timeout_s)) is None:
             attached.append(e)
         else:
             raise CommandError(
-                f"simulated engine {e.name}: cannot listen on {e.host}:{e.port}: address already in use "
-                f"by something that is not {e.name} (stop it, or give {e.name} another url in the fleet document)"
+                f"simulated engine {e.name}: cannot listen on {e.host}:{e.port}: address already in use, and "
+                f"{problem}: stop it, or give {e.name} another url in the fleet document"
             )
     if attached:
         log.info(

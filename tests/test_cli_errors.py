@@ -258,3 +258,38 @@ def test_serve_and_top_take_the_admin_key_from_the_environment(tmp_path: Path) -
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("narwhal top — 0 requests")
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("other", ["names swapped", "settings changed"])
+def test_serve_attaches_only_to_the_engines_the_document_names(tmp_path: Path, other: str) -> None:
+    fleet = sim_fleet(tmp_path)
+    doc = json.loads(fleet.read_text())
+    running = json.loads(fleet.read_text())  # what the running narwhal sim was given
+    p0, p1 = running["engines"][0], running["engines"][1]
+    if other == "names swapped":  # prefill-1 answers at prefill-0's URL, and the other way round
+        p0["url"], p1["url"] = p1["url"], p0["url"]
+        p0["connector"], p1["connector"] = p1["connector"], p0["connector"]
+        problem = "it is simulated engine 'prefill-1', not prefill-0 (a narwhal sim of another fleet document?)"
+    else:
+        p0["sim"]["seed"] = 99
+        p0["connector"]["kv_port"] = free_port()
+        problem = ("it is prefill-0 with another sim and connector block than this fleet document's "
+                   "(a narwhal sim of an older version of the document?)")  # fmt: skip
+    (tmp_path / "running.json").write_text(json.dumps(running))
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "sim", "--fleet", "running.json"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV,
+    )  # fmt: skip
+    try:
+        assert sim.stdout is not None
+        assert all(sim.stdout.readline().startswith("simulated engine ") for _ in range(4))
+        done = narwhal("serve", "--fleet", str(fleet), "--port", "0", "--admin-port", "0", cwd=tmp_path)
+    finally:
+        sim.send_signal(signal.SIGTERM)
+        sim.communicate(timeout=30)
+    url = doc["engines"][0]["url"].removeprefix("http://")
+    assert done.returncode == 1
+    assert one_line(done) == (
+        f"narwhal serve: simulated engine prefill-0: cannot listen on {url}: address already in use, and "
+        f"{problem}: stop it, or give prefill-0 another url in the fleet document"
+    )
