@@ -1,8 +1,9 @@
 """Command line: ``narwhal serve|sim|top|bench|profile|check`` (and ``narwhal-profile`` / ``narwhal-check``).
 
 ``narwhal serve`` with no ``--fleet`` serves the embedded default fleet document
-(``config/fleet.sim.json``): its simulated engines start in the same process, so a
-newcomer's first command gives a working router.
+(``narwhal/data/fleet.sim.json``, package data; a checkout's ``config/fleet.sim.json``
+links to it): its simulated engines start in the same process, so a newcomer's first
+command gives a working router. ``serve`` and ``sim`` log which document they read.
 """
 
 from __future__ import annotations
@@ -35,13 +36,20 @@ from narwhal.router.keys import ADMIN_KEY_ENV, admin_listener_problem
 if TYPE_CHECKING:
     from narwhal.profile.store import Profiles
 
-__all__ = ["check_main", "default_fleet_path", "main", "profile_main"]
+__all__ = ["check_main", "default_fleet_path", "fleet_source", "main", "profile_main"]
 
 log = logging.getLogger("narwhal")
 
 
 def _load(path: str | None) -> FleetConfig:
     return load_fleet(path if path is not None else default_fleet_path())
+
+
+def fleet_source(path: str | None) -> str:
+    """Which fleet document a command reads, for its log: ``--fleet``'s, or the embedded one."""
+    if path is not None:
+        return f"fleet document: {path}"
+    return f"fleet document: the embedded default, {default_fleet_path()} (--fleet serves another)"
 
 
 def _serving_profiles(config: FleetConfig) -> Profiles | None:
@@ -254,6 +262,8 @@ def _worker_argv(args: argparse.Namespace, config: FleetConfig) -> Callable[[int
 def _run(args: argparse.Namespace) -> int:
     from narwhal import serving
 
+    if args.command in ("serve", "sim") and not getattr(args, "worker_of", 0):
+        log.info("%s", fleet_source(args.fleet))
     if args.command == "serve":
         config = _serve_config(args)
         problem = admin_listener_problem(config.server)

@@ -47,6 +47,7 @@ def test_a_busy_router_port_is_one_line_naming_it(tmp_path: Path, held_port: int
     assert done.returncode == 1
     line = one_line(done)
     assert f"127.0.0.1:{held_port}" in line and "already in use" in line and "--port" in line
+    assert f"INFO narwhal: fleet document: {fleet}" in done.stderr  # which document it read
 
 
 def test_a_busy_admin_port_is_one_line_naming_it(tmp_path: Path, held_port: int) -> None:
