@@ -534,7 +534,7 @@ def test_an_admin_key_is_never_a_client_key_and_no_key_is_in_a_repr() -> None:
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
      ("LOCALHOST", True), ("::ffff:127.0.0.1", True), ("0.0.0.0", False), ("::", False), ("", False),
      ("10.1.2.3", False), ("192.168.0.7", False), ("fe80::1", False), ("admin.example", False),
      ("localhost.example", False)],
@@ -554,8 +554,18 @@ def test_only_loopback_admin_listeners_go_without_admin_keys(host: str, loopback
             "admin port could read /events and reload the fleet with PUT /fleet; set server.admin_api_keys "
             "(or NARWHAL_ADMIN_KEY), or bind it to 127.0.0.1 @ $.server.admin_host"
         )
+    assert (admin_listener_problem(server) is None) is loopback  # the server's own admin_host
     keyed = parse_fleet(fleet_doc(server={"admin_host": host or "0.0.0.0", "admin_api_keys": ADMIN_KEYS})).server
     assert admin_listener_problem(keyed, host) is None
+
+
+def test_a_key_is_presented_as_a_bearer_token() -> None:
+    from narwhal.router.keys import BearerKeys, bearer
+
+    assert bearer(None) == {} and bearer("k-1") == {"authorization": "Bearer k-1"}
+    keys = BearerKeys(["k-1"])
+    assert keys.accepts(bearer("k-1")["authorization"]) and not keys.accepts(None)
+    assert repr(keys) == "BearerKeys(<1 keys>)" and BearerKeys([]).accepts(None)
 
 
 async def test_an_open_admin_listener_without_keys_does_not_start(tmp_path: Path) -> None:

@@ -32,9 +32,6 @@ class BearerKeys:
     def __init__(self, keys: Iterable[str]) -> None:
         self._keys = [k.encode() for k in keys]
 
-    def __bool__(self) -> bool:
-        return bool(self._keys)
-
     def __repr__(self) -> str:
         return f"BearerKeys(<{len(self._keys)} keys>)"
 
@@ -62,7 +59,7 @@ def is_loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True
     try:
-        address = ipaddress.ip_address(host.strip("[]"))
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
