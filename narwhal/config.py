@@ -33,7 +33,7 @@ __all__ = [
     "EngineContract", "EngineGroupConfig", "EngineLimits", "EngineTimeouts", "FaultSpec", "FleetConfig",
     "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
     "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "TracingConfig", "converter",
-    "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "unstructure_fleet",
+    "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "secret_setting", "unstructure_fleet",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -182,6 +182,19 @@ def _strip_slash(url: str) -> str:
 # ------------------------------------------------------------------ server and engines
 
 
+def _hidden(keys: tuple[str, ...]) -> str:
+    """A key list's ``repr``: how many, never the keys."""
+    return f"<{len(keys)} keys>"
+
+
+def _admin_keys(inst: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    _texts(inst, attribute, value)
+    for i, key in enumerate(value):
+        if key in inst.api_keys:
+            raise ConfigError("an admin key must not also be a client key (server.api_keys): "
+                              "a client could reload the fleet with it", path=f"$.{attribute.name}[{i}]")  # fmt: skip
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     """The router's HTTP listener (the ``server`` section).
@@ -198,7 +211,19 @@ class ServerConfig:
         shutdown_grace_s: Seconds in-flight requests get to finish on shutdown.
         api_keys: Bearer keys clients must present; empty means no authentication.
         admin_host: Address the admin endpoints (metrics, events) bind; loopback by default.
+            An address other than loopback needs ``admin_api_keys``: the router refuses
+            to start without them.
         admin_port: TCP port of the admin endpoints; 0 picks an ephemeral port.
+        admin_api_keys: Bearer keys every admin request must present on every admin route
+            (``/metrics`` scrapes, the ``/events`` WebSocket handshake, ``/fleet``, ``/health``);
+            401 otherwise. Empty means none, allowed on a loopback ``admin_host`` only.
+            ``NARWHAL_ADMIN_KEY`` adds one (``narwhal serve``) and presents it (``narwhal
+            top``). A client key (``api_keys``) is never an admin key. Never shown in a log,
+            error or record.
+        admin_fleet_writes: Whether ``PUT /fleet`` on the admin port may reload the fleet.
+            On by default, so that a documented reload keeps working; the admin listener
+            it needs is loopback or keyed. False answers 403 ``fleet_writes_disabled``
+            (SIGHUP still reloads the document file).
         engine_load_poll_s: Seconds between reads of every engine's /metrics (running and
             waiting requests): placement adds what other routers placed (the report minus
             this router's own legs) to its own reservations, so that replicas and workers
@@ -220,9 +245,11 @@ class ServerConfig:
     keepalive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
     max_concurrent_requests: int = attrs.field(default=4096, validator=_positive_int)
     shutdown_grace_s: float = attrs.field(default=30.0, validator=_non_negative)
-    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts)
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts, repr=_hidden)
     admin_host: str = attrs.field(default="127.0.0.1", validator=_text)
     admin_port: int = attrs.field(default=8001, validator=_bind_port)
+    admin_api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_admin_keys, repr=_hidden)
+    admin_fleet_writes: bool = True
     engine_load_poll_s: float = attrs.field(default=0.0, validator=_non_negative)
     engine_urls_in_errors: bool = False
 
@@ -1159,6 +1186,16 @@ def _load_text(text: str, source: str) -> FleetConfig:
         where = f"line {exc.lineno}, column {exc.colno}"
         raise ConfigError(f"invalid JSON: {exc.msg} at {where}", source=source) from None
     return parse_fleet(obj, source=source)
+
+
+#: The settings that hold secrets (a dotted path's last field): never shown.
+_SECRETS = ("api_keys", "admin_api_keys", "api_key")
+
+
+def secret_setting(path: str) -> bool:
+    """Whether the setting at a dotted ``path`` (``server.admin_api_keys``) holds a secret,
+    whose value no message, record or log line may show."""
+    return path.rpartition(".")[2] in _SECRETS
 
 
 def unstructure_fleet(cfg: FleetConfig) -> dict[str, Any]:

@@ -12,6 +12,7 @@ exc``), most specific first::
     │   ├── BadRequest (400)
     │   │   └── ContextLengthExceeded (400)  prompt + max_tokens > max_model_len
     │   ├── Unauthorized (401)
+    │   ├── Forbidden (403)                  an admin operation turned off
     │   ├── NotFound (404)                   unknown route or model
     │   ├── MethodNotAllowed (405)
     │   ├── PayloadTooLarge (413)
@@ -59,6 +60,7 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "FirstTokenTimeout",
+    "Forbidden",
     "HandoffExpired",
     "InvalidDescriptor",
     "MethodNotAllowed",
@@ -143,6 +145,11 @@ class ContextLengthExceeded(BadRequest):
 class Unauthorized(ClientError):
     status = 401
     error_type = "authentication_error"
+
+
+class Forbidden(ClientError):
+    status = 403
+    error_type = "permission_error"
 
 
 class NotFound(ClientError):

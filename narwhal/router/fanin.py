@@ -18,7 +18,11 @@ scrape and ``narwhal top`` see one router:
 - ``/events``: the workers' live events, interleaved on one WebSocket.
 - ``PUT /fleet``: the document goes to every worker; 200 when each applied it (each
   worker's answer alongside), 400 with the first refusal's error when one refused it,
-  502 when a worker did not answer.
+  502 when a worker did not answer; 403 here, sent to none, when
+  ``server.admin_fleet_writes`` is false.
+
+With admin keys (``server.admin_api_keys``) the supervisor asks for one as a worker does,
+and presents the first to the workers (they read the same document and environment).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from narwhal.errors import BadRequest, MethodNotAllowed, NotFound
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
-from narwhal.router.admin import CLOSE_TIMEOUT_S, open_events
+from narwhal.router.admin import CLOSE_TIMEOUT_S, admitted, open_events, refuse_fleet_writes
+from narwhal.router.keys import BearerKeys, bearer
 from narwhal.router.metrics import BREAKER_CODES, EXPOSITION_HEADERS
 
 __all__ = ["WorkersAdminApp", "combine_expositions", "combine_fleets"]
@@ -155,9 +160,16 @@ def combine_fleets(fleets: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class WorkersAdminApp:
     """The supervisor's admin handler: the workers' admin surfaces at ``urls``, combined."""
 
-    def __init__(self, urls: Sequence[str], *, timeout_s: float = SCRAPE_TIMEOUT_S) -> None:
+    def __init__(
+        self, urls: Sequence[str], *, timeout_s: float = SCRAPE_TIMEOUT_S, keys: Sequence[str] = (),
+        fleet_writes: bool = True,
+    ) -> None:  # fmt: skip
         self.urls = list(urls)
         self.timeout_s = timeout_s
+        self.keys = BearerKeys(keys)
+        #: The admin key presented to the workers.
+        self.key = keys[0] if keys else None
+        self.fleet_writes = fleet_writes
 
     async def _gather(
         self, path: str, *, method: str = HTTPMethod.GET, content: bytes | None = None, timeout_s: float | None = None,
@@ -174,6 +186,7 @@ class WorkersAdminApp:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         async with httpx.AsyncClient(
             timeout=timeout,
+            headers=bearer(self.key),
             trust_env=False,  # pragma: no mutate (equivalent: httpx reads it as a truth value, None as False; True is killed by the proxy test)
         ) as client:
             async with trio.open_nursery() as nursery:
@@ -182,7 +195,11 @@ class WorkersAdminApp:
         return answers
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
+        if not await admitted(self.keys, request, response):
+            return
         if request.method == "PUT" and request.path == "/fleet":
+            if not self.fleet_writes:
+                raise refuse_fleet_writes()
             await self._put_fleet(request, response)
             return
         if request.method != "GET":
@@ -243,7 +260,7 @@ class WorkersAdminApp:
 
             async def relay(url: str) -> None:
                 try:
-                    async with open_events(url) as worker:
+                    async with open_events(url, self.key) as worker:
                         while True:
                             message = await worker.get_message()
                             async with send_lock:

@@ -45,7 +45,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from narwhal.config import EngineConfig, FleetConfig, unstructure_fleet
+from narwhal.config import EngineConfig, FleetConfig, secret_setting, unstructure_fleet
 from narwhal.errors import ConfigError
 from narwhal.profile.store import Profiles
 from narwhal.router.controller import ReactiveController
@@ -268,9 +268,8 @@ class LiveFleet:
         state = self.state
         for path, old, new in changed_settings(state.config, config):
             if _restart_only(path):
-                raise ConfigError(
-                    f"changes only with a restart (running with {old!r}, the document says {new!r})", path=f"$.{path}"
-                )
+                values = "" if secret_setting(path) else f" (running with {old!r}, the document says {new!r})"
+                raise ConfigError(f"changes only with a restart{values}", path=f"$.{path}")
         if (profiles is None) != (state.profiles is None):
             how = "by profiles" if state.profiles is not None else "by load"
             raise ConfigError(

@@ -22,6 +22,7 @@ from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
 from narwhal.router.fleet import FleetChange, LiveFleet
 from narwhal.router.journal import Journal
+from narwhal.router.keys import admin_listener_problem
 from narwhal.router.loadpoll import poll_engine_load
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.prefixwatch import PrefixWatch
@@ -117,10 +118,17 @@ class Router:
     async def serve_admin_tcp(
         self, host: str | None = None, port: int | None = None, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """Serve the admin surface (default: on ``server.admin_host:admin_port``).
+
+        Raises:
+            ConfigError: the address is not loopback and no admin key is set.
+        """
         cfg = self.state.config.server
-        await self.admin.serve_tcp(
-            cfg.admin_host if host is None else host, cfg.admin_port if port is None else port, task_status=task_status
-        )
+        host = cfg.admin_host if host is None else host
+        problem = admin_listener_problem(cfg, host)
+        if problem is not None:
+            raise problem
+        await self.admin.serve_tcp(host, cfg.admin_port if port is None else port, task_status=task_status)
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Stop accepting, drain in-flight requests up to the grace period."""
