@@ -253,6 +253,33 @@ async def test_chat_bodies(
         assert_untouched_breaker(stack)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("path", "raw", "where"),
+    [
+        ("/v1/completions", rb'{"prompt": "ab\udc80cd", "max_tokens": 2', "'prompt'"),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "ab\udc80cd"}], "max_tokens": 2',
+         "'messages[0].content'"),
+    ],
+)
+async def test_a_lone_surrogate_is_a_400_not_a_500(
+    autojump_clock: trio.abc.Clock, path: str, raw: bytes, where: str, stream: bool
+) -> None:
+    # Before: 500 "internal error" and a traceback in the log for every such request
+    # (the engine leg could not encode the body).
+    body = raw + (b', "stream": true}' if stream else b"}")
+    async with open_stack(hostile_doc()) as stack:
+        out = await post(stack, body, path=path)
+        assert out.status == 400, out
+        assert_error_shape(out)
+        assert out.error["message"].startswith(f"{where} is not valid Unicode"), out.error  # type: ignore[index]
+        assert out.error["code"] == "invalid_value"  # type: ignore[index]
+        [record] = stack.records
+        assert (record["terminal_class"], record["status"]) == ("invalid_request", 400)
+        assert stack.engine("p0").requests_seen == [] and stack.engine("d0").requests_seen == []
+        assert_untouched_breaker(stack)
+
+
 async def test_engine_rejections_of_client_input_never_eject_engines(autojump_clock: trio.abc.Clock) -> None:
     # Before: the engine's 400 became a 502 counted by the breaker, so three bad
     # prompts ejected the only producer and every later client got 503.
