@@ -38,6 +38,7 @@ TERMINAL_CLASSES = frozenset(
         "invalid_descriptor",
         "deadline_exceeded",
         "shutdown",
+        "router_overloaded",
         "internal_error",
     }
 )

@@ -52,6 +52,7 @@ from narwhal.errors import (
     InvalidDescriptor,
     NarwhalError,
     Refused,
+    RouterOverloaded,
     SilenceTimeout,
 )
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
@@ -87,6 +88,8 @@ _ANSWER_WRITE_S = 5.0
 def terminal_class_for(err: NarwhalError) -> str:
     """The journal's terminal class for an error."""
     if isinstance(err, EngineError):
+        if isinstance(err, RouterOverloaded):
+            return "router_overloaded"  # the router's own fault, whichever leg met it
         if err.client_fault:
             return "invalid_request"
         if isinstance(err, InvalidDescriptor):
