@@ -208,21 +208,31 @@ class Connection:
     async def write(self, data: bytes, on_wait: Callable[[], None] | None = None) -> None:
         """One ``send_all``; a failed write means the client is gone (cancels the handler).
 
-        ``on_wait`` is called if the write has to wait for the client to read.
+        ``on_wait`` is called if the write has to wait for the client to read. A client
+        that reads nothing for ``send_timeout_s`` while the write waits counts as gone
+        too (:class:`trio.BrokenResourceError` where no handler is cancelled).
         """
         try:
-            await self.io.send_all(data, on_wait=on_wait)
+            await self.io.send_all(data, on_wait=on_wait, wait_s=self.limits.send_timeout_s)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.client_gone()
             await trio.lowlevel.checkpoint()  # raises Cancelled inside the handler's scope
             raise
+        except trio.TooSlowError as exc:
+            reason = f"client read nothing for {self.limits.send_timeout_s:g} s (send timeout)"
+            self.client_gone(reason)
+            await trio.lowlevel.checkpoint()
+            raise caused(trio.BrokenResourceError(reason), exc)
 
-    def client_gone(self) -> None:
+    def client_gone(self, reason: str = "client disconnected") -> None:
+        """The client went away (or stopped reading: ``reason``): cancel its request."""
         self.gone = True
         if self.request is not None:
+            if not self.request.disconnected.is_set():
+                self.request.disconnect_reason = reason
             self.request.disconnected.set()
         if self.handler_scope is not None:
-            self.handler_scope.cancel("client disconnected")
+            self.handler_scope.cancel(reason)
 
     def response_head(
         self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None

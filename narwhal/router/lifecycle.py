@@ -175,7 +175,8 @@ class RequestLifecycle:
             if self.request.disconnected.is_set():
                 record.terminal_class = "client_cancelled"
                 record.status = 200 if self.committed else 499
-                record.error = "client disconnected"
+                # (Gone, or stopped reading for server.send_timeout_s: the server says which.)
+                record.error = self.request.disconnect_reason or "client disconnected"
             else:
                 # The shutdown grace period is over: the client still gets its answer
                 # (503 before the first token, a terminal event after it).
