@@ -444,7 +444,8 @@ class Connection:
 
     def start_watcher(self, request: Request) -> None:
         """Start ``request``'s disconnect watcher, if the request is still being handled:
-        its socket in the server's socket watch, else a task (any other stream)."""
+        its socket in the server's socket watch, else a task (any other stream, or a
+        socket the socket watch cannot take)."""
         if self.request is not request or self.watcher is not None or self.polled_fd >= 0 or self.detached:
             return
         sock = self.io.socket
@@ -452,10 +453,17 @@ class Connection:
         if sock is not None and socket_watch is not None:
             fd = sock.fileno()
             if fd >= 0:
-                self.read_ahead = 0
-                socket_watch.watch(fd, self.on_readable)
-                self.polled_fd = fd
-                return
+                try:
+                    socket_watch.watch(fd, self.on_readable)
+                except OSError as exc:
+                    # Out of descriptors or memory: a task of its own watches instead (a
+                    # request left unwatched would notice a client's FIN only when a write
+                    # failed, never while a write waits on a client that stopped reading).
+                    self.server.watch_failed(exc)
+                else:
+                    self.read_ahead = 0
+                    self.polled_fd = fd
+                    return
         assert self.nursery is not None
         self.watcher = watcher = _Watcher()
         self.nursery.start_soon(self.watch, watcher)

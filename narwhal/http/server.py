@@ -119,6 +119,7 @@ class HTTPServer:
         #: Times accepting paused at the connection limit, and accepts that failed.
         self.limit_reached = 0
         self.accept_failures = 0
+        self.watch_failures = 0  # requests watched by a task because the socket watch failed
         self._warned: dict[str, float] = {}  # what -> when last logged
         self._accept_scopes: set[trio.CancelScope] = set()
         self._closing = False
@@ -281,6 +282,14 @@ class HTTPServer:
                 await self._slot_freed.park()  # a closed connection gave a descriptor back
             else:
                 await trio.sleep_forever()
+
+    def watch_failed(self, exc: OSError) -> None:
+        """A request's socket could not join the socket watch (a task watches it instead)."""
+        self.watch_failures += 1
+        self._warn(
+            "watch", "cannot watch a client socket with the others (%s): a task per request watches "
+            "instead (%d so far)", exc, self.watch_failures,
+        )  # fmt: skip
 
     def _warn(self, what: str, message: str, *args: object) -> None:
         """Log ``message`` at most once per :data:`_WARN_EVERY_S` for ``what``."""
