@@ -111,15 +111,7 @@ class StreamIO:
                 raise trio.TooSlowError(f"the peer read nothing for {wait_s:g} s")
             return
         await trio.lowlevel.checkpoint_if_cancelled()
-        fd = sock.fileno()
-        if fd < 0:
-            raise trio.ClosedResourceError("the connection was already closed")
-        try:
-            sent = os.write(fd, data) if data else 0
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            raise caused(_translate(exc), exc)
+        sent = _write(sock, data) if data else 0
         if sent == len(data):
             await self._tick()
             return
@@ -142,16 +134,7 @@ class StreamIO:
                     raise caused(trio.ClosedResourceError("the connection was closed while writing"), None)
             if scope.cancelled_caught:
                 raise trio.TooSlowError(f"the peer read nothing for {wait_s:g} s")
-            fd = sock.fileno()
-            if fd < 0:
-                raise trio.ClosedResourceError("the connection was already closed")
-            try:
-                sent = os.write(fd, rest)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                raise caused(_translate(exc), exc)
-            rest = rest[sent:]
+            rest = rest[_write(sock, rest) :]
 
     async def receive_some(self, max_bytes: int = 65536) -> bytes:
         """Up to ``max_bytes`` bytes; ``b""`` at end of stream."""
@@ -190,6 +173,20 @@ class StreamIO:
         if self._unyielded >= YIELD_EVERY:
             self._unyielded = 0
             await trio.lowlevel.cancel_shielded_checkpoint()
+
+
+def _write(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview) -> int:
+    """One non-blocking write of ``data`` to ``sock``: the bytes the kernel took (0 when
+    its buffer is full)."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError("the connection was already closed")
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        raise caused(_translate(exc), exc)
 
 
 def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:
