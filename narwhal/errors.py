@@ -281,14 +281,14 @@ class RouterOverloaded(EngineError):
 
     @classmethod
     def opening(cls, target: str, cause: OSError) -> RouterOverloaded:
-        """The error for ``cause`` (one of :data:`RESOURCE_ERRNOS`) while connecting to
-        ``target``; the client's message names what ran out, not the address."""
-        code = cause.errno if cause.errno is not None else 0
-        what = RESOURCE_ERRNOS.get(code, "resources")
-        name = errno.errorcode.get(code, str(code))
+        """The error for ``cause`` (its ``errno`` one of :data:`RESOURCE_ERRNOS`) while
+        connecting to ``target``; the client's message names what ran out, not the address."""
+        code = cause.errno
+        assert code is not None  # (resource_exhaustion found it by its errno)
+        what = RESOURCE_ERRNOS[code]
         return cls(
-            f"router out of {what} ({name}) connecting to {target}: {cause.strerror or os.strerror(code)}",
-            public=f"router overloaded: out of {what} ({name}); retry later",
+            f"router out of {what} ({errno.errorcode[code]}) connecting to {target}: {os.strerror(code)}",
+            public=f"router overloaded: out of {what} ({errno.errorcode[code]}); retry later",
         )
 
 
