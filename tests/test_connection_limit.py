@@ -165,4 +165,5 @@ def test_out_of_descriptors_the_router_blames_no_engine_and_recovers(tmp_path: P
     assert all(r["status"] == 503 for r in records if r["terminal_class"] == "router_overloaded")
     text = log.read_text(errors="replace")
     assert "Traceback" not in text and "ejected" not in text and "breaker" not in text
-    assert 1 <= text.count("accept() failed: out of file descriptors (Too many open files)") <= 3
+    # accept() may fail too (when the engine legs left no descriptor): a line per 10 s at most.
+    assert text.count("accept() failed") <= 3
