@@ -51,8 +51,8 @@ logger = logging.getLogger("narwhal.http")
 #: How long accepting pauses after ``accept()`` failed (nginx's 500 ms), unless a
 #: connection closes first.
 ACCEPT_PAUSE_S: Final = 0.5
-#: At most one log line per this many seconds about the connection limit, and about
-#: failing accepts (each says how many times it happened since the last).
+#: At most one log line per this many seconds about each of: the connection limit,
+#: failing accepts, sockets the socket watch cannot take (each line says how many so far).
 _WARN_EVERY_S: Final = 10.0
 #: Descriptors kept back from the served connections by the default limit: listeners,
 #: the journal, engine metrics and KV-event sockets, the event loop's own.
