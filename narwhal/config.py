@@ -208,6 +208,16 @@ class ServerConfig:
         body_timeout_s: Seconds a client may take to send the request body (408 after).
         keepalive_timeout_s: Seconds an idle keep-alive connection stays open.
         max_concurrent_requests: Requests in flight at once; more are refused with 503.
+        max_connections: Client connections open at once; at the limit the router stops
+            accepting until one closes (further clients wait in the listen backlog), so
+            that clients cannot take the file descriptors its engine connections need;
+            null derives it from the process's open-file limit (``ulimit -n``) as
+            (limit - 64) / 3, since each connection may hold two more descriptors (to
+            engines), and at least 16, at most 65536.
+        send_timeout_s: Seconds one write to a client may wait while the client reads
+            nothing (nginx's ``send_timeout``; any bytes read start it again); then the
+            client counts as gone: its request ends as ``client_cancelled``, its engine
+            legs are cancelled and its connection is closed.
         shutdown_grace_s: Seconds in-flight requests get to finish on shutdown.
         api_keys: Bearer keys clients must present; empty means no authentication.
         admin_host: Address the admin endpoints (metrics, events) bind; loopback by default.
@@ -244,6 +254,8 @@ class ServerConfig:
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     keepalive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
     max_concurrent_requests: int = attrs.field(default=4096, validator=_positive_int)
+    max_connections: int | None = attrs.field(default=None, validator=_opt(_positive_int))
+    send_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     shutdown_grace_s: float = attrs.field(default=30.0, validator=_non_negative)
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts, repr=_hidden)
     admin_host: str = attrs.field(default="127.0.0.1", validator=_text)

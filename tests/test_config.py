@@ -471,6 +471,7 @@ def test_defaults_match_the_plan() -> None:
         "host": "127.0.0.1", "port": 8000, "max_body_bytes": 8388608,
         "max_header_bytes": 16384, "header_timeout_s": 10.0, "body_timeout_s": 30.0,
         "keepalive_timeout_s": 75.0, "max_concurrent_requests": 4096,
+        "max_connections": None, "send_timeout_s": 60.0,
         "shutdown_grace_s": 30.0, "api_keys": [], "admin_host": "127.0.0.1", "admin_port": 8001,
         "admin_api_keys": [], "admin_fleet_writes": True, "engine_load_poll_s": 0.0, "engine_urls_in_errors": False,
     }  # fmt: skip

@@ -41,7 +41,7 @@ def test_the_closed_set_of_terminal_classes() -> None:
     assert TERMINAL_CLASSES == {
         "ok", "refused", "no_engine", "invalid_request", "client_cancelled", "prefill_failed", "decode_failed",
         "first_token_timeout", "silence_timeout", "handoff_expired", "invalid_descriptor",
-        "deadline_exceeded", "shutdown", "internal_error",
+        "deadline_exceeded", "shutdown", "router_overloaded", "internal_error",
     }  # fmt: skip
 
 

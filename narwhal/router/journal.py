@@ -39,6 +39,7 @@ TERMINAL_CLASSES = frozenset(
         "invalid_descriptor",
         "deadline_exceeded",
         "shutdown",
+        "router_overloaded",
         "internal_error",
     }
 )

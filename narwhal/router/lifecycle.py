@@ -52,6 +52,7 @@ from narwhal.errors import (
     InvalidDescriptor,
     NarwhalError,
     Refused,
+    RouterOverloaded,
     SilenceTimeout,
 )
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
@@ -88,6 +89,8 @@ _ANSWER_WRITE_S = 5.0
 def terminal_class_for(err: NarwhalError) -> str:
     """The journal's terminal class for an error."""
     if isinstance(err, EngineError):
+        if isinstance(err, RouterOverloaded):
+            return "router_overloaded"  # the router's own fault, whichever leg met it
         if err.client_fault:
             return "invalid_request"
         if isinstance(err, InvalidDescriptor):
@@ -179,7 +182,8 @@ class RequestLifecycle:
             if self.request.disconnected.is_set():
                 record.terminal_class = "client_cancelled"
                 record.status = 200 if self.committed else 499
-                record.error = "client disconnected"
+                # (Gone, or stopped reading for server.send_timeout_s: the server says which.)
+                record.error = self.request.disconnect_reason or "client disconnected"
             else:
                 # The shutdown grace period is over: the client still gets its answer
                 # (503 before the first token, a terminal event after it).

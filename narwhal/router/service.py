@@ -145,6 +145,8 @@ def server_limits(config: FleetConfig) -> ServerLimits:
         header_timeout_s=s.header_timeout_s,
         body_timeout_s=s.body_timeout_s,
         keepalive_timeout_s=s.keepalive_timeout_s,
+        send_timeout_s=s.send_timeout_s,
+        max_connections=s.max_connections,
     )
 
 
