@@ -221,10 +221,12 @@ class EngineError(NarwhalError):
     error_type = "engine_error"
     terminal_class = "engine_error"
     transient = True
-    #: Not the engine's fault, so no breaker counts it: the engine rejected the request's
-    #: content (see :class:`EngineHTTPError`), the client's fault, or the router could not
-    #: reach it for want of its own resources (:class:`RouterOverloaded`).
+    #: The engine rejected the request's content (see :class:`EngineHTTPError`): the
+    #: client's fault.
     client_fault: bool = False
+    #: Not the router's own fault (:class:`RouterOverloaded`: it could not reach the
+    #: engine for want of its own resources).
+    router_fault: bool = False
 
     def __init__(
         self,
@@ -245,6 +247,12 @@ class EngineError(NarwhalError):
     @property
     def public_message(self) -> str:
         return self._public if self._public is not None else self.message
+
+    @property
+    def engine_fault(self) -> bool:
+        """Whether the engine's breaker counts this failure (neither the client's request
+        nor the router's own resources are to blame)."""
+        return not (self.client_fault or self.router_fault)
 
 
 class EngineUnavailable(EngineError):
@@ -286,14 +294,14 @@ def resource_exhaustion(exc: BaseException) -> OSError | None:
 class RouterOverloaded(EngineError):
     """The router ran out of its own resources (descriptors, socket buffers, memory,
     local ports) opening a connection to an engine: a 503 with ``Retry-After``, never
-    the engine's fault (``client_fault``: no breaker counts it), never retried on
+    the engine's fault (``router_fault``: no breaker counts it), never retried on
     another engine (which would need the same resources)."""
 
     status = 503
     error_type = "service_unavailable"
     terminal_class = "router_overloaded"
     transient = False
-    client_fault = True
+    router_fault = True
     retry_after_s = 1.0
 
     @classmethod

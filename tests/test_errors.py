@@ -300,7 +300,8 @@ def test_the_routers_own_resource_error_is_found_under_chains_groups_and_cycles(
 def test_router_overloaded_is_the_routers_fault_not_the_engines() -> None:
     cause = OSError(errno.ENFILE, "whatever the library said")
     err = RouterOverloaded.opening("10.0.0.5:8000", cause)
-    assert isinstance(err, EngineError) and err.client_fault and not err.transient
+    assert isinstance(err, EngineError) and err.router_fault and not err.client_fault
+    assert not err.engine_fault and not err.transient
     assert (err.http_status, err.terminal_class, err.retry_after_s) == (503, "router_overloaded", 1.0)
     assert err.message == (
         "router out of file descriptors (system-wide) (ENFILE) connecting to 10.0.0.5:8000: "

@@ -136,3 +136,27 @@ async def test_counting_a_prompt_is_not_an_engines_fault_either(autojump_clock: 
         assert record["terminal_class"] == "router_overloaded"
         assert len(starved.attempts) == 1
         assert stack.router.state.breaker.transitions == []
+
+
+async def test_a_probe_that_meets_the_routers_own_resource_error_is_inconclusive(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Before: the probe counted as failed (the engine's probe streak grew, its readmission
+    # waited) for descriptors the router itself lacked.
+    from narwhal.router.probe import probe_engine
+
+    async with open_stack(two_of_each(), wrap=starving()) as stack:
+        state = stack.router.state
+        state.breaker.record_failure("p0", "down", leg="prefill")
+        assert state.breaker.states["p0"].ejected
+        starved = starved_of(stack)
+        starved.hosts = {"p0.test"}
+        verdict = await probe_engine(state, "p0")
+        last = state.breaker.transitions[-1]
+        assert verdict is None, last
+        assert (last.engine, last.event) == ("p0", "probe_inconclusive")
+        assert (last.detail or "").startswith("router out of file descriptors (EMFILE) connecting to p0.test")
+        assert state.breaker.states["p0"].ejected
+        starved.hosts = set()
+        assert await probe_engine(state, "p0") is True
+        assert not state.breaker.states["p0"].ejected

@@ -949,10 +949,17 @@ class EngineClient:
 
     async def unhealthy(self) -> str | None:
         """Why ``GET /health`` does not answer 200 (the connection error or the status);
-        None when it does."""
+        None when it does.
+
+        Raises:
+            RouterOverloaded: the router itself lacked the descriptors, buffers or memory
+                to ask (which says nothing about the engine).
+        """
         try:
             status, reason, _ = await self._fetch("GET", "/health", None, leg="health")
         except EngineError as exc:
+            if exc.router_fault:
+                raise
             return str(exc)
         return None if status == 200 else f"engine {self.name} /health answered HTTP {status} {reason}".rstrip()
 

@@ -360,7 +360,7 @@ class RequestLifecycle:
                 err.engine = culprit
                 if trace is not None:
                     trace.failed(err, self.tokens)
-                if not err.client_fault:
+                if err.engine_fault:
                     state.breaker.record_failure(
                         culprit, err.message, origin_producer=reservation.producer, leg=err.leg
                     )

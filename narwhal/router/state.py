@@ -360,7 +360,7 @@ class RouterState:
             except EngineError as err:
                 err.engine = name
                 err.leg = "prefill"
-                if not err.client_fault:  # a prompt the engine rejects is the client's fault
+                if err.engine_fault:  # a prompt the engine rejects is the client's fault
                     self.breaker.record_failure(name, f"tokenize: {err.message}")
                 if not err.transient or i == len(candidates) - 1:
                     raise
