@@ -237,9 +237,9 @@ class StreamLedger:
         if choice is None:
             if type(reported) is not dict:
                 return chunk  # nothing of the client's in it
-            usage = self.usage(reported)
-            obj = self._usage_event(data, usage)
-            return Chunk(chunk.kind, _encode(obj), obj, usage=usage)
+            total = self.usage(reported)
+            obj = self._usage_event(data, total)
+            return Chunk(chunk.kind, _encode(obj), obj, usage=total)
         text = choice.get("text")
         finish = choice.get("finish_reason")
         text, finish, stop_reason = self._across(text if type(text) is str else "", finish, choice.get("stop_reason"))
