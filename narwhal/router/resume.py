@@ -261,9 +261,7 @@ class StreamLedger:
             if stop_reason is not None:
                 chosen["stop_reason"] = stop_reason
             chosen["token_ids"] = list(ids)
-            obj = {"id": self.response_id, "object": "chat.completion.chunk",
-                   "created": self._created if self._created is not None else data.get("created"),
-                   "model": data.get("model", self._model), "choices": [chosen]}  # fmt: skip
+            obj = {**self._chat_head(data), "choices": [chosen]}
         else:
             chosen = {**choice, "text": text, "finish_reason": finish, "stop_reason": stop_reason}
             if "prompt_token_ids" in chosen:
@@ -319,10 +317,14 @@ class StreamLedger:
 
     def _usage_event(self, data: Mapping[str, Any], usage: dict[str, Any]) -> dict[str, Any]:
         if self.kind == "chat":
-            return {"id": self.response_id, "object": "chat.completion.chunk",
-                    "created": self._created if self._created is not None else data.get("created"),
-                    "model": data.get("model", self._model), "choices": [], "usage": usage}  # fmt: skip
+            return {**self._chat_head(data), "choices": [], "usage": usage}
         return {**data, "choices": [], "usage": usage}
+
+    def _chat_head(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """A chat chunk's fields before its choices: the original stream's id and time."""
+        created = self._created if self._created is not None else data.get("created")
+        return {"id": self.response_id, "object": "chat.completion.chunk", "created": created,
+                "model": data.get("model", self._model)}  # fmt: skip
 
     def usage_event(self) -> bytes:
         """The usage event of a stream the router ended (at a stop string)."""
