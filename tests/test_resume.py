@@ -22,7 +22,10 @@ from narwhal.config import EngineTimeouts, FaultSpec
 from narwhal.testing.outputs import completion_logprobs
 from narwhal.testing.tokenizer import encode, encode_chat, greedy_tokens, token_text
 
-from .routerkit import Stack, engine, fleet_doc, open_stack
+from narwhal.engines.client import EngineClient
+from narwhal.errors import EngineUnavailable
+
+from .routerkit import Stack, engine, fleet_doc, open_stack, scripted_decodes
 
 MODEL = "sim-llama"
 PROMPT = "one two three four five six"
@@ -155,6 +158,7 @@ async def test_a_decode_that_breaks_after_tokens_continues_on_another_engine(
     autojump_clock: trio.abc.Clock, fault: Fault, mode: str, route: str
 ) -> None:
     async with open_stack(doc()) as stack:
+        await trio.sleep(100.0)  # (times count from the request's arrival, not the clock's zero)
         stack.engine("d0").inject(FaultSpec(kind=fault.kind, on="decode", after_tokens=3, status=503, times=1))  # type: ignore[arg-type]
         answer = await ask(stack, route, mode)
         assert_whole(answer, route, mode)
@@ -267,6 +271,80 @@ async def test_a_stream_whose_last_token_arrived_is_not_resumed(autojump_clock: 
         assert answer.token_ids == expected("completions") and "error" in answer.events[-1]
         [attempt] = stack.records[0]["attempts"]
         assert attempt["not_resumed"] == "the engine had sent its last token"
+
+
+async def test_a_break_before_the_last_token_resumes_for_one_token(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(doc()) as stack:
+        stack.engine("d0").inject(FaultSpec(kind="close_before_done", on="decode", after_tokens=MAX_TOKENS - 1, times=1))
+        assert_whole(await ask(stack, "completions", "stream"), "completions", "stream")
+        [sent] = [b for b in stack.engine("d1").requests_seen if b.get("stream")]
+        assert sent["max_tokens"] == 1
+
+
+def scripted(events: list[dict[str, Any]]) -> Any:
+    """d0 answers every decode with these events, then ends the body (no [DONE])."""
+    return scripted_decodes([(0.001, b"data: " + json.dumps(e).encode() + b"\n\n") for e in events])
+
+
+def completion_event(token: int, **choice: Any) -> dict[str, Any]:
+    return {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "text": token_text(token), "finish_reason": None, "token_ids": [token], **choice}]}  # fmt: skip
+
+
+async def test_without_the_prompts_token_ids_a_stream_is_not_resumed(autojump_clock: trio.abc.Clock) -> None:
+    # The engine did not say the prompt's token ids: a string prompt cannot be continued;
+    # a prompt given as token ids can.
+    events = [completion_event(t) for t in expected("completions")[:2]]
+    async with open_stack(doc(), wrap=scripted(events)) as stack:
+        answer = await ask(stack, "completions", "stream")
+        assert "error" in answer.events[-1] and answer.token_ids == expected("completions")[:2]
+        [attempt] = stack.records[0]["attempts"]
+        assert attempt["not_resumed"] == "the prompt's token ids are unknown (the engine did not report them)"
+    async with open_stack(doc(), wrap=scripted(events)) as stack:
+        status, got = await stack.stream({"prompt": encode(PROMPT), "max_tokens": MAX_TOKENS, "return_token_ids": True})
+        assert status == 200 and got[-1] == "[DONE]"
+        assert Answer(status, got).token_ids == expected("completions")
+        assert [a["outcome"] for a in stack.records[0]["attempts"]] == ["decode_failed", "ok"]
+
+
+async def test_a_message_with_reasoning_is_not_resumed(autojump_clock: trio.abc.Clock) -> None:
+    token = expected("chat")[0]
+    event = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+             "prompt_token_ids": prompt_ids("chat"),
+             "choices": [{"index": 0, "delta": {"reasoning_content": "hm"}, "finish_reason": None, "token_ids": [token]}]}  # fmt: skip
+    async with open_stack(doc(), wrap=scripted([event])) as stack:
+        answer = await ask(stack, "chat", "stream")
+        assert "error" in answer.events[-1]
+        [attempt] = stack.records[0]["attempts"]
+        assert attempt["not_resumed"].startswith("the message carries reasoning or tool calls")
+
+
+async def test_an_engine_that_rejects_the_continuation_ends_the_stream(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(doc()) as stack:
+        stack.engine("d0").inject(FaultSpec(kind="close_before_done", on="decode", after_tokens=3, times=1))
+        stack.engine("d1").inject(FaultSpec(kind="http_error", on="decode", status=400, message="no", times=1))
+        answer = await ask(stack, "completions", "stream")
+        assert answer.events[-1]["error"]["type"] == "invalid_request_error"
+        assert answer.token_ids == expected("completions")[:3]
+        attempts = stack.records[0]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["decode_failed", "invalid_request"]
+        assert attempts[1]["not_resumed"] == "the engine rejected the request itself"
+        assert stack.router.state.breaker.states["d1"].streak == 0  # the client's fault, not d1's
+
+
+async def test_text_held_back_that_no_engine_can_detokenize_ends_the_stream(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unreachable(self: EngineClient, ids: Any, *, model: str | None = None) -> str:
+        raise EngineUnavailable(f"engine {self.name} unreachable", engine=self.name)
+
+    monkeypatch.setattr(EngineClient, "detokenize", unreachable)
+    async with open_stack(doc()) as stack:
+        stack.engine("d0").inject(FaultSpec(kind="close_before_done", on="decode", after_tokens=3, times=1))
+        answer = await ask(stack, "completions", "stream", stop=["zzzz-never"])
+        assert "error" in answer.events[-1]
+        [attempt] = stack.records[0]["attempts"]
+        assert attempt["not_resumed"].startswith("the text held back at the break is unknown: engine ")
 
 
 UNRESUMABLE = [
