@@ -19,11 +19,10 @@ import pytest
 import trio
 
 from narwhal.config import EngineTimeouts, FaultSpec
-from narwhal.testing.outputs import completion_logprobs
-from narwhal.testing.tokenizer import encode, encode_chat, greedy_tokens, token_text
-
 from narwhal.engines.client import EngineClient
 from narwhal.errors import EngineUnavailable
+from narwhal.testing.outputs import completion_logprobs
+from narwhal.testing.tokenizer import encode, encode_chat, greedy_tokens, token_text
 
 from .routerkit import Stack, engine, fleet_doc, open_stack, scripted_decodes
 
