@@ -59,7 +59,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/placement.py": ("tests/test_breaker.py", "tests/test_router_basic.py", "tests/test_router_recovery.py"),
     "narwhal/router/retry.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # Resuming a broken stream: what is resumed, the continuation, the rewritten events.
-    "narwhal/router/resume.py": ("tests/test_resume.py",),
+    "narwhal/router/resume.py": ("tests/test_resume_ledger.py", "tests/test_resume.py"),
     # Its 600-odd mutants each rerun the router tests that reach them: these files keep
     # a run of the request path's functions (--only) under an hour on two cores.
     "narwhal/router/lifecycle.py": (
