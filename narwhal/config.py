@@ -683,6 +683,10 @@ class RecoveryConfig:
         probe_interval_s: Seconds between readmission probes of an ejected engine (and
             the ``Retry-After`` of a request that finds no engine of a role while a probe
             of one runs).
+        resume_streams: Continue a decode that fails after output was sent on another
+            engine (the prompt plus the tokens sent, as a token-id prompt); false ends
+            the stream with the terminal error event.
+        max_resumes: Resumes per request, when ``resume_streams`` is on.
     """
 
     eject_after: int = attrs.field(default=3, validator=_positive_int)
@@ -690,6 +694,8 @@ class RecoveryConfig:
     max_attempts: int = attrs.field(default=1, validator=_positive_int)
     retry_budget: RetryBudgetConfig = attrs.field(factory=RetryBudgetConfig)
     probe_interval_s: float = attrs.field(default=5.0, validator=_positive)
+    resume_streams: bool = False
+    max_resumes: int = attrs.field(default=2, validator=_positive_int)
 
 
 @attrs.frozen(kw_only=True)

@@ -129,6 +129,10 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "expected a number >= 0 @ $.recovery.failure_quarantine_s"),
     ("attempts-zero", fleet(recovery={"max_attempts": 0}),
      "expected an integer > 0 @ $.recovery.max_attempts"),
+    ("resumes-zero", fleet(recovery={"max_resumes": 0}),
+     "expected an integer > 0 @ $.recovery.max_resumes"),
+    ("resume-not-bool", fleet(recovery={"resume_streams": "yes"}),
+     "expected a boolean @ $.recovery.resume_streams"),
     ("budget-ratio-negative", fleet(recovery={"retry_budget": {"ratio": -0.1}}),
      "expected a number >= 0 @ $.recovery.retry_budget.ratio"),
     ("slo-zero", fleet(controller={"slo": {"ttft_s": 0}}),
@@ -482,7 +486,7 @@ def test_defaults_match_the_plan() -> None:
     assert data["recovery"] == {
         "eject_after": 3, "failure_quarantine_s": 0.0, "max_attempts": 1,
         "retry_budget": {"ratio": 0.2, "min_retries_per_s": 1.0, "window_s": 10.0},
-        "probe_interval_s": 5.0,
+        "probe_interval_s": 5.0, "resume_streams": False, "max_resumes": 2,
     }  # fmt: skip
     assert data["engine_contract"] is None
     assert data["profiles"] == {

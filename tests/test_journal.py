@@ -50,7 +50,8 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         n=1, producer="p0", consumer="d0", prefill_request_id="a", decode_request_id="b", outcome="ok",
         ttft_s=0.1, placement_wait_s=0.2, predicted_ttft_s=0.3, predicted_tpot_s=0.01, deadline="x",
         held_by="d0", predicted_cached_tokens=4, cached_tokens=5, consumer_predicted_cached_tokens=6,
-        consumer_cached_tokens=7,
+        consumer_cached_tokens=7, started_s=0.01, first_token_s=0.2, output_tokens=3, resume="stream_closed",
+        resumed_at_s=0.15, not_resumed="x",
     )  # fmt: skip
     record = RequestRecord(
         request_id="r", arrival=1.5, route="chat", model="m", stream=True, prompt_tokens=9,
@@ -67,7 +68,8 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         "decode_request_id": None, "outcome": "pending", "error": None, "ttft_s": None, "placement_wait_s": 0.0,
         "predicted_ttft_s": None, "predicted_tpot_s": None, "deadline": None, "held_by": None,
         "predicted_cached_tokens": None, "cached_tokens": None, "consumer_predicted_cached_tokens": None,
-        "consumer_cached_tokens": None,
+        "consumer_cached_tokens": None, "started_s": None, "first_token_s": None, "output_tokens": 0,
+        "resume": None, "resumed_at_s": None, "not_resumed": None,
     }  # fmt: skip
     bare = RequestRecord(request_id="r", arrival=0.0, route="completions")
     assert bare.to_json() == {

@@ -60,6 +60,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/retry.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # Client and admin keys, the admin listener's loopback rule.
     "narwhal/router/keys.py": ("tests/test_security.py",),
+    # Resuming a broken stream: what is resumed, the continuation, the rewritten events.
+    "narwhal/router/resume.py": ("tests/test_resume_ledger.py", "tests/test_resume.py"),
     # Its 600-odd mutants each rerun the router tests that reach them: these files keep
     # a run of the request path's functions (--only) under an hour on two cores.
     "narwhal/router/lifecycle.py": (

@@ -862,6 +862,23 @@ class EngineClient:
         status, _reason, _body = await self._fetch("POST", "/reset_prefix_cache", None, leg="reset")
         return status == 200
 
+    async def detokenize(self, ids: Sequence[int], *, model: str | None = None) -> str:
+        """The text of token ids (vLLM's ``POST /detokenize``, which answers ``{"prompt": text}``).
+
+        Raises:
+            EngineProtocolError: the answer carries no text.
+        """
+        payload: dict[str, Any] = {"tokens": list(ids)}
+        if model is not None:
+            payload["model"] = model
+        obj = await self._request_json("POST", "/detokenize", self._with_model(payload), leg="detokenize")
+        text = obj.get("prompt")
+        if not isinstance(text, str):
+            raise EngineProtocolError(
+                f"engine {self.name} answered /detokenize without a text", engine=self.name, leg="detokenize"
+            )
+        return text
+
     async def metrics(self, names: frozenset[str] | None = None) -> EngineMetrics:
         """The engine's load from ``/metrics``, with every sample parsed, or only the
         samples ``names`` (and those the load reads)."""

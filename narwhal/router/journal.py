@@ -79,6 +79,15 @@ class AttemptRecord:
             as its decode stream's usage reported it (None when not reported). vLLM
             counts the tokens the consumer pulled in it as well as its own hit, so
             after a whole handoff it is the prompt's length, not the hit alone.
+        started_s: arrival to the start of this attempt (its placement).
+        first_token_s: arrival to this attempt's first generated token, when it had one.
+        output_tokens: identified tokens this attempt's decode delivered.
+        resume: on a resume (``recovery.resume_streams``), what broke the stream it
+            continues: the failed attempt's error class (``stream_closed``,
+            ``silence_timeout``, ``engine_stream_error``, ...).
+        resumed_at_s: on a resume, arrival to the failure it continues after.
+        not_resumed: with ``recovery.resume_streams``, why this attempt's failure after
+            output was not resumed (the stream then ended with the terminal event).
     """
 
     n: int
@@ -99,6 +108,12 @@ class AttemptRecord:
     cached_tokens: int | None = None
     consumer_predicted_cached_tokens: int | None = None
     consumer_cached_tokens: int | None = None
+    started_s: float | None = None
+    first_token_s: float | None = None
+    output_tokens: int = 0
+    resume: str | None = None
+    resumed_at_s: float | None = None
+    not_resumed: str | None = None
 
 
 # A new empty list per record, typed Any: the compiled build checks a class-body value

@@ -67,6 +67,7 @@ from narwhal.router.requests import (
     error_event,
     parse_request,
 )
+from narwhal.router.resume import StreamLedger, open_ledger, resume_after
 from narwhal.router.state import PromptCount, RouterState
 from narwhal.tracing import RequestTrace
 
@@ -155,6 +156,9 @@ class RequestLifecycle:
         self.max_tokens = 0  # pragma: no mutate (equivalent: set before read)
         #: The engine whose leg is running (the one a deadline that fires now blames).
         self._holder: str | None = None  # pragma: no mutate (equivalent: _attempt sets it before any read)
+        #: What the stream delivered, when a failure after output may be resumed
+        #: (``recovery.resume_streams``); its ``current`` continuation is the attempt's request.
+        self.ledger: StreamLedger | None = None
 
     # ------------------------------------------------------------------ entry point
 
@@ -265,6 +269,8 @@ class RequestLifecycle:
         if tok.exact and max_model_len is not None and tok.count + self.max_tokens > max_model_len:
             raise context_length_exceeded(max_model_len, tok.count, self.max_tokens)
         state.retry_budget.note_request()
+        if self.config.recovery.resume_streams:
+            self.ledger = open_ledger(parsed, self.request_id)
         max_attempts = self.config.recovery.max_attempts
         tried: set[str] = set()
         n = 0
@@ -274,7 +280,12 @@ class RequestLifecycle:
             record.attempts.append(attempt)
             if self.trace is not None:
                 self.trace.attempt(attempt)
-            record.ttft_s = None  # this attempt's, once its prefill completes
+            cont = self.ledger.current if self.ledger is not None else None
+            if cont is None:
+                record.ttft_s = None  # this attempt's, once its prefill completes
+            else:  # a resume: the request's first token (and TTFT) came before it
+                attempt.resume = cont.cause
+                attempt.resumed_at_s = cont.at
             try:
                 await self._attempt(attempt, frozenset(tried))
                 attempt.outcome = "ok"
@@ -287,6 +298,8 @@ class RequestLifecycle:
                     attempt.held_by = err.engine
                 if err.engine:
                     tried.add(err.engine)
+                if self.visible and await resume_after(self, err, attempt):
+                    continue  # the same stream, continued by a new attempt
                 if not self._may_retry(err, n, max_attempts):
                     # An engine's 400 for an over-long prompt reads as the router's own.
                     over = engine_context_length(err, parsed, record.prompt_tokens)
@@ -310,11 +323,18 @@ class RequestLifecycle:
         self._holder = None  # placement's wait is no engine's time
         slo_ttft = self.config.controller.slo.ttft_s
         deadline = self.arrival + self.config.engine.request_timeout_s
-        if slo_ttft is not None:
-            deadline = min(deadline, self.arrival + slo_ttft)
         placed_at = state.clock()
-        assert self.prompt is not None  # counted before the first attempt
-        ids = self.prompt.ids
+        attempt.started_s = placed_at - self.arrival
+        cont = self.ledger.current if self.ledger is not None else None
+        prompt, prompt_tokens, max_tokens, elapsed = self.prompt, self.prompt_tokens, self.max_tokens, placed_at - self.arrival
+        if cont is not None:
+            # A resume waits for a placement no longer than a first token may take.
+            prompt, prompt_tokens, max_tokens, elapsed = cont.prompt, cont.prompt.count, cont.max_tokens, 0.0
+            deadline = min(deadline, placed_at + self.config.engine.first_token_timeout_s)
+        elif slo_ttft is not None:
+            deadline = min(deadline, self.arrival + slo_ttft)
+        assert prompt is not None  # counted before the first attempt
+        ids = prompt.ids
         prefix = state.prefix
         # The prompt's block chain is looked up once; each candidate engine's hit is then
         # a walk over its ids.
@@ -325,8 +345,8 @@ class RequestLifecycle:
             trace.placing(state.placement, self.record.model, avoid)
         try:
             reservation = await state.placement.acquire(
-                self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline,
-                elapsed_s=placed_at - self.arrival, cached=cached, model=self.record.model, prompt_ids=ids,
+                prompt_tokens, max_tokens, avoid=avoid, deadline=deadline,
+                elapsed_s=elapsed, cached=cached, model=self.record.model, prompt_ids=ids,
                 held=lookup.held_chain if lookup is not None else None,
             )  # fmt: skip
         finally:
@@ -381,9 +401,11 @@ class RequestLifecycle:
         handoff_start = state.clock()
         handoff_deadline = handoff_start + cfg.handoff.max_age_s
         self._holder = reservation.producer
-        prompt = self.prompt
+        cont = self.ledger.current if self.ledger is not None else None
+        prompt = self.prompt if cont is None else cont.prompt
         assert prompt is not None  # counted before the first attempt
         ids = prompt.ids
+        body, kind = (parsed.body, self.kind) if cont is None else (cont.body, "completions")
         if ids is not None:
             # The producer caches the prompt's blocks when it schedules it, before computing
             # them (vLLM's allocate_slots): a prompt queued behind this one hits them.
@@ -394,8 +416,8 @@ class RequestLifecycle:
             state.in_flight_by_engine[reservation.producer] += 1
             try:
                 prefill = await producer.prefill(
-                    parsed.body,
-                    kind=self.kind,
+                    body,
+                    kind=kind,
                     request_id=attempt.prefill_request_id,
                     transfer=not same_worker,
                     trace=headers,
@@ -415,7 +437,7 @@ class RequestLifecycle:
         attempt.cached_tokens = prefill.cached_tokens
         if ids is not None and not same_worker:
             state.prefix.placed(reservation.consumer, ids)  # a consumer caches what it pulls
-        counted = prefill.prompt_tokens
+        counted = prefill.prompt_tokens if cont is None else None  # (a resume's prompt is not the client's)
         if counted is not None and counted > 0:
             if not prompt.exact:
                 state.prompt_lengths_for(self.record.model).observe(self.kind, prompt.size, counted)
@@ -433,7 +455,8 @@ class RequestLifecycle:
                 elif limit is not None and counted + self.max_tokens > limit:
                     raise context_length_exceeded(limit, counted, self.max_tokens)
         attempt.ttft_s = prefill_done - self.arrival
-        self.record.ttft_s = attempt.ttft_s
+        if cont is None:
+            self.record.ttft_s = attempt.ttft_s
         # The producer's client validated the descriptor against the producer's
         # configured connector and KV endpoint; the consumer's re-checks it on use.
         # A same-worker decode has no handoff: no handoff age bounds it.
@@ -443,7 +466,7 @@ class RequestLifecycle:
 
         # Decode leg, under one scope whose deadline follows the stream.
         self._holder = reservation.consumer
-        await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done)
+        await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done, body, kind)
 
     async def _decode(
         self,
@@ -453,6 +476,8 @@ class RequestLifecycle:
         reservation: Reservation,
         handoff_deadline: float,
         prefill_done: float,
+        body: dict[str, Any],
+        kind: RequestKind,
     ) -> None:
         state = self.state
         cfg = self.config.engine
@@ -462,11 +487,24 @@ class RequestLifecycle:
         silence = cfg.decode_read_timeout_s if cfg.decode_read_timeout_s > 0 else math.inf
         first_token_deadline = clock() + cfg.first_token_timeout_s
         scope = trio.CancelScope(deadline=min(handoff_deadline, first_token_deadline))
-        acc = None if parsed.stream else ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+        # A resumable request's events are parsed, noted and (a resume's) rewritten.
+        ledger = self.ledger
+        resumed = ledger is not None and ledger.current is not None
+        if parsed.stream:
+            acc = None
+        elif ledger is None:
+            acc = ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+        else:  # one answer across the attempts that continue the stream
+            if ledger.acc is None or not resumed:
+                ledger.acc = ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+            acc = ledger.acc
+        if ledger is not None and not resumed:
+            ledger.prefill_done = prefill_done
         shape = StreamShaper(parsed, self.request_id)
         forward_meta = parsed.include_usage
         respond = self.response
-        tokens = 0
+        # Tokens delivered to the client, those of the attempts this one resumes included.
+        base = tokens = self.tokens
         # Events not yet written to the client: before the first token (e.g. chat's role
         # delta), then a burst in progress.
         out = self._unsent
@@ -492,15 +530,18 @@ class RequestLifecycle:
             with scope:
                 async with consumer.decode(
                     handoff,
-                    parsed.body,
-                    kind=self.kind,
+                    body,
+                    kind=kind,
                     request_id=attempt.decode_request_id,
-                    lazy=acc is None,  # a relayed stream needs token counts, not token objects
+                    # A relayed stream needs token counts, not token objects.
+                    lazy=acc is None and ledger is None,
                     trace=headers,
                 ) as stream:
                     async for chunk in stream:
+                        if ledger is not None:
+                            chunk = ledger.relay(chunk)
                         if chunk.kind == "token":
-                            if not tokens and scope.cancel_called:
+                            if tokens == base and scope.cancel_called:
                                 # Read in the scheduler tick in which its deadline expired:
                                 # too late, and nothing is sent yet, so a timeout as usual
                                 # (committing now would be cut by the pending cancellation).
@@ -513,14 +554,16 @@ class RequestLifecycle:
                                 acc.add(chunk.data)
                             else:
                                 out.append(shape(chunk.raw))
-                            if tokens == n and n:
-                                self.visible = True
-                                self.record.first_byte_s = clock() - self.arrival
+                            if tokens == base + n and n:
+                                attempt.first_token_s = clock() - self.arrival
                                 if trace is not None:
                                     trace.first_token()
                                 if silence != math.inf:
                                     stream.watch_silence(scope, silence)
-                                if parsed.stream:
+                                if not resumed:
+                                    self.visible = True
+                                    self.record.first_byte_s = attempt.first_token_s
+                                if parsed.stream and not resumed:
                                     scope.deadline = math.inf
                                     data = b"".join(out)
                                     out.clear()
@@ -530,6 +573,10 @@ class RequestLifecycle:
                             acc.add(chunk.data)
                         elif forward_meta or not _is_usage(chunk.data):
                             out.append(shape(chunk.raw))
+                        if resumed and ledger is not None and ledger.stopped is not None:
+                            # A stop string across the break ends the stream here.
+                            self._stopped(ledger, acc, out, shape)
+                            break
                         if stream.buffered:
                             continue  # more of this burst already arrived
                         # The end of a burst: one write for everything that arrived together;
@@ -539,7 +586,7 @@ class RequestLifecycle:
                             data = b"".join(out)
                             out.clear()
                             await respond.send(data, on_wait=disarm)
-                        if tokens and (burst_tokens or not armed):
+                        if tokens > base and (burst_tokens or not armed):
                             now = clock()
                             if burst_tokens:
                                 last_token_at = now
@@ -550,16 +597,17 @@ class RequestLifecycle:
                     if burst_tokens:  # [DONE] came in the burst of the last tokens
                         last_token_at = clock()
                     attempt.consumer_cached_tokens = stream.cached_tokens
-                    ended = stream.done
+                    ended = stream.done or (ledger is not None and ledger.stopped is not None)
         finally:
             state.in_flight_by_engine[name] -= 1
             reservation.release_decode()
+            attempt.output_tokens = tokens - base
         # The scope's deadline fired before the engine's end was read (whether its Cancelled
         # was caught here, or a token read in the same tick broke the loop). A stream that
         # reached its end is whole: a deadline that expired as the end was read cancels only
         # the close of its connection (which is closed all the same).
         if scope.cancel_called and not ended:
-            if tokens:
+            if tokens > base:
                 raise SilenceTimeout(
                     f"engine went silent between tokens (no chunk for {cfg.decode_read_timeout_s:g} s "
                     f"after {tokens} tokens)",
@@ -586,14 +634,26 @@ class RequestLifecycle:
         if trace is not None:
             trace.decoded(tokens, attempt.consumer_cached_tokens)
         if tokens >= 2:
-            self.record.tpot_s = (last_token_at - prefill_done) / (tokens - 1)
+            # (A resumed stream's counts from its first prefill, over all its tokens.)
+            start = ledger.prefill_done if resumed and ledger is not None and ledger.prefill_done is not None else prefill_done
+            self.record.tpot_s = (last_token_at - start) / (tokens - 1)
         if acc is None:
             data = b"".join((*out, _DONE))
             out.clear()
             await respond.end(data)
         else:
-            body = json.dumps(acc.body(self.prompt_tokens)).encode()
-            await respond.respond(200, (*JSON_HEADERS, (_REQUEST_ID, self.request_id)), body)
+            answer = json.dumps(acc.body(self.prompt_tokens)).encode()
+            await respond.respond(200, (*JSON_HEADERS, (_REQUEST_ID, self.request_id)), answer)
+
+    def _stopped(
+        self, ledger: StreamLedger, acc: ResponseAccumulator | None, out: list[bytes], shape: StreamShaper
+    ) -> None:
+        """End a resumed stream at a stop string the router found across the break: the
+        usage event a stream asked for (the engine's end never comes)."""
+        if acc is not None:
+            acc.usage = ledger.usage()
+        elif self.parsed is not None and self.parsed.include_usage:
+            out.append(shape(ledger.usage_event()))
 
 
 def _max_model_len(state: RouterState, model: str | None, told: int | None = None) -> int | None:

@@ -324,6 +324,12 @@ class RouterMetrics:
         )
         self.output_tokens = _Counter("narwhal_output_tokens", "Identified output tokens delivered.", ("route",))
         self.retries = _Counter("narwhal_retries", "Fresh attempts after a transient fault.")
+        self.resumes = _Counter(
+            "narwhal_resumes",
+            "Streams continued on another attempt after a failure once output was sent "
+            "(recovery.resume_streams), by what broke them.",
+            ("cause",),
+        )
         self.placements = _Counter(
             "narwhal_placement_decisions", "Attempts placed, by producer and consumer.", ("producer", "consumer")
         )
@@ -353,7 +359,7 @@ class RouterMetrics:
         )
         self.registry.register(_Families([
             self.requests, self.model_requests, self.ttft, self.first_byte, self.tpot, self.duration,
-            self.output_tokens, self.retries, self.placements, self.refusals, self.attempt_outcomes,
+            self.output_tokens, self.retries, self.resumes, self.placements, self.refusals, self.attempt_outcomes,
             self.breaker_transitions, self.ttft_error, self.cached_tokens, self.consumer_cached_tokens,
         ]))  # fmt: skip
         self.registry.register(_LiveState(state, events))
@@ -387,7 +393,11 @@ class RouterMetrics:
             self.output_tokens.inc(key, output_len)
         attempts = record.get("attempts") or []
         if len(attempts) > 1:  # pragma: no mutate (equivalent: one attempt adds no retry; skipped so that most requests touch no counter)
-            self.retries.inc((), len(attempts) - 1)
+            resumed = [a["resume"] for a in attempts if a.get("resume")]
+            for cause in resumed:
+                self.resumes.inc((cause,))
+            if len(attempts) - 1 > len(resumed):
+                self.retries.inc((), len(attempts) - 1 - len(resumed))
         for attempt in attempts:
             producer, consumer = attempt.get("producer"), attempt.get("consumer")
             if producer and consumer:
