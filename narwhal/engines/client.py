@@ -558,8 +558,8 @@ class EngineClient:
         ``max_completion_tokens: 1`` on chat), ``stream: false``, no
         ``stream_options`` or ``min_tokens``, ``return_token_ids: true`` and the
         connector's ``kv_transfer_params`` request block in place of any the client
-        sent, with ``ignore_eos: true`` so that it ends by its length cap. The
-        generated token is discarded.
+        sent, with ``ignore_eos: true`` and no ``stop`` or ``stop_token_ids`` so that it
+        ends by its length cap. The generated token is discarded.
 
         Args:
             body: the client's request body.
@@ -600,8 +600,11 @@ class EngineClient:
             payload["kv_transfer_params"] = prefill_request_params(self.connector)
             # The discarded token must end the request by its length cap: a producer
             # whose first token is end-of-sequence finishes with "stop" and hands off
-            # nothing. The decode leg generates (and may stop on) every visible token.
+            # nothing (nor may a stop string or stop token end it). The decode leg
+            # generates (and may stop on) every visible token.
             payload["ignore_eos"] = True
+            payload.pop("stop", None)
+            payload.pop("stop_token_ids", None)
         self._with_model(payload)
 
         started_at = trio.current_time()
