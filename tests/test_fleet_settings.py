@@ -12,14 +12,10 @@ import pytest
 
 from narwhal.config import parse_fleet
 from narwhal.errors import ConfigError
-from narwhal.router.fleet import (
-    FleetChange,
-    LiveFleet,
-    _flatten,
-    _restart_only,
-    _same_connection,
-    changed_settings,
-)
+from narwhal.router.fleet import FleetChange, LiveFleet
+from narwhal.router.fleetdiff import _flatten, changed_settings
+from narwhal.router.fleetdiff import restart_only as _restart_only
+from narwhal.router.fleetdiff import same_connection as _same_connection
 
 from .routerkit import engine, fleet_doc
 
@@ -30,7 +26,7 @@ def _config(*engines: dict[str, Any], **sections: Any) -> Any:
 
 def _live(config: Any, profiles: Any = None) -> tuple[LiveFleet, list[dict[str, Any]]]:
     published: list[dict[str, Any]] = []
-    state = SimpleNamespace(config=config, profiles=profiles)
+    state = SimpleNamespace(config=config, profiles=profiles, engines={})
     return LiveFleet(state, publish=published.append), published  # type: ignore[arg-type]
 
 
