@@ -1,8 +1,9 @@
 """Command line: ``narwhal serve|sim|top|bench|profile|check`` (and ``narwhal-profile`` / ``narwhal-check``).
 
 ``narwhal serve`` with no ``--fleet`` serves the embedded default fleet document
-(``config/fleet.sim.json``): its simulated engines start in the same process, so a
-newcomer's first command gives a working router.
+(``narwhal/data/fleet.sim.json``, package data; a checkout's ``config/fleet.sim.json``
+links to it): its simulated engines start in the same process, so a newcomer's first
+command gives a working router. ``serve`` and ``sim`` log which document they read.
 """
 
 from __future__ import annotations
@@ -30,17 +31,25 @@ from narwhal.cmdline import (
 from narwhal.config import FleetConfig, load_fleet, parse_fleet
 from narwhal.errors import ConfigError
 from narwhal.logs import LEVELS, configure_logging
+from narwhal.router.keys import ADMIN_KEY_ENV, admin_listener_problem
 
 if TYPE_CHECKING:
     from narwhal.profile.store import Profiles
 
-__all__ = ["check_main", "default_fleet_path", "main", "profile_main"]
+__all__ = ["check_main", "default_fleet_path", "fleet_source", "main", "profile_main"]
 
 log = logging.getLogger("narwhal")
 
 
 def _load(path: str | None) -> FleetConfig:
     return load_fleet(path if path is not None else default_fleet_path())
+
+
+def fleet_source(path: str | None) -> str:
+    """Which fleet document a command reads, for its log: ``--fleet``'s, or the embedded one."""
+    if path is not None:
+        return f"fleet document: {path}"
+    return f"fleet document: the embedded default, {default_fleet_path()} (--fleet serves another)"
 
 
 def _serving_profiles(config: FleetConfig) -> Profiles | None:
@@ -59,6 +68,9 @@ def _preflight(config: FleetConfig) -> Profiles | None:
     returns the profiles placement is priced by."""
     if config.controller.reactive.enabled:
         _require_record(config)
+    from narwhal.tracing import check_tracing
+
+    check_tracing(config.tracing)  # its packages, before any worker starts
     return _serving_profiles(config)
 
 
@@ -168,10 +180,16 @@ def _parser() -> argparse.ArgumentParser:
         "placed (replicas behind a load balancer; sets server.engine_load_poll_s)",
     )  # fmt: skip
     serve.add_argument("--worker-of", type=int, default=0, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     sim = add("sim")
     sim.add_argument("--fleet", metavar="F", help="fleet document (default: the embedded simulated fleet)")
     top = add("top")
     top.add_argument("--admin", default="http://127.0.0.1:8001", help="the router's admin URL")
+    top.add_argument(
+        "--admin-key", metavar="KEY",
+        help=f"the admin key to present (server.admin_api_keys; default: the {ADMIN_KEY_ENV} environment "
+        "variable, which other users cannot read in ps)",
+    )  # fmt: skip
     top.add_argument(
         "--once", type=duration, metavar="SECONDS", help="follow for SECONDS, print once, exit"
     )
@@ -191,6 +209,12 @@ def _serve_config(args: argparse.Namespace, document: object = None) -> FleetCon
         if any(not k.strip() for k in keys):
             raise CommandError("an API key is empty (--api-key, NARWHAL_API_KEY)", status=2)
         config = attrs.evolve(config, server=attrs.evolve(config.server, api_keys=(*config.server.api_keys, *keys)))
+    admin_key = os.environ.get(ADMIN_KEY_ENV)
+    if admin_key is not None:
+        if not admin_key.strip():
+            raise CommandError(f"the admin key is empty ({ADMIN_KEY_ENV})", status=2)
+        server = config.server
+        config = attrs.evolve(config, server=attrs.evolve(server, admin_api_keys=(*server.admin_api_keys, admin_key)))
     if args.engine_load_poll is not None:
         config = attrs.evolve(config, server=attrs.evolve(config.server, engine_load_poll_s=args.engine_load_poll))
     port = config.server.port if args.port is None else args.port
@@ -221,7 +245,7 @@ def _worker_argv(args: argparse.Namespace, config: FleetConfig) -> Callable[[int
 
     def argv(i: int) -> list[str]:
         cmd = ["--log-level", args.log_level, *(["--log-json"] if args.log_json else [])]
-        cmd += ["serve", "--worker-of", str(args.workers), "--admin-port", str(ports[i])]
+        cmd += ["serve", "--worker-of", str(args.workers), "--worker-index", str(i), "--admin-port", str(ports[i])]
         for flag, value in (("--fleet", args.fleet), ("--profiles", args.profiles), ("--host", args.host)):
             if value:
                 cmd += [flag, value]
@@ -241,8 +265,13 @@ def _worker_argv(args: argparse.Namespace, config: FleetConfig) -> Callable[[int
 def _run(args: argparse.Namespace) -> int:
     from narwhal import serving
 
+    if args.command in ("serve", "sim") and not getattr(args, "worker_of", 0):
+        log.info("%s", fleet_source(args.fleet))
     if args.command == "serve":
         config = _serve_config(args)
+        problem = admin_listener_problem(config.server)
+        if problem is not None:
+            raise problem
         profiles = _preflight(config)
         if args.workers > 1:
             trio.run(serving.run_workers, config, args.workers, _worker_argv(args, config), _admin_port(args, config))
@@ -257,6 +286,7 @@ def _run(args: argparse.Namespace) -> int:
                 serving.run_serve, _as_worker(args, config), args.host, args.port, args.admin_port,
                 profiles=profiles, metrics_on_api_port=args.metrics_on_api_port, prepare=prepare,
                 reuse_port=bool(args.worker_of), start_sims=not args.worker_of,
+                worker=args.worker_index if args.worker_of else None,
             )  # fmt: skip
             trio.run(run)
     elif args.command == "sim":
@@ -264,7 +294,8 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "top":
         from narwhal.top import run_top
 
-        trio.run(functools.partial(run_top, args.admin, once_after_s=args.once))
+        key = args.admin_key if args.admin_key is not None else os.environ.get(ADMIN_KEY_ENV)
+        trio.run(functools.partial(run_top, args.admin, once_after_s=args.once, key=key or None))
     return 0
 
 

@@ -31,12 +31,12 @@ from cattrs.gen import make_dict_structure_fn
 from narwhal.errors import ConfigError
 
 __all__ = [
-    "FAULT_KINDS", "INCARNATION", "MAX_DOCUMENT_BYTES", "REDACTED", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
-    "EngineContract", "EngineGroupConfig", "EngineTimeouts", "FaultSpec", "FleetConfig", "GroupConnectorConfig",
-    "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig",
-    "RecoveryConfig", "RetryBudgetConfig", "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel",
-    "SimPrefillModel", "converter", "is_secret", "load_default_fleet", "load_fleet", "parse_as", "parse_fleet",
-    "parse_fleet_json", "read_document", "redacted", "unstructure_fleet",
+    "FAULT_KINDS", "INCARNATION", "MAX_DOCUMENT_BYTES", "REDACTED", "ROLES", "ConnectorConfig", "ControllerConfig",
+    "EngineConfig", "EngineContract", "EngineGroupConfig", "EngineLimits", "EngineTimeouts", "FaultSpec", "FleetConfig",
+    "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig",
+    "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig", "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel",
+    "SimPrefillModel", "TracingConfig", "converter", "is_secret", "load_default_fleet", "load_fleet", "parse_as",
+    "parse_fleet", "parse_fleet_json", "read_document", "redacted", "secret_setting", "unstructure_fleet",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -57,6 +57,8 @@ _ON = ("prefill", "decode", "any")
 _VARIANTS: tuple[str, ...] = get_args(DescriptorVariant)
 _ADMISSION = ("wait", "refuse")
 _PROMPT_TOKENS = ("auto", "tokenize", "estimate")
+#: The OTLP protocols the router exports with (OTEL_EXPORTER_OTLP_PROTOCOL's values but http/json).
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 _LITERAL: Any = Literal  # typed Any so that mypy accepts the identity test below
 
 # ------------------------------------------------------------------ validators
@@ -198,6 +200,19 @@ def _strip_slash(url: str) -> str:
 # ------------------------------------------------------------------ server and engines
 
 
+def _hidden(keys: tuple[str, ...]) -> str:
+    """A key list's ``repr``: how many, never the keys."""
+    return f"<{len(keys)} keys>"
+
+
+def _admin_keys(inst: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    _texts(inst, attribute, value)
+    for i, key in enumerate(value):
+        if key in inst.api_keys:
+            raise ConfigError("an admin key must not also be a client key (server.api_keys): "
+                              "a client could reload the fleet with it", path=f"$.{attribute.name}[{i}]")  # fmt: skip
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     """The router's HTTP listener (the ``server`` section).
@@ -211,10 +226,32 @@ class ServerConfig:
         body_timeout_s: Seconds a client may take to send the request body (408 after).
         keepalive_timeout_s: Seconds an idle keep-alive connection stays open.
         max_concurrent_requests: Requests in flight at once; more are refused with 503.
+        max_connections: Client connections open at once; at the limit the router stops
+            accepting until one closes (further clients wait in the listen backlog), so
+            that clients cannot take the file descriptors its engine connections need;
+            null derives it from the process's open-file limit (``ulimit -n``) as
+            (limit - 64) / 3, since each connection may hold two more descriptors (to
+            engines), and at least 16, at most 65536.
+        send_timeout_s: Seconds one write to a client may wait while the client reads
+            nothing (nginx's ``send_timeout``; any bytes read start it again); then the
+            client counts as gone: its request ends as ``client_cancelled``, its engine
+            legs are cancelled and its connection is closed.
         shutdown_grace_s: Seconds in-flight requests get to finish on shutdown.
         api_keys: Bearer keys clients must present; empty means no authentication.
         admin_host: Address the admin endpoints (metrics, events) bind; loopback by default.
+            An address other than loopback needs ``admin_api_keys``: the router refuses
+            to start without them.
         admin_port: TCP port of the admin endpoints; 0 picks an ephemeral port.
+        admin_api_keys: Bearer keys every admin request must present on every admin route
+            (``/metrics`` scrapes, the ``/events`` WebSocket handshake, ``/fleet``, ``/health``);
+            401 otherwise. Empty means none, allowed on a loopback ``admin_host`` only.
+            ``NARWHAL_ADMIN_KEY`` adds one (``narwhal serve``) and presents it (``narwhal
+            top``). A client key (``api_keys``) is never an admin key. Never shown in a log,
+            error or record.
+        admin_fleet_writes: Whether ``PUT /fleet`` on the admin port may reload the fleet.
+            On by default, so that a documented reload keeps working; the admin listener
+            it needs is loopback or keyed. False answers 403 ``fleet_writes_disabled``
+            (SIGHUP still reloads the document file).
         engine_load_poll_s: Seconds between reads of every engine's /metrics (running and
             waiting requests): placement adds what other routers placed (the report minus
             this router's own legs) to its own reservations, so that replicas and workers
@@ -235,10 +272,14 @@ class ServerConfig:
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     keepalive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
     max_concurrent_requests: int = attrs.field(default=4096, validator=_positive_int)
+    max_connections: int | None = attrs.field(default=None, validator=_opt(_positive_int))
+    send_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     shutdown_grace_s: float = attrs.field(default=30.0, validator=_non_negative)
-    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts)
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts, repr=_hidden)
     admin_host: str = attrs.field(default="127.0.0.1", validator=_text)
     admin_port: int = attrs.field(default=8001, validator=_bind_port)
+    admin_api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_admin_keys, repr=_hidden)
+    admin_fleet_writes: bool = True
     engine_load_poll_s: float = attrs.field(default=0.0, validator=_non_negative)
     engine_urls_in_errors: bool = False
 
@@ -579,6 +620,53 @@ class EngineTimeouts:
     connect_timeout_s: float = attrs.field(default=5.0, validator=_positive)
 
 
+_MIB = 1024 * 1024
+
+
+@attrs.frozen(kw_only=True)
+class EngineLimits:
+    """What the router accepts from an engine (the ``engine_limits`` section).
+
+    An engine is trusted no more than a client: each limit bounds what one engine's
+    answer can hold in the router's memory, and an answer past it is that engine's
+    fault (an engine protocol error, counted in ``narwhal_engine_bad_input_total``),
+    never the router's. They take effect at start (a reload that changes them is
+    refused).
+
+    Attributes:
+        max_response_bytes: Largest non-streaming answer read from an engine (a
+            prefill's one-token completion, ``/tokenize``, ``/v1/models``, ``/version``);
+            one that declares or sends more is the engine's protocol error.
+        max_metrics_bytes: Largest ``/metrics`` answer read (a vLLM exposition is about
+            60 KB per engine core).
+        max_stream_event_bytes: Largest event (or line) of a decode stream (the first
+            event carries the prompt's token ids: about 7 bytes a token).
+        max_listed_models: Most models one ``/v1/models`` answer may list (base model,
+            aliases and LoRA adapters).
+        kv_max_message_bytes: Largest KV-event message (ZeroMQ ``MAXMSGSIZE``): ZeroMQ
+            drops the connection of a peer that sends a larger one, and the router
+            replays what it missed.
+        kv_max_queued_messages: KV-event messages ZeroMQ queues for the router before it
+            drops (``RCVHWM``); with ``kv_max_message_bytes`` it bounds what one engine's
+            live events hold in memory.
+        kv_replay_timeout_s: Total deadline of one replay from an engine's replay
+            endpoint, however fast its messages come.
+        kv_replay_max_batches: Most batches one replay may return (vLLM buffers 10,000
+            steps by default); a longer one is abandoned and the engine's view dropped.
+        kv_replay_max_bytes: Most payload bytes one replay may return.
+    """
+
+    max_response_bytes: int = attrs.field(default=64 * _MIB, validator=_positive_int)
+    max_metrics_bytes: int = attrs.field(default=16 * _MIB, validator=_positive_int)
+    max_stream_event_bytes: int = attrs.field(default=16 * _MIB, validator=_positive_int)
+    max_listed_models: int = attrs.field(default=1024, validator=_positive_int)
+    kv_max_message_bytes: int = attrs.field(default=16 * _MIB, validator=_positive_int)
+    kv_max_queued_messages: int = attrs.field(default=1000, validator=_positive_int)
+    kv_replay_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    kv_replay_max_batches: int = attrs.field(default=10_000, validator=_positive_int)
+    kv_replay_max_bytes: int = attrs.field(default=256 * _MIB, validator=_positive_int)
+
+
 @attrs.frozen(kw_only=True)
 class HandoffConfig:
     """The KV handoff between producer and consumer (the ``handoff`` section).
@@ -611,11 +699,14 @@ class RecoveryConfig:
     """Failure handling (the ``recovery`` section).
 
     Attributes:
-        eject_after: Consecutive stream failures that eject an engine from placement.
+        eject_after: Consecutive stream failures that eject an engine from placement
+            (even the last of its role: requests for that role are then refused at once).
         failure_quarantine_s: Seconds a failed engine is skipped by placement; 0 disables.
         max_attempts: Prefill/decode attempts per request, the first included.
         retry_budget: Limit on retries across all requests.
-        probe_interval_s: Seconds between readmission probes of an ejected engine.
+        probe_interval_s: Seconds between readmission probes of an ejected engine (and
+            the ``Retry-After`` of a request that finds no engine of a role while a probe
+            of one runs).
     """
 
     eject_after: int = attrs.field(default=3, validator=_positive_int)
@@ -757,6 +848,61 @@ class JournalConfig:
     fsync: bool = True
 
 
+def _collector_url(v: Any) -> bool:
+    """An OTLP collector's base URL: http(s)://host:port, a path allowed (a collector behind a
+    proxy), no query or fragment."""
+    if not isinstance(v, str):
+        return False
+    try:
+        parts = urlsplit(v)
+        port = parts.port
+    except ValueError:
+        return False
+    return (
+        parts.scheme in ("http", "https") and bool(parts.hostname) and port is not None
+        and "@" not in parts.netloc and not parts.query and not parts.fragment
+    )  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class TracingConfig:
+    """OpenTelemetry tracing of every request (the ``tracing`` section; docs/operations.md).
+
+    Off unless this section names an ``endpoint`` or the standard OpenTelemetry environment
+    turns it on (``OTEL_TRACES_EXPORTER=otlp``, or ``OTEL_EXPORTER_OTLP_ENDPOINT`` with no
+    exporter named); ``OTEL_SDK_DISABLED=true`` keeps it off. What this section sets wins
+    over the environment, which supplies the rest (headers, timeouts, TLS, batching). Needs
+    the OpenTelemetry packages: ``pip install 'narwhal[tracing]'``.
+
+    Attributes:
+        endpoint: The OTLP collector's base URL, as ``OTEL_EXPORTER_OTLP_ENDPOINT`` gives it:
+            ``http://collector:4318`` for http/protobuf (spans go to ``/v1/traces`` under it),
+            ``http://collector:4317`` for grpc (``https`` for TLS); setting it turns tracing
+            on. null: the environment decides.
+        protocol: ``http/protobuf`` or ``grpc``; null: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
+            or ``OTEL_EXPORTER_OTLP_PROTOCOL``, else http/protobuf.
+        sampling_ratio: Fraction of the traces started here that are sampled (recorded and
+            exported), 0 to 1. null: ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG``
+            decide (every trace, and a client's decision for its own, by default).
+        parent_based: With sampling_ratio: a request whose client sent a ``traceparent``
+            follows the client's sampling decision, and the ratio applies to traces that
+            start at the router; false applies the ratio to every request.
+        service_name: The ``service.name`` the spans carry; null: ``OTEL_SERVICE_NAME`` (or
+            ``OTEL_RESOURCE_ATTRIBUTES``), else ``narwhal``.
+    """
+
+    endpoint: str | None = attrs.field(
+        default=None,
+        validator=_opt(_rule(_collector_url, "expected an http(s)://host:port URL (a path allowed)")),
+    )
+    protocol: Literal["http/protobuf", "grpc"] | None = attrs.field(
+        default=None, validator=_opt(_member(OTLP_PROTOCOLS))
+    )
+    sampling_ratio: float | None = attrs.field(default=None, validator=_opt(_fraction))
+    parent_based: bool = True
+    service_name: str | None = attrs.field(default=None, validator=_opt(_text))
+
+
 @attrs.frozen(kw_only=True)
 class FleetConfig:
     """The whole fleet document.
@@ -768,6 +914,7 @@ class FleetConfig:
             engine a reload or DNS adds takes requests once its readiness probe passes
             (at most 32 probed at once).
         engine: Deadlines of engine legs.
+        engine_limits: What the router accepts from an engine (sizes, counts, deadlines).
         handoff: The KV handoff.
         recovery: Failure handling.
         engine_contract: What every engine must report; null skips contract checks.
@@ -775,11 +922,13 @@ class FleetConfig:
         controller: Placement control under the SLO.
         journal: The router journal.
         engine_groups: Engines found in DNS (a Kubernetes headless Service per role).
+        tracing: OpenTelemetry tracing (off unless configured here or by the environment).
     """
 
     server: ServerConfig = attrs.field(factory=ServerConfig)
     engines: tuple[EngineConfig, ...] = attrs.field(converter=_engine_tuple, validator=_engines)
     engine: EngineTimeouts = attrs.field(factory=EngineTimeouts)
+    engine_limits: EngineLimits = attrs.field(factory=EngineLimits)
     handoff: HandoffConfig = attrs.field(factory=HandoffConfig)
     recovery: RecoveryConfig = attrs.field(factory=RecoveryConfig)
     engine_contract: EngineContract | None = None
@@ -787,6 +936,7 @@ class FleetConfig:
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     journal: JournalConfig = attrs.field(factory=JournalConfig)
     engine_groups: tuple[EngineGroupConfig, ...] = attrs.field(default=(), converter=_group_tuple)
+    tracing: TracingConfig = attrs.field(factory=TracingConfig)
 
     def __attrs_post_init__(self) -> None:
         if not self.engines and not self.engine_groups:
@@ -1181,6 +1331,12 @@ def redacted(path: str, value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [REDACTED for _ in value]
     return REDACTED
+
+
+def secret_setting(path: str) -> bool:
+    """Whether the setting at a dotted ``path`` (``server.admin_api_keys``) holds a secret,
+    whose value no message, record or log line may show (:func:`is_secret`)."""
+    return is_secret(path)
 
 
 def unstructure_fleet(cfg: FleetConfig) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The fleet-document reference, generated from the config classes so it cannot drift.
 
 ``python -m narwhal.reference > docs/fleet-reference.md`` writes it; a test checks that
-the committed file is what this module generates and that every field appears.
+the committed file is what this module generates and that every field appears. Its last
+section lists every limit on what reaches the router (:data:`LIMITS`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,51 @@ from typing import Any, Literal, get_args, get_origin
 import attrs
 
 from narwhal.config import FleetConfig
+from narwhal.engines.badinput import LOG_INTERVAL_S
+from narwhal.engines.client import ERROR_BODY_LIMIT, TEMPLATE_TOKENS
+from narwhal.engines.metrics import MAX_CAPACITY, MAX_REQUESTS
 
-__all__ = ["document_fields", "fleet_reference_markdown"]
+__all__ = ["LIMITS", "document_fields", "fleet_reference_markdown"]
+
+#: Every limit on what clients and engines can make the router hold or wait for, in the
+#: order the reference lists them: a fleet-document path (its default and meaning come
+#: from the document's classes), or a fixed limit as ``(name, value, meaning)``.
+LIMITS: tuple[str | tuple[str, str, str], ...] = (
+    # What clients send.
+    "$.server.max_body_bytes",
+    "$.server.max_header_bytes",
+    "$.server.header_timeout_s",
+    "$.server.body_timeout_s",
+    "$.server.keepalive_timeout_s",
+    "$.server.max_concurrent_requests",
+    # What engines send.
+    "$.engine_limits.max_response_bytes",
+    "$.engine_limits.max_metrics_bytes",
+    "$.engine_limits.max_stream_event_bytes",
+    "$.engine_limits.max_listed_models",
+    "$.engine_limits.kv_max_message_bytes",
+    "$.engine_limits.kv_max_queued_messages",
+    "$.engine_limits.kv_replay_timeout_s",
+    "$.engine_limits.kv_replay_max_batches",
+    "$.engine_limits.kv_replay_max_bytes",
+    ("engine error body", f"{ERROR_BODY_LIMIT // 1024} KiB", "An engine's answer other than 200 is read up to this much (its message is "
+     "kept); the rest is not read and the connection is closed."),
+    ("engine response head", "64 KiB", "An engine's status line and headers; a longer head is the engine's "
+     "protocol error."),
+    ("`/tokenize` count", f"1 a prompt byte + {TEMPLATE_TOKENS}", "The most tokens a text prompt (or chat messages of text) can "
+     "tokenize to, chat template included; a larger count, one that differs from the number of token ids "
+     "returned, or ids that are not integers >= 0 are the engine's protocol error (counted by its breaker; the "
+     "next producer is asked), never a context-length 400 to the client."),
+    ("engine `/metrics` gauges",
+     f"requests 0..{MAX_REQUESTS:.0e}, KV usage 0..1, capacities 0..2^{MAX_CAPACITY.bit_length() - 1}, start time a date",
+     "A gauge outside its range (``+Inf`` requests running, NaN usage, a negative capacity) makes the whole "
+     "answer unusable: the engine's load report and prefix view are dropped until a sound one comes."),
+    ("KV-event batch", "token ids integers >= 0, block size >= 1, finite ts",
+     "A batch that is not well typed (or not msgpack, or a map keyed by an array) is malformed: the engine's "
+     "cache view is dropped and rebuilt from the events that follow."),
+    ("bad-input warnings", f"1 per engine and source per {LOG_INTERVAL_S:g} s", "Faults past the first are counted "
+     "(``narwhal_engine_bad_input_total``) and summed into the next warning."),
+)
 
 
 def _attributes_doc(cls: type) -> dict[str, str]:
@@ -124,7 +168,33 @@ def fleet_reference_markdown() -> str:
             meaning = docs.get(field.name, "").replace("|", "\\|")
             lines.append(f"| `{path}` | {_type_name(hints[field.name])} | {_default(field)} | {meaning} |")
         lines.append("")
+    lines += _limits_markdown()
     return "\n".join(lines)
+
+
+def _limits_markdown() -> list[str]:
+    fields = {path: (owner, field) for path, owner, field in document_fields()}
+    lines = [
+        "## Limits",
+        "",
+        "Every bound on what a client or an engine can make the router hold or wait for. Past a client",
+        "limit the request is refused (4xx); past an engine limit the answer is that engine's fault (an",
+        "engine protocol error, counted in `narwhal_engine_bad_input_total{engine,source}`), never the",
+        "router's.",
+        "",
+        "| limit | default | setting | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    for entry in LIMITS:
+        if isinstance(entry, str):
+            owner, field = fields[entry]
+            meaning = _attributes_doc(owner).get(field.name, "").replace("|", "\\|")
+            lines.append(f"| {field.name} | {_default(field)} | `{entry}` | {meaning} |")
+        else:
+            name, value, meaning = entry
+            lines.append(f"| {name} | {value} | fixed | {meaning} |")
+    lines.append("")
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover

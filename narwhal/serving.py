@@ -1,8 +1,10 @@
 """``narwhal serve`` and ``narwhal sim`` as processes: start-up, signals, shutdown.
 
 - Start-up: the fleet's simulated engines start in this process, except those whose
-  port already serves that engine (a ``narwhal sim`` of the same document running):
-  the router attaches to those, so that profiles taken against them stay bound. Then
+  port already serves that engine (a ``narwhal sim`` of the same document running: the
+  same name, ``sim`` and ``connector`` at ``GET /narwhal/sim``): the router attaches to
+  those, so that profiles taken against them stay bound; a port held by anything else
+  is an error saying what answers there. Then
   the router (which probes every engine and names the unreachable ones) and its two
   listeners. A port that cannot be bound is a :class:`~narwhal.cmdline.CommandError`
   naming it and the flag that sets it.
@@ -98,21 +100,30 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-async def _serves(engine: EngineConfig, timeout_s: float) -> bool:
-    """Whether ``engine``'s URL answers as that simulated engine (its model, version and
-    max_model_len)."""
-    from narwhal.engines.client import EngineClient
-    from narwhal.errors import EngineError
+async def _not_serving(engine: EngineConfig, timeout_s: float) -> str | None:
+    """Why what answers at ``engine``'s URL is not that simulated engine (``GET /narwhal/sim``:
+    its name, ``sim`` block and ``connector`` as the fleet document says); None when it is."""
+    import httpx
 
-    assert engine.sim is not None
+    from narwhal.testing.app import SIM_IDENTITY_PATH, sim_identity
+
     try:
         with trio.fail_after(timeout_s):
-            async with EngineClient(engine.url, name=engine.name, model=engine.sim.model) as client:
-                ident = await client.identity()
-    except (EngineError, trio.TooSlowError):
-        return False
-    sim = engine.sim
-    return (ident.model, ident.version, ident.max_model_len) == (sim.model, sim.version, sim.max_model_len)
+            async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+                resp = await client.get(engine.url + SIM_IDENTITY_PATH)
+        found = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, trio.TooSlowError, ValueError):
+        found = None
+    if not isinstance(found, dict):
+        return f"something that is not a simulated engine answers there (GET {SIM_IDENTITY_PATH})"
+    if found.get("name") != engine.name:
+        return f"it is simulated engine {found.get('name')!r}, not {engine.name} (a narwhal sim of another fleet document?)"
+    wanted = sim_identity(engine)
+    differ = [key for key in ("sim", "connector") if found.get(key) != wanted[key]]
+    if differ:
+        return (f"it is {engine.name} with another {' and '.join(differ)} block than this fleet document's "
+                "(a narwhal sim of an older version of the document?)")  # fmt: skip
+    return None
 
 
 async def _split_sims(sims: list[EngineConfig], timeout_s: float) -> list[EngineConfig]:
@@ -121,12 +132,12 @@ async def _split_sims(sims: list[EngineConfig], timeout_s: float) -> list[Engine
     for e in sims:
         if _port_free(e.host, e.port):
             start.append(e)
-        elif await _serves(e, timeout_s):
+        elif (problem := await _not_serving(e, timeout_s)) is None:
             attached.append(e)
         else:
             raise CommandError(
-                f"simulated engine {e.name}: cannot listen on {e.host}:{e.port}: address already in use "
-                f"by something that is not {e.name} (stop it, or give {e.name} another url in the fleet document)"
+                f"simulated engine {e.name}: cannot listen on {e.host}:{e.port}: address already in use, and "
+                f"{problem}: stop it, or give {e.name} another url in the fleet document"
             )
     if attached:
         log.info(
@@ -172,11 +183,19 @@ async def run_serve(
     profiles: Profiles | None = None,
     metrics_on_api_port: bool = False,
     prepare: Prepare | None = None,
+    worker: int | None = None,
 ) -> None:
-    """``narwhal serve`` (one process, or one worker of ``--workers``) until signalled.
+    """``narwhal serve`` (one process, or worker ``worker`` of ``--workers``) until signalled.
 
     ``prepare`` turns the fleet document (re-read on SIGHUP, or sent to ``PUT /fleet``)
     into what to serve; see :data:`narwhal.router.service.Prepare`."""
+    router_port, admin_where = "router port (--port, server.port)", "admin port (--admin-port, server.admin_port)"
+    if worker is not None:  # its error names the worker, and the port it was given
+        router_port = f"worker {worker}: {router_port}, shared by the workers"
+        admin_where = f"worker {worker}: its own admin port" + (
+            f" {admin_port} (server.admin_port + {worker + 1}: the workers' admin ports follow the combined one)"
+            if admin_port else ""
+        )
 
     async def body(stop: Stop) -> None:
         from narwhal.router.service import open_router
@@ -191,14 +210,10 @@ async def run_serve(
                 open_router(config, profiles=profiles, metrics_on_api_port=metrics_on_api_port, prepare=prepare)
             )
             nursery = await stack.enter_async_context(trio.open_nursery())
-            bound = await _listen(
-                nursery, router.serve_tcp, host, port, "router port (--port, server.port)", reuse_port=reuse_port
-            )
+            bound = await _listen(nursery, router.serve_tcp, host, port, router_port, reuse_port=reuse_port)
             for h, p in bound:
                 log.info("narwhal %s serving on http://%s:%d", __version__, h, p)
-            admin = await _listen(
-                nursery, router.serve_admin_tcp, None, admin_port, "admin port (--admin-port, server.admin_port)"
-            )
+            admin = await _listen(nursery, router.serve_admin_tcp, None, admin_port, admin_where)
             log.info("admin endpoints (/metrics, /events, /fleet, /health) on http://%s:%d", admin[0][0], admin[0][1])
             journal = router.journal.path
             log.info("journal: %s", journal.resolve() if journal is not None else "off (journal.path is null)")
@@ -254,7 +269,12 @@ async def run_workers(
 ) -> None:
     """``--workers N``: N router processes on one port (SO_REUSEPORT); this process runs
     the simulated engines (if any), supervises the workers, forwards the signals and
-    serves their admin surfaces combined on ``admin_port``."""
+    serves their admin surfaces combined on ``admin_port``.
+
+    Raises:
+        CommandError: a worker exited on its own (it could not start, or it failed): the
+            others were stopped; the worker's own error line names the cause.
+    """
     from narwhal.http.server import HTTPServer
     from narwhal.router.fanin import WorkersAdminApp
 
@@ -270,13 +290,16 @@ async def run_workers(
             if admin_port:
                 host = config.server.admin_host
                 urls = [f"http://{_url_host(host)}:{p}" for p in worker_admin_ports(admin_port, workers)]
-                admin_server = HTTPServer(WorkersAdminApp(urls), server_name="narwhal-admin")
+                server = config.server
+                app = WorkersAdminApp(urls, keys=server.admin_api_keys, fleet_writes=server.admin_fleet_writes)
+                admin_server = HTTPServer(app, server_name="narwhal-admin")
                 where = "admin port (--admin-port, server.admin_port)"
                 await _listen(nursery, admin_server.serve_tcp, host, admin_port, where)
                 log.info("admin endpoints of the %d workers, combined, on http://%s:%d", workers, host, admin_port)
             else:
                 log.warning("admin_port 0 with --workers: each worker has its own admin port, none combined")
             procs = []
+            failed: list[str] = []
             try:
                 for i in range(workers):
                     # Their own process group: a Ctrl-C at the terminal reaches this
@@ -291,8 +314,8 @@ async def run_workers(
                 print(f"narwhal: {workers} workers started", flush=True)
                 async with trio.open_nursery() as watch:
                     await watch.start(_forward_sighup, procs)
-                    for proc in procs:
-                        watch.start_soon(_exited, proc, stop)
+                    for i, proc in enumerate(procs):
+                        watch.start_soon(_exited, proc, i, stop, failed)
                     await stop.first.wait()
                     watch.cancel_scope.cancel()
             finally:
@@ -300,6 +323,8 @@ async def run_workers(
                     await _stop_workers(procs, stop, config.server.shutdown_grace_s + 10)
                     if admin_server is not None:
                         await admin_server.shutdown(0)
+            if failed:
+                raise CommandError(f"{failed[0]} (its error is above): stopped the other workers")
 
     await _with_stop(body)
 
@@ -326,11 +351,14 @@ async def _forward_sighup(
                     proc.send_signal(signal.SIGHUP)
 
 
-async def _exited(proc: trio.Process, stop: Stop) -> None:
-    """A worker that exits on its own (it could not start) stops the others."""
+async def _exited(proc: trio.Process, index: int, stop: Stop, failed: list[str]) -> None:
+    """A worker that exits on its own (it could not start) stops the others; what
+    happened goes into ``failed``."""
     await proc.wait()
     if not stop.first.is_set():
-        log.error("worker %d exited with status %s: stopping", proc.pid, proc.returncode)
+        what = f"worker {index} (pid {proc.pid}) exited with status {proc.returncode}"
+        log.error("%s: stopping the others", what)
+        failed.append(what)
         stop.first.set()
 
 

@@ -3,7 +3,8 @@
 Per engine: roles, load (legs in flight), breaker state, and rolling TTFT / TPOT of
 the requests it served over the last window, against the fleet's SLO. The view reads
 ``GET /fleet`` once and then follows ``/events`` (journal records and breaker
-transitions) over WebSocket.
+transitions) over WebSocket. With admin keys on the router, it presents ``key``
+(``narwhal top --admin-key``, or the ``NARWHAL_ADMIN_KEY`` environment variable).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import trio_websocket
 
 from narwhal.cmdline import CommandError, leaves
 from narwhal.router.admin import open_events
+from narwhal.router.keys import ADMIN_KEY_ENV, bearer
 
 __all__ = ["TopView", "run_top"]
 
@@ -62,10 +64,8 @@ class TopView:
         elif event.get("type") == "breaker" and event.get("engine") in self.engines:
             kind = event["event"]
             engine = self.engines[event["engine"]]
-            if kind in ("ejected", "released"):
+            if kind == "ejected":
                 engine["breaker"] = "ejected"
-            elif kind == "held":
-                engine["breaker"] = "held"
             elif kind in ("readmitted", "closed"):
                 engine["breaker"] = "ok"
             elif kind == "quarantined" and engine.get("breaker") == "ok":
@@ -95,15 +95,18 @@ class TopView:
         return head + "\n".join(rows) + "\n"
 
 
-async def run_top(admin_url: str, *, once_after_s: float | None = None, out: TextIO = sys.stdout) -> None:
-    """Follow a router's admin surface and redraw the view (or print it once)."""
+async def run_top(
+    admin_url: str, *, once_after_s: float | None = None, out: TextIO = sys.stdout, key: str | None = None
+) -> None:
+    """Follow a router's admin surface and redraw the view (or print it once), presenting
+    the admin ``key`` when one is given."""
     base = admin_url.rstrip("/")
-    fleet = await _fleet(base)
+    fleet = await _fleet(base, key)
     view = TopView(fleet)
     ws_url = "ws" + base[len("http"):] + "/events"
     tty = out.isatty()
     try:
-        await _follow(base, view, once_after_s=once_after_s, out=out, tty=tty)
+        await _follow(base, view, once_after_s=once_after_s, out=out, tty=tty, key=key)
     except BaseException as exc:
         found = leaves(exc)
         if not all(isinstance(e, _LOST) for e in found):
@@ -114,14 +117,20 @@ async def run_top(admin_url: str, *, once_after_s: float | None = None, out: Tex
         out.flush()
 
 
-async def _fleet(base: str) -> dict[str, Any]:
+async def _fleet(base: str, key: str | None = None) -> dict[str, Any]:
     """``GET /fleet`` of the admin surface at ``base``; a CommandError naming it when that fails."""
     hint = "is narwhal serve running, and is this its admin port (server.admin_port)?"
     try:
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with httpx.AsyncClient(timeout=10, headers=bearer(key)) as client:
             resp = await client.get(f"{base}/fleet")
     except httpx.TransportError as exc:
         raise CommandError(f"no router admin surface answers at {base} ({exc or type(exc).__name__}): {hint}") from exc
+    if resp.status_code == 401:
+        given = "refused the admin key given" if key is not None else "asks for an admin key"
+        raise CommandError(
+            f"{base}/fleet answered HTTP 401: the router {given} (server.admin_api_keys): "
+            f"pass --admin-key or set {ADMIN_KEY_ENV}"
+        )
     try:
         fleet = resp.json() if resp.status_code == 200 else None
     except ValueError:
@@ -132,9 +141,9 @@ async def _fleet(base: str) -> dict[str, Any]:
 
 
 async def _follow(
-    admin_url: str, view: TopView, *, once_after_s: float | None, out: TextIO, tty: bool
+    admin_url: str, view: TopView, *, once_after_s: float | None, out: TextIO, tty: bool, key: str | None = None
 ) -> None:
-    async with open_events(admin_url) as ws:
+    async with open_events(admin_url, key) as ws:
         with trio.move_on_after(math.inf if once_after_s is None else once_after_s):
             last = 0.0
             while True:

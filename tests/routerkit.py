@@ -17,6 +17,7 @@ from narwhal.profile.store import Profiles
 from narwhal.router.journal import Journal
 from narwhal.router.service import Router, open_router
 from narwhal.testing import MemoryNetwork, SimFleet, open_memory_network, open_sim_fleet
+from narwhal.tracing import Tracing
 
 ROUTER_HOST = "router.test"
 ROUTER_PORT = 8000
@@ -169,11 +170,12 @@ async def open_stack(
     priced: bool = False,
     wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
     profile: Callable[[FleetConfig, SimFleet], Awaitable[Profiles]] | None = None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[Stack]:
     """A router in front of simulated engines, in memory; ``priced`` gives it profiles
     that state the simulated latency models exactly, ``profile`` those it returns for
     the running engines (a profiling run); ``wrap`` wraps the router's transport to the
-    engines (to answer some requests otherwise)."""
+    engines (to answer some requests otherwise); ``tracing`` is the router's tracer."""
     config = parse_fleet(doc if doc is not None else fleet_doc())
     records: list[dict[str, Any]] = []
     journal = Journal(None)
@@ -184,7 +186,9 @@ async def open_stack(
             if profile is not None:
                 profiles = await profile(config, fleet)
             transport = fleet.transport if wrap is None else wrap(fleet.transport)
-            async with open_router(config, transport=transport, journal=journal, profiles=profiles) as router:
+            async with open_router(
+                config, transport=transport, journal=journal, profiles=profiles, tracing=tracing
+            ) as router:
                 net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
                 async with httpx.AsyncClient(
                     transport=net.transport(), base_url=f"http://{ROUTER_HOST}:{ROUTER_PORT}", timeout=None

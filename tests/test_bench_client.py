@@ -25,6 +25,7 @@ from narwhal.bench import (
     Workload,
     build_schedule,
     join_journal,
+    join_row,
     run_bench,
     summarize,
 )
@@ -227,3 +228,20 @@ async def _stop_later(runner: BenchRunner) -> None:
     # Requests start every 100 ms and take 0.120 s: at 0.35 s three have ended, one runs.
     await trio.sleep(0.35)
     runner.stop()
+
+
+@pytest.mark.parametrize(
+    ("client", "router", "agree"),
+    [
+        ("refused", "refused", True),  # no capacity (under the SLO, or the concurrency cap)
+        ("refused", "no_engine", True),  # no engine of a role in placement: a 503 alike
+        ("refused", "decode_failed", False),
+        ("http_502", "no_engine", False),
+        ("ok", "no_engine", False),
+        ("refused", "ok", False),
+        ("http_504", "first_token_timeout", True),  # both failed: the names differ by design
+    ],
+)
+def test_the_join_reads_both_router_refusals_as_the_clients_503(client: str, router: str, agree: bool) -> None:
+    rec = RequestResult(index=0, request_id="r", route="completions", terminal_class=client)
+    assert join_row(rec, {"request_id": "r", "terminal_class": router})["classes_agree"] is agree

@@ -9,12 +9,13 @@ of them fails a test (see tools/mutation.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import trio
 import trio.testing
 
-from narwhal.errors import Refused
+from narwhal.errors import NoEngine, Refused
 from narwhal.router.breaker import Breaker, BreakerState, Transition
 from narwhal.router.placement import Placement
 from narwhal.router.retry import RetryBudget
@@ -75,7 +76,7 @@ def test_ejection_after_the_streak() -> None:
     clock.now = 103.0
     b.record_failure("d0", "second", origin_producer="p1", leg="decode")
     st = b.states["d0"]
-    assert st.ejected and not st.held and not st.trial
+    assert st.ejected and not st.trial
     assert (st.ejected_at, st.next_probe_at, st.probes) == (103.0, 110.0, 0)
     assert (st.origin_producer, st.failed_leg, st.last_error) == ("p1", "decode", "second")
     assert not b.available("d0") and b.status("d0") == "ejected"
@@ -84,7 +85,7 @@ def test_ejection_after_the_streak() -> None:
     assert b.due_probes() == [] and b.next_probe_at() == 110.0
     clock.now = 110.0
     assert b.due_probes() == ["d0"]
-    # Further failures and successes change nothing while ejected (not held).
+    # Further failures and successes change nothing while ejected: only a probe readmits.
     b.record_failure("d0", "third")
     b.record_success("d0")
     assert st.ejected and st.streak == 2 and st.last_error == "third"
@@ -123,59 +124,105 @@ def test_a_quarantine_never_empties_a_role() -> None:
     assert b.available("d0")
 
 
-def test_whole_wave_holds_the_last_engine_of_a_role() -> None:
+def test_whole_wave_ejects_the_last_engine_of_a_role_too() -> None:
+    # Seed 001: an ejected engine leaves placement until a probe succeeds, even the last
+    # of its role; the role is empty until the probes bring an engine back.
     b, clock = breaker(eject_after=1)
     b.record_failure("d0", "d0 down", leg="decode")
     clock.now = 101.0
     b.record_failure("d1", "d1 down", leg="decode")
     d0, d1 = b.states["d0"], b.states["d1"]
-    assert d0.ejected and not d0.held and not b.available("d0")
-    assert d1.ejected and d1.held and b.available("d1") and b.status("d1") == "held"
-    assert events(b) == [("d0", "ejected"), ("d1", "ejected"), ("d1", "held")]
-    assert b.transitions[-1].at == 101.0 and "whole wave" in (b.transitions[-1].detail or "")
-    # Held engines are probed like any ejected one.
+    assert d0.ejected and not b.available("d0") and b.status("d0") == "ejected"
+    assert d1.ejected and not b.available("d1") and b.status("d1") == "ejected"
+    assert b.transitions == [Transition("d0", "ejected", 100.0, "d0 down"), Transition("d1", "ejected", 101.0, "d1 down")]
+    # The producers are untouched.
+    assert b.available("p0") and b.available("p1")
+    # A request placed before the ejection that succeeds after it readmits nothing.
+    b.record_success("d1")
+    assert d1.ejected and d1.streak == 1 and len(b.transitions) == 2
+    # Both are probed at their cadence; the first to pass serves the role again.
     clock.now = 106.0
     assert b.due_probes() == ["d0", "d1"]
-    # A failure while held changes nothing.
-    b.record_failure("d1", "still down")
-    assert d1.held and d1.streak == 1 and len(b.transitions) == 3
-    # A live success readmits a held engine at full weight.
-    b.record_success("d1")
-    assert not d1.ejected and not d1.held and not d1.trial and d1.streak == 0
-    assert b.status("d1") == "ok" and b.states["d0"].ejected
-    assert events(b)[-1] == ("d1", "readmitted") and "live request" in (b.transitions[-1].detail or "")
+    b.probe_failed("d0", "still down")
+    b.readmit("d1")
+    assert b.available("d1") and not b.available("d0")
+    # The role's only engine in placement is not limited to trial.
+    assert d1.trial and not b.on_trial("d1") and b.status("d1") == "trial"
 
 
-def test_an_engine_in_two_roles_is_held_for_either() -> None:
+def test_an_engine_in_two_roles_leaves_both() -> None:
     b, _ = breaker(eject_after=1, roles={"prefill": ["both"], "decode": ["both", "d1"]})
     b.record_failure("both", "x")
-    assert b.states["both"].held  # the only producer
-    b2, _ = breaker(eject_after=1, roles={"prefill": ["both", "p1"], "decode": ["both", "d1"]})
-    b2.record_failure("both", "x")
-    assert not b2.states["both"].held
-
-
-def test_without_roles_nothing_is_held() -> None:
+    assert b.states["both"].ejected and not b.available("both")  # the only producer, out
+    assert b.available("d1")
     clock = Clock()
-    b = Breaker(["e"], eject_after=1, quarantine_s=0.0, probe_interval_s=1.0, clock=clock)
-    b.record_failure("e", "x")
-    assert b.states["e"].ejected and not b.states["e"].held and not b.available("e")
+    alone = Breaker(["e"], eject_after=1, quarantine_s=0.0, probe_interval_s=1.0, clock=clock)
+    alone.record_failure("e", "x")
+    assert alone.states["e"].ejected and not alone.available("e")
 
 
-def test_the_hold_ends_when_another_engine_of_the_role_is_back() -> None:
-    b, _ = breaker(eject_after=1)
-    b.record_failure("d0", "x")
-    b.record_failure("d1", "y")
-    assert b.states["d1"].held
-    b.readmit("d0")
-    assert not b.states["d1"].held and b.states["d1"].ejected and not b.available("d1")
-    assert events(b)[-2:] == [("d0", "readmitted"), ("d1", "released")]
-    assert b.transitions[-1].detail == "d0 serves its role again"
-    # Another role's readmission releases nothing.
-    b.record_failure("p0", "a")
-    b.record_failure("p1", "b")
+def test_retry_after_is_when_the_next_probe_of_the_role_is_due() -> None:
+    b, clock = breaker(eject_after=1, probe_interval_s=5.0)
+    # Nothing ejected (a role with no engine at all): the probe cadence.
+    assert b.retry_after_s([]) == 5.0 and b.retry_after_s(["d0", "d1"]) == 5.0
+    b.record_failure("d0", "x")  # its probe is due at 105
+    clock.now = 102.0
+    b.record_failure("d1", "y")  # due at 107
+    clock.now = 103.5
+    assert b.retry_after_s(["d0", "d1"]) == 1.5  # the soonest
+    assert b.retry_after_s(["d1"]) == 3.5
+    assert b.retry_after_s(["d1", "p0"]) == 3.5  # an engine in placement has no probe
+    assert b.retry_after_s(["gone", "d1"]) == 3.5  # nor one that left the fleet
+    # d0's probe is due (running): its verdict readmits it or sets the next an interval
+    # later, so the cadence.
+    clock.now = 105.0
+    assert b.retry_after_s(["d0"]) == 5.0 and b.retry_after_s(["d0", "d1"]) == 2.0
+    clock.now = 106.0
+    b.probe_failed("d0", "still down")  # next at 111
+    clock.now = 108.0
+    assert b.retry_after_s(["d0", "d1"]) == 3.0 and b.retry_after_s(["d0"]) == 3.0
+
+
+def test_eject_takes_an_engine_out_at_once() -> None:
+    # The start-up probe found it unreachable: out until a readmission probe finds it
+    # serving, whatever its streak, even the last of its role.
+    b, clock = breaker(probe_interval_s=7.0, roles={"prefill": ["p0"], "decode": ["d0"]})
+    b.eject("d0", "no answer to GET /health")
+    st = b.states["d0"]
+    assert st == BreakerState(ejected=True, ejected_at=100.0, next_probe_at=107.0, last_error="no answer to GET /health")
+    assert not b.available("d0") and b.transitions == [Transition("d0", "ejected", 100.0, "no answer to GET /health")]
+    clock.now = 101.0
+    b.eject("d0", "still no answer")  # already out: the detail is kept, nothing else moves
+    assert st.last_error == "still no answer" and st.next_probe_at == 107.0 and len(b.transitions) == 1
+    b.eject("gone", "x")  # not (or no longer) in the fleet: ignored
+    assert "gone" not in b.states
+
+
+def test_engines_added_and_removed_at_run_time() -> None:
+    b, _ = breaker(eject_after=5, quarantine_s=10.0)
+    b.add("d2")  # no role until set_roles names it: a role of its own
+    assert b.states["d2"] == BreakerState()
+    b.record_failure("d2", "x")
+    assert not b.available("d2")  # quarantined, and no role to keep it for
+    b.add("d2")  # known already: its state stays
+    assert b.states["d2"].streak == 1
+    b.remove("d1")
+    assert "d1" not in b.states
+    b.record_failure("d1", "late report")  # a request that outlived it: ignored
+    b.record_success("d1")
     b.readmit("d1")
-    assert b.states["p1"].held
+    b.probe_failed("d1", "x")
+    b.probe_inconclusive("d1", "x")
+    assert "d1" not in b.states and [t.engine for t in b.transitions] == ["d2"]
+    # d0 is the decode role's only engine now: a quarantine keeps it in placement.
+    b.record_failure("d0", "y")
+    assert b.available("d0") and not b.available("d2")
+    b.remove("never-known")  # nothing to forget: no error
+    # Added again, d1 starts clean and in no role (its old one is forgotten): a
+    # quarantine takes it out, although d0 is quarantined too.
+    b.add("d1")
+    b.record_failure("d1", "z")
+    assert b.states["d1"].streak == 1 and not b.available("d1")
 
 
 def test_probe_readmission_is_half_open() -> None:
@@ -185,7 +232,7 @@ def test_probe_readmission_is_half_open() -> None:
     st = b.states["d0"]
     st.probes = 2
     b.readmit("d0")
-    assert not st.ejected and not st.held and st.trial and st.streak == 0
+    assert not st.ejected and st.trial and st.streak == 0
     assert (st.quarantined_until, st.next_probe_at, st.origin_producer, st.failed_leg) == (
         -math.inf, math.inf, None, None
     )
@@ -396,25 +443,24 @@ def test_retry_budget_bounds_its_memory() -> None:
 def test_transition_details_and_exact_states() -> None:
     b, clock = breaker(eject_after=1)
     b.record_failure("d0", "x")
-    b.record_failure("d1", "y")  # held
-    assert b.transitions[-1].detail == "every engine of its role is out (whole wave): kept in placement"
-    b.record_success("d1")  # a live success while held
-    assert b.transitions[-1].detail == "a live request succeeded while held (whole wave)"
-    assert b.states["d1"] == BreakerState(last_error="y", ejected_at=100.0)
+    b.record_failure("d1", "y")  # the last decode engine: out too
+    assert b.states["d1"] == BreakerState(
+        streak=1, ejected=True, ejected_at=100.0, next_probe_at=105.0, last_error="y"
+    )
+    b.record_success("d1")  # a live success while ejected changes nothing
+    assert b.states["d1"] == BreakerState(
+        streak=1, ejected=True, ejected_at=100.0, next_probe_at=105.0, last_error="y"
+    )
     b.readmit("d0")  # by a probe: on trial
     assert b.states["d0"] == BreakerState(trial=True, last_error="x", ejected_at=100.0)
+    assert b.transitions[-1] == Transition("d0", "readmitted", 100.0, None)
     b.record_success("d0")
     assert b.transitions[-1] == Transition("d0", "closed", 100.0, "a live request succeeded on trial: full weight")
     assert b.states["d0"] == BreakerState(last_error="x", ejected_at=100.0)
-    # Ejected and held again, then released by d0's own ejection and readmission.
-    b.record_failure("d0", "x2")
-    b.record_failure("d1", "y2")
-    assert b.states["d1"].held is True
-    b.readmit("d0")
-    assert b.states["d1"].held is False and b.states["d1"].ejected is True
     # A failure on trial: the trial flag is cleared, not just falsy.
-    b.record_failure("d0", "on trial")
-    assert b.states["d0"].trial is False and b.states["d0"].ejected is True
+    b.readmit("d1")
+    b.record_failure("d1", "on trial")
+    assert b.states["d1"].trial is False and b.states["d1"].ejected is True
     del clock
 
 
@@ -452,6 +498,32 @@ def test_placement_refusals_and_reservation_fields() -> None:
         with pytest.raises(Refused) as info:
             p.choose(1, 1)
         assert str(info.value) == f"no engine available for {role}" and info.value.retry_after_s == 1.0
+
+
+def test_a_role_with_no_engine_left_is_refused_with_the_time_until_one_may_be_back() -> None:
+    out: set[str] = set()
+    asked: list[list[str]] = []
+
+    def retry_after_s(names: Sequence[str]) -> float:
+        asked.append(list(names))
+        return 2.5
+
+    p = Placement(["p0", "a1"], ["d0", "d1", "a1"], available=lambda n: n not in out,
+                  models={"p0": ["m"], "d0": ["m"], "d1": ["m"], "a1": ["other"]}, retry_after_s=retry_after_s)  # fmt: skip
+    out.update({"d0", "d1"})
+    with pytest.raises(NoEngine) as info:
+        p.choose(1, 1, model="m")
+    # The role's engines serving the model (not another model's), all out.
+    assert asked == [["d0", "d1"]]
+    err = info.value
+    assert str(err) == "no engine of model 'm' available for decode" and err.retry_after_s == 2.5
+    assert (err.status, err.error_type, err.terminal_class) == (503, "service_unavailable", "no_engine")
+    assert isinstance(err, Refused) and p.open_reservations == 0 and p.loads["p0"].prefill_requests == 0
+    out.add("p0")
+    with pytest.raises(NoEngine, match=r"^no engine of model 'm' available for prefill$"):
+        p.choose(1, 1, model="m")
+    assert asked[-1] == ["p0"]
+    assert p.choose(1, 1, model="other").consumer == "a1"  # another model's engines serve on
 
 
 def test_placement_adds_up_a_consumers_kv_and_counts_what_it_reports_waiting() -> None:

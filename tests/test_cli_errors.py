@@ -47,6 +47,7 @@ def test_a_busy_router_port_is_one_line_naming_it(tmp_path: Path, held_port: int
     assert done.returncode == 1
     line = one_line(done)
     assert f"127.0.0.1:{held_port}" in line and "already in use" in line and "--port" in line
+    assert f"INFO narwhal: fleet document: {fleet}" in done.stderr  # which document it read
 
 
 def test_a_busy_admin_port_is_one_line_naming_it(tmp_path: Path, held_port: int) -> None:
@@ -209,3 +210,87 @@ def test_serve_attaches_to_the_engines_narwhal_sim_runs(tmp_path: Path) -> None:
                 proc.send_signal(signal.SIGTERM)
                 proc.communicate(timeout=30)
     assert serve is not None and serve.returncode == 0 and sim.returncode == 0
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_an_admin_port_others_can_reach_needs_admin_keys(tmp_path: Path, workers: str) -> None:
+    doc = json.loads(sim_fleet(tmp_path).read_text())
+    doc["server"]["admin_host"] = "0.0.0.0"
+    (tmp_path / "fleet.json").write_text(json.dumps(doc))
+    done = narwhal("serve", "--fleet", "fleet.json", "--port", "0", "--workers", workers, cwd=tmp_path)
+    assert done.returncode == 2
+    assert one_line(done) == (
+        "narwhal serve: admin_host '0.0.0.0' is not a loopback address and no admin key is set: anyone who "
+        "reaches the admin port could read /events and reload the fleet with PUT /fleet; set "
+        "server.admin_api_keys (or NARWHAL_ADMIN_KEY), or bind it to 127.0.0.1 @ $.server.admin_host"
+    )
+    assert "started" not in done.stdout + done.stderr  # refused before anything started
+
+
+def test_serve_and_top_take_the_admin_key_from_the_environment(tmp_path: Path) -> None:
+    admin = free_port()
+    fleet = sim_fleet(tmp_path, sims=False, admin_port=admin)
+    keyless = {k: v for k, v in ENV.items() if k != "NARWHAL_ADMIN_KEY"}
+    keyed = {**keyless, "NARWHAL_ADMIN_KEY": "admin-key-from-env"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "serve", "--fleet", str(fleet), "--port", "0"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=keyed,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    url = f"http://127.0.0.1:{admin}"
+    top = [sys.executable, "-m", "narwhal", "top", "--admin", url, "--once", "0.5"]
+    try:
+        assert "narwhal serving on" in proc.stdout.readline()
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+        scraped = httpx.get(f"{url}/metrics", headers={"authorization": "Bearer admin-key-from-env"}, timeout=10)
+        assert scraped.status_code == 200 and "narwhal_ready" in scraped.text
+        refused = subprocess.run(top, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=keyless)
+        from_env = subprocess.run(top, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=keyed)
+        from_flag = subprocess.run([*top, "--admin-key", "admin-key-from-env"], cwd=tmp_path, capture_output=True,
+                                   text=True, timeout=60, env=keyless)  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert refused.returncode == 1 and one_line(refused) == (
+        f"narwhal top: {url}/fleet answered HTTP 401: the router asks for an admin key (server.admin_api_keys): "
+        "pass --admin-key or set NARWHAL_ADMIN_KEY"
+    )
+    for done in (from_env, from_flag):
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("narwhal top — 0 requests")
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("other", ["names swapped", "settings changed"])
+def test_serve_attaches_only_to_the_engines_the_document_names(tmp_path: Path, other: str) -> None:
+    fleet = sim_fleet(tmp_path)
+    doc = json.loads(fleet.read_text())
+    running = json.loads(fleet.read_text())  # what the running narwhal sim was given
+    p0, p1 = running["engines"][0], running["engines"][1]
+    if other == "names swapped":  # prefill-1 answers at prefill-0's URL, and the other way round
+        p0["url"], p1["url"] = p1["url"], p0["url"]
+        p0["connector"], p1["connector"] = p1["connector"], p0["connector"]
+        problem = "it is simulated engine 'prefill-1', not prefill-0 (a narwhal sim of another fleet document?)"
+    else:
+        p0["sim"]["seed"] = 99
+        p0["connector"]["kv_port"] = free_port()
+        problem = ("it is prefill-0 with another sim and connector block than this fleet document's "
+                   "(a narwhal sim of an older version of the document?)")  # fmt: skip
+    (tmp_path / "running.json").write_text(json.dumps(running))
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "sim", "--fleet", "running.json"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV,
+    )  # fmt: skip
+    try:
+        assert sim.stdout is not None
+        assert all(sim.stdout.readline().startswith("simulated engine ") for _ in range(4))
+        done = narwhal("serve", "--fleet", str(fleet), "--port", "0", "--admin-port", "0", cwd=tmp_path)
+    finally:
+        sim.send_signal(signal.SIGTERM)
+        sim.communicate(timeout=30)
+    url = doc["engines"][0]["url"].removeprefix("http://")
+    assert done.returncode == 1
+    assert one_line(done) == (
+        f"narwhal serve: simulated engine prefill-0: cannot listen on {url}: address already in use, and "
+        f"{problem}: stop it, or give prefill-0 another url in the fleet document"
+    )

@@ -300,6 +300,25 @@ def test_sim_fleet_is_package_data_and_config_links_to_it() -> None:
     assert load_fleet(link) == load_default_fleet()
 
 
+def test_the_readme_names_the_embedded_fleet_where_it_is() -> None:
+    # The README said the embedded fleet was config/fleet.sim.json; an installed narwhal
+    # reads its package data, which a checkout's config/fleet.sim.json only links to.
+    from narwhal.cli import default_fleet_path, fleet_source
+
+    readme = (ROOT / "README.md").read_text()
+    packaged = default_fleet_path()
+    assert packaged.relative_to(ROOT) == Path("narwhal/data/fleet.sim.json")
+    assert "the embedded simulated fleet (`narwhal/data/fleet.sim.json`" in readme
+    assert "embedded default is package data, `narwhal/data/fleet.sim.json`, the one copy" in readme
+    assert "embedded simulated fleet (`config/" not in readme
+    # Every fleet document the README names is there, and loads.
+    for name in ("config/fleet.sim.json", "config/fleet.example.json", "narwhal/data/fleet.sim.json"):
+        assert f"`{name}`" in readme and load_fleet(ROOT / name) is not None
+    # serve and sim say which document they read.
+    assert fleet_source(None) == f"fleet document: the embedded default, {packaged} (--fleet serves another)"
+    assert fleet_source("f.json") == "fleet document: f.json"
+
+
 def test_sim_fleet_shape() -> None:
     cfg = load_default_fleet()
     assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8000)
@@ -452,8 +471,9 @@ def test_defaults_match_the_plan() -> None:
         "host": "127.0.0.1", "port": 8000, "max_body_bytes": 8388608,
         "max_header_bytes": 16384, "header_timeout_s": 10.0, "body_timeout_s": 30.0,
         "keepalive_timeout_s": 75.0, "max_concurrent_requests": 4096,
+        "max_connections": None, "send_timeout_s": 60.0,
         "shutdown_grace_s": 30.0, "api_keys": [], "admin_host": "127.0.0.1", "admin_port": 8001,
-        "engine_load_poll_s": 0.0, "engine_urls_in_errors": False,
+        "admin_api_keys": [], "admin_fleet_writes": True, "engine_load_poll_s": 0.0, "engine_urls_in_errors": False,
     }  # fmt: skip
     data = unstructure_fleet(cfg)
     assert data["engine"] == {"first_token_timeout_s": 30.0, "decode_read_timeout_s": 30.0,

@@ -104,10 +104,14 @@ class Owner:
 
     def __init__(self) -> None:
         self.mapped: list[tuple[httpx.HTTPError, str | None]] = []
+        self.bad: list[tuple[str, str]] = []
 
     def map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError:
         self.mapped.append((exc, leg))
         return StreamClosed(f"mapped: {exc}", engine=self.name, leg=leg)
+
+    def report_bad_input(self, source: str, reason: str) -> None:
+        self.bad.append((source, reason))
 
 
 def open_stream(reply: Reply, *, leg: str | None = "decode", **kwargs: Any) -> DecodeStream:

@@ -54,6 +54,30 @@ def test_an_exposition_keeps_each_familys_help_and_type() -> None:
     assert _samples(combine_expositions([])) == {"narwhal_workers_up": 0.0}
 
 
+def test_openmetrics_expositions_combine_with_the_latest_exemplar_of_each_bucket() -> None:
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    def worker(count: int, trace: str, at: float) -> str:
+        return (
+            "# TYPE narwhal_request_duration_seconds histogram\n"
+            f'narwhal_request_duration_seconds_bucket{{route="chat",le="0.5"}} {count} # {{trace_id="{trace}"}} 0.2 {at}\n'
+            f'narwhal_request_duration_seconds_bucket{{route="chat",le="+Inf"}} {count}\n'
+            f'narwhal_request_duration_seconds_count{{route="chat"}} {count}\n'
+            f'narwhal_request_duration_seconds_sum{{route="chat"}} {0.2 * count}\n'
+            "# EOF\n"
+        )
+
+    text = combine_expositions([worker(2, "a" * 32, 1000.0), worker(3, "b" * 32, 2000.0), worker(1, "c" * 32, 1500.0)],
+                               openmetrics=True).decode()  # fmt: skip
+    assert text.endswith("# EOF\n")
+    samples = {(s.name, s.labels.get("le")): s for f in text_string_to_metric_families(text) for s in f.samples}
+    bucket = samples[("narwhal_request_duration_seconds_bucket", "0.5")]
+    assert bucket.value == 6.0
+    assert bucket.exemplar is not None and bucket.exemplar.labels == {"trace_id": "b" * 32}
+    assert samples[("narwhal_request_duration_seconds_bucket", "+Inf")].exemplar is None
+    assert samples[("narwhal_workers_up", None)].value == 3.0
+
+
 def test_gauges_and_counters_add_up_and_a_counter_was_created_when_its_first_worker_started() -> None:
     def worker(n: int, created: float) -> str:
         return _family("narwhal_in_flight", "gauge", f"narwhal_in_flight {n}\n") + _family(
@@ -73,9 +97,8 @@ def test_gauges_and_counters_add_up_and_a_counter_was_created_when_its_first_wor
         (["ok", "trial"], "trial"),
         (["trial", "quarantined"], "quarantined"),
         (["quarantined", "trial"], "quarantined"),
-        (["trial", "held"], "held"),
         (["ejected", "trial"], "ejected"),
-        (["held", "ejected", "ok"], "ejected"),
+        (["quarantined", "ejected", "ok"], "ejected"),
         (["ok", "ok"], "ok"),
     ],
 )
@@ -140,9 +163,8 @@ def test_fleets_combine_per_engine() -> None:
         (["trial", "starting"], "starting"),
         (["quarantined", "draining", "starting"], "quarantined"),
         (["ok", "quarantined", "trial"], "quarantined"),
-        (["quarantined", "held"], "held"),
-        (["held", "ejected", "quarantined"], "ejected"),
-        (["ejected", "held"], "ejected"),
+        (["draining", "ejected", "quarantined"], "ejected"),
+        (["ejected", "quarantined"], "ejected"),
     ],
 )
 def test_the_fleet_view_shows_the_worst_breaker_state(states: list[str], worst: str) -> None:
@@ -179,9 +201,11 @@ class _Worker:
         self.answers = answers
         self.delay_s = delay_s
         self.received: list[tuple[str, str, bytes]] = []
+        self.authorizations: list[str | None] = []
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
         self.received.append((request.method, request.path, bytes(request.body)))
+        self.authorizations.append(request.header("authorization"))
         await trio.sleep(self.delay_s)
         status, body = self.answers[request.path]
         data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
@@ -199,7 +223,7 @@ async def _serve(handler: Handler) -> AsyncIterator[str]:
 
 @asynccontextmanager
 async def _combined(
-    workers: list[_Worker | None], *, timeout_s: float = 5.0
+    workers: list[_Worker | None], *, timeout_s: float = 5.0, **settings: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, WorkersAdminApp]]:
     """The combined surface over ``workers`` (None: a worker whose port nobody listens on)."""
     async with trio.open_nursery() as nursery:
@@ -211,7 +235,7 @@ async def _combined(
                 server = HTTPServer(worker)
                 [(host, port)] = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
                 urls.append(f"http://{host}:{port}")
-        app = WorkersAdminApp(urls, timeout_s=timeout_s)
+        app = WorkersAdminApp(urls, timeout_s=timeout_s, **settings)
         async with _serve(app) as url, httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as client:
             yield client, app
         nursery.cancel_scope.cancel()
@@ -347,6 +371,38 @@ async def test_other_requests_are_refused_with_a_clear_error(method: str, path: 
     assert worker.received == []
 
 
+# ------------------------------------------------------------------------- admin keys
+
+
+ADMIN_KEYS = ("admin-key-0123456789", "admin-key-abcdefghij")
+
+
+async def test_the_combined_surface_asks_for_an_admin_key_and_presents_one_to_the_workers() -> None:
+    health = (200, {"status": "ready", "engines": {}})
+    applied = (200, {"status": "applied"})
+    workers: list[_Worker | None] = [_Worker({"/health": health, "/fleet": applied}) for _ in range(2)]
+    async with _combined(workers, keys=ADMIN_KEYS) as (client, _):
+        refused = [await client.get("/health"), await client.put("/fleet", content=b"{}"),
+                   await client.get("/health", headers={"authorization": "Bearer wrong"})]  # fmt: skip
+        assert [w.received for w in workers if w is not None] == [[], []]  # nothing reached a worker
+        good = {"authorization": f"Bearer {ADMIN_KEYS[1]}"}
+        admitted = [await client.get("/health", headers=good), await client.put("/fleet", content=b"{}", headers=good)]
+    assert [r.status_code for r in refused] == [401, 401, 401]
+    assert refused[0].headers["www-authenticate"] == 'Bearer realm="narwhal-admin"'
+    assert refused[0].json()["error"]["code"] == "invalid_admin_key"
+    assert [r.status_code for r in admitted] == [200, 200]
+    # The workers read the same keys: the supervisor presents the first.
+    assert [w.authorizations for w in workers if w is not None] == [[f"Bearer {ADMIN_KEYS[0]}"] * 2] * 2
+
+
+async def test_put_fleet_turned_off_reaches_no_worker() -> None:
+    worker = _Worker({"/fleet": (200, {"status": "applied"})})
+    async with _combined([worker], fleet_writes=False) as (client, _):
+        resp = await client.put("/fleet", content=b"{}")
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == "fleet_writes_disabled"
+    assert worker.received == []
+
+
 # ------------------------------------------------------------------------- /events
 
 
@@ -358,10 +414,12 @@ class _EventsWorker:
         self.messages = messages
         self.gate = trio.Event()
         self.paths: list[str] = []
+        self.authorizations: list[bytes | None] = []
         self.closed_by_surface = trio.Event()
 
     async def __call__(self, request: trio_websocket.WebSocketRequest) -> None:
         self.paths.append(request.path)
+        self.authorizations.append(dict(request.headers).get(b"authorization"))
         ws = await request.accept()
         for m in self.messages:
             await ws.send_message(m)
@@ -380,26 +438,29 @@ class _EventsWorker:
 
 
 @asynccontextmanager
-async def _events_surface(workers: list[_EventsWorker]) -> AsyncIterator[tuple[list[str], str]]:
+async def _events_surface(
+    workers: list[_EventsWorker], keys: tuple[str, ...] = ()
+) -> AsyncIterator[tuple[list[str], str]]:
     """The workers' ``/events`` on loopback, and the combined surface's URL over them."""
     async with trio.open_nursery() as nursery:
         urls = []
         for worker in workers:
             server = await nursery.start(trio_websocket.serve_websocket, worker, "127.0.0.1", 0, None)
             urls.append(f"http://127.0.0.1:{server.port}")
-        async with _serve(WorkersAdminApp(urls)) as url:
+        async with _serve(WorkersAdminApp(urls, keys=keys)) as url:
             yield urls, "ws" + url[len("http"):] + "/events"
         nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager
-async def _events_client(events: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+async def _events_client(events: str, key: str | None = None) -> AsyncIterator[trio_websocket.WebSocketConnection]:
     """A client of the surface's ``/events``, its socket closed however the connection ends
     (trio-websocket leaves a client's socket open when the server closes first)."""
     where = urlsplit(events)
+    headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
     async with await trio.open_tcp_stream(str(where.hostname), int(where.port or 0)) as stream:
         async with trio.open_nursery() as nursery:
-            ws = await trio_websocket.wrap_client_stream(nursery, stream, where.netloc, where.path)
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, where.netloc, where.path, extra_headers=headers)
             yield ws
             await ws.aclose()
             nursery.cancel_scope.cancel()
@@ -442,6 +503,14 @@ async def test_events_interleave_the_workers_streams_and_end_with_one(
     ports = sorted(int(urlsplit(url).port or 0) for url in urls)
     assert sorted(port for port, _ in opened if port in ports) == ports
     assert [port for port, stream in opened if stream.socket.fileno() != -1] == []
+
+
+async def test_the_event_relays_present_the_admin_key() -> None:
+    workers = [_EventsWorker(['{"w":0}']), _EventsWorker(['{"w":1}'])]
+    async with _events_surface(workers, ADMIN_KEYS) as (_, events):
+        async with _events_client(events, ADMIN_KEYS[1]) as ws:
+            assert sorted([await ws.get_message() for _ in range(2)]) == ['{"w":0}', '{"w":1}']
+    assert [w.authorizations for w in workers] == [[f"Bearer {ADMIN_KEYS[0]}".encode()]] * 2
 
 
 async def test_a_client_leaving_ends_the_relays() -> None:

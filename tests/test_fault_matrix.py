@@ -5,8 +5,7 @@ Each case runs one request against a fresh router in front of ``p0`` (prefill) a
 promises: the client's status (or, once a stream is committed, its terminal event),
 the journal's terminal class, the breaker's state (``eject_after: 1``, so a counted
 fault ejects its engine at once and an uncounted one leaves every streak at 0; each
-role has one engine, so an ejection is a whole wave and the engine is held in
-placement), and
+role has one engine, so an ejection empties the role until a probe readmits it), and
 the invariants: exactly one journal record carrying the request's id, no engine
 generation left running, no reservation or in-flight count left, no connection or
 task left once the stack closes, no internals (host names, exception text) in the
@@ -294,13 +293,12 @@ async def test_fault(autojump_clock: trio.abc.Clock, case: Case, mode: str) -> N
         assert PROMPT not in json.dumps(record)
 
         # The breaker (eject_after 1): the culprit is ejected, nobody else is touched.
-        # It is its role's only engine (a whole wave): held in placement.
         for name, st in breaker.states.items():
             if name == case.culprit:
-                assert st.ejected and st.held and st.streak == 1, (name, st)
+                assert st.ejected and st.streak == 1 and not breaker.available(name), (name, st)
             else:
                 assert not st.ejected and st.streak == 0, (name, st)
-        assert [t.event for t in breaker.transitions] == (["ejected", "held"] if case.culprit else [])
+        assert [t.event for t in breaker.transitions] == (["ejected"] if case.culprit else [])
         if case.klass == "invalid_descriptor":
             # Rejected between the legs: the consumer never saw the handoff.
             assert [b for b in stack.engine("d0").requests_seen if "prompt" in b] == []
@@ -394,26 +392,28 @@ async def test_fault_during_readmission_probe(autojump_clock: trio.abc.Clock, ca
 
         ejected_at = trio.current_time()
 
-        # It is its role's only engine (a whole wave): held in placement, and probed.
-        assert [t.event for t in breaker.transitions] == ["ejected", "held"]
-        assert st.held and stack.router.state.ready()
+        # It is its role's only engine: the role is empty (the router not ready, a
+        # request refused at once) until a probe readmits it.
+        assert [t.event for t in breaker.transitions] == ["ejected"]
+        assert not stack.router.state.ready()
+        assert (await stack.complete(BODY)).status_code == 503
 
         # The first probe meets the fault (each probe leg is bounded by the first-token
         # timeout, a decode's silence by the read timeout): the engine stays ejected
         # and is probed again a full interval later.
-        await transition(breaker, 3)
+        await transition(breaker, 2)
         failed_at = trio.current_time()
         assert failed_at - ejected_at <= interval + 2 * FIRST_TOKEN_S + SILENCE_S * (1 + SILENCE_SLACK) + 0.1
-        assert [t.event for t in breaker.transitions] == ["ejected", "held", case.outcome]
+        assert [t.event for t in breaker.transitions] == ["ejected", case.outcome]
         assert st.ejected and st.probes == 1
         # The fault is spent: the next probe readmits it and requests flow again.
-        await transition(breaker, 4)
+        await transition(breaker, 3)
         assert trio.current_time() - failed_at >= interval
-        assert [t.event for t in breaker.transitions] == ["ejected", "held", case.outcome, "readmitted"]
-        assert not st.ejected and not st.held
+        assert [t.event for t in breaker.transitions] == ["ejected", case.outcome, "readmitted"]
+        assert not st.ejected and stack.router.state.ready()
         assert (await stack.complete(BODY)).status_code == 200
-        # Probes are not client requests: two requests, two records.
-        assert [r["terminal_class"] for r in stack.records] == [f"{on}_failed", "ok"]
+        # Probes are not client requests: three requests, three records.
+        assert [r["terminal_class"] for r in stack.records] == [f"{on}_failed", "no_engine", "ok"]
         await settled(stack)
 
 

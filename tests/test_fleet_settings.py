@@ -26,7 +26,7 @@ def _config(*engines: dict[str, Any], **sections: Any) -> Any:
 
 def _live(config: Any, profiles: Any = None) -> tuple[LiveFleet, list[dict[str, Any]]]:
     published: list[dict[str, Any]] = []
-    state = SimpleNamespace(config=config, profiles=profiles, engines={})
+    state = SimpleNamespace(config=config, profiles=profiles)
     return LiveFleet(state, publish=published.append), published  # type: ignore[arg-type]
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import attrs
 import h11
@@ -1049,6 +1051,60 @@ async def test_real_socket_watch_is_one_task_for_every_request() -> None:
         trio.lowlevel.remove_instrument(spawns)
     assert spawns.count == 0
     assert server.open_connections == 0
+
+
+def _epoll_fds() -> int:
+    """The process's open epoll sets (Linux: where the socket watch exists)."""
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += os.readlink(fd) == "anon_inode:[eventpoll]"
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    return count
+
+
+def _system_tasks(name: str) -> int:
+    root = trio.lowlevel.current_root_task()
+    return sum(t.name == name for n in root.child_nurseries for t in n.child_tasks)
+
+
+async def test_shutdown_closes_the_socket_watch() -> None:
+    """A server that is shut down leaves no epoll set open and no watch task running,
+    in a process that goes on (one that runs servers one after another: tests, a soak)."""
+    if not sockwatch.available():
+        pytest.skip("no epoll: a task per watch")
+    started = trio.Event()
+    release = trio.Event()
+
+    async def handler(request: Request, writer: ResponseWriter) -> None:
+        started.set()
+        await release.wait()
+        await echo(request, writer)
+
+    before = _epoll_fds()
+    for _ in range(2):  # a second server in the same run, after the first one closed
+        server = HTTPServer(handler, LIMITS)
+        assert server.socket_watch is not None
+        started, release = trio.Event(), trio.Event()
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                (host, port), *_ = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+                async with await trio.open_tcp_stream(host, port) as stream:
+                    await stream.send_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+                    await started.wait()
+                    await trio.sleep(LIMITS.disconnect_check_s * 4)
+                    assert len(server.socket_watch) == 1
+                    assert _epoll_fds() == before + 1
+                    assert _system_tasks("narwhal.http.socket-watch") == 1
+                    release.set()
+                    raw = b""
+                    while not raw.endswith(b"GET /slow "):
+                        raw += await stream.receive_some()
+                await server.shutdown(5.0)
+        assert _epoll_fds() == before
+        assert _system_tasks("narwhal.http.socket-watch") == 0
 
 
 async def test_real_socket_watch_stops_reading_ahead_at_the_limit() -> None:

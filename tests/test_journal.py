@@ -39,9 +39,9 @@ async def _written(journal: Journal, n: int) -> int:
 def test_the_closed_set_of_terminal_classes() -> None:
     # The measurement contract's classes: a record carries one of these and nothing else.
     assert TERMINAL_CLASSES == {
-        "ok", "refused", "invalid_request", "client_cancelled", "prefill_failed", "decode_failed",
+        "ok", "refused", "no_engine", "invalid_request", "client_cancelled", "prefill_failed", "decode_failed",
         "first_token_timeout", "silence_timeout", "handoff_expired", "invalid_descriptor",
-        "deadline_exceeded", "shutdown", "internal_error",
+        "deadline_exceeded", "shutdown", "router_overloaded", "internal_error",
     }  # fmt: skip
 
 
@@ -56,7 +56,7 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         request_id="r", arrival=1.5, route="chat", model="m", stream=True, prompt_tokens=9,
         requested_output_len=10, output_len=8, ttft_s=0.1, first_byte_s=0.15, tpot_s=0.01, latency_s=0.3,
         status=200, terminal_class="ok", producer="p0", consumer="d0",
-        attempts=[attempt, AttemptRecord(n=2)], error="e",
+        attempts=[attempt, AttemptRecord(n=2)], error="e", trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
     )  # fmt: skip
     line = record.to_json()
     assert line == {**attrs.asdict(record, recurse=False), "attempts": [attrs.asdict(attempt), attrs.asdict(AttemptRecord(n=2))]}
@@ -74,7 +74,7 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         "request_id": "r", "arrival": 0.0, "route": "completions", "model": None, "stream": False,
         "prompt_tokens": None, "requested_output_len": None, "output_len": 0, "ttft_s": None,
         "first_byte_s": None, "tpot_s": None, "latency_s": None, "status": 0, "terminal_class": "internal_error",
-        "producer": None, "consumer": None, "attempts": [], "error": None,
+        "producer": None, "consumer": None, "attempts": [], "error": None, "trace_id": None,
     }  # fmt: skip
     assert bare.attempts is not RequestRecord(request_id="s", arrival=0.0, route="completions").attempts
 

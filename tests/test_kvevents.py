@@ -419,11 +419,12 @@ async def test_a_cancelled_subscriber_closes_every_socket_and_leaves_no_task(mom
                 if moment == "following":
                     await complete(client, list(range(10, 20)))
                     await got.until(lambda: got.batches)
-                    # the SUB socket and the replay's DEALER, kept after the replay on subscribing
-                    assert sorted(s.type for s in ctx.open()) == sorted([zmq.SUB, zmq.DEALER])
+                    # the SUB socket, its connection's monitor (a PAIR) and the replay's DEALER,
+                    # kept after the replay on subscribing
+                    assert sorted(s.type for s in ctx.open()) == sorted([zmq.SUB, zmq.PAIR, zmq.DEALER])
                 elif moment == "replaying":
-                    await until(lambda: sub.replays and len(ctx.open()) == 2)
-                    assert sorted(s.type for s in ctx.open()) == sorted([zmq.SUB, zmq.DEALER])
+                    await until(lambda: sub.replays and len(ctx.open()) == 3)
+                    assert sorted(s.type for s in ctx.open()) == sorted([zmq.SUB, zmq.PAIR, zmq.DEALER])
                 else:
                     await got.until(lambda: any(r.startswith("ZeroMQ error") for r in got.resets))
                 nursery.cancel_scope.cancel()

@@ -26,6 +26,7 @@ from narwhal.errors import (
     DeadlineExceeded,
     EngineUnavailable,
     NarwhalError,
+    NoEngine,
     Refused,
 )
 from narwhal.router.lifecycle import terminal_class_for
@@ -58,6 +59,7 @@ def two_consumers(**sections: Any) -> dict[str, Any]:
 
 def test_terminal_classes_of_router_errors() -> None:
     assert terminal_class_for(Refused("no capacity")) == "refused"
+    assert terminal_class_for(NoEngine("no engine available for decode")) == "no_engine"
     assert terminal_class_for(BadRequest("bad")) == "invalid_request"
     assert terminal_class_for(DeadlineExceeded("late")) == "deadline_exceeded"
     assert terminal_class_for(NarwhalError("bug")) == "internal_error"

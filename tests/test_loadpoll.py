@@ -10,19 +10,20 @@ from typing import Any
 import pytest
 import trio
 
-from narwhal.errors import EngineError
+from narwhal.errors import EngineError, EngineProtocolError
 from narwhal.router.loadpoll import STALE_AFTER_PERIODS, poll_engine_load
 from narwhal.router.placement import Placement
 
 
 class _Engine:
     """An engine client whose /metrics answers ``answers`` times (after ``delay_s``), then
-    fails (or hangs, with ``hang``)."""
+    fails (or hangs, with ``hang``; or answers with metrics it cannot use, with
+    ``unusable``)."""
 
     def __init__(self, running: float, waiting: float = 0, answers: int = 10**6, *, delay_s: float = 0.0,
-                 hang: bool = False) -> None:  # fmt: skip
+                 hang: bool = False, unusable: bool = False) -> None:  # fmt: skip
         self.running, self.waiting, self.answers = running, waiting, answers
-        self.delay_s, self.hang = delay_s, hang
+        self.delay_s, self.hang, self.unusable = delay_s, hang, unusable
         self.calls = 0
 
     async def load(self) -> Any:
@@ -31,6 +32,8 @@ class _Engine:
         if self.answers <= 0:
             if self.hang:
                 await trio.sleep_forever()
+            if self.unusable:
+                raise EngineProtocolError("unusable metrics: vllm:num_requests_running is inf")
             raise EngineError("metrics: connection refused")
         self.answers -= 1
         return SimpleNamespace(running=self.running, waiting=self.waiting)
@@ -146,3 +149,29 @@ async def test_the_grace_is_three_periods_of_the_configured_length(autojump_cloc
         await trio.sleep(0.5)  # 2.25 s
         assert _report(state, "d0") == (0, 0, 0)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_report_the_engine_cannot_back_with_usable_metrics_is_dropped_at_once(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # d0 reports at 0 s, then answers with metrics it cannot use (+Inf running): its report
+    # is dropped at the first such answer (1 s), not three periods later, with no warning
+    # of the poll's own (the client counted and logged the fault). Sound again at 3 s.
+    # p0's are unusable from the first: there is no report to drop.
+    d0 = _Engine(4, answers=1, unusable=True)
+    state = _state({"p0": _Engine(3, answers=0, unusable=True), "d0": d0})
+    with caplog.at_level(logging.DEBUG, logger="narwhal.router.loadpoll"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(poll_engine_load, state, 1.0)
+            await trio.sleep(0.5)
+            assert _report(state, "d0") == (4, 0, 0)
+            await trio.sleep(1.0)
+            assert _report(state, "d0") == (0, 0, 0)
+            d0.answers = 10
+            await trio.sleep(2.0)
+            assert _report(state, "d0") == (4, 0, 0) and _report(state, "p0") == (0, 0, 0)
+            nursery.cancel_scope.cancel()
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG] * len(caplog.records)
+    assert "engine d0 metrics unusable: unusable metrics: vllm:num_requests_running is inf" in [
+        r.getMessage() for r in caplog.records
+    ]

@@ -53,8 +53,8 @@ async def test_metrics_parse_and_counters_move(autojump_clock: trio.abc.Clock) -
     assert after[("narwhal_router_tpot_seconds_count", (("route", "completions"),))] == 3
     assert after[("narwhal_output_tokens_total", (("route", "completions"),))] == 12
     assert after[("narwhal_placement_decisions_total", (("consumer", "d0"), ("producer", "p0")))] == 4
-    # d0 is the only decode engine: ejected but held in placement (a whole wave).
-    assert after[("narwhal_breaker_state", (("engine", "d0"),))] == 3
+    # d0 is the only decode engine: ejected all the same.
+    assert after[("narwhal_breaker_state", (("engine", "d0"),))] == 2
     assert after[("narwhal_breaker_transitions_total", (("engine", "d0"), ("event", "ejected")))] == 1
     assert after[("narwhal_reservations_open", ())] == 0
 
@@ -76,11 +76,10 @@ async def test_events_deliver_a_record_and_a_breaker_transition(autojump_clock: 
             assert event["record"]["terminal_class"] == "ok"
             stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=500, times=1))
             await stack.complete({"prompt": "a b", "max_tokens": 2})
-            kinds = [json.loads(await ws.get_message()) for _ in range(3)]
+            kinds = [json.loads(await ws.get_message()) for _ in range(2)]
             assert {"breaker", "request"} == {k["type"] for k in kinds}
             breaker = [(k["engine"], k["event"]) for k in kinds if k["type"] == "breaker"]
-            # d0 is the only decode engine: ejected, and held in placement (a whole wave).
-            assert breaker == [("d0", "ejected"), ("d0", "held")]
+            assert breaker == [("d0", "ejected")]
             await ws.aclose()
         await trio.testing.wait_all_tasks_blocked()
         assert stack.router.events.subscribers == 0
@@ -291,6 +290,8 @@ async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: 
     state.prefix.fallbacks["d0"] = PlacementView(16, 8)
     state.kv_subscribers["p0"] = _Subscriber(stale=None)  # type: ignore[assignment]
     state.kv_subscribers["p1"] = _Subscriber(stale="replay probes find batches", delivered=4)  # type: ignore[assignment]
+    for name, source in (("p0", "metrics"), ("d0", "stream"), ("p0", "metrics")):
+        state.bad_input.report(name, source, "no number")
     with hub.subscribe(), hub.subscribe():
         families = _families(metrics.exposition().decode())
     recorded = {family.name for family in vars(metrics).values() if hasattr(family, "cells")}
@@ -321,7 +322,7 @@ async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: 
         "narwhal_breaker_state": (
             "gauge",
             "Breaker state by engine: 0 in placement, 1 quarantined, 2 ejected, "
-            "3 ejected but held in placement (whole wave), 4 on trial (half-open).",
+            "4 on trial (half-open).",
             [("narwhal_breaker_state", {"engine": e}, n) for e, n in (("p0", 0), ("p1", 1), ("d0", 0), ("d1", 2))],
         ),
         "narwhal_prefix_index_blocks": (
@@ -343,6 +344,14 @@ async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: 
             for k, n in (("delivered", delivered), ("live", 7), ("replays", 3), ("probes", 5), ("probe_gaps", 2),
                          ("resets", 1))
         ]),
+        "narwhal_engine_bad_input": (
+            "counter",
+            "What engines sent that the router could not use, by engine and source (metrics, kv_events, "
+            "tokenize, models, version, completions, stream): a value that is no number or out of range, "
+            "an answer over its size limit, a count that contradicts its ids, a malformed event or batch.",
+            [("narwhal_engine_bad_input_total", {"engine": "p0", "source": "metrics"}, 2),
+             ("narwhal_engine_bad_input_total", {"engine": "d0", "source": "stream"}, 1)],
+        ),
         "narwhal_ready": ("gauge", "1 when an engine can prefill and one can decode.", [("narwhal_ready", {}, 1)]),
         "narwhal_engine_model": (
             "gauge", "1 for each model an engine serves (declared or listed).",

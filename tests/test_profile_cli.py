@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -16,7 +17,15 @@ import pytest
 from narwhal.profile import load_profiles
 from narwhal.profile.cli import main
 from narwhal.profile.progress import Progress
-from narwhal.profile.store import pair_paths
+from narwhal.profile.store import (
+    SAMPLES_KIND,
+    SCHEMA_VERSION,
+    Profiles,
+    SamplesRef,
+    file_sha256,
+    pair_paths,
+    write_json,
+)
 from narwhal.testing.ports import free_port
 
 SWEEP = ["--prefill-lens", "16,64,128,512", "--decode-input-lens", "32,128",
@@ -186,3 +195,41 @@ def test_progress_rewrites_a_status_line_on_a_terminal_and_prints_lines_otherwis
     assert "\r\x1b[Ke0: prefill: 128 tokens, repeat 2/3" in text
     assert text.index("repeat 2/3") < text.index("median TTFT")
     assert "\r\x1b[Ke0: prefill: 128 tokens: median TTFT" in text
+
+
+def test_no_engine_profiled_writes_no_profiles_file(
+    fleet_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Nothing listens at the engine's URL (no narwhal sim): every engine fails.
+    out = tmp_path / "p.json"
+    assert main(["--fleet", str(fleet_file), *SWEEP, "--out", str(out), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    profiles, samples = pair_paths(out)
+    assert not profiles.exists()  # nothing that serve or check could take
+    assert json.loads(samples.read_text())["engines"]["sim-0"]["status"] == "failed"  # what failed, kept
+    assert captured.out.splitlines()[0] == f"wrote {samples} only (what each engine's sweep measured, and why it failed)"
+    assert captured.out.splitlines()[1].startswith("  sim-0: failed: engine sim-0 unreachable")
+    assert captured.err.splitlines()[-1] == (
+        f"narwhal profile: error: no engine was profiled, so no profiles file was written at {profiles} (serve "
+        "and check would have nothing to price by): see each engine's reason above"
+    )
+
+
+def test_serve_and_check_refuse_a_pair_with_no_engine_profile(fleet_file: Path, tmp_path: Path) -> None:
+    # An empty pair as an earlier narwhal wrote it when no engine could be profiled.
+    profiles, samples = pair_paths(tmp_path / "p.json")
+    write_json(samples, {"schema_version": SCHEMA_VERSION, "kind": SAMPLES_KIND, "engines": {}})
+    empty = Profiles(schema_version=SCHEMA_VERSION, created_at="2026-01-01T00:00:00+00:00", software={},
+                     samples=SamplesRef(path=samples.name, sha256=file_sha256(samples)), engines={},
+                     excluded={"sim-0": "failed: engine sim-0 unreachable"})  # fmt: skip
+    write_json(profiles, empty.to_json())
+    reason = (f"{profiles}: the pair holds no engine profile (excluded: sim-0: failed: engine sim-0 unreachable): "
+              "nothing to price placement by; profile the engines again @ $.engines")  # fmt: skip
+    run = functools.partial(subprocess.run, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    serve = run([sys.executable, "-m", "narwhal", "serve", "--fleet", str(fleet_file), "--profiles", str(profiles)])
+    assert serve.returncode == 2 and serve.stderr.splitlines()[-1] == f"narwhal serve: {reason}"
+    assert "started" not in serve.stderr  # refused before any engine or listener started
+    check = run([sys.executable, "-m", "narwhal", "check", "--fleet", str(fleet_file), "--profiles", str(profiles)])
+    assert check.returncode == 1
+    assert any(line.startswith("FAIL gate_f.profiles fleet: ") and reason in line for line in check.stdout.splitlines())

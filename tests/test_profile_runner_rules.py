@@ -21,6 +21,7 @@ import trio
 
 from narwhal import __version__
 from narwhal.config import ProfilesConfig, converter
+from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
 from narwhal.profile import ProfileSettings, Progress, load_profiles, run_profile
 from narwhal.profile.derive import (
@@ -48,6 +49,7 @@ from narwhal.profile.runner import (
 )
 from narwhal.profile.store import SAMPLES_KIND, SCHEMA_VERSION, file_sha256, pair_paths
 from narwhal.testing import open_sim_fleet
+from tests.checkkit import sim_profile
 from tests.profilekit import MetricsRewrite, RewriteStreams, Wrapper, engine, fleet
 
 TINY: dict[str, Any] = {"prefill_lens": (16, 32, 64, 128), "decode_input_lens": (16, 32),
@@ -187,17 +189,31 @@ def test_the_recorded_sweep_settings_leave_out_where_it_was_written() -> None:
 def test_the_pair_names_its_sidecar_and_its_excluded_engines(tmp_path: Path) -> None:
     profiles, samples = pair_paths(tmp_path / "p.json")
     doc = {"created_at": "2026-01-01T00:00:00+00:00", "engines": {}}
-    write_pair(profiles, samples, doc, [EngineOutcome("e0", "rejected", "TTFT fit rejected"),
-                                        EngineOutcome("e1", "failed", "died")],
-               refit_of="old.samples.json")  # fmt: skip
+    e2 = sim_profile("e2", EngineIdentity(url="http://e2.test:8103", model="m", version="v",
+                                          max_model_len=4096, process_start_time=1.0))  # fmt: skip
+    wrote = write_pair(profiles, samples, doc, [EngineOutcome("e0", "rejected", "TTFT fit rejected"),
+                                                EngineOutcome("e1", "failed", "died"),
+                                                EngineOutcome("e2", "ok", None, e2)],
+                       refit_of="old.samples.json")  # fmt: skip
     data = json.loads(profiles.read_text())
-    assert json.loads(samples.read_text()) == doc
+    assert wrote and json.loads(samples.read_text()) == doc
     assert data["samples"] == {"path": "p.samples.json", "sha256": file_sha256(samples)}
     assert data["created_at"] == doc["created_at"] and data["software"] == software_identity()
     assert data["excluded"] == {"e0": "rejected: TTFT fit rejected", "e1": "failed: died"}
-    assert data["engines"] == {} and data["refit_of"] == "old.samples.json"
+    assert list(data["engines"]) == ["e2"] and data["refit_of"] == "old.samples.json"
     assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == "narwhal.profiles"
     assert load_profiles(profiles).excluded == data["excluded"]
+
+
+def test_a_pair_without_a_profile_is_only_its_samples(tmp_path: Path) -> None:
+    # Nothing for serve or check to use: the samples say why; a profiles file is not
+    # written, and one the samples were written over (an overwrite) is removed.
+    profiles, samples = pair_paths(tmp_path / "p.json")
+    profiles.write_text("{}")
+    doc = {"created_at": "2026-01-01T00:00:00+00:00", "engines": {}}
+    outcomes = [EngineOutcome("e0", "rejected", "TTFT fit rejected"), EngineOutcome("e1", "failed", "died")]
+    assert write_pair(profiles, samples, doc, outcomes) is False
+    assert json.loads(samples.read_text()) == doc and not profiles.exists()
 
 
 async def test_a_run_records_every_step_and_writes_the_pair(
@@ -351,7 +367,7 @@ async def test_a_rejected_ttft_curve_stops_the_engine_before_decode(
                                               + e0["prefill"]["rejection"])  # fmt: skip
     assert e0["status"] == "rejected" and "decode" not in e0 and "prefix" not in e0
     assert lines[-1] == f"e0: warning: rejected: {outcome.reason}"
-    assert load_profiles(run.profiles_path).excluded == {"e0": f"rejected: {outcome.reason}"}
+    assert not run.wrote_profiles and not run.profiles_path.exists()  # nothing to price by
 
 
 async def test_rejected_cells_are_listed_and_fail_the_run_unless_accepted(
@@ -419,7 +435,9 @@ async def test_a_mixed_up_pair_is_not_merged_into(tmp_path: Path) -> None:
     config = fleet(engine("e0", 8101), engine("e1", 8102))
     unused = httpx.MockTransport(lambda request: httpx.Response(599))  # refused before any request
     profiles, samples = pair_paths(tmp_path / "profiles.json")
-    write_pair(profiles, samples, {"created_at": "x", "engines": []}, [])
+    e9 = sim_profile("e9", EngineIdentity(url="http://e9.test:8109", model="m", version="v",
+                                          max_model_len=4096, process_start_time=1.0))  # fmt: skip
+    write_pair(profiles, samples, {"created_at": "x", "engines": []}, [EngineOutcome("e9", "ok", None, e9)])
 
     async def attempt(s: ProfileSettings) -> None:
         await run_profile(config, s, transport=unused, progress=Progress(io.StringIO()))
@@ -821,7 +839,9 @@ async def test_a_run_over_its_own_connections_fails_an_unreachable_engine(
         run = await run_profile(config, tiny(tmp_path), progress=Progress(io.StringIO()))
     (outcome,) = run.outcomes
     assert outcome.status == "failed" and outcome.profile is None and not run.ok
-    assert load_profiles(run.profiles_path).excluded == {"e0": f"failed: {outcome.reason}"}
+    # No profile: the samples say why, and no profiles file is left for serve or check.
+    assert not run.wrote_profiles and not run.profiles_path.exists()
+    assert json.loads(run.samples_path.read_text())["engines"]["e0"]["reason"] == outcome.reason
 
 
 @pytest.mark.parametrize(("mean", "worst"), [(1e-9, 0.5), (0.2, 1e-9)])

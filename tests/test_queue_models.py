@@ -190,7 +190,7 @@ def test_an_unpriced_producers_prefills_teach_the_queue_models_nothing() -> None
         keys = [queues.add("p0", work, math.inf, priced=priced_, prompt_tokens=500) for _ in range(3)]
         predicted = [(q.serial_s, q.batched_s) for q in queues.reserved["p0"].values()]
         if priced_:  # one after the other, or the two behind the first sharing the next step
-            assert predicted == pytest.approx([(work, work), (2 * work, 2 * work), (3 * work, 3 * work - FIXED)])
+            assert predicted == [pytest.approx(p) for p in [(work, work), (2 * work, 2 * work), (3 * work, 3 * work - FIXED)]]
         else:
             assert predicted == [(work, work)] * 3
         clock.now += 0.5

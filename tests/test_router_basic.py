@@ -274,12 +274,13 @@ async def test_health_names_each_engines_breaker_state(autojump_clock: trio.abc.
         health = await stack.client.get("/health")
         assert health.status_code == 200
         assert health.json()["engines"] == {"p0": "ok", "d0": "ejected", "d1": "ok"}
-        # The last decode engine fails too: ejected, but held in placement (whole wave),
-        # so the router stays ready.
+        # The last decode engine fails too: ejected all the same, so the router cannot
+        # decode until a probe readmits one of them.
         assert (await stack.complete({"prompt": "a", "max_tokens": 1})).status_code == 502
         health = await stack.client.get("/health")
-        assert health.status_code == 200
-        assert health.json()["engines"] == {"p0": "ok", "d0": "ejected", "d1": "held"}
+        assert health.status_code == 503
+        assert health.json() == {"status": "unavailable", "reason": "no engine can decode now",
+                                 "engines": {"p0": "ok", "d0": "ejected", "d1": "ejected"}}  # fmt: skip
 
 
 async def test_bad_bodies_are_400(autojump_clock: trio.abc.Clock) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from narwhal.config import EngineTimeouts, FaultSpec
+from narwhal.config import EngineTimeouts, FaultSpec, RecoveryConfig
 from narwhal.router.breaker import BreakerState
 from narwhal.router.probe import PROBE_TOKENS, probe_engine
 
@@ -138,7 +138,7 @@ async def test_eject_after_n_failures_and_readmit_by_probe(autojump_clock: trio.
         for _ in range(4):  # ties alternate: d0, d1, d0, d1
             await stack.complete(BODY)
         assert breaker.states["d0"].ejected and not breaker.states["d1"].ejected
-        assert breaker.status("d0") == "ejected" and not breaker.states["d0"].held
+        assert breaker.status("d0") == "ejected"
         # Out of placement: every request goes to d1 until a probe succeeds.
         for _ in range(3):
             assert (await stack.complete(BODY)).status_code == 200
@@ -158,53 +158,132 @@ def two_decoders(**recovery: object) -> dict:
     )
 
 
-async def test_whole_wave_keeps_the_last_engine_of_a_role_in_placement(autojump_clock: trio.abc.Clock) -> None:
-    # Every decode engine fails at once (a whole-wave restart, a shared dependency down).
+def decodes(stack: Stack, name: str) -> int:
+    """Decode requests engine ``name`` has seen (live and probes)."""
+    return len([b for b in stack.engine(name).requests_seen if "prompt" in b and "kv_transfer_params" in b])
+
+
+async def test_the_last_consumer_hanging_is_ejected_and_then_refused_at_once(autojump_clock: trio.abc.Clock) -> None:
+    # Seed 001: after recovery.eject_after consecutive stream failures the engine leaves
+    # placement until an inference probe succeeds, even the last of its role. A hanging
+    # consumer costs eject_after clients the first-token timeout, not every client.
+    doc = fleet_doc(engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]))  # the shipped recovery
+    eject_after, interval = RecoveryConfig().eject_after, RecoveryConfig().probe_interval_s
+    async with open_stack(doc) as stack:
+        state = stack.router.state
+        breaker = state.breaker
+        # d0 hangs before its first token: eject_after live requests, then the first probe.
+        stack.engine("d0").inject(FaultSpec(kind="delay_headers", on="decode", delay_s=10 * FIRST_TOKEN_S,
+                                            times=eject_after + 1))  # fmt: skip
+        for _ in range(eject_after):
+            t0 = trio.current_time()
+            assert (await stack.complete(BODY)).status_code == 504
+            assert trio.current_time() - t0 == pytest.approx(FIRST_TOKEN_S, abs=0.1)
+        ejected_at = trio.current_time()
+        assert breaker.status("d0") == "ejected"
+        assert [(t.engine, t.event) for t in breaker.transitions] == [("d0", "ejected")]
+        seen = decodes(stack, "d0")
+
+        # Out of placement: requests are refused at once, no first-token timeout paid,
+        # told to come back when the probe is due.
+        async def refused(retry_after: str) -> None:
+            t0 = trio.current_time()
+            resp = await stack.complete(BODY)
+            assert trio.current_time() == t0
+            assert resp.status_code == 503 and resp.headers["retry-after"] == retry_after
+            assert resp.json() == {"error": {"message": "no engine available for decode",
+                                             "type": "service_unavailable", "code": None}}  # fmt: skip
+            record = stack.records[-1]
+            assert (record["terminal_class"], record["status"]) == ("no_engine", 503)
+            assert record["error"] == "no engine available for decode" and record["consumer"] is None
+            assert [a["outcome"] for a in record["attempts"]] == ["no_engine"]
+
+        async with trio.open_nursery() as nursery:  # a burst: none of them waits
+            for _ in range(8):
+                nursery.start_soon(refused, f"{interval:g}")
+        assert trio.current_time() == ejected_at
+        health = await stack.client.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "unavailable", "reason": "no engine can decode now",
+                                 "engines": {"p0": "ok", "d0": "ejected"}}  # fmt: skip
+        await trio.sleep(interval - 1.5)
+        await refused("2")  # 1.5 s to the probe, in whole seconds rounded up
+        # The probe runs (and hangs: d0 is not back yet): the cadence, until its verdict.
+        await trio.sleep(1.5 + 1.0)
+        await refused(f"{interval:g}")
+        probed = trio.Event()
+        breaker.add_listener(lambda t: probed.set() if t.event == "probe_failed" else None)
+        await probed.wait()
+        failed_at = trio.current_time()
+        assert failed_at == pytest.approx(ejected_at + interval + FIRST_TOKEN_S, abs=0.1)
+        await trio.sleep(1.5)
+        await refused(f"{interval - 1.0:g}")  # 3.5 s to the next probe
+        assert decodes(stack, "d0") == seen + 1  # the probe's; no client request reached it
+        # d0 is back: the next probe readmits it, and requests are served there again.
+        await trio.sleep(interval)
+        assert [(t.engine, t.event) for t in breaker.transitions] == [
+            ("d0", "ejected"), ("d0", "probe_failed"), ("d0", "readmitted")
+        ]
+        assert state.ready()
+        t0 = trio.current_time()
+        assert (await stack.complete(BODY)).status_code == 200
+        assert trio.current_time() - t0 < 1.0
+        assert stack.records[-1]["consumer"] == "d0" and breaker.status("d0") == "ok"
+    classes = [r["terminal_class"] for r in stack.records]
+    assert classes == ["first_token_timeout"] * eject_after + ["no_engine"] * 11 + ["ok"]
+
+
+async def test_whole_wave_the_probes_bring_the_role_back(autojump_clock: trio.abc.Clock) -> None:
+    # Every decode engine fails at once (a whole-wave restart, a shared dependency down):
+    # the role is empty until a probe readmits one of them.
     async with open_stack(two_decoders()) as stack:
         state = stack.router.state
         breaker = state.breaker
-        for name in ("d0", "d1"):
-            stack.engine(name).inject(FaultSpec(kind="http_error", on="decode", status=503, times=2))
-        assert (await stack.complete(BODY)).status_code == 502  # d0: ejected
-        assert (await stack.complete(BODY)).status_code == 502  # d1: the last one, held
-        assert breaker.status("d0") == "ejected" and breaker.status("d1") == "held"
-        assert [(t.engine, t.event) for t in breaker.transitions] == [
-            ("d0", "ejected"), ("d1", "ejected"), ("d1", "held")
-        ]
-        # The role keeps its capacity: the router stays ready and places on d1, and the
-        # client gets the engine's own answer (here its fault), never a 503.
-        assert state.ready()
-        assert (await stack.complete(BODY)).status_code == 502
-        assert stack.records[-1]["consumer"] == "d1"
-        assert breaker.status("d1") == "held"  # a failure while held changes nothing
-        # d1's fault is spent: its next live request succeeds and readmits it (full
-        # weight: live traffic proved it), while d0 stays out until its own probe.
-        assert (await stack.complete(BODY)).status_code == 200
-        assert breaker.status("d1") == "ok" and breaker.status("d0") == "ejected"
-        assert stack.records[-1]["consumer"] == "d1"
-        # d0's probes (every 5 s from its ejection): the first meets its last fault.
-        await trio.sleep(5.0 + 5.0)
-        assert breaker.status("d0") == "trial"
-    assert [r["terminal_class"] for r in stack.records] == ["decode_failed"] * 3 + ["ok"]
-    assert [(t.engine, t.event) for t in breaker.transitions][3:] == [
-        ("d1", "readmitted"), ("d0", "probe_failed"), ("d0", "readmitted")
-    ]
-
-
-async def test_whole_wave_hold_ends_when_another_engine_is_back(autojump_clock: trio.abc.Clock) -> None:
-    async with open_stack(two_decoders(probe_interval_s=5.0)) as stack:
-        breaker = stack.router.state.breaker
         stack.engine("d0").inject(FaultSpec(kind="http_error", on="decode", status=503, times=1))
         stack.engine("d1").inject(FaultSpec(kind="http_error", on="decode", status=503))
-        await stack.complete(BODY)  # d0 ejected
-        await stack.complete(BODY)  # d1 ejected and held
-        assert breaker.status("d1") == "held"
-        # d0's probe readmits it: d1 (still failing) leaves placement until its own probe.
-        await trio.sleep(5.5)
+        start = trio.current_time()
+        assert (await stack.complete(BODY)).status_code == 502  # d0: ejected
+        await trio.sleep(2.0)
+        assert (await stack.complete(BODY)).status_code == 502  # d1, the last one: ejected too
+        assert breaker.status("d0") == breaker.status("d1") == "ejected"
+        assert [(t.engine, t.event) for t in breaker.transitions] == [("d0", "ejected"), ("d1", "ejected")]
+        assert not state.ready()
+        resp = await stack.complete(BODY)
+        # d0's probe is due first (3 s from now).
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "3"
+        assert stack.records[-1]["terminal_class"] == "no_engine"
+        # d0's probe readmits it (its fault is spent); d1, still failing, stays out.
+        await trio.sleep(start + 5.5 - trio.current_time())
         assert breaker.status("d0") == "trial" and breaker.status("d1") == "ejected"
-        assert ("d1", "released") in [(t.engine, t.event) for t in breaker.transitions]
+        assert state.ready()
+        for _ in range(3):
+            assert (await stack.complete(BODY)).status_code == 200
+            assert stack.records[-1]["consumer"] == "d0"
+        assert breaker.status("d1") == "ejected"
+    assert [r["terminal_class"] for r in stack.records] == ["decode_failed"] * 2 + ["no_engine"] + ["ok"] * 3
+
+
+async def test_no_producer_left_refuses_the_prompt_count_too(autojump_clock: trio.abc.Clock) -> None:
+    # With exact prompt counts the producer's /tokenize comes first: it is refused alike.
+    doc = fleet_doc(engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]),
+                    controller={"prompt_tokens": "tokenize"}, recovery={"eject_after": 1, "probe_interval_s": 5.0})  # fmt: skip
+    async with open_stack(doc) as stack:
+        breaker = stack.router.state.breaker
+        stack.engine("p0").inject(FaultSpec(kind="http_error", on="prefill", status=500, times=1))
+        assert (await stack.complete(BODY)).status_code == 502
+        assert breaker.status("p0") == "ejected"
+        seen = len(stack.engine("p0").requests_seen)
+        await trio.sleep(1.2)
+        t0 = trio.current_time()
+        resp = await stack.complete(BODY)
+        assert trio.current_time() == t0
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "4"
+        assert resp.json()["error"]["message"] == "no engine available for prefill"
+        assert stack.records[-1]["terminal_class"] == "no_engine" and stack.records[-1]["attempts"] == []
+        assert len(stack.engine("p0").requests_seen) == seen  # not even a /tokenize
+        await trio.sleep(5.0)
+        assert breaker.status("p0") == "trial"
         assert (await stack.complete(BODY)).status_code == 200
-        assert stack.records[-1]["consumer"] == "d0"
 
 
 async def eject_and_readmit(stack: Stack, name: str) -> BreakerState:
@@ -304,10 +383,9 @@ async def test_decode_only_probe_with_no_producer_in_placement_is_inconclusive(
     async with open_stack(doc) as stack:
         state = stack.router.state
         state.breaker.record_failure("p0", "down", leg="prefill")
-        state.breaker.record_failure("p1", "down", leg="prefill")  # held: the last producer
         state.breaker.record_failure("d0", "a decode failed", leg="decode")
-        assert await probe_engine(state, "d0") is True  # p1 is held, so in placement
-        state.breaker.states["p1"].held = False  # as if released: no producer at all
+        assert await probe_engine(state, "d0") is True  # p1 is in placement
+        state.breaker.record_failure("p1", "down", leg="prefill")  # the last producer, out too
         state.breaker.record_failure("d0", "a decode failed", leg="decode")
         assert await probe_engine(state, "d0") is None
         assert state.breaker.transitions[-1].event == "probe_inconclusive"
@@ -339,8 +417,7 @@ async def test_crossed_decode_probe_uses_fresh_handoff_from_original_producer(au
     remote_ids = [b["kv_transfer_params"]["remote_request_id"] for b in probe_decodes]
     assert len(set(remote_ids)) == 2
     assert all(b["kv_transfer_params"]["remote_host"] == "p0.kv.test" for b in probe_decodes)
-    # d0 is the only decode engine: held in placement while it is probed (a whole wave).
-    assert [t.event for t in breaker.transitions] == ["ejected", "held", "probe_failed", "readmitted"]
+    assert [t.event for t in breaker.transitions] == ["ejected", "probe_failed", "readmitted"]
 
 
 async def test_inconclusive_probe_returns_to_normal_cadence(autojump_clock: trio.abc.Clock) -> None:

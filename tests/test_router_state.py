@@ -16,7 +16,7 @@ import trio
 
 from narwhal.config import parse_fleet
 from narwhal.engines.client import start_date
-from narwhal.errors import EngineError, Refused
+from narwhal.errors import EngineError, NoEngine
 from narwhal.profile.store import Profiles
 from narwhal.router.journal import Journal
 from narwhal.router.pricing import PricedPlacement
@@ -141,9 +141,10 @@ async def test_no_producer_to_count_with_is_a_refusal(autojump_clock: trio.abc.C
     async with open_state(two_producers()) as (state, _fleet, _):
         state.breaker.eject("p0", "down")
         state.breaker.eject("p1", "down")
-        with pytest.raises(Refused) as exc:
+        with pytest.raises(NoEngine) as exc:
             await state.count_prompt({"prompt": "a b c"}, "completions")
-        assert exc.value.message == "no engine available for prefill" and exc.value.retry_after_s == 1.0
+        # Their probes are due in recovery.probe_interval_s (the shipped 5 s).
+        assert exc.value.message == "no engine available for prefill" and exc.value.retry_after_s == 5.0
 
 
 async def test_chat_messages_are_counted_with_the_chat_template(autojump_clock: trio.abc.Clock) -> None:
@@ -585,9 +586,9 @@ async def test_the_prompt_is_counted_for_the_model_the_request_names(autojump_cl
         assert bodies == [("p1", {"prompt": "x y z", "model": "b"}), ("p1", {"messages": messages, "model": "b"})]
         assert state.in_flight_by_engine["p1"] == 1  # the other request's leg still counts
         state.breaker.eject("p1", "down")
-        with pytest.raises(Refused) as exc:
+        with pytest.raises(NoEngine) as exc:
             await state.count_prompt({"prompt": "x", "model": "b"}, "completions")
-        assert exc.value.message == "no engine of model 'b' available for prefill" and exc.value.retry_after_s == 1.0
+        assert exc.value.message == "no engine of model 'b' available for prefill" and exc.value.retry_after_s == 5.0
 
 
 async def test_an_estimated_count_says_it_is_not_exact(autojump_clock: trio.abc.Clock) -> None:

@@ -13,7 +13,8 @@ import hmac
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,13 @@ import httpx
 import pytest
 import trio
 import trio.testing
+import trio_websocket
 
-import narwhal.router.app
+import narwhal.router.keys
 import narwhal.router.placement
 from narwhal.config import FaultSpec, parse_fleet
 from narwhal.logs import JSONFormatter
+from narwhal.router.admin import open_events
 from narwhal.router.placement import Placement
 from narwhal.router.service import open_router
 from narwhal.testing import SimApp
@@ -188,7 +191,7 @@ async def test_every_key_is_compared_in_constant_time(
         calls.append((a, b))
         return compare(a, b)
 
-    monkeypatch.setattr(narwhal.router.app.hmac, "compare_digest", counting)
+    monkeypatch.setattr(narwhal.router.keys.hmac, "compare_digest", counting)
     keys = [f"key-{i}-secret" for i in range(4)]
     async with open_stack(fleet_doc(server={"api_keys": keys})) as stack:
         for presented, status in [(keys[0], 200), (keys[3], 200), ("nope", 401)]:
@@ -375,24 +378,259 @@ def test_admin_binds_loopback_by_default() -> None:
     assert config.server.host == "127.0.0.1"
 
 
+#: Engines nothing listens on (the router tolerates them): a router on real sockets.
+UNREACHABLE = [
+    {"name": "p0", "url": "http://127.0.0.1:1", "roles": ["prefill"],
+     "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": 2}},
+    {"name": "d0", "url": "http://127.0.0.1:3", "roles": ["decode"]},
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(("admin_host", "bound"), [(None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")])
 async def test_admin_listener_binds_where_configured(tmp_path: Path, admin_host: str | None, bound: str) -> None:
-    # Real sockets: the engines are unreachable (port 1), which the router tolerates.
-    engines = [
-        {"name": "p0", "url": "http://127.0.0.1:1", "roles": ["prefill"],
-         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": 2}},
-        {"name": "d0", "url": "http://127.0.0.1:3", "roles": ["decode"]},
-    ]
-    server: dict[str, Any] = {"admin_port": 0, "port": 0}
+    server: dict[str, Any] = {"admin_port": 0, "port": 0, "admin_api_keys": ADMIN_KEYS}
     if admin_host is not None:
         server["admin_host"] = admin_host
-    config = parse_fleet({"engines": engines, "server": server, "journal": {"path": str(tmp_path / "j.jsonl")}})
+    config = parse_fleet({"engines": UNREACHABLE, "server": server, "journal": {"path": str(tmp_path / "j.jsonl")}})
     with trio.fail_after(30):
         async with open_router(config) as router, trio.open_nursery() as nursery:
             addresses = await nursery.start(router.serve_admin_tcp)
             assert {host for host, _ in addresses} == {bound}
             async with httpx.AsyncClient(trust_env=False) as client:
-                port = addresses[0][1]
-                resp = await client.get(f"http://127.0.0.1:{port}/metrics")
+                url = f"http://127.0.0.1:{addresses[0][1]}/metrics"
+                assert (await client.get(url)).status_code == 401
+                resp = await client.get(url, headers={"authorization": f"Bearer {ADMIN_KEYS[1]}"})
                 assert resp.status_code == 200 and "narwhal_in_flight_requests" in resp.text
             await router.shutdown(0)
+
+
+# ------------------------------------------------------------------ admin keys
+
+
+ADMIN_KEYS = ["admin-key-0123456789", "admin-key-abcdefghij"]
+#: Every kind of admin request: each route, a route that is not there, a method refused.
+ADMIN_REQUESTS = [("GET", "/metrics"), ("GET", "/fleet"), ("GET", "/health"), ("PUT", "/fleet"),
+                  ("GET", "/nothing"), ("POST", "/metrics")]  # fmt: skip
+ADMITTED = {("GET", "/metrics"): 200, ("GET", "/fleet"): 200, ("GET", "/health"): 200, ("PUT", "/fleet"): 200,
+            ("GET", "/nothing"): 404, ("POST", "/metrics"): 405}  # fmt: skip
+
+
+@asynccontextmanager
+async def _fleet_records(stack: Stack) -> AsyncIterator[list[dict[str, Any]]]:
+    """The fleet records the router publishes while the block runs (filled as it ends)."""
+    records: list[dict[str, Any]] = []
+    with stack.router.events.subscribe() as sub:
+        yield records
+        while True:
+            try:
+                event = sub.receive.receive_nowait()
+            except trio.WouldBlock:
+                break
+            if event.get("type") == "fleet":
+                records.append(event)
+
+
+async def _handshake(stack: Stack, authorization: str | None) -> int:
+    """The ``/events`` WebSocket handshake's outcome: 101, or the status it was refused with."""
+    stream = await stack.net.connect(*ADMIN)
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    status = 101
+    try:
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events", extra_headers=headers)  # type: ignore[arg-type]
+            await ws.aclose()
+    except* trio_websocket.ConnectionRejected as group:
+        [refused] = group.exceptions
+        assert isinstance(refused, trio_websocket.ConnectionRejected)
+        status = refused.status_code
+    await stream.aclose()
+    return status
+
+
+@pytest.mark.parametrize(
+    ("authorization", "admitted"),
+    [
+        (None, False),
+        ("Bearer wrong", False),
+        (f"Bearer {KEYS[0]}", False),  # a client key is not an admin key
+        (f"Bearer {ADMIN_KEYS[0][:-1]}", False),  # a prefix
+        (f"Basic {ADMIN_KEYS[0]}", False),  # another scheme
+        (ADMIN_KEYS[0], False),  # no scheme
+        (f"Bearer {ADMIN_KEYS[0]}", True),
+        (f"bearer {ADMIN_KEYS[1]}", True),
+    ],
+)
+async def test_admin_keys_guard_every_admin_request(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, authorization: str | None, admitted: bool
+) -> None:
+    doc = fleet_doc(server={"api_keys": KEYS, "admin_api_keys": ADMIN_KEYS})
+    reload = fleet_doc(server={"api_keys": KEYS, "admin_api_keys": ADMIN_KEYS}, engine={"request_timeout_s": 300})
+    async with open_stack(doc) as stack, _fleet_records(stack) as events:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        headers = {} if authorization is None else {"authorization": authorization}
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+            answers = {
+                (method, path): await admin.request(
+                    method, path, headers=headers, content=json.dumps(reload).encode() if method == "PUT" else None
+                )
+                for method, path in ADMIN_REQUESTS
+            }
+        handshake = await _handshake(stack, authorization)
+        timeout = stack.router.state.config.engine.request_timeout_s
+        # The client port takes client keys only.
+        models = await stack.client.get("/v1/models", headers={"authorization": f"Bearer {ADMIN_KEYS[0]}"})
+        assert models.status_code == 401
+    if admitted:
+        assert {k: r.status_code for k, r in answers.items()} == ADMITTED
+        assert handshake == 101 and timeout == 300
+        assert [e["event"] for e in events] == ["reload"]
+        return
+    for request, resp in answers.items():
+        assert resp.status_code == 401, request
+        assert resp.headers["www-authenticate"] == 'Bearer realm="narwhal-admin"'
+        assert resp.json() == {"error": {"message": "missing or invalid admin key", "type": "authentication_error",
+                                         "code": "invalid_admin_key"}}  # fmt: skip
+    # Refused before anything was read or changed: no reload, no record, no subscription.
+    assert handshake == 401 and timeout != 300 and events == []
+    refusals = [r.getMessage() for r in caplog.records if r.name == "narwhal.router.admin"]
+    assert refusals == [f"admin {m} {p} refused: missing or invalid admin key" for m, p in ADMIN_REQUESTS] + [
+        "admin GET /events refused: missing or invalid admin key"
+    ]
+
+
+async def test_every_admin_key_is_compared_in_constant_time(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[bytes] = []
+    compare = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(b)
+        return compare(a, b)
+
+    monkeypatch.setattr(narwhal.router.keys.hmac, "compare_digest", counting)
+    async with open_stack(fleet_doc(server={"admin_api_keys": ADMIN_KEYS})) as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+            for presented, status in [(ADMIN_KEYS[0], 200), (ADMIN_KEYS[1], 200), ("nope", 401)]:
+                calls.clear()
+                resp = await admin.get("/health", headers={"authorization": f"Bearer {presented}"})
+                assert resp.status_code == status
+                assert calls == [k.encode() for k in ADMIN_KEYS]
+
+
+def test_an_admin_key_is_never_a_client_key_and_no_key_is_in_a_repr() -> None:
+    from narwhal.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        parse_fleet(fleet_doc(server={"api_keys": KEYS, "admin_api_keys": ["other-admin-key", KEYS[1]]}))
+    assert str(info.value) == ("an admin key must not also be a client key (server.api_keys): a client could "
+                               "reload the fleet with it @ $.server.admin_api_keys[1]")  # fmt: skip
+    config = parse_fleet(fleet_doc(server={"api_keys": KEYS, "admin_api_keys": ADMIN_KEYS}))
+    shown = repr(config) + repr(config.server) + str(config)
+    assert "admin_api_keys=<2 keys>" in shown
+    assert not any(k in shown for k in [*KEYS, *ADMIN_KEYS])
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
+     ("LOCALHOST", True), ("::ffff:127.0.0.1", True), ("0.0.0.0", False), ("::", False), ("", False),
+     ("10.1.2.3", False), ("192.168.0.7", False), ("fe80::1", False), ("admin.example", False),
+     ("localhost.example", False)],
+)  # fmt: skip
+def test_only_loopback_admin_listeners_go_without_admin_keys(host: str, loopback: bool) -> None:
+    from narwhal.router.keys import admin_listener_problem, is_loopback
+
+    assert is_loopback(host) is loopback
+    server = parse_fleet(fleet_doc(server={"admin_host": host or "0.0.0.0"})).server
+    problem = admin_listener_problem(server, host)
+    if loopback:
+        assert problem is None
+    else:
+        assert problem is not None and problem.path == "$.server.admin_host"
+        assert str(problem) == (
+            f"admin_host {host!r} is not a loopback address and no admin key is set: anyone who reaches the "
+            "admin port could read /events and reload the fleet with PUT /fleet; set server.admin_api_keys "
+            "(or NARWHAL_ADMIN_KEY), or bind it to 127.0.0.1 @ $.server.admin_host"
+        )
+    assert (admin_listener_problem(server) is None) is loopback  # the server's own admin_host
+    keyed = parse_fleet(fleet_doc(server={"admin_host": host or "0.0.0.0", "admin_api_keys": ADMIN_KEYS})).server
+    assert admin_listener_problem(keyed, host) is None
+
+
+def test_a_key_is_presented_as_a_bearer_token() -> None:
+    from narwhal.router.keys import BearerKeys, bearer
+
+    assert bearer(None) == {} and bearer("k-1") == {"authorization": "Bearer k-1"}
+    keys = BearerKeys(["k-1"])
+    assert keys.accepts(bearer("k-1")["authorization"]) and not keys.accepts(None)
+    assert repr(keys) == "BearerKeys(<1 keys>)" and BearerKeys([]).accepts(None)
+
+
+async def test_an_open_admin_listener_without_keys_does_not_start(tmp_path: Path) -> None:
+    from narwhal.errors import ConfigError
+
+    server = {"admin_port": 0, "port": 0, "admin_host": "0.0.0.0"}
+    config = parse_fleet({"engines": UNREACHABLE, "server": server, "journal": {"path": str(tmp_path / "j.jsonl")}})
+    with trio.fail_after(30):
+        async with open_router(config) as router, trio.open_nursery() as nursery:
+            with pytest.raises(ConfigError) as info:
+                await nursery.start(router.serve_admin_tcp)
+            assert info.value.path == "$.server.admin_host"
+            await router.shutdown(0)
+
+
+async def test_put_fleet_can_be_turned_off(autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture) -> None:
+    doc = fleet_doc(server={"admin_fleet_writes": False})
+    async with open_stack(doc) as stack, _fleet_records(stack) as events:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        config = stack.router.state.config
+        changed = fleet_doc(server={"admin_fleet_writes": False}, engine={"request_timeout_s": 300})
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+            resp = await admin.put("/fleet", content=json.dumps(changed).encode())
+            view = await admin.get("/fleet")
+        assert stack.router.state.config is config
+    assert resp.status_code == 403 and resp.json() == {"error": {
+        "message": "PUT /fleet is turned off on this router (server.admin_fleet_writes is false): change the fleet "
+                   "document and send SIGHUP",
+        "type": "permission_error", "code": "fleet_writes_disabled"}}  # fmt: skip
+    assert view.status_code == 200 and events == []
+    assert "PUT /fleet refused: server.admin_fleet_writes is false" in [r.getMessage() for r in caplog.records]
+
+
+async def test_admin_keys_are_never_shown(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "ADMINSECRET-7d1f"
+    keys = [f"{secret}-a", f"{secret}-b"]
+    server = {"admin_port": 0, "port": 0, "admin_api_keys": keys}
+    doc = {"engines": UNREACHABLE, "server": server, "journal": {"path": str(tmp_path / "j.jsonl")}}
+    config = parse_fleet(doc)
+    shown = [repr(config), str(config.server)]
+    with trio.fail_after(60):
+        async with open_router(config) as router, trio.open_nursery() as nursery:
+            [(_, port)] = await nursery.start(router.serve_admin_tcp)
+            base = f"http://127.0.0.1:{port}"
+            good = {"authorization": f"Bearer {keys[0]}"}
+            async with open_events(base, keys[1]) as ws, httpx.AsyncClient(base_url=base, trust_env=False) as client:
+                for headers in ({}, {"authorization": f"Bearer {secret}-wrong"}, good):
+                    for route in ("/metrics", "/fleet", "/health", "/nothing"):
+                        shown.append((await client.get(route, headers=headers)).text)
+                # Documents that would change the admin keys, or drop them: refused, naming the path.
+                for changed in ([f"{secret}-c"], [], [keys[1], keys[0]]):
+                    body = json.dumps({**doc, "server": {**server, "admin_api_keys": changed}})
+                    resp = await client.put("/fleet", content=body, headers=good)
+                    assert resp.status_code == 400 and resp.json()["error"]["path"] == "$.server.admin_api_keys"
+                    shown.append(resp.text)
+                rejected = 0
+                while rejected < 3:
+                    message = await ws.get_message()
+                    shown.append(message)
+                    rejected += json.loads(message).get("event") == "rejected"
+            await router.shutdown(0)
+            nursery.cancel_scope.cancel()
+    shown.append((tmp_path / "j.fleet.jsonl").read_text())
+    shown.extend(JSONFormatter().format(r) for r in caplog.records)
+    text = "\n".join(shown)
+    assert "$.server.admin_api_keys" in text and "admin key" in text
+    assert secret not in text

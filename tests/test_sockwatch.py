@@ -14,17 +14,24 @@ from narwhal.http.sockwatch import SocketWatch
 pytestmark = pytest.mark.skipif(not sockwatch.available(), reason="no epoll")
 
 
+class _Reading:
+    """A socket pair, ``a`` watched: its callback reads what ``b`` sent into ``calls``."""
+
+    def __init__(self) -> None:
+        self.a, self.b = socket.socketpair()
+        self.a.setblocking(False)
+        self.calls: list[bytes] = []
+        self.called = trio.Event()
+
+    def on_readable(self) -> None:
+        self.calls.append(self.a.recv(100))
+        self.called.set()
+
+
 async def test_a_callback_runs_while_its_socket_is_readable_and_not_after_unwatch() -> None:
     watch = SocketWatch()
-    a, b = socket.socketpair()
-    a.setblocking(False)
-    calls: list[bytes] = []
-    called = trio.Event()
-
-    def on_readable() -> None:
-        calls.append(a.recv(100))
-        called.set()
-
+    pair = _Reading()
+    a, b, calls, called, on_readable = pair.a, pair.b, pair.calls, pair.called, pair.on_readable
     with a, b, trio.fail_after(5):
         watch.watch(a.fileno(), on_readable)
         assert len(watch) == 1
@@ -70,3 +77,32 @@ async def test_a_failing_callback_is_logged_and_unwatched_others_still_run(
         await called.wait()
         assert seen == [b"y"] and len(watch) == 1
         assert any("socket watch callback failed" in r.message for r in caplog.records)
+
+
+async def test_aclose_closes_the_set_and_ends_the_task_and_a_later_watch_starts_afresh() -> None:
+    watch = SocketWatch()
+    await watch.aclose()  # never started: nothing to do
+    pair = _Reading()
+    a, b, calls, called, on_readable = pair.a, pair.b, pair.calls, pair.called, pair.on_readable
+
+    def tasks() -> list[str]:
+        root = trio.lowlevel.current_root_task()
+        return [t.name for n in root.child_nurseries for t in n.child_tasks if t.name.startswith("narwhal.http")]
+
+    with a, b, trio.fail_after(5):
+        watch.watch(a.fileno(), on_readable)
+        ep = watch._epoll
+        assert ep is not None and not ep.closed
+        assert tasks() == ["narwhal.http.socket-watch"]
+        await watch.aclose()
+        assert ep.closed and len(watch) == 0 and tasks() == []
+        b.send(b"one")
+        await trio.sleep(0.05)
+        assert calls == []  # closed: nothing is watched
+        # Watched again: a new set and a new task.
+        watch.watch(a.fileno(), on_readable)
+        await called.wait()
+        assert calls == [b"one"] and tasks() == ["narwhal.http.socket-watch"]
+        watch.unwatch(a.fileno())
+        await watch.aclose()
+        assert tasks() == []

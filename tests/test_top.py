@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio_websocket
 
-from narwhal.top import TopView, _follow
+from narwhal.cmdline import CommandError
+from narwhal.config import parse_fleet
+from narwhal.router.service import open_router
+from narwhal.top import TopView, _follow, run_top
 
 FLEET = {
     "engines": [
@@ -50,11 +54,6 @@ def test_view_follows_breaker_events() -> None:
     assert "ejected" in next(line for line in view.render().splitlines() if line.startswith("d0"))
     view.apply({"type": "breaker", "engine": "d0", "event": "readmitted"})
     assert "ejected" not in next(line for line in view.render().splitlines() if line.startswith("d0"))
-    # A whole wave: the last engine of a role is held in placement, then released.
-    view.apply({"type": "breaker", "engine": "d0", "event": "held"})
-    assert "held" in next(line for line in view.render().splitlines() if line.startswith("d0"))
-    view.apply({"type": "breaker", "engine": "d0", "event": "released"})
-    assert "ejected" in next(line for line in view.render().splitlines() if line.startswith("d0"))
 
 
 @pytest.mark.parametrize("sent", [0, 1])
@@ -83,3 +82,34 @@ async def test_following_a_router_that_closes_first_leaves_no_socket_open(
             await _follow(f"http://127.0.0.1:{server.port}", view, once_after_s=None, out=io.StringIO(), tty=False)
         nursery.cancel_scope.cancel()
     assert len(opened) == 1 and opened[0].socket.fileno() == -1  # trio-websocket alone leaves it open
+
+
+async def test_top_presents_the_admin_key_and_names_a_missing_or_wrong_one(tmp_path: Path) -> None:
+    # A router on real sockets whose engines nothing listens on (it tolerates them).
+    engines = [
+        {"name": "p0", "url": "http://127.0.0.1:1", "roles": ["prefill"],
+         "connector": {"type": "NixlConnector", "kv_host": "127.0.0.1", "kv_port": 2}},
+        {"name": "d0", "url": "http://127.0.0.1:3", "roles": ["decode"]},
+    ]  # fmt: skip
+    server = {"port": 0, "admin_port": 0, "admin_api_keys": ["admin-key-0123456789"]}
+    config = parse_fleet({"engines": engines, "server": server, "journal": {"path": str(tmp_path / "j.jsonl")}})
+    with trio.fail_after(60):
+        async with open_router(config) as router, trio.open_nursery() as nursery:
+            [(_, port)] = await nursery.start(router.serve_admin_tcp)
+            base = f"http://127.0.0.1:{port}"
+            refusals = []
+            for key in (None, "wrong"):
+                with pytest.raises(CommandError) as refused:
+                    await run_top(base, once_after_s=0.1, out=io.StringIO(), key=key)
+                refusals.append(str(refused.value))
+            out = io.StringIO()
+            await run_top(base, once_after_s=0.5, out=out, key="admin-key-0123456789")
+            await router.shutdown(0)
+            nursery.cancel_scope.cancel()
+    assert refusals == [
+        f"{base}/fleet answered HTTP 401: the router asks for an admin key (server.admin_api_keys): "
+        "pass --admin-key or set NARWHAL_ADMIN_KEY",
+        f"{base}/fleet answered HTTP 401: the router refused the admin key given (server.admin_api_keys): "
+        "pass --admin-key or set NARWHAL_ADMIN_KEY",
+    ]
+    assert out.getvalue().startswith("narwhal top — 0 requests") and "\np0 " in out.getvalue()

@@ -84,3 +84,40 @@ def test_the_fleet_document_names_each_engines_events(
         "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "kv-events")  # fmt: skip
     assert (consumer.endpoint, consumer.replay_endpoint) == (
         "tcp://127.0.0.1:5657", "tcp://127.0.0.1:5658")  # fmt: skip
+
+
+def test_engines_trace_only_when_asked(pair_py: ModuleType, tmp_path: Path) -> None:
+    import os
+    import sys
+
+    specs = _specs(pair_py, [])
+    assert "--otlp-traces-endpoint" not in specs["producer"]["argv"]
+    assert specs["producer"]["otlp_traces_endpoint"] is None
+    assert not any(k.startswith("OTEL_") for k in specs["producer"]["env"])
+    # A venv whose python has OpenTelemetry (this one), and one whose python has none.
+    with_otel, without = tmp_path / "with", tmp_path / "without"
+    (with_otel / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, with_otel / "bin" / "python")
+    (without / "bin").mkdir(parents=True)
+    (without / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")
+    (without / "bin" / "python").chmod(0o755)
+
+    def endpoint(venv: Path, value: str) -> str | None:
+        args = pair_py.build_parser().parse_args(["start", "--venv", str(venv), "--otlp-traces-endpoint", value])
+        return pair_py.traces_endpoint(args)  # type: ignore[no-any-return]
+
+    assert endpoint(with_otel, "off") is None
+    auto = endpoint(with_otel, "auto")
+    assert auto is not None and auto.startswith("http://127.0.0.1:") and auto.endswith("/v1/traces")
+    assert endpoint(with_otel, "http://collector:4318/v1/traces") == "http://collector:4318/v1/traces"
+    assert endpoint(without, "auto") is None  # said on stderr; the pair starts untraced
+    with pytest.raises(SystemExit, match="the venv has no OpenTelemetry"):
+        endpoint(without, "http://collector:4318/v1/traces")
+    args = pair_py.build_parser().parse_args(["start"])
+    spec = pair_py.engine_spec(args, "consumer", 8200, 5700, "1", None, auto)
+    argv = spec["argv"]
+    assert argv[argv.index("--otlp-traces-endpoint") + 1] == auto
+    assert spec["otlp_traces_endpoint"] == auto
+    # vLLM's exporter speaks gRPC unless told otherwise; the test's receiver is OTLP/HTTP.
+    assert spec["env"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert spec["env"]["OTEL_SERVICE_NAME"] == "vllm-consumer"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ import trio
 
 from narwhal.testing.ports import free_port, free_port_run
 
+from .clikit import narwhal, sim_fleet
 from .routerkit import engine, fleet_doc, open_stack
 
 
@@ -171,3 +174,24 @@ def test_expositions_combine_by_sum_except_the_state_gauges() -> None:
     view = combine_fleets(fleets)
     assert view["in_flight"] == 3 and view["workers"] == 2
     assert view["engines"] == [{"name": "d0", "breaker": "quarantined", "in_flight": 3, "streak": 1, **load}]
+
+
+def test_a_worker_that_cannot_start_fails_the_command_naming_its_port(tmp_path: Path) -> None:
+    admin = free_port_run(3)
+    fleet = sim_fleet(tmp_path, sims=False, admin_port=admin)
+    with socket.socket() as held:  # another process holds worker 0's admin port (admin_port + 1)
+        held.bind(("127.0.0.1", admin + 1))
+        held.listen()
+        done = narwhal("serve", "--fleet", str(fleet), "--port", str(free_port()), "--workers", "2", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("narwhal serve: ")]
+    assert errors[0] == (
+        f"narwhal serve: worker 0: its own admin port {admin + 1} (server.admin_port + 1: the workers' admin "
+        f"ports follow the combined one): cannot listen on 127.0.0.1:{admin + 1}: address already in use "
+        "(another process holds it)"
+    )
+    assert re.fullmatch(
+        r"narwhal serve: worker 0 \(pid \d+\) exited with status 1 \(its error is above\): stopped the other workers",
+        errors[-1],
+    ), errors
+    assert "Traceback" not in done.stderr

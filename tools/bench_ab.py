@@ -15,6 +15,13 @@ divided by the extra tokens (as ``bench_overhead.py`` computes it).
     git worktree add /tmp/base HEAD~1
     python tools/bench_ab.py --a /tmp/base --concurrency 1,16 --rounds 21
     python tools/bench_ab.py --a /tmp/base --concurrency 16 --max-tokens 16,256
+
+``--otlp-sink`` starts an OTLP/HTTP receiver that accepts every export and keeps
+nothing, and puts its URL for ``{otlp_sink}`` in the ``--env-a`` / ``--env-b`` values:
+the cost of tracing on against off, in one run (docs/benchmarks.md, "Tracing")::
+
+    python tools/bench_ab.py --a . --otlp-sink --env-b OTEL_TRACES_EXPORTER=otlp \
+        --env-b OTEL_EXPORTER_OTLP_ENDPOINT={otlp_sink}
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from bench_overhead import cpu_seconds, loadgen, pct, pd_engines, start_sims
@@ -44,12 +53,41 @@ def _env(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+class _Sink(BaseHTTPRequestHandler):
+    """Accepts an OTLP/HTTP export and keeps nothing (an empty ExportTraceServiceResponse)."""
+
+    exports = 0
+    received = 0
+
+    def do_POST(self) -> None:
+        size = int(self.headers.get("content-length", "0"))
+        self.rfile.read(size)
+        type(self).exports += 1
+        type(self).received += size
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def _start_sink() -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a", required=True, help="checkout (repository root) router A runs")
     parser.add_argument("--b", default=str(REPO), help="checkout router B runs (default: this one)")
     parser.add_argument("--env-a", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--env-b", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--otlp-sink", action="store_true",
+                        help="start an OTLP/HTTP receiver that drops what it gets; {otlp_sink} in an "
+                             "--env-a/--env-b value is its URL")
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--requests", type=int, default=400, help="requests per load-generator run")
     parser.add_argument("--rounds", type=int, default=7, help="runs per side and concurrency")
@@ -65,6 +103,10 @@ def main() -> int:
         if not (path / "narwhal" / "__init__.py").is_file():
             raise SystemExit(f"--{side.lower()} {path}: not a narwhal checkout (no narwhal/__init__.py)")
     envs = {"A": _env(args.env_a), "B": _env(args.env_b)}
+    sink = _start_sink() if args.otlp_sink else None
+    if sink is not None:
+        url = f"http://127.0.0.1:{sink.server_address[1]}"
+        envs = {side: {k: v.replace("{otlp_sink}", url) for k, v in env.items()} for side, env in envs.items()}
 
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-ab-"))
     ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "A", "A-admin", "B", "B-admin")}
@@ -121,6 +163,9 @@ def main() -> int:
     finally:
         for proc in reversed(procs):
             stop(proc)
+        if sink is not None:
+            sink.shutdown()
+            print(f"OTLP sink: {_Sink.exports} exports, {_Sink.received} bytes", flush=True)
     return 0
 
 

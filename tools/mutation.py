@@ -58,6 +58,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/probe.py": ("tests/test_readmission.py", "tests/test_readiness.py", "tests/test_router_recovery.py"),
     "narwhal/router/placement.py": ("tests/test_breaker.py", "tests/test_router_basic.py", "tests/test_router_recovery.py"),
     "narwhal/router/retry.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
+    # Client and admin keys, the admin listener's loopback rule.
+    "narwhal/router/keys.py": ("tests/test_security.py",),
     # Its 600-odd mutants each rerun the router tests that reach them: these files keep
     # a run of the request path's functions (--only) under an hour on two cores.
     "narwhal/router/lifecycle.py": (
@@ -118,6 +120,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     # The poll's loop against stand-in engine clients (the replica tests' end-to-end runs
     # of several routers are too slow per mutant).
     "narwhal/router/loadpoll.py": ("tests/test_loadpoll.py",),
+    # What an engine's /metrics may say (its gauges' ranges, how cores combine), rule by
+    # rule, and the client that reads it; how a fault is counted and logged.
+    "narwhal/engines/metrics.py": ("tests/test_metrics_rules.py", "tests/test_engine_client.py"),
+    "narwhal/engines/badinput.py": ("tests/test_engine_input.py::test_bad_input_is_counted_every_time_and_logged_once_a_minute",),
     # Request parsing and the answer's shapes, directly (the router tests that also reach
     # them take a minute a mutant).
     "narwhal/router/requests.py": ("tests/test_request_parsing.py", "tests/test_response_shapes.py"),

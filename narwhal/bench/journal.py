@@ -167,11 +167,16 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+#: The router's classes of a 503 refusal (the client's ``refused``): no capacity, or no
+#: engine of a role in placement.
+_REFUSED = ("refused", "no_engine")
+
+
 def _classes_agree(client: str, router: str) -> bool:
     if client == "ok" or router == "ok":
         return client == router
-    if client == "refused" or router == "refused":
-        return client == router
+    if client == "refused" or router in _REFUSED:
+        return client == "refused" and router in _REFUSED
     return True  # both failed; the names differ by design (client vs router view)
 
 

@@ -32,9 +32,11 @@ from narwhal.engines.connector import (
 from narwhal.engines.metrics import (
     LOAD_SAMPLES,
     EngineMetrics,
+    MalformedMetrics,
     Sample,
     engine_metrics,
     parse_prometheus,
+    start_time,
     sum_samples,
 )
 from narwhal.engines.sse import (
@@ -72,6 +74,7 @@ __all__ = [
     "EngineIdentity",
     "EngineMetrics",
     "MalformedEvent",
+    "MalformedMetrics",
     "PrefillResult",
     "RequestKind",
     "SSEDecoder",
@@ -90,6 +93,7 @@ __all__ = [
     "prefill_request_params",
     "scan_token_event",
     "start_date",
+    "start_time",
     "strip_transfer_params",
     "sum_samples",
     "validate_descriptor",

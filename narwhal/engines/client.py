@@ -7,6 +7,12 @@ HTTP/1.1 pool) with pre-encoded request heads; given another httpx transport or 
 this boundary into :mod:`narwhal.errors` (``engine`` and ``leg`` set), and takes no
 timeout arguments: callers own deadlines with trio cancel scopes. The only timeout
 configured on the transport is the connect timeout.
+
+What an engine answers is not trusted: every answer is read up to a size limit
+(:class:`~narwhal.config.EngineLimits`), and a value the client cannot use (an
+answer past its limit, a gauge that is no number, a token count that contradicts its
+ids) is that engine's :class:`~narwhal.errors.EngineProtocolError`, reported to the
+client's :class:`~narwhal.engines.badinput.BadInput` (counted, logged sparingly).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import attrs
 import httpx
 import trio
 
+from narwhal.config import EngineLimits
+from narwhal.engines.badinput import BadInput
 from narwhal.engines.connector import (
     CONNECTOR_MISMATCH,
     MISSING_DESCRIPTOR,
@@ -36,7 +44,14 @@ from narwhal.engines.connector import (
     strip_transfer_params,
     validate_descriptor,
 )
-from narwhal.engines.metrics import LOAD_SAMPLES, EngineMetrics, engine_metrics, parse_prometheus
+from narwhal.engines.metrics import (
+    LOAD_SAMPLES,
+    EngineMetrics,
+    MalformedMetrics,
+    engine_metrics,
+    parse_prometheus,
+    start_time,
+)
 from narwhal.engines.sse import (
     json_dumps,
     json_loads,
@@ -68,12 +83,21 @@ from narwhal.errors import (
 
 __all__ = ["DecodeStream", "EngineClient", "EngineIdentity", "Tokenized", "start_date"]
 
+#: Trace context headers for an engine request: ``(name, value)`` pairs (``traceparent``,
+#: ``tracestate``), sent as they are.
+TraceHeaders = Sequence[tuple[str, str]]
+
 _PATHS: Final[Mapping[str, str]] = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
 }
-#: How much of an error body is read.
-_ERROR_BODY_LIMIT: Final = 64 * 1024
+#: How much of an error body is read (the rest is not: the connection is closed).
+ERROR_BODY_LIMIT: Final = 64 * 1024
+#: Tokens a chat template (or a tokenizer's special tokens) may add to a prompt beyond one
+#: per byte of its text: a ``/tokenize`` count above that is no count of this prompt.
+TEMPLATE_TOKENS: Final = 4096
+#: The samples identity reads from ``/metrics``.
+_IDENTITY_SAMPLES: Final = frozenset({"process_start_time_seconds"})
 #: Idle keep-alive connections are dropped before the engine's server would close them
 #: (uvicorn, which vLLM runs, closes idle connections after 5 s): reusing a connection
 #: the server is closing fails the request.
@@ -102,10 +126,14 @@ class EngineIdentity:
 
 
 def start_date(ts: float | None) -> str:
-    """An engine's process start time (epoch seconds) as a UTC date, as lines show it."""
+    """An engine's process start time (epoch seconds) as a UTC date, as lines show it
+    (a time that is no date, from a file or an engine, is shown as the number it is)."""
     if ts is None:
         return "unknown"
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, ValueError, OSError):  # inf, NaN, past year 9999
+        return f"{ts!r} (not a date)"
 
 
 class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
@@ -120,9 +148,11 @@ class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
         request_id: str,
         leg: str | None,
         lazy: bool = False,
+        trace: TraceHeaders = (),
     ) -> None:
         self._client = client
         self._lazy = lazy
+        self._trace = trace
         self._prefill = prefill
         self._body = body
         self._kind: RequestKind = kind
@@ -136,7 +166,7 @@ class _DecodeOpener(AbstractAsyncContextManager[DecodeStream]):
             raise RuntimeError("a decode context can be entered only once")
         self._entered = True
         self._stream = await self._client._open_decode(
-            self._prefill, self._body, self._kind, self._request_id, self._leg, self._lazy
+            self._prefill, self._body, self._kind, self._request_id, self._leg, self._lazy, self._trace
         )
         return self._stream
 
@@ -168,6 +198,10 @@ class EngineClient:
         connect_timeout_s: the connect timeout; nothing else times out here.
         url_in_errors: the client's error bodies name the engine's URL after its name
             (``engine d0 at http://host:port unreachable``); otherwise the name alone.
+        limits: how much of the engine's answers is read (sizes, counts); the
+            defaults of :class:`~narwhal.config.EngineLimits` by default.
+        bad_input: where the engine's unusable answers are counted and logged (a
+            router shares one between its engines); a client of its own by default.
     """
 
     def __init__(
@@ -182,6 +216,8 @@ class EngineClient:
         http_client: httpx.AsyncClient | None = None,
         connect_timeout_s: float = 5.0,
         url_in_errors: bool = False,
+        limits: EngineLimits | None = None,
+        bad_input: BadInput | None = None,
     ) -> None:
         if transport is not None and http_client is not None:
             raise ValueError("pass either transport or http_client, not both")
@@ -192,6 +228,8 @@ class EngineClient:
         self.model = model
         self.connector = connector
         self.connect_timeout_s = connect_timeout_s
+        self.limits = limits if limits is not None else EngineLimits()
+        self.bad_input = bad_input if bad_input is not None else BadInput()
         self._api_key = api_key
         self._owns_client = http_client is None
         self._owns_transport = http_client is None and transport is None
@@ -264,7 +302,9 @@ class EngineClient:
 
     # ----------------------------------------------------------------- plumbing
 
-    def _headers(self, request_id: str | None, *, stream: bool = False) -> dict[str, str]:
+    def _headers(
+        self, request_id: str | None, *, stream: bool = False, trace: TraceHeaders = ()
+    ) -> dict[str, str]:
         headers = {"accept": "text/event-stream" if stream else "application/json"}
         if stream:
             # Compression would hold tokens back in the encoder's buffer.
@@ -273,6 +313,8 @@ class EngineClient:
             headers["authorization"] = f"Bearer {self._api_key}"
         if request_id is not None:
             headers["x-request-id"] = request_id
+        for name, value in trace:
+            headers[name] = value
         return headers
 
     def map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError:
@@ -320,8 +362,12 @@ class EngineClient:
         leg: str | None,
         request_id: str | None = None,
         stream: bool = False,
+        trace: TraceHeaders = (),
     ) -> EngineReply:
-        """Send a request; the reply once its head has arrived (the caller closes it)."""
+        """Send a request; the reply once its head has arrived (the caller closes it).
+
+        ``trace``: the trace context headers (``traceparent``, ``tracestate``) to send.
+        """
         content = json_dumps(payload) if payload is not None else None
         try:
             wire = self._wire
@@ -331,10 +377,12 @@ class EngineClient:
                 )
                 if request_id is not None:
                     fields += b"x-request-id: %s\r\n" % _header_value(request_id)
+                for name, value in trace:
+                    fields += b"%s: %s\r\n" % (name.encode("ascii"), _header_value(value, name))
                 return await wire.request(
                     method, self._host, self._port, self._prefix + path, fields, content or b""
                 )
-            headers = self._headers(request_id, stream=stream)
+            headers = self._headers(request_id, stream=stream, trace=trace)
             if content is not None:
                 headers["content-type"] = "application/json"
             transport = self._transport
@@ -359,14 +407,64 @@ class EngineClient:
         *,
         leg: str | None,
         request_id: str | None = None,
+        trace: TraceHeaders = (),
+        metrics: bool = False,
     ) -> tuple[int, str, bytes]:
-        """Send a request and read the whole answer: (status, reason, body)."""
-        reply = await self._open(method, path, payload, leg=leg, request_id=request_id)
+        """Send a request and read the answer: (status, reason, body).
+
+        A 200's body is read whole up to ``engine_limits.max_response_bytes`` (with
+        ``metrics``: ``max_metrics_bytes``), and one that declares or sends more is the
+        engine's protocol error; another status's body is read up to
+        :data:`ERROR_BODY_LIMIT` (what it says past that is not needed).
+        """
+        reply = await self._open(method, path, payload, leg=leg, request_id=request_id, trace=trace)
+        if reply.status != 200:
+            return reply.status, reply.reason, await self._read_limited(reply, ERROR_BODY_LIMIT)
+        if metrics:
+            limit, setting = self.limits.max_metrics_bytes, "engine_limits.max_metrics_bytes"
+        else:
+            limit, setting = self.limits.max_response_bytes, "engine_limits.max_response_bytes"
+        parts: list[bytes] = []
         try:
-            body = await reply.read()  # closes the reply, however it ends
+            declared = reply.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise self.bad_answer(_source(path), f"{method} {path} declares a body of {declared} bytes, "
+                                      f"over {limit} ({setting})", leg)  # fmt: skip
+            size = 0
+            iterator = reply.body
+            while True:
+                try:
+                    part = await iterator.__anext__()
+                except StopAsyncIteration:
+                    break
+                size += len(part)
+                if size > limit:
+                    raise self.bad_answer(_source(path), f"the answer to {method} {path} runs over {limit} bytes "
+                                          f"({setting})", leg)  # fmt: skip
+                parts.append(part)
         except httpx.HTTPError as exc:
             raise self.map_error(exc, leg) from exc
-        return reply.status, reply.reason, body
+        finally:
+            # An answer cut short closes its connection (the rest is never read).
+            with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                await reply.aclose()
+        return reply.status, reply.reason, parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def bad_answer(self, source: str, reason: str, leg: str | None) -> EngineProtocolError:
+        """The engine's protocol error for an answer it cannot use, reported (counted and
+        logged) as bad input from ``source`` (``metrics``, ``tokenize``, ...)."""
+        self.bad_input.report(self.name, source, reason)
+        return EngineProtocolError(
+            f"engine {self.name} sent an unusable answer: {reason}",
+            engine=self.name,
+            leg=leg,
+            public=f"engine {self.public_name} sent an unusable answer",
+        )
+
+    def report_bad_input(self, source: str, reason: str) -> None:
+        """Count and log what the engine sent that could not be used (a decode stream's
+        malformed event)."""
+        self.bad_input.report(self.name, source, reason)
 
     def _http_error(
         self, status: int, body: bytes, reason: str, leg: str | None
@@ -388,11 +486,7 @@ class EngineClient:
         except ValueError:
             obj = None
         if not isinstance(obj, dict):
-            raise EngineProtocolError(
-                f"engine {self.name} answered {path} with something other than a JSON object",
-                engine=self.name,
-                leg=leg,
-            )
+            raise self.bad_answer(_source(path), f"the answer to {path} is not a JSON object", leg)
         error = error_object(obj)
         if error is not None:
             raise stream_error(error, status_of(error), engine=self.name, leg=leg)
@@ -406,14 +500,17 @@ class EngineClient:
         *,
         leg: str | None,
         request_id: str | None = None,
+        trace: TraceHeaders = (),
     ) -> dict[str, Any]:
-        status, reason, body = await self._fetch(method, path, payload, leg=leg, request_id=request_id)
+        status, reason, body = await self._fetch(
+            method, path, payload, leg=leg, request_id=request_id, trace=trace
+        )
         if status != 200:
             raise self._http_error(status, body, reason, leg)
         return self._json_body(body, path, leg)
 
-    async def _request_text(self, path: str, *, leg: str | None) -> str:
-        status, reason, body = await self._fetch("GET", path, None, leg=leg)
+    async def _request_text(self, path: str, *, leg: str | None, metrics: bool = False) -> str:
+        status, reason, body = await self._fetch("GET", path, None, leg=leg, metrics=metrics)
         if status != 200:
             raise self._http_error(status, body, reason, leg)
         return body.decode("utf-8", "replace")
@@ -453,6 +550,7 @@ class EngineClient:
         request_id: str | None = None,
         leg: str | None = "prefill",
         transfer: bool = True,
+        trace: TraceHeaders = (),
     ) -> PrefillResult:
         """Run the producer leg: a one-token, non-streaming request that yields a handoff.
 
@@ -471,6 +569,8 @@ class EngineClient:
             transfer: ``False`` runs the same one-token request with every transfer
                 parameter stripped and expects no handoff (the prefill leg of a
                 same-worker decode); the result then has no descriptor.
+            trace: trace context headers to send (``traceparent``, ``tracestate``), so
+                that the engine's spans join the router's trace.
 
         Raises:
             EngineUnavailable, EngineHTTPError, EngineStreamError, EngineProtocolError,
@@ -505,17 +605,13 @@ class EngineClient:
         self._with_model(payload)
 
         started_at = trio.current_time()
-        obj = await self._request_json("POST", _PATHS[kind], payload, leg=leg, request_id=rid)
+        obj = await self._request_json("POST", _PATHS[kind], payload, leg=leg, request_id=rid, trace=trace)
         completed_at = trio.current_time()
 
         choices = obj.get("choices")
         first = choices[0] if isinstance(choices, list) and choices else None
         if not isinstance(first, dict):
-            raise EngineProtocolError(
-                f"engine {self.name} answered the prefill without choices",
-                engine=self.name,
-                leg=leg,
-            )
+            raise self.bad_answer("completions", "the prefill's answer has no choices", leg)
         if not transfer:
             return PrefillResult(
                 descriptor={},
@@ -576,6 +672,7 @@ class EngineClient:
         request_id: str | None = None,
         leg: str | None = "decode",
         lazy: bool = False,
+        trace: TraceHeaders = (),
     ) -> AbstractAsyncContextManager[DecodeStream]:
         """Open a streaming decode; use as ``async with client.decode(result) as stream``.
 
@@ -594,6 +691,7 @@ class EngineClient:
             leg: the leg errors are attributed to.
             lazy: count token events of the usual shape without parsing them (see
                 :class:`DecodeStream`).
+            trace: trace context headers to send (``traceparent``, ``tracestate``).
 
         Raises (on entering):
             EngineUnavailable, EngineHTTPError, EngineStreamError, StreamClosed: the
@@ -611,7 +709,7 @@ class EngineClient:
         if kind is None:
             kind = prefill.kind if prefill is not None else "completions"
         rid = request_id if request_id is not None else new_request_id()
-        return _DecodeOpener(self, prefill, body, check_kind(kind), rid, leg, lazy)
+        return _DecodeOpener(self, prefill, body, check_kind(kind), rid, leg, lazy, trace)
 
     def _decode_body(
         self, prefill: PrefillResult | None, body: Mapping[str, Any], leg: str | None
@@ -652,19 +750,20 @@ class EngineClient:
         request_id: str,
         leg: str | None,
         lazy: bool = False,
+        trace: TraceHeaders = (),
     ) -> DecodeStream:
         payload = self._decode_body(prefill, body, leg)
         opened_at = trio.current_time()
         response = await self._open(
-            "POST", _PATHS[kind], payload, leg=leg, request_id=request_id, stream=True
+            "POST", _PATHS[kind], payload, leg=leg, request_id=request_id, stream=True, trace=trace
         )
         if response.status != 200:
-            data = await self._read_limited(response, _ERROR_BODY_LIMIT)
+            data = await self._read_limited(response, ERROR_BODY_LIMIT)
             raise self._http_error(response.status, data, response.reason, leg)
         content_type = response.headers.get("content-type", "")
         if content_type.startswith("application/json"):
             # Not a stream: an engine that answers a stream request with a JSON error.
-            data = await self._read_limited(response, _ERROR_BODY_LIMIT)
+            data = await self._read_limited(response, ERROR_BODY_LIMIT)
             try:
                 obj = json_loads(data)
             except ValueError:
@@ -686,6 +785,7 @@ class EngineClient:
             prefill=prefill,
             opened_at=opened_at,
             lazy=lazy,
+            max_event_bytes=self.limits.max_stream_event_bytes,
         )
 
     # ----------------------------------------------------------------- introspection
@@ -719,20 +819,34 @@ class EngineClient:
         obj = await self._request_json(
             "POST", "/tokenize", self._with_model(payload), leg="tokenize"
         )
+        return self._tokenized(obj, _tokens_bound(payload))
+
+    def _tokenized(self, obj: Mapping[str, Any], bound: int | None) -> Tokenized:
+        """A ``/tokenize`` answer checked: ``tokens`` (when given) are token ids and
+        ``count`` is their number, ``count`` is possible for the prompt (at most one
+        token a byte, plus :data:`TEMPLATE_TOKENS`; ``bound``), ``max_model_len`` a
+        positive integer. A count the router cannot trust would answer the client's
+        request with a context-length 400 that is the engine's fault."""
         count, tokens, max_len = obj.get("count"), obj.get("tokens"), obj.get("max_model_len")
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            tokens = []
-        if type(count) is not int:
-            if not tokens:
-                raise EngineProtocolError(
-                    f"engine {self.name} answered /tokenize without a count",
-                    engine=self.name,
-                    leg="tokenize",
-                )
+
+        def bad(reason: str) -> EngineProtocolError:
+            return self.bad_answer("tokenize", reason, "tokenize")
+
+        if tokens is not None and not (
+            isinstance(tokens, list) and all(type(t) is int and t >= 0 for t in tokens)
+        ):
+            raise bad("its tokens are not a list of token ids")
+        if count is None and tokens is not None:
             count = len(tokens)
-        return Tokenized(
-            count=count, max_model_len=max_len if type(max_len) is int else None, ids=tuple(tokens)
-        )
+        if type(count) is not int or count < 0:
+            raise bad("it has no token count" if count is None else f"its count {_shown(count)} is not a number of tokens")
+        if tokens is not None and count != len(tokens):
+            raise bad(f"its count {count} contradicts the {len(tokens)} token ids it returns")
+        if bound is not None and count > bound:
+            raise bad(f"its count {count} is more than the prompt can hold ({bound})")
+        if max_len is not None and (type(max_len) is not int or max_len < 1):
+            raise bad(f"its max_model_len {_shown(max_len)} is not a positive integer")
+        return Tokenized(count=count, max_model_len=max_len, ids=tuple(tokens or ()))
 
     async def reset_prefix_cache(self) -> bool:
         """Ask the engine to drop its prefix cache (vLLM's ``POST /reset_prefix_cache``,
@@ -760,25 +874,43 @@ class EngineClient:
         return await self._metrics(LOAD_SAMPLES)
 
     async def _metrics(self, names: frozenset[str] | None) -> EngineMetrics:
-        text = await self._request_text("/metrics", leg="metrics")
+        text = await self._request_text("/metrics", leg="metrics", metrics=True)
         try:
             return engine_metrics(parse_prometheus(text, names=names))
-        except ValueError as exc:
-            raise EngineProtocolError(
-                f"engine {self.name} metrics unusable: {exc}", engine=self.name, leg="metrics"
-            ) from None
+        except MalformedMetrics as exc:
+            raise self.bad_answer("metrics", str(exc), "metrics") from None
 
     async def models(self) -> list[dict[str, Any]]:
-        """The ``data`` list of ``GET /v1/models``."""
-        obj = await self._request_json("GET", "/v1/models", leg="models")
+        """The ``data`` list of ``GET /v1/models``: the entries that name a model (``id``).
+
+        An entry's ``max_model_len`` that is not a positive integer is reported (bad
+        input) and given as None: no limit known.
+
+        Raises:
+            EngineProtocolError: no data list, or more entries than
+                ``engine_limits.max_listed_models``.
+        """
+        return await self._models("models")
+
+    async def _models(self, leg: str) -> list[dict[str, Any]]:
+        obj = await self._request_json("GET", "/v1/models", leg=leg)
         data = obj.get("data")
         if not isinstance(data, list):
-            raise EngineProtocolError(
-                f"engine {self.name} answered /v1/models without a data list",
-                engine=self.name,
-                leg="models",
+            raise self.bad_answer("models", "the answer to /v1/models has no data list", leg)
+        limit = self.limits.max_listed_models
+        if len(data) > limit:
+            raise self.bad_answer(
+                "models", f"/v1/models lists {len(data)} models, over {limit} (engine_limits.max_listed_models)", leg
             )
-        return [entry for entry in data if isinstance(entry, dict)]
+        entries = [entry for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
+        for i, entry in enumerate(entries):
+            max_len = entry.get("max_model_len")
+            if max_len is not None and (type(max_len) is not int or max_len < 1):
+                # No limit known, rather than one that refuses every request.
+                self.bad_input.report(self.name, "models", f"model {entry['id'][:80]!r} has max_model_len "
+                                      f"{_shown(max_len)}, not a positive integer")  # fmt: skip
+                entries[i] = {**entry, "max_model_len": None}
+        return entries
 
     async def identity(self) -> EngineIdentity:
         """The engine's generation: URL, model, version, max_model_len, process start time.
@@ -787,8 +919,12 @@ class EngineClient:
         listed (so a mismatch with the configuration shows).
         """
         version_obj = await self._request_json("GET", "/version", leg="identity")
-        models = await self.models()
-        text = await self._request_text("/metrics", leg="identity")
+        models = await self._models("identity")
+        text = await self._request_text("/metrics", leg="identity", metrics=True)
+        try:
+            started = start_time(parse_prometheus(text, names=_IDENTITY_SAMPLES))
+        except MalformedMetrics as exc:
+            raise self.bad_answer("metrics", str(exc), "identity") from None
         entry: dict[str, Any] | None = None
         for candidate in models:
             if self.model is not None and candidate.get("id") == self.model:
@@ -799,13 +935,12 @@ class EngineClient:
         version = version_obj.get("version")
         model = entry.get("id") if entry is not None else None
         max_len = entry.get("max_model_len") if entry is not None else None
-        start = parse_prometheus(text).get("process_start_time_seconds", ())
         return EngineIdentity(
             url=self.url,
             model=model if isinstance(model, str) else None,
             version=version if isinstance(version, str) else None,
             max_model_len=max_len if type(max_len) is int else None,
-            process_start_time=start[0].value if start else None,
+            process_start_time=started,
         )
 
     async def health(self) -> bool:
@@ -814,17 +949,50 @@ class EngineClient:
 
     async def unhealthy(self) -> str | None:
         """Why ``GET /health`` does not answer 200 (the connection error or the status);
-        None when it does."""
+        None when it does.
+
+        Raises:
+            RouterOverloaded: the router itself lacked the descriptors, buffers or memory
+                to ask (which says nothing about the engine).
+        """
         try:
             status, reason, _ = await self._fetch("GET", "/health", None, leg="health")
         except EngineError as exc:
+            if exc.router_fault:
+                raise
             return str(exc)
         return None if status == 200 else f"engine {self.name} /health answered HTTP {status} {reason}".rstrip()
 
 
+def _source(path: str) -> str:
+    """The bad-input source of an answer to ``path`` (``/v1/models`` -> ``models``)."""
+    return path.rsplit("/", 1)[-1] or "answer"
+
+
+def _shown(value: Any) -> str:
+    """An engine's value in a message (cut short: the engine chose its length)."""
+    return truncate(repr(value), 60)
+
+
+def _tokens_bound(payload: Mapping[str, Any]) -> int | None:
+    """The most tokens ``/tokenize`` can find in a text prompt, or in chat messages whose
+    contents are all text (their JSON size bounds their bytes): one a byte, plus
+    :data:`TEMPLATE_TOKENS`. None for other content (images, say, expand to tokens of
+    their own)."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "replace")) + TEMPLATE_TOKENS
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content", ""), str | None) for m in messages
+    ):
+        return None
+    return len(json_dumps(messages)) + TEMPLATE_TOKENS
+
+
 def _prompt_tokens(obj: Mapping[str, Any], choice: Mapping[str, Any]) -> int | None:
     usage = obj.get("usage")
-    if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int:
+    if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int and usage["prompt_tokens"] >= 0:
         return int(usage["prompt_tokens"])
     for holder in (choice, obj):
         ids = holder.get("prompt_token_ids")
@@ -837,8 +1005,8 @@ def _cached_tokens(obj: Mapping[str, Any]) -> int | None:
     return usage_cached_tokens(obj.get("usage"))
 
 
-def _header_value(value: str) -> bytes:
+def _header_value(value: str, name: str = "request id") -> bytes:
     """A header value as bytes; refuses what would break the head (CR, LF, non-ASCII)."""
     if not (value.isascii() and value.isprintable()):
-        raise ValueError(f"request id {value!r} is not printable ASCII")
+        raise ValueError(f"{name} {value!r} is not printable ASCII")
     return value.encode("ascii")

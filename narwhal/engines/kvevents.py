@@ -22,7 +22,11 @@ tagged by ``"type"`` (``{"type": "BlockStored", "block_hashes": [...],
 fields at their default left out), with 64-bit integer block hashes; other builds
 declare the events ``array_like`` (arrays led by their tag, ``["BlockStored",
 block_hashes, ...]``) or send 32-byte hashes. :func:`decode_batch` reads every form;
-:func:`encode_batch` writes the observed one. The replay endpoint is a ROUTER socket: a
+:func:`encode_batch` writes the observed one. A payload is untrusted (in bind mode
+anyone who reaches the port can publish): :func:`decode_batch` raises only
+:class:`MalformedBatch`, for anything that is not a batch of well-typed events (token
+ids that are not non-negative integers, a block size below 1, a map keyed by an
+array), and the subscriber drops the engine's view for it. The replay endpoint is a ROUTER socket: a
 DEALER sends ``[b"", start_seq]`` and gets ``[b"", topic, seq, payload]`` for each
 buffered batch from ``start_seq`` on, then ``[b"", b"", END_SEQ, b""]`` (observed;
 builds without the topic frame are read too). An engine publishes once per scheduler
@@ -42,7 +46,10 @@ import attrs
 import msgpack
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from narwhal.config import EngineLimits
+from narwhal.engines.badinput import BadInput
 from narwhal.engines.zmqtrio import close_socket, recv_multipart, send_multipart
 
 __all__ = [
@@ -181,37 +188,73 @@ def _fields(raw: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
 
 
 def _hash(value: Any) -> BlockHash:
-    if isinstance(value, bytes | int) and not isinstance(value, bool):
+    if isinstance(value, bytes) or type(value) is int:
         return value
     raise MalformedBatch(f"a block hash is neither bytes nor an integer: {value!r:.40}")
+
+
+def _hashes(value: Any, event: str) -> tuple[BlockHash, ...]:
+    if not isinstance(value, list):
+        raise MalformedBatch(f"{event} lacks block_hashes")
+    return tuple(_hash(h) for h in value)
+
+
+def _optional(f: Mapping[str, Any], name: str, kind: type, event: str) -> Any:
+    value = f.get(name)
+    if value is not None and type(value) is not kind:
+        raise MalformedBatch(f"{event}'s {name} is not {'a string' if kind is str else 'an integer'}: {value!r:.40}")
+    return value
+
+
+#: What an extra hash key may hold (vLLM's: LoRA names, multimodal hashes, cache salts).
+_SCALARS: Final = (str, bytes, int, float, bool, type(None))
+
+
+def _extra_keys(value: Any) -> tuple[object, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise MalformedBatch(f"BlockStored's extra_keys are not a list: {value!r:.40}")
+    out: list[object] = []
+    for key in value:
+        if isinstance(key, list) and all(isinstance(k, _SCALARS) for k in key):
+            out.append(tuple(key))
+        elif isinstance(key, _SCALARS):
+            out.append(key)
+        else:
+            raise MalformedBatch(f"a BlockStored extra key is not a list of values: {key!r:.40}")
+    return tuple(out)
 
 
 def _decode_event(raw: Any) -> KVEvent | None:
     tag = raw[0] if isinstance(raw, list | tuple) and raw else (raw.get("type") if isinstance(raw, Mapping) else None)
     if tag == "BlockStored":
         _, f = _fields(raw, _STORED_FIELDS)
-        hashes, tokens, size = f.get("block_hashes"), f.get("token_ids"), f.get("block_size")
-        if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(size, int):
+        tokens, size = f.get("token_ids"), f.get("block_size")
+        if not isinstance(tokens, list) or type(size) is not int:
             raise MalformedBatch("BlockStored lacks block_hashes, token_ids or block_size")
+        if size < 1:
+            raise MalformedBatch(f"BlockStored's block_size is {size}")
+        if not all(type(t) is int and t >= 0 for t in tokens):
+            bad = next(t for t in tokens if not (type(t) is int and t >= 0))
+            raise MalformedBatch(f"BlockStored's token_ids hold {bad!r:.40}, not a token id")
         parent = f.get("parent_block_hash")
-        extra = f.get("extra_keys")
         return BlockStored(
-            block_hashes=tuple(_hash(h) for h in hashes),
+            block_hashes=_hashes(f.get("block_hashes"), "BlockStored"),
             parent_block_hash=None if parent is None else _hash(parent),
-            token_ids=tuple(int(t) for t in tokens),
+            token_ids=tuple(tokens),
             block_size=size,
-            lora_id=f.get("lora_id"),
-            medium=f.get("medium"),
-            lora_name=f.get("lora_name"),
-            extra_keys=tuple(tuple(k) if isinstance(k, list) else k for k in extra)
-            if isinstance(extra, list) else None,
+            lora_id=_optional(f, "lora_id", int, "BlockStored"),
+            medium=_optional(f, "medium", str, "BlockStored"),
+            lora_name=_optional(f, "lora_name", str, "BlockStored"),
+            extra_keys=_extra_keys(f.get("extra_keys")),
         )
     if tag == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_FIELDS)
-        hashes = f.get("block_hashes")
-        if not isinstance(hashes, list):
-            raise MalformedBatch("BlockRemoved lacks block_hashes")
-        return BlockRemoved(block_hashes=tuple(_hash(h) for h in hashes), medium=f.get("medium"))
+        return BlockRemoved(
+            block_hashes=_hashes(f.get("block_hashes"), "BlockRemoved"),
+            medium=_optional(f, "medium", str, "BlockRemoved"),
+        )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     _fields(raw, ())  # a malformed event raises; a tag from a newer build is skipped
@@ -222,13 +265,15 @@ def decode_batch(payload: bytes) -> EventBatch:
     """The ``EventBatch`` of one payload (array or map form).
 
     Raises:
-        MalformedBatch: the payload is not msgpack or not an event batch. Events of
-            kinds this module does not know are skipped.
+        MalformedBatch: the payload is not msgpack or not an event batch (and nothing
+            else, whatever the payload). Events of kinds this module does not know are
+            skipped.
     """
     try:
         body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise MalformedBatch(f"the payload is not msgpack: {exc}") from None
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        # TypeError: a map keyed by an array or a map (unhashable).
+        raise MalformedBatch(f"the payload is not msgpack (or not one map keys can be read from): {exc}") from None
     if isinstance(body, Mapping):
         ts, events, rank = body.get("ts"), body.get("events"), body.get("data_parallel_rank")
     elif isinstance(body, list) and len(body) >= 2:
@@ -236,10 +281,10 @@ def decode_batch(payload: bytes) -> EventBatch:
         rank = body[2] if len(body) > 2 else None
     else:
         raise MalformedBatch("the payload is not an EventBatch")
-    if not isinstance(ts, int | float) or not isinstance(events, list):
-        raise MalformedBatch("an EventBatch needs a numeric ts and a list of events")
+    if not (isinstance(ts, int | float) and type(ts) is not bool and math.isfinite(ts) and isinstance(events, list)):
+        raise MalformedBatch("an EventBatch needs a finite numeric ts and a list of events")
     decoded = tuple(e for e in map(_decode_event, events) if e is not None)
-    return EventBatch(float(ts), decoded, rank if isinstance(rank, int) else None)
+    return EventBatch(float(ts), decoded, rank if type(rank) is int and rank >= 0 else None)
 
 
 # ------------------------------------------------------------ the subscriber
@@ -282,6 +327,13 @@ class KVEventSubscriber:
     the next live batch calls ``on_stale(None)``. A ZeroMQ error (an address to bind
     in use, say) makes the stream stale too until live batches arrive.
 
+    What the engine sends is bounded (``limits``): ZeroMQ drops a peer that sends a
+    message over ``kv_max_message_bytes`` and queues at most ``kv_max_queued_messages``;
+    a replay ends at ``kv_replay_timeout_s`` however fast its messages come, and is
+    abandoned (as failed) past ``kv_replay_max_batches`` or ``kv_replay_max_bytes``. A
+    malformed batch, message or replay is reported to ``bad_input`` (counted, logged
+    sparingly) and drops what is known of the engine's cache.
+
     Args:
         endpoint: The engine's PUB endpoint, ``tcp://host:port`` (with ``bind``: the
             address this SUB socket binds, which the engine's publisher connects to).
@@ -289,12 +341,17 @@ class KVEventSubscriber:
         on_reset: Receives the reason whenever what is known of the cache must be dropped.
         replay_endpoint: The engine's ROUTER replay endpoint, if it has one.
         topic: The topic to subscribe to.
-        replay_timeout_s: How long a replay may take before it counts as failed.
+        replay_timeout_s: How long a replay may take before it counts as failed
+            (default: ``limits.kv_replay_timeout_s``).
         context: The ZeroMQ context (the process-wide one by default).
         bind: Bind ``endpoint`` instead of connecting to it.
         probe_interval_s: Seconds between replay probes; None: no probe.
         on_stale: Receives the likely cause when the live stream is taken for stale,
             and None when live batches arrive again.
+        name: The engine's name in reports of bad input (default: ``endpoint``).
+        limits: Bounds on what the engine may send (the defaults of
+            :class:`~narwhal.config.EngineLimits` by default).
+        bad_input: Where malformed batches and replays are counted and logged.
     """
 
     #: Probes in a row that found batches no live message brought before the stream is stale.
@@ -308,11 +365,14 @@ class KVEventSubscriber:
         on_reset: Callable[[ResetReason], None],
         replay_endpoint: str | None = None,
         topic: str = "",
-        replay_timeout_s: float = 5.0,
+        replay_timeout_s: float | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         bind: bool = False,
         probe_interval_s: float | None = None,
         on_stale: Callable[[str | None], None] | None = None,
+        name: str | None = None,
+        limits: EngineLimits | None = None,
+        bad_input: BadInput | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.bind = bind
@@ -320,7 +380,10 @@ class KVEventSubscriber:
         self._on_stale = on_stale
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode("utf-8")
-        self.replay_timeout_s = replay_timeout_s
+        self.name = name if name is not None else endpoint
+        self.limits = limits if limits is not None else EngineLimits()
+        self.bad_input = bad_input if bad_input is not None else BadInput()
+        self.replay_timeout_s = replay_timeout_s if replay_timeout_s is not None else self.limits.kv_replay_timeout_s
         self._on_batch = on_batch
         self._on_reset = on_reset
         self._ctx = context if context is not None else zmq.Context.instance()
@@ -369,40 +432,74 @@ class KVEventSubscriber:
                 self._reset(f"ZeroMQ error: {exc}")
                 self.expected = self._live_last = self._last = None
                 await trio.sleep(self.RETRY_S)
+            except _ConnectionDropped:
+                self._bad(f"the connection to {self.endpoint} broke ZeroMQ's protocol (a message over "
+                          f"{self.limits.kv_max_message_bytes} bytes: engine_limits.kv_max_message_bytes) and "
+                          f"was dropped; subscribing again in {self.RETRY_S:g} s")  # fmt: skip
+                self._reset("the connection was dropped", quiet=True)
+                self.expected = self._live_last = self._last = None
+                await trio.sleep(self.RETRY_S)
 
     #: Seconds between a ZeroMQ error and the next subscription.
     RETRY_S: Final = 1.0
+    #: Seconds ZeroMQ may take to say it reconnects after a connection it made closed.
+    RECONNECT_WAIT_S: Final = 1.0
 
     async def _subscribe(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
+        monitor: zmq.Socket[bytes] | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.limits.kv_max_message_bytes)
+            sub.setsockopt(zmq.RCVHWM, self.limits.kv_max_queued_messages)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             if self.bind:
                 sub.bind(self.endpoint)
             else:
+                # ZeroMQ reconnects a connection that broke, but not one it dropped for a
+                # protocol error (a message over MAXMSGSIZE): the monitor tells them apart.
+                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
                 sub.connect(self.endpoint)
             self._last_error = None
             await self._catch_up(0, "subscribed")
-            interval = self.probe_interval_s if self.replay_endpoint is not None else None
-            next_probe = trio.current_time() + interval if interval else math.inf
-            while True:
-                frames = None
-                with trio.move_on_at(next_probe):
-                    frames = await recv_multipart(sub)
-                if frames is None:
-                    assert interval is not None
-                    await self._probe()
-                    next_probe = trio.current_time() + interval
-                    continue
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.malformed += 1
-                    log.warning("KV events from %s: a message of %d frames", self.endpoint, len(frames))
-                    continue
-                await self._receive(int.from_bytes(frames[1], "big"), frames[2])
+            dropped = False
+            async with trio.open_nursery() as nursery:
+                if monitor is not None:
+
+                    async def watch(monitor: zmq.Socket[bytes]) -> None:
+                        nonlocal dropped
+                        dropped = await _dropped(monitor, self.RECONNECT_WAIT_S)
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(watch, monitor)
+                await self._follow(sub)
+            if dropped:
+                raise _ConnectionDropped
         finally:
+            if monitor is not None:
+                close_socket(monitor)
             close_socket(sub)
             self._close_dealer()
+
+    async def _follow(self, sub: zmq.Socket[bytes]) -> None:
+        """Receive live batches (and probe the replay endpoint) until cancelled."""
+        interval = self.probe_interval_s if self.replay_endpoint is not None else None
+        next_probe = trio.current_time() + interval if interval else math.inf
+        while True:
+            frames = None
+            with trio.move_on_at(next_probe):
+                frames = await recv_multipart(sub)
+            if frames is None:
+                assert interval is not None
+                await self._probe()
+                next_probe = trio.current_time() + interval
+                continue
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.malformed += 1
+                self._bad(f"a message of {len(frames)} frames (expected topic, an 8-byte sequence "
+                          "number and a payload)")  # fmt: skip
+                continue
+            await self._receive(int.from_bytes(frames[1], "big"), frames[2])
 
     async def _receive(self, seq: int, payload: bytes) -> None:
         self.live += 1
@@ -432,7 +529,8 @@ class KVEventSubscriber:
             # A batch we cannot read leaves the cache unknown.
             self.malformed += 1
             self.expected = seq + 1
-            self._reset(f"batch {seq} is malformed: {exc}")
+            self._bad(f"batch {seq} from {self.endpoint}: {exc}")
+            self._reset(f"batch {seq} is malformed", quiet=True)
             return
         self.expected = seq + 1
         self.delivered += 1
@@ -487,10 +585,15 @@ class KVEventSubscriber:
         if self.silent_probes >= self.STALE_AFTER and self.stale is None:
             self._set_stale(self._stale_reason())
 
-    def _reset(self, reason: ResetReason) -> None:
+    def _reset(self, reason: ResetReason, *, quiet: bool = False) -> None:
+        """Drop what is known of the engine's cache (``quiet``: the cause was reported)."""
         self.resets += 1
-        log.info("KV events from %s: dropping the cache view: %s", self.endpoint, reason)
+        log.log(logging.DEBUG if quiet else logging.INFO, "KV events from %s: dropping the cache view: %s",
+                self.endpoint, reason)  # fmt: skip
         self._on_reset(reason)
+
+    def _bad(self, reason: str) -> None:
+        self.bad_input.report(self.name, "kv_events", reason)
 
     async def _catch_up(self, start: int, why: str) -> None:
         """Replay from ``start``; a reset comes first where earlier batches are unknown."""
@@ -540,14 +643,20 @@ class KVEventSubscriber:
         dealer = self._dealer
         got: list[tuple[int, bytes]] = []
         complete = False
+        limits = self.limits
+        size = 0
         try:
             if dealer is None:
                 dealer = self._dealer = self._ctx.socket(zmq.DEALER)
                 dealer.setsockopt(zmq.LINGER, 0)
+                dealer.setsockopt(zmq.MAXMSGSIZE, limits.kv_max_message_bytes)
                 dealer.connect(self.replay_endpoint)
             send_multipart(dealer, [b"", seq_bytes(start)])
-            with trio.move_on_after(self.replay_timeout_s):
-                while True:
+            # A receive that finds a message waiting is no cancellation point (the message
+            # must reach the caller): a replay whose messages keep coming is ended here.
+            deadline = trio.current_time() + self.replay_timeout_s
+            with trio.move_on_at(deadline):
+                while trio.current_time() < deadline:
                     frames = await recv_multipart(dealer)
                     if len(frames) < 3 or frames[0] != b"":
                         continue
@@ -559,8 +668,18 @@ class KVEventSubscriber:
                         self.engine_topic = frames[1]
                     if len(seq_frame) == 8:
                         got.append((int.from_bytes(seq_frame, "big"), payload))
-            log.warning("KV events: no replay from %s within %.1f s", self.replay_endpoint,
-                        self.replay_timeout_s)  # fmt: skip
+                        size += len(payload)
+                        if len(got) > limits.kv_replay_max_batches or size > limits.kv_replay_max_bytes:
+                            self._bad(f"a replay from {self.replay_endpoint} of more than "
+                                      f"{limits.kv_replay_max_batches} batches or {limits.kv_replay_max_bytes} bytes "
+                                      "(engine_limits.kv_replay_max_batches, kv_replay_max_bytes)")  # fmt: skip
+                            return None
+            if got:  # an answer that never ends
+                self._bad(f"a replay from {self.replay_endpoint} not complete within {self.replay_timeout_s:g} s "
+                          f"(engine_limits.kv_replay_timeout_s; {len(got)} batches received)")  # fmt: skip
+            else:
+                log.warning("KV events: no replay from %s within %.1f s", self.replay_endpoint,
+                            self.replay_timeout_s)  # fmt: skip
             return None
         finally:
             if not complete:
@@ -571,3 +690,21 @@ class KVEventSubscriber:
         if dealer is not None:
             close_socket(dealer)
 
+
+class _ConnectionDropped(Exception):
+    """ZeroMQ dropped the subscription's connection for good (a protocol error)."""
+
+
+async def _dropped(monitor: zmq.Socket[bytes], wait_s: float) -> bool:
+    """Wait for the monitored socket's connection to close without ZeroMQ scheduling a
+    reconnection within ``wait_s`` (it does at once for a connection that broke, never
+    for one dropped for a protocol error); True then."""
+    while True:
+        event = parse_monitor_message(await recv_multipart(monitor))
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            continue
+        with trio.move_on_after(wait_s) as waiting:
+            while parse_monitor_message(await recv_multipart(monitor))["event"] != zmq.EVENT_CONNECT_RETRIED:
+                pass
+        if waiting.cancelled_caught:
+            return True

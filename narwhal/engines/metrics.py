@@ -5,11 +5,17 @@ of gauges from it (running and waiting requests, KV-cache usage and capacity, pr
 caching, the API server's start time), so it parses the text itself rather than
 depending on a client library. :func:`parse_prometheus` keeps every sample, so callers
 that want histograms (time to first token, inter-token latency) can read them too.
+
+The text comes from an engine and is not trusted: :func:`engine_metrics` refuses
+(:class:`MalformedMetrics`) a gauge that is not a finite number in its range (``+Inf``
+requests running, a NaN usage, a negative capacity, a start time that is no date),
+so that what it returns is safe to do arithmetic on.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Final
@@ -19,9 +25,11 @@ import attrs
 __all__ = [
     "LOAD_SAMPLES",
     "EngineMetrics",
+    "MalformedMetrics",
     "Sample",
     "engine_metrics",
     "parse_prometheus",
+    "start_time",
     "sum_samples",
 ]
 
@@ -209,7 +217,20 @@ class EngineMetrics:
         return None
 
 
+class MalformedMetrics(ValueError):
+    """A gauge narwhal reads is missing, or not a number it can use; ``str()`` says which."""
+
+
+#: The most requests a gauge may report (per core): more is no engine's load.
+MAX_REQUESTS: Final = 10**7
+#: The most KV-cache tokens (or blocks) a capacity label may report.
+MAX_CAPACITY: Final = 2**48
+#: The latest start time a date can show (9999-12-31, as Python's datetime).
+MAX_START_TIME: Final = 253402300799.0
+
+
 def _int_label(sample: Sample, key: str) -> int | None:
+    """An integer label >= 0; None when absent or not a number (``"None"``: unknown)."""
     raw = sample.label(key)
     if raw is None:
         return None
@@ -217,7 +238,9 @@ def _int_label(sample: Sample, key: str) -> int | None:
         value = float(raw)
     except ValueError:
         return None  # "None" when the engine does not know
-    return int(value) if math.isfinite(value) else None
+    if not (math.isfinite(value) and value == int(value) and 0 <= value <= MAX_CAPACITY):
+        raise MalformedMetrics(f"{sample.name} has {key}={raw[:40]!r}, not an integer in 0..{MAX_CAPACITY}")
+    return int(value)
 
 
 def _capacity(info: Sample) -> int | None:
@@ -229,43 +252,60 @@ def _capacity(info: Sample) -> int | None:
     blocks, block_size = _int_label(info, "num_gpu_blocks"), _int_label(info, "block_size")
     if blocks is None or block_size is None:
         return None
-    return blocks * block_size
+    return min(blocks * block_size, MAX_CAPACITY)
+
+
+def _value(sample: Sample, low: float, high: float) -> float:
+    """The sample's value, a finite number in ``low..high`` (else :class:`MalformedMetrics`)."""
+    value = sample.value
+    if not low <= value <= high:  # False for NaN too
+        raise MalformedMetrics(f"{sample.name} is {value!r}, not a number in {low:g}..{high:g}")
+    return value
+
+
+_RUNNING: Final = "vllm:num_requests_running"
+_WAITING: Final = "vllm:num_requests_waiting"
+_USAGE: Final = "vllm:kv_cache_usage_perc"
+_USAGE_BEFORE: Final = "vllm:gpu_cache_usage_perc"  # its name in older vLLM builds
+_CACHE_INFO: Final = "vllm:cache_config_info"
+_START: Final = "process_start_time_seconds"
+
+
+def start_time(samples: Mapping[str, tuple[Sample, ...]]) -> float | None:
+    """``process_start_time_seconds`` (None when not reported).
+
+    Raises:
+        MalformedMetrics: it is not a date (not finite, negative, past year 9999).
+    """
+    start = samples.get(_START)
+    return _value(start[0], 0.0, MAX_START_TIME) if start else None
 
 
 #: The samples :func:`engine_metrics` reads: what a load poll needs parsed.
-LOAD_SAMPLES: Final = frozenset({
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc", "vllm:cache_config_info", "process_start_time_seconds",
-})  # fmt: skip
+LOAD_SAMPLES: Final = frozenset({_RUNNING, _WAITING, _USAGE, _USAGE_BEFORE, _CACHE_INFO, _START})
 
 
 def engine_metrics(samples: Mapping[str, tuple[Sample, ...]]) -> EngineMetrics:
     """Summarize parsed vLLM metrics into :class:`EngineMetrics`.
 
     Raises:
-        ValueError: a required gauge (running, waiting, KV usage) is missing.
+        MalformedMetrics: a required gauge (running, waiting, KV usage) is missing, or a
+            gauge or label read is not a finite number in its range.
     """
-    running = sum_samples(samples.get("vllm:num_requests_running", ()))
-    waiting = sum_samples(samples.get("vllm:num_requests_waiting", ()))
-    usage_samples = samples.get("vllm:kv_cache_usage_perc") or samples.get(
-        "vllm:gpu_cache_usage_perc", ()
-    )
-    missing = [
-        name
-        for name, value in (
-            ("vllm:num_requests_running", running),
-            ("vllm:num_requests_waiting", waiting),
-            ("vllm:kv_cache_usage_perc", usage_samples or None),
-        )
-        if value is None
-    ]
-    if missing or running is None or waiting is None:
-        raise ValueError(f"metrics lack {', '.join(missing)}")
+    usage_name = _USAGE if samples.get(_USAGE) else _USAGE_BEFORE
+    missing = [name for name, read in ((_RUNNING, _RUNNING), (_WAITING, _WAITING), (_USAGE, usage_name))
+               if not samples.get(read)]  # fmt: skip
+    if missing:
+        raise MalformedMetrics(f"metrics lack {', '.join(missing)}")
+    running = sum(_value(s, 0.0, MAX_REQUESTS) for s in samples[_RUNNING])
+    waiting = sum(_value(s, 0.0, MAX_REQUESTS) for s in samples[_WAITING])
+    usage_samples = samples[usage_name]
+    usages = [_value(s, 0.0, 1.0) for s in usage_samples]
 
-    infos = samples.get("vllm:cache_config_info", ())
     capacity_by_engine: dict[str | None, int] = {}
     prefix_flags: list[bool] = []
-    for info in infos:
+    for info in samples.get(_CACHE_INFO, ()):
+        _int_label(info, "block_size")  # checked here: EngineMetrics.block_size reads it
         cap = _capacity(info)
         if cap is not None:
             key = info.label("engine")
@@ -273,25 +313,21 @@ def engine_metrics(samples: Mapping[str, tuple[Sample, ...]]) -> EngineMetrics:
         flag = info.label("enable_prefix_caching")
         if flag is not None:
             prefix_flags.append(flag.strip().lower() == "true")
-    kv_size = sum(capacity_by_engine.values()) if capacity_by_engine else None
 
-    weights = [capacity_by_engine.get(s.label("engine")) for s in usage_samples]
-    if all(w for w in weights):
-        total_weight = sum(w for w in weights if w)
-        kv_usage = (
-            sum(s.value * (w or 0) for s, w in zip(usage_samples, weights, strict=True))
-            / total_weight
-        )
+    # Each core's usage weighted by its capacity, when every core reports one (> 0: so
+    # their sum is too); else their plain mean.
+    weights = [capacity_by_engine.get(s.label("engine")) or 0 for s in usage_samples]
+    if all(weights):
+        kv_usage = sum(map(operator.mul, usages, weights)) / sum(weights)
     else:
-        kv_usage = sum(s.value for s in usage_samples) / len(usage_samples)
+        kv_usage = sum(usages) / len(usages)
 
-    start = samples.get("process_start_time_seconds", ())
     return EngineMetrics(
         running=round(running),
         waiting=round(waiting),
         kv_usage=kv_usage,
-        kv_cache_size_tokens=kv_size,
+        kv_cache_size_tokens=sum(capacity_by_engine.values()) if capacity_by_engine else None,
         prefix_caching=all(prefix_flags) if prefix_flags else None,
-        process_start_time=start[0].value if start else None,
+        process_start_time=start_time(samples),
         samples=samples,
     )

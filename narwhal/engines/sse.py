@@ -46,6 +46,15 @@ def _stdlib_dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+def _stdlib_loads(data: bytes | str) -> Any:
+    import json
+
+    try:
+        return json.loads(data)
+    except RecursionError:  # nesting deeper than the interpreter's stack: a ValueError as orjson's
+        raise caused(ValueError("JSON nested too deeply"), None)
+
+
 json_loads: Callable[[bytes | str], Any]
 """Parse JSON from bytes or str (``orjson`` when importable, else :mod:`json`)."""
 
@@ -54,9 +63,7 @@ _orjson_dumps: Callable[[Any], bytes] | None
 try:
     import orjson
 except ImportError:  # pragma: no cover - orjson is optional
-    import json as _json
-
-    json_loads = _json.loads
+    json_loads = _stdlib_loads
     _orjson_dumps = None
 else:
     json_loads = orjson.loads
@@ -85,7 +92,8 @@ class SSEError(ValueError):
 
 
 class MalformedEvent(ValueError):
-    """An event's data is not the JSON object (or ``[DONE]``) an OpenAI stream sends."""
+    """An event's data is not the JSON object (or ``[DONE]``) an OpenAI stream sends, or
+    its fields are not of the types the stream's readers rely on."""
 
 
 class SSEEvent(NamedTuple):
@@ -480,6 +488,7 @@ def parse_data(data: bytes, raw: bytes | None = None, *, lazy: bool = False) -> 
         return _error_chunk(raw, obj, {"message": str(err)})
 
     choices = obj.get("choices")
+    _check_fields(obj, choices)
     if type(choices) is list and len(choices) == 1:
         # The usual event: one choice that carries its token ids.
         choice = choices[0]
@@ -508,6 +517,48 @@ def parse_data(data: bytes, raw: bytes | None = None, *, lazy: bool = False) -> 
                     usage if type(usage) is dict else None,
                 )
     return _classify(raw, obj, choices)
+
+
+def _is_ids(ids: object) -> bool:
+    if type(ids) is not list:
+        return False
+    for t in ids:  # (a loop: a generator costs more than the usual one id)
+        if type(t) is not int or t < 0:
+            return False
+    return True
+
+
+def _check_fields(obj: dict[str, Any], choices: object) -> None:
+    """Refuse (:class:`MalformedEvent`) an event whose fields that readers of the stream
+    use have the wrong type: ``choices`` a list of objects, each one's ``token_ids`` a
+    list of token ids, its ``text``, ``finish_reason`` and ``delta`` contents strings,
+    ``usage`` an object (null stands for absent throughout)."""
+    if choices is not None and type(choices) is not list:
+        raise MalformedEvent("the event's choices are not a list")
+    usage = obj.get("usage")
+    if usage is not None and type(usage) is not dict:
+        raise MalformedEvent("the event's usage is not an object")
+    for choice in choices or ():
+        if type(choice) is not dict:
+            raise MalformedEvent("a choice is not an object")
+        ids = choice.get("token_ids")
+        if ids is not None and not _is_ids(ids):
+            raise MalformedEvent("a choice's token_ids are not token ids")
+        text, reason = choice.get("text"), choice.get("finish_reason")
+        if (text is not None and type(text) is not str) or (reason is not None and type(reason) is not str):
+            raise MalformedEvent("a choice's text or finish_reason is not a string")
+        delta = choice.get("delta")
+        if delta is None:
+            continue
+        if type(delta) is not dict:
+            raise MalformedEvent("a choice's delta is not an object")
+        ids = delta.get("token_ids")
+        if ids is not None and not _is_ids(ids):
+            raise MalformedEvent("a delta's token_ids are not token ids")
+        for key in ("content", "reasoning", "reasoning_content"):
+            value = delta.get(key)
+            if value is not None and type(value) is not str:
+                raise MalformedEvent(f"a delta's {key} is not a string")
 
 
 def _classify(raw: bytes, obj: dict[str, Any], choices: object) -> Chunk:

@@ -27,6 +27,7 @@ from typing import Any, Final, Protocol, Self
 import httpx
 import trio
 
+from narwhal.config import EngineLimits
 from narwhal.engines.connector import PrefillResult, RequestKind
 from narwhal.engines.sse import (
     Chunk,
@@ -64,7 +65,7 @@ SILENCE_SLACK: Final = 1 / 64
 def usage_cached_tokens(usage: Any) -> int | None:
     """The ``prompt_tokens_details.cached_tokens`` of a usage object, if it has one."""
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    if isinstance(details, dict) and type(details.get("cached_tokens")) is int:
+    if isinstance(details, dict) and type(details.get("cached_tokens")) is int and details["cached_tokens"] >= 0:
         return int(details["cached_tokens"])
     return None
 
@@ -142,6 +143,13 @@ class StreamOwner(Protocol):
 
     def map_error(self, exc: httpx.HTTPError, leg: str | None) -> EngineError: ...
 
+    def report_bad_input(self, source: str, reason: str) -> None:
+        """Count (and log) what the engine sent that could not be used."""
+        ...
+
+#: The default bound on one event (or line) of a decode stream
+#: (``engine_limits.max_stream_event_bytes``).
+MAX_EVENT_BYTES: Final[int] = EngineLimits().max_stream_event_bytes
 #: Bound on shielded cleanup (closing a response).
 CLOSE_TIMEOUT_S: Final = 5.0
 #: After ``[DONE]`` the end of the HTTP body is normally already in flight; waiting this
@@ -278,6 +286,9 @@ class DecodeStream:
         done: whether ``[DONE]`` arrived.
         closed: whether the stream was closed.
 
+    An event (or a line) longer than ``max_event_bytes`` ends the stream with
+    :class:`EngineProtocolError` before more of it is held.
+
     A ``lazy`` stream counts token events of the usual shape without parsing them
     (:func:`~narwhal.engines.sse.scan_token_event`): their chunks carry ``count`` and
     ``raw`` only, and token events that arrived together (at the start of a read) come
@@ -297,12 +308,13 @@ class DecodeStream:
         prefill: PrefillResult | None,
         opened_at: float,
         lazy: bool = False,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         self._owner = owner
         self._lazy = lazy
         self._response = response
         self._bytes = response.body
-        self._decoder = SSEDecoder()
+        self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
         self._events: deque[SSEEvent | Chunk] = deque()
         # (Flags read only for their truth: a mutant None is the same as False.)
         self._eof = False  # pragma: no mutate (equivalent: falsy alike)
@@ -456,6 +468,7 @@ class DecodeStream:
 
     def _protocol_error(self, what: str, exc: Exception) -> EngineProtocolError:
         """The engine sent ``what`` (its detail for the log; the client sees no detail)."""
+        self._owner.report_bad_input("stream", f"{what}: {truncate(str(exc), 200)}")
         return EngineProtocolError(
             f"engine {self.engine} sent {what}: {exc}",
             engine=self.engine,

@@ -15,10 +15,12 @@ another; nothing is spawned or cancelled per request. Callbacks run synchronousl
 the watch task, so they never overlap the owner's own code between two checkpoints;
 they must not block (a non-blocking read, a cancel). The set is level-triggered: a
 callback that leaves its socket readable is called again, so it either reads or
-unwatches.
+unwatches. The set and its task last until :meth:`SocketWatch.aclose` (the owning
+server closed its last connection) or the end of the run.
 
 Where ``select.epoll`` does not exist, :func:`available` is False and the owner keeps
-a task per watch.
+a task per watch; it does too for a socket the set cannot take (:meth:`SocketWatch.watch`
+raises ``OSError``).
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ def available() -> bool:
 class SocketWatch:
     """Calls ``callback()`` whenever a watched descriptor is readable (see the module docstring)."""
 
-    __slots__ = ("_callbacks", "_epoll", "_running")
+    __slots__ = ("_callbacks", "_done", "_epoll", "_running", "_scope")
 
     def __init__(self) -> None:
         self._epoll: select.epoll | None = None
         self._callbacks: dict[int, Callable[[], None]] = {}
         self._running = False
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
 
     def __len__(self) -> int:
         """Descriptors watched now."""
@@ -63,6 +67,12 @@ class SocketWatch:
         """Call ``callback()`` while ``fd`` is readable, until :meth:`unwatch`.
 
         Must be called in a trio run; ``fd`` must not be watched already.
+
+        Raises:
+            OSError: the set cannot take it (its ``epoll`` descriptor cannot be made when
+                the process is out of descriptors, ``epoll_ctl`` can run out of memory or
+                of ``max_user_watches``): nothing is watched, and the caller watches
+                ``fd`` another way.
         """
         ep = self._epoll
         if ep is None:
@@ -73,7 +83,17 @@ class SocketWatch:
         self._callbacks[fd] = callback
         if not self._running:
             self._running = True
+            self._scope = trio.CancelScope()
+            self._done = trio.Event()
             trio.lowlevel.spawn_system_task(self._run, name="narwhal.http.socket-watch")
+
+    async def aclose(self) -> None:
+        """Stop watching everything, close the ``epoll`` set and return once the task has
+        ended (the server that owns the watch has closed every connection). A later
+        :meth:`watch` starts afresh."""
+        if self._running:
+            self._scope.cancel()
+            await self._done.wait()
 
     def unwatch(self, fd: int) -> None:
         """Stop watching ``fd`` (no callback for it runs after this returns)."""
@@ -91,21 +111,26 @@ class SocketWatch:
         assert ep is not None
         callbacks = self._callbacks
         try:
-            # Parked on the set's descriptor at no cost while nothing is ready; the run's
-            # end cancels this system task.
-            while True:
-                await trio.lowlevel.wait_readable(ep.fileno())
-                for fd, _ in ep.poll(0, max(1, len(callbacks))):
-                    callback = callbacks.get(fd)
-                    if callback is None:
-                        continue  # unwatched by an earlier callback of this batch
-                    try:
-                        callback()
-                    except Exception:
-                        logger.exception("a socket watch callback failed")
-                        self.unwatch(fd)
+            # Parked on the set's descriptor at no cost while nothing is ready; aclose()
+            # or the run's end cancels this system task.
+            with self._scope:
+                await self._watch(ep, callbacks)
         finally:
             self._running = False
             self._epoll = None
             callbacks.clear()
             ep.close()
+            self._done.set()
+
+    async def _watch(self, ep: select.epoll, callbacks: dict[int, Callable[[], None]]) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(ep.fileno())
+            for fd, _ in ep.poll(0, max(1, len(callbacks))):
+                callback = callbacks.get(fd)
+                if callback is None:
+                    continue  # unwatched by an earlier callback of this batch
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("a socket watch callback failed")
+                    self.unwatch(fd)

@@ -134,7 +134,10 @@ def _load(path: str | None) -> FleetConfig:
 
 
 def _report(run: ProfileRun, *, plot: bool) -> int:
-    print(f"wrote {run.profiles_path} and {run.samples_path}")
+    if run.wrote_profiles:
+        print(f"wrote {run.profiles_path} and {run.samples_path}")
+    else:
+        print(f"wrote {run.samples_path} only (what each engine's sweep measured, and why it failed)")
     for o in run.outcomes:
         text = f"  {o.name}: {o.status}" + (f": {o.reason}" if o.reason else "")
         if o.rejected_cells:
@@ -151,6 +154,10 @@ def _report(run: ProfileRun, *, plot: bool) -> int:
                 print(f"  plot: {path}")
         except PlotUnavailable as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
+    if not run.wrote_profiles:
+        print(f"{PROG}: error: no engine was profiled, so no profiles file was written at "
+              f"{run.profiles_path} (serve and check would have nothing to price by): see each "
+              "engine's reason above", file=sys.stderr)  # fmt: skip
     return 0 if run.ok else 1
 
 

@@ -190,5 +190,5 @@ def refit_pair(
         progress.line(e.name, f"refitted TTFT = {fit.a:.4g} + {fit.b:.4g}*L + {fit.c:.4g}*L^2 s "
                               f"(mean error {fit.mean_error:.1%}, worst {fit.worst_error:.1%}); "
                               "decode model copied")  # fmt: skip
-    write_pair(profiles_path, samples_path, new, outcomes, refit_of=source)
-    return ProfileRun(profiles_path, samples_path, tuple(outcomes))
+    wrote = write_pair(profiles_path, samples_path, new, outcomes, refit_of=source)
+    return ProfileRun(profiles_path, samples_path, tuple(outcomes), wrote)

@@ -213,15 +213,22 @@ class EngineOutcome:
 
 @attrs.frozen
 class ProfileRun:
-    """The pair written and each engine's outcome."""
+    """The pair written and each engine's outcome.
+
+    Attributes:
+        wrote_profiles: whether the profiles file was written: not when no engine has a
+            profile (the samples alone were, with what failed), since serve and check
+            have nothing to use.
+    """
 
     profiles_path: Path
     samples_path: Path
     outcomes: tuple[EngineOutcome, ...]
+    wrote_profiles: bool = True
 
     @property
     def ok(self) -> bool:
-        return all(o.success for o in self.outcomes)
+        return self.wrote_profiles and all(o.success for o in self.outcomes)
 
 
 def software_identity() -> dict[str, str]:
@@ -583,9 +590,19 @@ def _samples_doc(config_source: str | None, settings: ProfileSettings, seed: int
 
 
 def write_pair(profiles_path: Path, samples_path: Path, samples: dict[str, Any],
-               outcomes: Sequence[EngineOutcome], *, refit_of: str | None = None) -> None:  # fmt: skip
-    """Write the sidecar, then the profiles file naming it with its SHA-256."""
+               outcomes: Sequence[EngineOutcome], *, refit_of: str | None = None) -> bool:  # fmt: skip
+    """Write the sidecar, then the profiles file naming it with its SHA-256; returns
+    whether the profiles file was written.
+
+    When no engine has a profile, only the sidecar is written (what was measured, and
+    why each engine failed) and a profiles file already at ``profiles_path`` (one an
+    overwrite replaces: it names the sidecar written over) is removed: a profiles file
+    with no profile would price nothing, and serve and check refuse one.
+    """
     write_json(samples_path, samples)
+    if not any(o.profile is not None for o in outcomes):
+        profiles_path.unlink(missing_ok=True)
+        return False
     doc = Profiles(
         schema_version=SCHEMA_VERSION,
         created_at=samples["created_at"],
@@ -596,6 +613,7 @@ def write_pair(profiles_path: Path, samples_path: Path, samples: dict[str, Any],
         refit_of=refit_of,
     )
     write_json(profiles_path, doc.to_json())
+    return True
 
 
 async def run_profile(
@@ -683,8 +701,8 @@ async def run_profile(
     by_name = {o.name: o for o in [*kept_outcomes, *outcomes]}
     ordered = [by_name[e.name] for e in config.engines if e.name in by_name]
     ordered += [o for name, o in by_name.items() if name not in {e.name for e in config.engines}]
-    write_pair(profiles_path, samples_path, samples_doc(), ordered)
-    return ProfileRun(profiles_path, samples_path, tuple(outcomes))
+    wrote = write_pair(profiles_path, samples_path, samples_doc(), ordered)
+    return ProfileRun(profiles_path, samples_path, tuple(outcomes), wrote)
 
 
 def _existing_pair(

@@ -479,6 +479,10 @@ def load_profiles(path: str | os.PathLike[str], *, verify_samples: bool = True) 
         raise ConfigError(f"not a narwhal profiles file (kind {obj.get('kind')!r})",
                           path="$.kind", source=source)  # fmt: skip
     profiles = parse_as(Profiles, obj, source=source)
+    if not profiles.engines:
+        why = "; ".join(f"{name}: {reason}" for name, reason in profiles.excluded.items()) or "none listed"
+        raise ConfigError(f"the pair holds no engine profile (excluded: {why}): nothing to price placement "
+                          "by; profile the engines again", path="$.engines", source=source)  # fmt: skip
     for name, profile in profiles.engines.items():
         if profile.name != name:
             raise ConfigError(f"profile of engine {profile.name!r} filed under {name!r}",

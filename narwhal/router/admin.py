@@ -4,7 +4,12 @@ It is served by its own listener, bound to ``server.admin_host`` (loopback by
 default) so that metrics and live events are not exposed where clients connect.
 ``PUT /fleet`` with a fleet document as its body reloads the fleet without a restart
 (:mod:`narwhal.router.fleet`): 200 with what changed, or 400 with why nothing did
-(the message and the JSON path of the offending value).
+(the message and the JSON path of the offending value); 403 when
+``server.admin_fleet_writes`` is false.
+
+With ``server.admin_api_keys`` set, every request on every route (a Prometheus scrape,
+the ``/events`` WebSocket handshake, ``/health`` too) presents one as
+``Authorization: Bearer <key>``, or is answered 401 before anything else is read.
 """
 
 from __future__ import annotations
@@ -17,21 +22,51 @@ from contextlib import asynccontextmanager
 import trio
 import trio_websocket
 
-from narwhal.errors import BadRequest, ConfigError, MethodNotAllowed, NotFound
+from narwhal.errors import (
+    BadRequest,
+    ConfigError,
+    Forbidden,
+    MethodNotAllowed,
+    NotFound,
+    Unauthorized,
+)
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
 from narwhal.router.fleet import FleetChange
-from narwhal.router.metrics import EXPOSITION_HEADERS, RouterMetrics
+from narwhal.router.keys import BearerKeys, bearer
+from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
-__all__ = ["CLOSE_TIMEOUT_S", "AdminApp", "open_events"]
+__all__ = ["CLOSE_TIMEOUT_S", "AdminApp", "admitted", "open_events", "refuse_fleet_writes"]
 
 log = logging.getLogger("narwhal.router.admin")
 
 #: How long the closing handshake with an ``/events`` client is waited for.
 CLOSE_TIMEOUT_S = 1.0
+
+_UNAUTHORIZED = Unauthorized("missing or invalid admin key", code="invalid_admin_key")
+_CHALLENGE = (*JSON_HEADERS, ("www-authenticate", 'Bearer realm="narwhal-admin"'))
+
+
+async def admitted(keys: BearerKeys, request: Request, response: ResponseWriter) -> bool:
+    """Whether ``request`` presents an admin key (or none is needed); else answers 401."""
+    if keys.accepts(request.header("authorization")):
+        return True
+    log.warning("admin %s %s refused: missing or invalid admin key", request.method, request.path)
+    await response.respond(401, _CHALLENGE, json.dumps(_UNAUTHORIZED.to_body()).encode())
+    return False
+
+
+def refuse_fleet_writes() -> Forbidden:
+    """The answer to ``PUT /fleet`` when ``server.admin_fleet_writes`` is false."""
+    log.warning("PUT /fleet refused: server.admin_fleet_writes is false")
+    return Forbidden(
+        "PUT /fleet is turned off on this router (server.admin_fleet_writes is false): "
+        "change the fleet document and send SIGHUP",
+        code="fleet_writes_disabled",
+    )
 
 
 class AdminApp:
@@ -43,15 +78,22 @@ class AdminApp:
         self.reload: Callable[..., Awaitable[FleetChange]] | None = None
         #: The engine groups' DNS resolution, for ``/fleet``; set by the router.
         self.discovery: Discovery | None = None
+        self.keys = BearerKeys(state.config.server.admin_api_keys)
+        self.fleet_writes = state.config.server.admin_fleet_writes
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
+        if not await admitted(self.keys, request, response):
+            return
         if request.method == "PUT" and request.path == "/fleet":
+            if not self.fleet_writes:
+                raise refuse_fleet_writes()
             await self._put_fleet(request, response)
             return
         if request.method != "GET":
             raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         if request.path == "/metrics":
-            await response.respond(200, EXPOSITION_HEADERS, self.metrics.exposition())
+            body, content_type = self.metrics.render(request.header("accept"))
+            await response.respond(200, (("content-type", content_type),), body)
         elif request.path == "/events":
             await self._events(request, response)
         elif request.path == "/fleet":
@@ -146,8 +188,9 @@ async def _until_closed(ws: trio_websocket.WebSocketConnection, scope: trio.Canc
 
 
 @asynccontextmanager
-async def open_events(admin_url: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
-    """A client of the ``/events`` stream of the admin surface at ``admin_url`` (``http://host:port``).
+async def open_events(admin_url: str, key: str | None = None) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """A client of the ``/events`` stream of the admin surface at ``admin_url`` (``http://host:port``),
+    presenting the admin ``key`` when one is given.
 
     trio-websocket (0.12) leaves a client's socket open when the server closed the
     connection first (a router or worker gone): it would wait for the collector. Its
@@ -156,7 +199,8 @@ async def open_events(admin_url: str) -> AsyncIterator[trio_websocket.WebSocketC
     """
     tcp: trio.abc.AsyncResource | None = None
     try:
-        async with trio_websocket.open_websocket_url("ws" + admin_url.removeprefix("http") + "/events") as ws:
+        url = "ws" + admin_url.removeprefix("http") + "/events"
+        async with trio_websocket.open_websocket_url(url, extra_headers=[(n.encode(), v.encode()) for n, v in bearer(key).items()]) as ws:
             tcp = getattr(ws, "_stream", None)  # pragma: no mutate (equivalent with trio-websocket 0.12, which has it; the default is for a version without it)
             yield ws
     finally:

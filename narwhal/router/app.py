@@ -7,7 +7,6 @@ decode), and ``GET /metrics`` when the router is asked to serve it here too. Err
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 from collections.abc import Callable
@@ -16,13 +15,12 @@ from typing import Any
 from narwhal.engines.connector import RequestKind
 from narwhal.errors import MethodNotAllowed, NotFound, Unauthorized
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
+from narwhal.router.keys import BearerKeys
 from narwhal.router.lifecycle import RequestLifecycle
-from narwhal.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from narwhal.router.state import RouterState
 
 __all__ = ["RouterApp"]
 
-_METRICS = (("content-type", METRICS_CONTENT_TYPE),)
 _AUTHORIZATION = "authorization"  # header names are matched case-insensitively
 _INFERENCE: dict[str, RequestKind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -37,23 +35,15 @@ class RouterApp:
     def __init__(self, state: RouterState) -> None:
         self.state = state
         #: Serve ``GET /metrics`` here too (as vLLM does on its API port): the
-        #: exposition, or None for the admin listener only.
-        self.metrics: Callable[[], bytes] | None = None
-        self._keys = [k.encode() for k in state.config.server.api_keys]
+        #: exposition in the format an ``Accept`` asks for, and its content type (see
+        #: :meth:`narwhal.router.metrics.RouterMetrics.render`), or None for the admin
+        #: listener only.
+        self.metrics: Callable[[str | None], tuple[bytes, str]] | None = None
+        self._keys = BearerKeys(state.config.server.api_keys)
         self._created = int(time.time())
 
     def _authorize(self, request: Request) -> None:
-        if not self._keys:
-            return
-        # No header is no scheme; another scheme presents an empty value, which no key is
-        # (the statements' other mutants are killed by the key tests).
-        header = request.header(_AUTHORIZATION) or ""  # pragma: no mutate (equivalent: any text without a scheme presents no key)
-        scheme, _, token = header.partition(" ")
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""  # pragma: no mutate (equivalent: a key is non-empty text, never the mutant's literal)
-        ok = False
-        for key in self._keys:  # constant time per key, and every key is compared
-            ok |= hmac.compare_digest(presented, key)
-        if not ok:
+        if not self._keys.accepts(request.header(_AUTHORIZATION)):
             raise Unauthorized("missing or invalid API key", code="invalid_api_key")
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
@@ -69,7 +59,8 @@ class RouterApp:
             await self._health(response)
         elif path == "/metrics" and self.metrics is not None:
             self._authorize(request)
-            await response.respond(200, _METRICS, self.metrics())
+            body, content_type = self.metrics(request.header("accept"))
+            await response.respond(200, (("content-type", content_type),), body)
         elif path == "/v1/models":
             self._authorize(request)
             await self._models(response)

@@ -17,19 +17,21 @@ The breaker holds state only; the probes that readmit an engine are run by
 - A probe readmits the engine *half-open* (``trial``): placement gives it one live
   request at a time until one succeeds, then full weight; a failure on trial ejects it
   again at once.
-- Whole wave: neither an ejection nor a quarantine ever leaves a role (prefill,
-  decode) with no engine in placement. When every engine of a role is out at once (a
-  whole-wave restart, a shared dependency down), the last one to fail is ejected but
-  *held* in placement: it is probed like any ejected engine, keeps serving the role,
-  and is readmitted by its first success (a probe or a live request). When another
-  engine of the role is back in placement, the hold ends and the engine is out until
-  its own probe succeeds.
+- Whole wave: an ejection takes the engine out even when it is the last of its role
+  (prefill, decode) in placement. When every engine of a role is out at once (a
+  whole-wave restart, a shared dependency down), requests for that role are refused at
+  once (:meth:`Breaker.retry_after_s` says when to come back) rather than sent to an
+  engine that failed its streak, and the probes bring the role back: each ejected
+  engine is probed at its cadence, and the first that succeeds serves again. A
+  quarantine, which is not a verdict on the engine, never takes a role's last engine
+  in placement out, and a role's last engine in placement is never limited to one
+  request at a time on trial.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import attrs
 import trio
@@ -44,8 +46,7 @@ class BreakerState:
     Attributes:
         streak: consecutive failures since the last success.
         quarantined_until: trio time until which placement skips the engine.
-        ejected: tripped: probed until a probe (or, while held, a live request) succeeds.
-        held: ejected, but kept in placement as its role's last capacity (whole wave).
+        ejected: tripped: out of placement until a readmission probe succeeds.
         trial: readmitted by a probe, not yet proven by live traffic (half-open).
         ejected_at: trio time of the ejection.
         origin_producer: producer of the request whose failure ejected a consumer.
@@ -59,7 +60,6 @@ class BreakerState:
     streak: int = 0
     quarantined_until: float = -math.inf
     ejected: bool = False
-    held: bool = False
     trial: bool = False
     ejected_at: float | None = None
     origin_producer: str | None = None
@@ -74,8 +74,8 @@ class Transition:
     """A breaker transition, for events and metrics."""
 
     engine: str
-    # "ejected" | "held" | "released" | "readmitted" | "closed" | "quarantined"
-    # | "probe_inconclusive" | "probe_failed"
+    # "ejected" | "readmitted" | "closed" | "quarantined" | "probe_inconclusive"
+    # | "probe_failed"
     event: str
     at: float
     detail: str | None = None
@@ -86,9 +86,9 @@ class Breaker:
 
     Args:
         engines: every engine's name.
-        roles: role -> the engines that have it; ejection and quarantine never leave a
-            role without an engine in placement (see the module docstring). Without it
-            every engine is a role of its own (no hold).
+        roles: role -> the engines that have it; a quarantine never leaves a role
+            without an engine in placement (see the module docstring). Without it every
+            engine is a role of its own.
     """
 
     def __init__(
@@ -106,8 +106,8 @@ class Breaker:
         self.probe_interval_s = probe_interval_s
         self._clock = clock
         self.states: dict[str, BreakerState] = {name: BreakerState() for name in engines}
-        #: engine -> the engine lists of its roles.
-        self._peers: dict[str, list[list[str]]] = {}
+        #: engine -> the engine lists of its roles (set by set_roles).
+        self._peers: dict[str, list[list[str]]]
         self.set_roles(roles or {})
         self._listeners: list[Callable[[Transition], None]] = []
         self.transitions: list[Transition] = []
@@ -147,9 +147,9 @@ class Breaker:
     # ------------------------------------------------------------------ placement
 
     def _in_placement(self, engine: str, now: float) -> bool:
-        """Placeable on the engine's own state (ejection, hold, quarantine)."""
+        """Placeable on the engine's own state (ejection, quarantine)."""
         st = self.states[engine]
-        return (not st.ejected or st.held) and now >= st.quarantined_until
+        return not st.ejected and now >= st.quarantined_until
 
     def _last_of_a_role(self, engine: str, now: float) -> bool:
         """No other engine of one of ``engine``'s roles is in placement."""
@@ -161,7 +161,7 @@ class Breaker:
     def available(self, engine: str) -> bool:
         """Whether placement may use ``engine`` now."""
         st = self.states[engine]
-        if st.ejected and not st.held:
+        if st.ejected:
             return False
         now = self._clock()
         if now >= st.quarantined_until:
@@ -175,10 +175,8 @@ class Breaker:
         return self.states[engine].trial and not self._last_of_a_role(engine, self._clock())
 
     def status(self, engine: str) -> str:
-        """``ok``, ``trial``, ``quarantined``, ``held`` or ``ejected``, for operators."""
+        """``ok``, ``trial``, ``quarantined`` or ``ejected``, for operators."""
         st = self.states[engine]
-        if st.held:
-            return "held"
         if st.ejected:
             return "ejected"
         if not self.available(engine):
@@ -189,13 +187,7 @@ class Breaker:
 
     def record_success(self, engine: str) -> None:
         st = self.states.get(engine)
-        if st is None:  # it left the fleet
-            return
-        if st.held:
-            # The role's last capacity served a live request: as good as a probe.
-            self.readmit(engine, detail="a live request succeeded while held (whole wave)")
-            return
-        if st.ejected:
+        if st is None or st.ejected:  # it left the fleet; only a probe readmits it
             return
         st.streak = 0
         if st.trial:
@@ -226,20 +218,19 @@ class Breaker:
             self._emit(engine, "quarantined", detail)
         if st.streak >= self.eject_after or st.trial:
             # On trial one failure is enough: the probe did not tell the truth.
-            self._eject(engine, detail, origin_producer if origin_producer != engine else None, leg=leg, hold=True)
+            self._eject(engine, detail, origin_producer if origin_producer != engine else None, leg=leg)
 
     def eject(self, engine: str, detail: str) -> None:
         """Take ``engine`` out of placement now (it failed the start-up probe); a
-        readmission probe brings it back. It is never held as its role's last capacity:
-        nothing it has served shows that it works."""
+        readmission probe brings it back."""
         st = self.states.get(engine)
         if st is None:
             return
         st.last_error = detail
         if not st.ejected:
-            self._eject(engine, detail, None, leg=None, hold=False)
+            self._eject(engine, detail, None, leg=None)
 
-    def _eject(self, engine: str, detail: str, origin_producer: str | None, *, leg: str | None, hold: bool) -> None:
+    def _eject(self, engine: str, detail: str, origin_producer: str | None, *, leg: str | None) -> None:
         st = self.states[engine]
         now = self._clock()
         st.ejected = True
@@ -250,9 +241,6 @@ class Breaker:
         st.failed_leg = leg
         st.next_probe_at = now + self.probe_interval_s
         self._emit(engine, "ejected", detail)
-        if hold and self._last_of_a_role(engine, now):
-            st.held = True
-            self._emit(engine, "held", "every engine of its role is out (whole wave): kept in placement")
         self._wakeup.set()
 
     # ------------------------------------------------------------------ probes
@@ -264,6 +252,20 @@ class Breaker:
     def next_probe_at(self) -> float:
         return min((st.next_probe_at for st in self.states.values() if st.ejected), default=math.inf)
 
+    def retry_after_s(self, engines: Iterable[str]) -> float:
+        """When a request refused for want of one of ``engines`` (every one out of
+        placement) may come back: the seconds until the soonest probe of an ejected one
+        is due; ``recovery.probe_interval_s`` while that probe runs (its verdict readmits
+        the engine or sets the next probe an interval later), and when none of them is
+        ejected (the role has no engine: only a fleet change brings one)."""
+        now = self._clock()
+        waits = [
+            st.next_probe_at - now if st.next_probe_at > now else self.probe_interval_s
+            for st in (self.states.get(name) for name in engines)
+            if st is not None and st.ejected
+        ]  # fmt: skip
+        return min(waits, default=self.probe_interval_s)
+
     async def wait_for_change(self) -> None:
         """Wait until an engine is ejected (the probe loop's wakeup)."""
         await self._wakeup.wait()
@@ -273,32 +275,19 @@ class Breaker:
         """Wake the probe loop (a probe finished)."""
         self._wakeup.set()
 
-    def readmit(self, engine: str, *, detail: str | None = None) -> None:
-        """Back in placement; half-open after a probe, full weight after a live success."""
+    def readmit(self, engine: str) -> None:
+        """Back in placement, half-open (a probe succeeded)."""
         st = self.states.get(engine)
         if st is None:
             return
-        live = st.held
         st.ejected = False
-        st.held = False
-        st.trial = not live
+        st.trial = True
         st.streak = 0
         st.quarantined_until = -math.inf
         st.next_probe_at = math.inf
         st.origin_producer = None
         st.failed_leg = None
-        self._emit(engine, "readmitted", detail)
-        self._release_holds(engine)
-
-    def _release_holds(self, engine: str) -> None:
-        """Engines held for a role ``engine`` now serves again go out until their probe."""
-        now = self._clock()
-        for group in self._peers[engine]:
-            for other in group:
-                ost = self.states[other]
-                if ost.held and not self._last_of_a_role(other, now):
-                    ost.held = False
-                    self._emit(other, "released", f"{engine} serves its role again")
+        self._emit(engine, "readmitted")
 
     def probe_failed(self, engine: str, detail: str) -> None:
         st = self.states.get(engine)

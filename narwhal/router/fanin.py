@@ -7,16 +7,22 @@ scrape and ``narwhal top`` see one router:
 - ``/metrics``: every worker's exposition, samples with the same name and labels
   summed (counters, histogram buckets, sums and counts, in-flight and reservation
   gauges all add up); ``narwhal_breaker_state`` takes the worst worker's state (ejected,
-  held, quarantined, on trial, ok: the gauge's codes are not in that order) and
+  quarantined, on trial, ok: the gauge's codes are not in that order) and
   ``narwhal_ready`` the best worker's, and ``narwhal_workers_up`` counts the workers
-  that answered. A worker that does not answer is left out (and not counted up).
+  that answered. A worker that does not answer is left out (and not counted up). A
+  scrape that asks for OpenMetrics gets it, the workers asked for it too, and each
+  histogram bucket keeps the latest of the workers' exemplars (trace ids, with tracing on).
 - ``/fleet``: engines merged by name (load summed, the worst breaker state, a worker's
   stale ``kv_events`` before a live one).
 - ``/health``: ready when a worker is ready; each worker's own answer alongside.
 - ``/events``: the workers' live events, interleaved on one WebSocket.
 - ``PUT /fleet``: the document goes to every worker; 200 when each applied it (each
   worker's answer alongside), 400 with the first refusal's error when one refused it,
-  502 when a worker did not answer.
+  502 when a worker did not answer; 403 here, sent to none, when
+  ``server.admin_fleet_writes`` is false.
+
+With admin keys (``server.admin_api_keys``) the supervisor asks for one as a worker does,
+and presents the first to the workers (they read the same document and environment).
 """
 
 from __future__ import annotations
@@ -31,13 +37,17 @@ import httpx
 import trio
 import trio_websocket
 from prometheus_client import generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Exemplar, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from narwhal.errors import BadRequest, MethodNotAllowed, NotFound
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
-from narwhal.router.admin import CLOSE_TIMEOUT_S, open_events
+from narwhal.router.admin import CLOSE_TIMEOUT_S, admitted, open_events, refuse_fleet_writes
+from narwhal.router.keys import BearerKeys, bearer
 from narwhal.router.metrics import BREAKER_CODES, EXPOSITION_HEADERS
 
 __all__ = ["WorkersAdminApp", "combine_expositions", "combine_fleets"]
@@ -52,7 +62,7 @@ RELOAD_TIMEOUT_S = 60.0
 #: An engine's states, least to most severe: each worker's breaker judges the engine
 #: on its own traffic, and the combined view shows the worst of their judgements.
 _SEVERITY = {state: rank for rank, state in enumerate(
-    ("ok", "trial", "starting", "draining", "quarantined", "held", "ejected")
+    ("ok", "trial", "starting", "draining", "quarantined", "ejected")
 )}  # fmt: skip
 #: The same order of the ``narwhal_breaker_state`` gauge's codes (not their numeric one).
 _CODE_SEVERITY = {float(code): _SEVERITY[state] for state, code in BREAKER_CODES.items()}
@@ -79,16 +89,32 @@ class _Fixed(Collector):
         yield from self.metrics
 
 
-def combine_expositions(texts: Sequence[str]) -> bytes:
-    """Prometheus text expositions of several routers as one (see the module docstring)."""
+def _when(exemplar: Exemplar) -> float:
+    """An exemplar's time (the parser gives a float or its own Timestamp), 0 when none."""
+    ts: Any = exemplar.timestamp
+    return float(ts) if isinstance(ts, int | float) else float(str(ts)) if ts is not None else 0.0
+
+
+#: What an OpenMetrics scrape asks the workers for.
+OPENMETRICS_ACCEPT = "application/openmetrics-text; version=1.0.0"
+
+
+def combine_expositions(texts: Sequence[str], *, openmetrics: bool = False) -> bytes:
+    """Prometheus text expositions of several routers as one (see the module docstring);
+    ``openmetrics``: the texts and the answer are OpenMetrics, exemplars kept."""
     families: dict[str, Metric] = {}
     values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+    exemplars: dict[tuple[str, str, tuple[tuple[str, str], ...]], Exemplar] = {}
+    parse = parse_openmetrics if openmetrics else text_string_to_metric_families
     for text in texts:
-        for family in text_string_to_metric_families(text):
+        for family in parse(text):
             families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             combine = _COMBINE.get(family.name)
             for sample in family.samples:
                 key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                ex = sample.exemplar
+                if ex is not None and (key not in exemplars or _when(ex) >= _when(exemplars[key])):
+                    exemplars[key] = ex  # the latest of the workers'
                 if key not in values:
                     values[key] = sample.value
                 elif sample.name.endswith("_created"):
@@ -97,12 +123,13 @@ def combine_expositions(texts: Sequence[str]) -> bytes:
                     values[key] = combine(values[key], sample.value)
                 else:
                     values[key] += sample.value
-    for (family_name, sample_name, labels), value in values.items():
-        families[family_name].add_sample(sample_name, dict(labels), value)
+    for key, value in values.items():
+        family_name, sample_name, labels = key
+        families[family_name].add_sample(sample_name, dict(labels), value, exemplar=exemplars.get(key))
     up = GaugeMetricFamily("narwhal_workers_up", "Router workers that answered this scrape.", value=len(texts))
     registry = CollectorRegistry()
     registry.register(_Fixed([*families.values(), up]))
-    return generate_latest(registry)
+    return generate_openmetrics(registry) if openmetrics else generate_latest(registry)  # type: ignore[no-untyped-call]
 
 
 def combine_fleets(fleets: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -133,24 +160,33 @@ def combine_fleets(fleets: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class WorkersAdminApp:
     """The supervisor's admin handler: the workers' admin surfaces at ``urls``, combined."""
 
-    def __init__(self, urls: Sequence[str], *, timeout_s: float = SCRAPE_TIMEOUT_S) -> None:
+    def __init__(
+        self, urls: Sequence[str], *, timeout_s: float = SCRAPE_TIMEOUT_S, keys: Sequence[str] = (),
+        fleet_writes: bool = True,
+    ) -> None:  # fmt: skip
         self.urls = list(urls)
         self.timeout_s = timeout_s
+        self.keys = BearerKeys(keys)
+        #: The admin key presented to the workers.
+        self.key = keys[0] if keys else None
+        self.fleet_writes = fleet_writes
 
     async def _gather(
-        self, path: str, *, method: str = HTTPMethod.GET, content: bytes | None = None, timeout_s: float | None = None
+        self, path: str, *, method: str = HTTPMethod.GET, content: bytes | None = None, timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> list[httpx.Response | None]:
         answers: list[httpx.Response | None] = [None] * len(self.urls)
 
         async def one(i: int, client: httpx.AsyncClient) -> None:
             try:
-                answers[i] = await client.request(method, f"{self.urls[i]}{path}", content=content)
+                answers[i] = await client.request(method, f"{self.urls[i]}{path}", content=content, headers=headers)
             except httpx.HTTPError as exc:
                 log.warning("worker admin %s%s did not answer: %s", self.urls[i], path, exc)
 
         timeout = self.timeout_s if timeout_s is None else timeout_s
         async with httpx.AsyncClient(
             timeout=timeout,
+            headers=bearer(self.key),
             trust_env=False,  # pragma: no mutate (equivalent: httpx reads it as a truth value, None as False; True is killed by the proxy test)
         ) as client:
             async with trio.open_nursery() as nursery:
@@ -159,14 +195,23 @@ class WorkersAdminApp:
         return answers
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
+        if not await admitted(self.keys, request, response):
+            return
         if request.method == "PUT" and request.path == "/fleet":
+            if not self.fleet_writes:
+                raise refuse_fleet_writes()
             await self._put_fleet(request, response)
             return
         if request.method != "GET":
             raise MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
         if request.path == "/metrics":
-            texts = [a.text for a in await self._gather("/metrics") if a is not None and a.status_code == 200]
-            await response.respond(200, EXPOSITION_HEADERS, combine_expositions(texts))
+            _, content_type = choose_encoder(request.header("accept") or "")
+            om = content_type.startswith("application/openmetrics-text")
+            asked = {"accept": OPENMETRICS_ACCEPT} if om else None
+            answers = await self._gather("/metrics", headers=asked)
+            texts = [a.text for a in answers if a is not None and a.status_code == 200]
+            headers = (("content-type", content_type),) if om else EXPOSITION_HEADERS
+            await response.respond(200, headers, combine_expositions(texts, openmetrics=om))
         elif request.path == "/fleet":
             fleets = [a.json() for a in await self._gather("/fleet") if a is not None and a.status_code == 200]
             if not fleets:
@@ -215,7 +260,7 @@ class WorkersAdminApp:
 
             async def relay(url: str) -> None:
                 try:
-                    async with open_events(url) as worker:
+                    async with open_events(url, self.key) as worker:
                         while True:
                             message = await worker.get_message()
                             async with send_lock:

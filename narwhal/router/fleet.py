@@ -25,7 +25,7 @@ knows and changes only the difference:
   not; a document that goes back to the old settings calls the replacement off);
 - settings (deadlines, SLO, recovery, the engine contract, profiles) apply to the
   requests that arrive after the change; requests in flight keep the document they
-  arrived under. ``server``, ``journal`` and some controller settings take a restart
+  arrived under. ``server``, ``journal``, ``engine_limits`` and some controller settings take a restart
   (:data:`RESTART_ONLY`): a document that changes them is refused, as is any document
   that fails validation, and nothing changes.
 
@@ -130,12 +130,12 @@ class LiveFleet:
         #: The most recent records (the file has them all).
         self.changes: list[dict[str, Any]] = []
         #: A document name -> the engine serving it (or starting to): the name itself, or
-        #: a later incarnation (``d0#2``) after a replacement.
-        self._primary: dict[str, str] = {document_name(n): n for n in state.engines}
+        #: a later incarnation (``d0#2``) after a replacement. (Made from the router's
+        #: engines when the first document is applied: until then only this changes them.)
+        self._primary: dict[str, str] = {}
+        self._indexed = False
         #: A document name -> every engine of it the router knows (draining ones too).
         self._incarnations: dict[str, list[str]] = {}
-        for name in state.engines:
-            self._incarnations.setdefault(document_name(name), []).append(name)
         #: A replacement -> the engine it replaces, which serves until it is ready.
         self._replaces: dict[str, str] = {}
         #: Engines whose readiness probe passed, waiting to enter placement together.
@@ -259,6 +259,13 @@ class LiveFleet:
             return await self._apply_document(self.state.config, self.state.profiles, source)
 
     async def _apply_document(self, config: FleetConfig, profiles: Profiles | None, source: str) -> FleetChange:
+        if not self._indexed:
+            self._indexed = True
+            for name in self.state.engines:
+                self._primary.setdefault(document_name(name), name)
+                known = self._incarnations.setdefault(document_name(name), [])
+                if name not in known:
+                    known.append(name)
         # Everything that can fail, before anything changes: the checks, the groups'
         # resolution, and the clients of the engines it may add.
         try:

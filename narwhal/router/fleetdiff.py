@@ -19,6 +19,8 @@ __all__ = ["RESTART_ONLY", "FleetChange", "changed_settings", "restart_only", "s
 RESTART_ONLY: Final = (
     "server",
     "journal",
+    "tracing",  # the exporter and its batch thread are built once, at start
+    "engine_limits",
     "controller.prompt_tokens",
     "controller.prefix_cache",
     "controller.reactive.enabled",

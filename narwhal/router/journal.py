@@ -28,6 +28,7 @@ TERMINAL_CLASSES = frozenset(
     {
         "ok",
         "refused",
+        "no_engine",
         "invalid_request",
         "client_cancelled",
         "prefill_failed",
@@ -38,6 +39,7 @@ TERMINAL_CLASSES = frozenset(
         "invalid_descriptor",
         "deadline_exceeded",
         "shutdown",
+        "router_overloaded",
         "internal_error",
     }
 )
@@ -127,6 +129,8 @@ class RequestRecord:
         consumer: consumer of the final attempt.
         attempts: every attempt with its outcome.
         error: error detail for a failed request.
+        trace_id: the OpenTelemetry trace id (32 hex digits) of a request whose trace is
+            sampled; None when tracing is off or the sampler dropped it.
     """
 
     request_id: str
@@ -147,6 +151,7 @@ class RequestRecord:
     consumer: str | None = None
     attempts: list[AttemptRecord] = _EMPTY_LIST
     error: str | None = None
+    trace_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # attrs.asdict, written out: it runs once per request on the router's hot path.

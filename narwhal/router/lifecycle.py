@@ -52,6 +52,7 @@ from narwhal.errors import (
     InvalidDescriptor,
     NarwhalError,
     Refused,
+    RouterOverloaded,
     SilenceTimeout,
 )
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
@@ -67,6 +68,7 @@ from narwhal.router.requests import (
     parse_request,
 )
 from narwhal.router.state import PromptCount, RouterState
+from narwhal.tracing import RequestTrace
 
 __all__ = ["RequestLifecycle", "terminal_class_for"]
 
@@ -87,6 +89,8 @@ _ANSWER_WRITE_S = 5.0
 def terminal_class_for(err: NarwhalError) -> str:
     """The journal's terminal class for an error."""
     if isinstance(err, EngineError):
+        if isinstance(err, RouterOverloaded):
+            return "router_overloaded"  # the router's own fault, whichever leg met it
         if err.client_fault:
             return "invalid_request"
         if isinstance(err, InvalidDescriptor):
@@ -97,7 +101,7 @@ def terminal_class_for(err: NarwhalError) -> str:
     if isinstance(err, DeadlineExceeded):
         return "deadline_exceeded"
     if isinstance(err, Refused):
-        return "refused"
+        return err.terminal_class  # refused, or no_engine
     if isinstance(err, ClientError):
         return "invalid_request"
     return "internal_error"
@@ -132,6 +136,12 @@ class RequestLifecycle:
         self.record = RequestRecord(
             request_id=self.request_id, arrival=time.time(), route=kind
         )
+        #: The request's spans (None: tracing is off).
+        self.trace: RequestTrace | None = None
+        tracing = state.tracing
+        if tracing is not None:
+            self.trace = tracing.request(request, kind, request.path, self.request_id)
+            self.record.trace_id = self.trace.trace_id
         # (Both set by _serve before any read.)
         self.parsed: ParsedRequest | None = None  # pragma: no mutate (equivalent: set before read)
         self.prompt: PromptCount | None = None  # pragma: no mutate (equivalent: set before read)
@@ -172,7 +182,8 @@ class RequestLifecycle:
             if self.request.disconnected.is_set():
                 record.terminal_class = "client_cancelled"
                 record.status = 200 if self.committed else 499
-                record.error = "client disconnected"
+                # (Gone, or stopped reading for server.send_timeout_s: the server says which.)
+                record.error = self.request.disconnect_reason or "client disconnected"
             else:
                 # The shutdown grace period is over: the client still gets its answer
                 # (503 before the first token, a terminal event after it).
@@ -197,6 +208,8 @@ class RequestLifecycle:
             state.in_flight -= 1
             record.latency_s = state.clock() - self.arrival
             record.output_len = self.tokens
+            if self.trace is not None:
+                self.trace.finish(record)
             state.journal.record(record)
             if log.isEnabledFor(logging.INFO):
                 log.info(
@@ -259,6 +272,8 @@ class RequestLifecycle:
             n += 1
             attempt = AttemptRecord(n=n)
             record.attempts.append(attempt)
+            if self.trace is not None:
+                self.trace.attempt(attempt)
             record.ttft_s = None  # this attempt's, once its prefill completes
             try:
                 await self._attempt(attempt, frozenset(tried))
@@ -305,6 +320,9 @@ class RequestLifecycle:
         # a walk over its ids.
         lookup = prefix.lookup(ids) if ids is not None and prefix.active else None
         cached = lookup.cached_tokens if lookup is not None else None
+        trace = self.trace
+        if trace is not None:
+            trace.placing(state.placement, self.record.model, avoid)
         try:
             reservation = await state.placement.acquire(
                 self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline,
@@ -328,6 +346,8 @@ class RequestLifecycle:
             attempt.same_worker = reservation.same_worker
             self.record.producer = reservation.producer
             self.record.consumer = reservation.consumer
+            if trace is not None:
+                trace.placed(attempt)
             suffix = f"{next(_ids):x}"  # unique even when clients reuse an x-request-id
             attempt.prefill_request_id = f"{self.request_id}-{attempt.n}-{suffix}-p"
             attempt.decode_request_id = f"{self.request_id}-{attempt.n}-{suffix}-d"
@@ -338,7 +358,9 @@ class RequestLifecycle:
                 # router's own deadlines name only the leg).
                 culprit = err.engine or (reservation.producer if err.leg == "prefill" else reservation.consumer)
                 err.engine = culprit
-                if not err.client_fault:
+                if trace is not None:
+                    trace.failed(err, self.tokens)
+                if err.engine_fault:
                     state.breaker.record_failure(
                         culprit, err.message, origin_producer=reservation.producer, leg=err.leg
                     )
@@ -366,6 +388,8 @@ class RequestLifecycle:
             # The producer caches the prompt's blocks when it schedules it, before computing
             # them (vLLM's allocate_slots): a prompt queued behind this one hits them.
             state.prefix.placed(reservation.producer, ids)
+        trace = self.trace
+        headers = () if trace is None else trace.prefill(reservation.producer, attempt.prefill_request_id)
         with trio.CancelScope(deadline=handoff_deadline) as scope:
             state.in_flight_by_engine[reservation.producer] += 1
             try:
@@ -374,6 +398,7 @@ class RequestLifecycle:
                     kind=self.kind,
                     request_id=attempt.prefill_request_id,
                     transfer=not same_worker,
+                    trace=headers,
                 )
             finally:
                 state.in_flight_by_engine[reservation.producer] -= 1
@@ -385,6 +410,8 @@ class RequestLifecycle:
             )
         prefill_done = state.clock()
         reservation.release_prefill(done=True)
+        if trace is not None:
+            trace.prefilled(prefill, cfg.handoff.max_age_s)
         attempt.cached_tokens = prefill.cached_tokens
         if ids is not None and not same_worker:
             state.prefix.placed(reservation.consumer, ids)  # a consumer caches what it pulls
@@ -458,6 +485,8 @@ class RequestLifecycle:
             armed = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
             scope.deadline = math.inf
 
+        trace = self.trace
+        headers = () if trace is None else trace.decode(name, attempt.decode_request_id)
         state.in_flight_by_engine[name] += 1
         try:
             with scope:
@@ -467,6 +496,7 @@ class RequestLifecycle:
                     kind=self.kind,
                     request_id=attempt.decode_request_id,
                     lazy=acc is None,  # a relayed stream needs token counts, not token objects
+                    trace=headers,
                 ) as stream:
                     async for chunk in stream:
                         if chunk.kind == "token":
@@ -486,6 +516,8 @@ class RequestLifecycle:
                             if tokens == n and n:
                                 self.visible = True
                                 self.record.first_byte_s = clock() - self.arrival
+                                if trace is not None:
+                                    trace.first_token()
                                 if silence != math.inf:
                                     stream.watch_silence(scope, silence)
                                 if parsed.stream:
@@ -551,6 +583,8 @@ class RequestLifecycle:
                 deadline="engine.first_token_timeout_s",
             )
         # A normal end: the stream saw [DONE] after at least one token (the client enforces it).
+        if trace is not None:
+            trace.decoded(tokens, attempt.consumer_cached_tokens)
         if tokens >= 2:
             self.record.tpot_s = (last_token_at - prefill_done) / (tokens - 1)
         if acc is None:

@@ -18,7 +18,10 @@ seen up to one period late.
 
 An engine whose ``/metrics`` fails keeps its last report for
 :data:`STALE_AFTER_PERIODS` periods; after that its others' share is unknown and
-counted as none (placement then sees only this router's reservations there).
+counted as none (placement then sees only this router's reservations there). One that
+answers with metrics the router cannot use (a gauge that is no number: ``+Inf``
+requests running, a NaN) loses its report at once: the client counts and logs the
+fault, and the engine's others' share is counted as none until it reports sound ones.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import logging
 
 import trio
 
-from narwhal.errors import EngineError
+from narwhal.errors import EngineError, EngineProtocolError
 from narwhal.router.state import RouterState
 
 __all__ = ["STALE_AFTER_PERIODS", "poll_engine_load"]
@@ -58,6 +61,11 @@ async def poll_engine_load(
                 placement.engine_reported(name, int(metrics.running), int(metrics.waiting), own)
                 last_ok[name] = trio.current_time()
                 return
+        except EngineProtocolError as exc:
+            log.debug("engine %s metrics unusable: %s", name, exc)
+            if last_ok.pop(name, None) is not None:
+                placement.engine_reported(name, 0, 0, 0)
+            return
         except EngineError as exc:
             log.debug("engine %s metrics unavailable: %s", name, exc)
         since = last_ok.get(name)

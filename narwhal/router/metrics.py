@@ -6,6 +6,12 @@ additions, exposed in prometheus_client's format when scraped); gauges of
 live state (in-flight per engine, reservations, breaker state) are read at scrape
 time by a custom collector. Each router has its own registry, so several routers in
 one process (tests, ``--workers``) never share series.
+
+With tracing on, the latency histograms keep an exemplar per bucket: the trace id of
+the latest sampled request that fell in it. Only the OpenMetrics format carries them:
+:meth:`RouterMetrics.render` answers in it when the scraper's ``Accept`` asks for
+``application/openmetrics-text`` (Prometheus does with ``--enable-feature=exemplar-storage``),
+and in the classic text format otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Exemplar, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -39,7 +46,8 @@ _LATENCY_BUCKETS = (
 )
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 #: The ``narwhal_breaker_state`` gauge's value of each breaker state.
-BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "held": 3, "trial": 4}
+#: (3 is no longer used: the other codes keep the values dashboards know.)
+BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "trial": 4}
 _ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 #: ``_created`` samples, unless switched off as prometheus_client switches them off.
 _USE_CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
@@ -94,7 +102,7 @@ class _LiveState(Collector):
         breaker = GaugeMetricFamily(
             "narwhal_breaker_state",
             "Breaker state by engine: 0 in placement, 1 quarantined, 2 ejected, "
-            "3 ejected but held in placement (whole wave), 4 on trial (half-open).",
+            "4 on trial (half-open).",
             labels=["engine"],
         )
         for name in state.breaker.states:
@@ -151,6 +159,16 @@ class _LiveState(Collector):
                 batches.add_metric([name, kind], count)
         yield stale
         yield batches
+        bad = CounterMetricFamily(
+            "narwhal_engine_bad_input",
+            "What engines sent that the router could not use, by engine and source (metrics, kv_events, "
+            "tokenize, models, version, completions, stream): a value that is no number or out of range, "
+            "an answer over its size limit, a count that contradicts its ids, a malformed event or batch.",
+            labels=["engine", "source"],
+        )
+        for (engine, source), count in list(state.bad_input.counts.items()):
+            bad.add_metric([engine, source], count)
+        yield bad
         ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
         ready.add_metric([], 1 if state.ready() else 0)
         yield ready
@@ -210,7 +228,7 @@ class _Histogram:
     ``_bucket`` samples with the same ``le`` labels, ``_count``, ``_sum`` summed in
     the same order, ``_created``)."""
 
-    __slots__ = ("bounds", "cells", "doc", "labelnames", "le", "name")
+    __slots__ = ("bounds", "cells", "doc", "exemplars", "labelnames", "le", "name")
 
     def __init__(self, name: str, doc: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]) -> None:
         self.name = name
@@ -223,14 +241,23 @@ class _Histogram:
         self.le = tuple(floatToGoString(b) for b in bounds)  # type: ignore[no-untyped-call]
         #: labels -> (counts per bucket, not cumulative; [sum, created])
         self.cells: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+        #: labels -> per bucket, the latest exemplar (trace id, value, Unix time) or None
+        #: (only once a traced observation came).
+        self.exemplars: dict[tuple[str, ...], list[tuple[str, float, float] | None]] = {}
 
-    def observe(self, labels: tuple[str, ...], amount: float) -> None:
+    def observe(self, labels: tuple[str, ...], amount: float, trace_id: str | None = None) -> None:
         cell = self.cells.get(labels)
         if cell is None:
             cell = self.cells[labels] = ([0] * len(self.bounds), [0.0, time.time()])
         cell[1][0] += amount
         if amount <= math.inf:  # (NaN falls in no bucket, as prometheus_client has it)
-            cell[0][bisect.bisect_left(self.bounds, amount)] += 1
+            bucket = bisect.bisect_left(self.bounds, amount)
+            cell[0][bucket] += 1
+            if trace_id is not None:
+                kept = self.exemplars.get(labels)
+                if kept is None:
+                    kept = self.exemplars[labels] = [None] * len(self.bounds)
+                kept[bucket] = (trace_id, amount, time.time())
 
     def metric(self) -> Metric:
         metric = Metric(self.name, self.doc, "histogram")
@@ -239,9 +266,12 @@ class _Histogram:
             # Their other mutants are killed (the exposition tests); strict only asserts.
             series = dict(zip(names, labels, strict=True))  # pragma: no mutate (equivalent: a cell's labels are as many as the family's names)
             acc = 0.0
-            for le, n in zip(self.le, counts, strict=True):  # pragma: no mutate (equivalent: one count per bound)
+            kept = self.exemplars.get(labels)
+            for i, (le, n) in enumerate(zip(self.le, counts, strict=True)):  # pragma: no mutate (equivalent: one count per bound)
                 acc += n
-                metric.add_sample(self.name + "_bucket", {**series, "le": le}, acc)
+                ex = kept[i] if kept is not None else None
+                exemplar = None if ex is None else Exemplar({"trace_id": ex[0]}, ex[1], ex[2])
+                metric.add_sample(self.name + "_bucket", {**series, "le": le}, acc, exemplar=exemplar)
             metric.add_sample(self.name + "_count", series, acc)
             if self.bounds[0] >= 0:
                 metric.add_sample(self.name + "_sum", series, total)
@@ -340,17 +370,18 @@ class RouterMetrics:
         if klass == "refused":
             self.refusals.inc(())
         key = (route,)
+        trace_id = record.get("trace_id")  # an exemplar of each latency it observes
         latency = record.get("latency_s")
         if latency is not None:
-            self.duration.observe(key, latency)
+            self.duration.observe(key, latency, trace_id)
         if klass == "ok":
             ttft, first_byte, tpot = record.get("ttft_s"), record.get("first_byte_s"), record.get("tpot_s")
             if ttft is not None:
-                self.ttft.observe(key, ttft)
+                self.ttft.observe(key, ttft, trace_id)
             if first_byte is not None:
-                self.first_byte.observe(key, first_byte)
+                self.first_byte.observe(key, first_byte, trace_id)
             if tpot is not None:
-                self.tpot.observe(key, tpot)
+                self.tpot.observe(key, tpot, trace_id)
         output_len = record.get("output_len")
         if output_len:
             self.output_tokens.inc(key, output_len)
@@ -381,3 +412,10 @@ class RouterMetrics:
     def exposition(self) -> bytes:
         """The Prometheus text exposition of every family."""
         return generate_latest(self.registry)
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """Every family in the format ``accept`` (a scrape's ``Accept`` header) asks for:
+        OpenMetrics, which carries the latency histograms' exemplars, or the classic
+        text format; returns the body and its content type."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -7,7 +7,10 @@ consumer alike (:meth:`Placement.serves`; :attr:`Placement.models` is the one in
 which engine serves which model). Engines the breaker keeps out (ejected, quarantined,
 on trial with a request already in flight) are skipped; engines
 that failed an earlier attempt of the same request are avoided while others remain.
-When one engine is best for both roles, the request decodes on the same worker.
+When one engine is best for both roles, the request decodes on the same worker. When
+no engine of a role is left (every one ejected), the request is refused at once with
+:class:`~narwhal.errors.NoEngine`, its ``Retry-After`` the time until one may be back
+(the breaker's :meth:`~narwhal.router.breaker.Breaker.retry_after_s`).
 
 Load placed by others (replicas, workers of ``--workers``, clients that bypass the
 router) is known only from what the engines report (:mod:`narwhal.router.loadpoll`).
@@ -33,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 import attrs
 import trio
 
-from narwhal.errors import Refused
+from narwhal.errors import NoEngine
 from narwhal.router.sharedkv import HeldChain
 
 __all__ = ["MEAN_WEIGHT", "EngineLoad", "Placement", "Reservation"]
@@ -165,10 +168,13 @@ class Placement:
         *,
         available: Callable[[str], bool] = lambda name: True,
         models: Mapping[str, Iterable[str]] | None = None,
+        retry_after_s: Callable[[Sequence[str]], float] = lambda names: 1.0,
     ) -> None:
         self.prefill_engines = list(prefill_engines)
         self.decode_engines = list(decode_engines)
         self.available = available
+        #: Seconds until one of the engines named (a role's, all out) may be back.
+        self.retry_after_s = retry_after_s
         self.loads: dict[str, EngineLoad] = {
             name: EngineLoad() for name in dict.fromkeys([*prefill_engines, *decode_engines])
         }
@@ -237,6 +243,16 @@ class Placement:
     def of_model(self, model: str | None) -> str:
         """`` of model 'x'`` in a refusal, when the fleet serves several."""
         return f" of model {model!r}" if self._several and model is not None else ""
+
+    def no_engine(self, role: str, model: str | None) -> NoEngine:
+        """The refusal of a request that finds no engine for ``role`` (``prefill`` or
+        ``decode``) serving ``model`` in placement; its ``Retry-After`` is when one of the
+        role's engines may be back."""
+        names = self.prefill_engines if role == "prefill" else self.decode_engines
+        out = [n for n in names if self.serves(n, model)]
+        return NoEngine(
+            f"no engine{self.of_model(model)} available for {role}", retry_after_s=self.retry_after_s(out)
+        )
 
     def set_roles(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         """The engines placement may choose for each role, from now on (a fleet change or
@@ -325,7 +341,7 @@ class Placement:
     def choose(
         self, prompt_tokens: int, max_tokens: int, *, avoid: frozenset[str] = frozenset(), model: str | None = None
     ) -> Reservation:
-        """Reserve the best (producer, consumer) pair serving ``model`` or raise :class:`Refused`."""
+        """Reserve the best (producer, consumer) pair serving ``model`` or raise :class:`NoEngine`."""
         loads = self.loads
 
         def prefill_load(n: str) -> tuple[float, ...]:
@@ -338,10 +354,10 @@ class Placement:
 
         producer = self._pick("prefill", self.prefill_engines, avoid, prefill_load, model)
         if producer is None:
-            raise Refused(f"no engine{self.of_model(model)} available for prefill", retry_after_s=1.0)
+            raise self.no_engine("prefill", model)
         consumer = self._pick("decode", self.decode_engines, avoid, decode_load, model)
         if consumer is None:
-            raise Refused(f"no engine{self.of_model(model)} available for decode", retry_after_s=1.0)
+            raise self.no_engine("decode", model)
         return Reservation(self, producer, consumer, prompt_tokens, prompt_tokens + max_tokens)
 
     async def acquire(

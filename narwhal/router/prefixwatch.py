@@ -9,7 +9,10 @@ block size and its capacity, and its ``process_start_time_seconds``:
   needed; an engine that does not report the label gets no view.
 - prefix caching off: its view is dropped.
 - a new process start time: a new engine generation with an empty cache: its view is
-  cleared.
+  cleared;
+- metrics it cannot use (a gauge that is no number, a capacity label that is no
+  integer): its hits are priced no more until it reports usable ones (the client
+  counts and logs the fault).
 
 An engine with a ``kv_events`` endpoint has a :class:`KVEventSubscriber` for the
 router's lifetime, whose batches and resets go to the index. Unreachable engines keep
@@ -32,7 +35,7 @@ from typing import Any, Final
 import trio
 
 from narwhal.engines.kvevents import KVEventSubscriber
-from narwhal.errors import EngineError
+from narwhal.errors import EngineError, EngineProtocolError
 from narwhal.router.state import RouterState
 
 __all__ = ["PREFIX_REFRESH_S", "PrefixWatch"]
@@ -112,6 +115,9 @@ class PrefixWatch:
             on_batch=lambda _seq, batch: index.apply(name, batch),
             on_reset=lambda _why: index.reset(name, events_only=True),
             on_stale=lambda why: self._stale(name, why),
+            name=name,
+            limits=state.config.engine_limits,
+            bad_input=state.bad_input,
         )
         index.follow(name)
         state.kv_subscribers[name] = sub
@@ -162,6 +168,10 @@ class PrefixWatch:
                     log.info("engine %s: a new generation; its prefix view is cleared", name)
                     index.reset(name)
                 starts[name] = start
+        except EngineProtocolError as exc:
+            # It answers, with nothing usable: what it said before is no longer to be trusted.
+            log.debug("engine %s: cache configuration unusable: %s", name, exc)
+            index.disable(name)
         except EngineError as exc:
             log.debug("engine %s: cache configuration unavailable: %s", name, exc)
 

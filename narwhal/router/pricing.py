@@ -190,8 +190,10 @@ class PricedPlacement(Placement):
         pricing: str = "point",  # pragma: no mutate (equivalent: any word but "upper" prices the point estimate)
         models: Mapping[str, Iterable[str]] | None = None,
         admission_bound: str = "lower",
+        retry_after_s: Callable[[Sequence[str]], float] = lambda names: 1.0,
     ) -> None:
-        super().__init__(prefill_engines, decode_engines, available=available, models=models)
+        super().__init__(prefill_engines, decode_engines, available=available, models=models,
+                         retry_after_s=retry_after_s)  # fmt: skip
         self.profiles = dict(profiles)
         self.pricing = pricing
         self.admission_bound = admission_bound

@@ -30,6 +30,8 @@ An ejected engine returns to placement only when an inference probe succeeds:
   cadence.
 
 A successful probe readmits the engine half-open (see :mod:`narwhal.router.breaker`).
+With tracing on, each inference probe is a trace of its own (``narwhal.probe``) whose
+legs send its context to the engines.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from typing import Any
 
 import trio
 
-from narwhal.errors import NarwhalError
+from narwhal.engines.client import TraceHeaders
+from narwhal.errors import NarwhalError, RouterOverloaded
 from narwhal.router.state import RouterState
 
 __all__ = ["PROBE_TOKENS", "probe_at_start", "probe_engine", "readiness_problem", "run_probes"]
@@ -108,7 +111,10 @@ async def readiness_problem(state: RouterState, name: str) -> str | None:
         timeout = state.config.engine.connect_timeout_s
         why: str | None = f"no answer to GET /health within {timeout:g} s (engine.connect_timeout_s)"
         with trio.move_on_after(timeout):
-            why = await client.unhealthy()
+            try:
+                why = await client.unhealthy()
+            except RouterOverloaded as exc:
+                why = str(exc)  # not ready yet, as far as the router can tell: asked again
         return why
     try:
         await _check_lifecycle(state, name)
@@ -119,14 +125,16 @@ async def readiness_problem(state: RouterState, name: str) -> str | None:
     return None
 
 
-async def _decode_stream(state: RouterState, name: str, handoff: Any, body: dict[str, Any] | None = None) -> None:
+async def _decode_stream(
+    state: RouterState, name: str, handoff: Any, body: dict[str, Any] | None = None, trace: TraceHeaders = ()
+) -> None:
     """Stream a decode to its ``[DONE]`` under the request path's own bounds (through
     ``handoff``, whose request is the body; or same-worker, of ``body``)."""
     cfg = state.config.engine
     client = state.clients[name]
     silence = cfg.decode_read_timeout_s if cfg.decode_read_timeout_s > 0 else cfg.first_token_timeout_s
     with trio.CancelScope(deadline=trio.current_time() + cfg.first_token_timeout_s) as scope:
-        async with client.decode(handoff, body, request_id=f"probe-{secrets.token_hex(6)}-d") as stream:
+        async with client.decode(handoff, body, request_id=f"probe-{secrets.token_hex(6)}-d", trace=trace) as stream:
             async for chunk in stream:
                 if chunk.kind == "token" and stream.tokens == chunk.count:
                     stream.watch_silence(scope, silence)
@@ -139,12 +147,14 @@ async def _decode_stream(state: RouterState, name: str, handoff: Any, body: dict
         )
 
 
-async def _fresh_handoff(state: RouterState, producer: str, body: dict[str, Any]) -> Any:
+async def _fresh_handoff(state: RouterState, producer: str, body: dict[str, Any], trace: TraceHeaders = ()) -> Any:
     """A handoff from ``producer`` (its client validates the descriptor against the
     producer's connector and KV endpoint); its failure makes the probe inconclusive."""
     try:
         with trio.fail_after(state.config.engine.first_token_timeout_s):
-            prefill = await state.clients[producer].prefill(body, request_id=f"probe-{secrets.token_hex(6)}-p")
+            prefill = await state.clients[producer].prefill(
+                body, request_id=f"probe-{secrets.token_hex(6)}-p", trace=trace
+            )
     except (NarwhalError, trio.TooSlowError) as exc:
         raise _Inconclusive(f"producer {producer} failed the probe handoff: {exc}") from exc
     return prefill
@@ -175,6 +185,12 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
     origin = st.origin_producer
     engine = state.engines[name]
     decode_path = engine.can_decode and (st.failed_leg == "decode" or not engine.can_prefill)
+    tracing = state.tracing
+    span = None
+    if tracing is not None:
+        path = "decode" if decode_path else "prefill"
+        span = tracing.probe(name, f"{path} (after a {st.failed_leg or 'start-up'} failure)")
+    trace = () if span is None else span.headers
     try:
         await _check_lifecycle(state, name)
         if name not in state.placement.models:
@@ -183,15 +199,17 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
             await state.refresh_models([name])
         if decode_path and origin is not None:
             # Crossed decode: a fresh handoff from the original producer.
-            await _decode_stream(state, name, await _fresh_handoff(state, origin, _probe_body(state, origin, decode=True)))
+            handoff = await _fresh_handoff(state, origin, _probe_body(state, origin, decode=True), trace)
+            await _decode_stream(state, name, handoff, trace=trace)
         elif decode_path and not engine.can_prefill:
             # A decode-only engine decodes through a handoff, as live traffic does.
             producer = _probe_producer(state, name)
             if producer is None:
                 raise _Inconclusive("no producer in placement for the probe handoff")
-            await _decode_stream(state, name, await _fresh_handoff(state, producer, _probe_body(state, producer, decode=True)))
+            handoff = await _fresh_handoff(state, producer, _probe_body(state, producer, decode=True), trace)
+            await _decode_stream(state, name, handoff, trace=trace)
         elif decode_path:
-            await _decode_stream(state, name, None, _probe_body(state, name, decode=True))
+            await _decode_stream(state, name, None, _probe_body(state, name, decode=True), trace)
         else:
             # With a connector, a handoff: the client validates its descriptor.
             with trio.fail_after(timeout):
@@ -200,14 +218,31 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
                     _probe_body(state, name, decode=False),  # pragma: no mutate (equivalent: see above)
                     request_id=f"probe-{secrets.token_hex(6)}-p",
                     transfer=engine.connector is not None,
+                    trace=trace,
                 )
     except _Inconclusive as exc:
+        if span is not None:
+            span.finish("inconclusive", str(exc))
+        state.breaker.probe_inconclusive(name, str(exc))
+        return None
+    except RouterOverloaded as exc:
+        # The router's own descriptors or memory ran out: nothing about the engine.
+        if span is not None:
+            span.finish("inconclusive", str(exc))
         state.breaker.probe_inconclusive(name, str(exc))
         return None
     except (NarwhalError, trio.TooSlowError) as exc:
         detail = str(exc) or "probe timed out (engine.first_token_timeout_s)"
+        if span is not None:
+            span.finish("failed", detail, exc)
         state.breaker.probe_failed(name, detail)
         return False
+    except BaseException as exc:  # cancelled (the router stops), or a bug: the span ends all the same
+        if span is not None:
+            span.finish("aborted", type(exc).__name__)
+        raise
+    if span is not None:
+        span.finish("ok", None)
     state.breaker.readmit(name)
     # A readmitted engine may be a new generation: its models are asked again (an engine
     # unreachable at start is learned now), and it is priced only if its profile binds.
@@ -253,7 +288,10 @@ async def probe_at_start(state: RouterState) -> dict[str, str]:
     async def one(name: str) -> None:
         why: str | None = f"no answer to GET /health within {timeout:g} s (engine.connect_timeout_s)"
         with trio.move_on_after(timeout):
-            why = await state.clients[name].unhealthy()
+            try:
+                why = await state.clients[name].unhealthy()
+            except RouterOverloaded as exc:
+                why = str(exc)  # unknown at start: probed again like an engine that is down
         if why is not None:
             down[name] = why
 

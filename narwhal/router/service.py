@@ -21,6 +21,7 @@ from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
 from narwhal.router.fleet import FleetChange, LiveFleet
 from narwhal.router.journal import Journal
+from narwhal.router.keys import admin_listener_problem
 from narwhal.router.loadpoll import poll_engine_load
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.prefixwatch import PrefixWatch
@@ -28,6 +29,7 @@ from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import probe_at_start, run_probes
 from narwhal.router.replicate import PrefixReplicator
 from narwhal.router.state import RouterState
+from narwhal.tracing import Tracing, open_tracing
 
 __all__ = ["Prepare", "Router", "open_router"]
 
@@ -113,10 +115,17 @@ class Router:
     async def serve_admin_tcp(
         self, host: str | None = None, port: int | None = None, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """Serve the admin surface (default: on ``server.admin_host:admin_port``).
+
+        Raises:
+            ConfigError: the address is not loopback and no admin key is set.
+        """
         cfg = self.state.config.server
-        await self.admin.serve_tcp(
-            cfg.admin_host if host is None else host, cfg.admin_port if port is None else port, task_status=task_status
-        )
+        host = cfg.admin_host if host is None else host
+        problem = admin_listener_problem(cfg, host)
+        if problem is not None:
+            raise problem
+        await self.admin.serve_tcp(host, cfg.admin_port if port is None else port, task_status=task_status)
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Stop accepting, drain in-flight requests up to the grace period."""
@@ -133,6 +142,8 @@ def server_limits(config: FleetConfig) -> ServerLimits:
         header_timeout_s=s.header_timeout_s,
         body_timeout_s=s.body_timeout_s,
         keepalive_timeout_s=s.keepalive_timeout_s,
+        send_timeout_s=s.send_timeout_s,
+        max_connections=s.max_connections,
     )
 
 
@@ -145,6 +156,7 @@ async def open_router(
     profiles: Profiles | None = None,
     metrics_on_api_port: bool = False,
     prepare: Prepare | None = None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[Router]:
     """Start a router's background tasks; on exit drain, flush the journal, close clients.
 
@@ -159,15 +171,24 @@ async def open_router(
         prepare: how a reload turns a document into config and profiles (the command
             line's checks); None: a document sent to ``PUT /fleet`` is validated and
             served with the profiles the router has, and there is no file to re-read.
+        tracing: the tracer to use (tests pass one over an in-memory exporter); None:
+            the one ``config.tracing`` and the OpenTelemetry environment ask for, if any
+            (made here, in the process that serves: each worker its own).
+
+    Raises:
+        ConfigError: tracing is asked for but cannot run (see :func:`narwhal.tracing.check_tracing`).
     """
+    if tracing is None:
+        tracing = open_tracing(config.tracing)
     state = RouterState(config, transport=transport, journal=journal, profiles=profiles)
+    state.tracing = tracing
     limits = server_limits(config)
     app = RouterApp(state)
     server = HTTPServer(app, limits, server_name="narwhal")
     events = EventHub()
     metrics = RouterMetrics(state, events)
     if metrics_on_api_port:
-        app.metrics = metrics.exposition
+        app.metrics = metrics.render
     state.journal.add_listener(events.on_record)
     state.breaker.add_listener(events.on_transition)
     admin_app = AdminApp(state, metrics, events)
@@ -221,4 +242,8 @@ async def open_router(
                     await fleet.aclose()
                 nursery.cancel_scope.cancel()
     finally:
-        await state.aclose()
+        try:
+            await state.aclose()
+        finally:
+            if tracing is not None:
+                await tracing.aclose()

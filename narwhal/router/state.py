@@ -12,10 +12,11 @@ import httpx
 import trio
 
 from narwhal.config import INCARNATION, EngineConfig, FleetConfig
+from narwhal.engines.badinput import BadInput
 from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import RequestKind
 from narwhal.engines.kvevents import KVEventSubscriber
-from narwhal.errors import BadRequest, EngineError, NotFound, Refused
+from narwhal.errors import BadRequest, EngineError, NotFound
 from narwhal.profile.store import Profiles
 from narwhal.router.breaker import Breaker
 from narwhal.router.journal import Journal
@@ -24,6 +25,7 @@ from narwhal.router.prefix import PrefixIndex
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.promptlen import PromptLengths, prompt_size
 from narwhal.router.retry import RetryBudget
+from narwhal.tracing import Tracing
 
 __all__ = ["PromptCount", "RouterState", "document_name"]
 
@@ -72,6 +74,9 @@ class RouterState:
         self.clock = clock
         self._transport = transport
         self.engines: dict[str, EngineConfig] = {e.name: e for e in config.engines}
+        #: What engines sent that could not be used, per engine and source (every client's
+        #: and KV-event subscriber's; ``narwhal_engine_bad_input_total``).
+        self.bad_input = BadInput()
         self.clients: dict[str, EngineClient] = {e.name: self._client(e) for e in config.engines}
         #: Engines that are not (or no longer) plainly serving: ``starting`` (added at run
         #: time, waiting for its readiness probe) or ``draining`` (removed: no new
@@ -101,10 +106,12 @@ class RouterState:
             self.placement = PricedPlacement(
                 prefill, decode, profiles={}, slo=ctl.slo, admission=ctl.admission,
                 available=self.placeable, clock=clock, pricing=ctl.pricing, models=declared,
-                admission_bound=ctl.admission_bound,
+                admission_bound=ctl.admission_bound, retry_after_s=self.breaker.retry_after_s,
             )  # fmt: skip
         else:
-            self.placement = Placement(prefill, decode, available=self.placeable, models=declared)
+            self.placement = Placement(
+                prefill, decode, available=self.placeable, models=declared, retry_after_s=self.breaker.retry_after_s
+            )
         budget = rec.retry_budget
         self.retry_budget = RetryBudget(
             ratio=budget.ratio,
@@ -140,6 +147,8 @@ class RouterState:
         self.kv_subscribers: dict[str, KVEventSubscriber] = {}
         #: Why an engine is still ``starting`` (its last readiness probe), for /health.
         self.phase_errors: dict[str, str] = {}
+        #: Spans of requests and probes (None: tracing is off); set by the router.
+        self.tracing: Tracing | None = None
 
     def _client(self, e: EngineConfig) -> EngineClient:
         return EngineClient(
@@ -151,6 +160,8 @@ class RouterState:
             transport=self._transport,
             connect_timeout_s=self.config.engine.connect_timeout_s,
             url_in_errors=self.config.server.engine_urls_in_errors,
+            limits=self.config.engine_limits,
+            bad_input=self.bad_input,
         )
 
     # ------------------------------------------------------------ a changing fleet
@@ -296,7 +307,7 @@ class RouterState:
         return self.unready_reason() is None
 
     def engine_state(self, name: str) -> str:
-        """The breaker's word for the engine: ``ok``, ``trial``, ``quarantined``, ``held`` or
+        """The breaker's word for the engine: ``ok``, ``trial``, ``quarantined`` or
         ``ejected`` (out until a readmission probe succeeds); or the fleet's: ``starting``
         (added, waiting for its readiness probe) or ``draining`` (removed, finishing its
         requests)."""
@@ -395,7 +406,7 @@ class RouterState:
             key=lambda n: loads[n].prefill_tokens,
         )
         if not candidates:
-            raise Refused(f"no engine{placement.of_model(model)} available for prefill")
+            raise placement.no_engine("prefill", model)
         for i, name in enumerate(candidates):
             client = self.clients[name]
             self.in_flight_by_engine[name] += 1
@@ -406,7 +417,7 @@ class RouterState:
             except EngineError as err:
                 err.engine = name
                 err.leg = "prefill"
-                if not err.client_fault:  # a prompt the engine rejects is the client's fault
+                if err.engine_fault:  # a prompt the engine rejects is the client's fault
                     self.breaker.record_failure(name, f"tokenize: {err.message}")
                 if not err.transient or i == len(candidates) - 1:
                     raise

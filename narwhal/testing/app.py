@@ -4,6 +4,11 @@ Routes and shapes follow a real vLLM 0.32 (OpenAI server): ``/v1/completions`` a
 ``/v1/chat/completions`` (JSON or SSE with ``return_token_ids``), ``/tokenize``,
 ``/v1/models``, ``/health``, ``/version``, ``/load`` and ``/metrics``. Scripted faults
 are drawn once per generation request and applied here, around the engine.
+
+One route is the simulator's own, not vLLM's: ``GET /narwhal/sim`` (:data:`SIM_IDENTITY_PATH`)
+says which simulated engine answers (its name, ``sim`` block and ``connector``), so that
+``narwhal serve`` attaches to a running ``narwhal sim`` only where it runs the engine the
+fleet document names.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any, Literal, NoReturn, Protocol
 import attrs
 import trio
 
-from narwhal.config import FaultSpec
+from narwhal.config import EngineConfig, FaultSpec, converter
 from narwhal.http.messages import JSON_HEADERS
 from narwhal.testing.engine import EngineRestarted, GenerateParams, Generation, SimEngine, SimError
 from narwhal.testing.faults import Faults, leg_of, malform_descriptor
@@ -28,7 +33,7 @@ from narwhal.testing.tokenizer import (
     token_text,
 )
 
-__all__ = ["ConnectionDropped", "SimApp"]
+__all__ = ["SIM_IDENTITY_PATH", "ConnectionDropped", "SimApp", "sim_identity"]
 
 Kind = Literal["completions", "chat"]
 _SSE = [("content-type", "text/event-stream; charset=utf-8")]
@@ -55,6 +60,16 @@ class _Response(Protocol):
     async def send(self, data: bytes) -> None: ...
 
     async def end(self) -> None: ...
+
+
+#: The simulator's own route: which simulated engine answers (:func:`sim_identity`).
+SIM_IDENTITY_PATH = "/narwhal/sim"
+
+
+def sim_identity(config: EngineConfig) -> dict[str, Any]:
+    """What identifies a simulated engine: its name, ``sim`` block and ``connector``, as JSON."""
+    return {"name": config.name, "sim": converter.unstructure(config.sim),
+            "connector": converter.unstructure(config.connector)}  # fmt: skip
 
 
 class ConnectionDropped(Exception):
@@ -113,6 +128,7 @@ class SimApp:
             "/load": ("GET", self._load),
             "/metrics": ("GET", self._metrics),
             "/reset_prefix_cache": ("POST", self._reset_prefix_cache),
+            SIM_IDENTITY_PATH: ("GET", self._identity),
         }
 
     async def __call__(self, request: _Request, response: _Response) -> None:
@@ -147,6 +163,9 @@ class SimApp:
 
     async def _version(self, request: _Request, response: _Response) -> None:
         await response.respond(200, JSON_HEADERS, _dumps({"version": self.engine.sim.version}))
+
+    async def _identity(self, request: _Request, response: _Response) -> None:
+        await response.respond(200, JSON_HEADERS, _dumps(sim_identity(self.engine.config)))
 
     async def _load(self, request: _Request, response: _Response) -> None:
         await response.respond(200, JSON_HEADERS, _dumps({"server_load": self.in_flight}))
@@ -294,7 +313,7 @@ class SimApp:
     async def _generate_counted(self, request: _Request, response: _Response, kind: Kind) -> None:
         engine = self.engine
         body = self._body(request)
-        engine.record_request(body, request.header("x-request-id"))
+        engine.record_request(body, request.header("x-request-id"), request.headers)
         job = self._job(request, body, kind)
         faults = engine.draw_faults(leg_of(body))
         if (spec := faults.get("http_error")) is not None:

@@ -118,6 +118,8 @@ class SimEngine:
         self.requests_seen: list[Any] = []
         #: The ``x-request-id`` of each of those requests (None when it had none), alike.
         self.request_ids_seen: list[str | None] = []
+        #: The header fields (names lower-cased) of each of those requests, alike.
+        self.headers_seen: list[list[tuple[str, str]]] = []
         self.generation = 0
         self.engine_id = ""
         self.process_start_time = 0.0
@@ -265,13 +267,18 @@ class SimEngine:
         """Whether the engine is down between generations (refusing every connection)."""
         return self._down > 0
 
-    def record_request(self, body: Any, request_id: str | None = None) -> None:
-        """Log a received request body (``requests_seen``) and its id (``request_ids_seen``)."""
+    def record_request(
+        self, body: Any, request_id: str | None = None, headers: list[tuple[str, str]] | None = None
+    ) -> None:
+        """Log a received request body (``requests_seen``), its id (``request_ids_seen``)
+        and its header fields (``headers_seen``)."""
         self.requests_seen.append(body)
         self.request_ids_seen.append(request_id)
+        self.headers_seen.append(headers if headers is not None else [])
         if len(self.requests_seen) > REQUESTS_SEEN_LIMIT:
             del self.requests_seen[: REQUESTS_SEEN_LIMIT // 2]
             del self.request_ids_seen[: REQUESTS_SEEN_LIMIT // 2]
+            del self.headers_seen[: REQUESTS_SEEN_LIMIT // 2]
 
     # ------------------------------------------------------------ lifecycle
 

@@ -85,7 +85,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealPair]:
     script = [sys.executable, str(PAIR_SCRIPT)]
     where = ["--run-dir", str(run_dir)]
     started = subprocess.run(
-        [*script, "start", *where, "--venv", str(_venv())], check=False, timeout=1200
+        [*script, "start", *where, "--venv", str(_venv()), "--otlp-traces-endpoint", "auto"],
+        check=False,
+        timeout=1200,
     )
     try:
         if started.returncode != 0:

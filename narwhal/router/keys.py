@@ -1,0 +1,80 @@
+"""Bearer keys: the client keys of the router port and the admin keys of the admin port.
+
+A request presents a key as ``Authorization: Bearer <key>`` (the scheme in any case).
+Every configured key is compared, each in constant time, so that the time taken says
+neither which key matched nor how much of one. A key is never shown: not in a log
+line, an error, a ``repr``.
+
+The admin surface reads the live fleet and events and can reload the fleet: a listener
+that others can reach (an address other than loopback) needs admin keys
+(:func:`admin_listener_problem`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Iterable
+
+from narwhal.config import ServerConfig
+from narwhal.errors import ConfigError
+
+__all__ = ["ADMIN_KEY_ENV", "BearerKeys", "admin_listener_problem", "bearer", "is_loopback"]
+
+#: The environment variable that adds an admin key (``narwhal serve``) and presents
+#: one (``narwhal top``): other users cannot read a process's environment in ``ps``.
+ADMIN_KEY_ENV = "NARWHAL_ADMIN_KEY"
+
+
+class BearerKeys:
+    """The keys a listener accepts; none configured accepts every request."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = [k.encode() for k in keys]
+
+    def __repr__(self) -> str:
+        return f"BearerKeys(<{len(self._keys)} keys>)"
+
+    def accepts(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value presents one of the keys."""
+        if not self._keys:
+            return True
+        # No header is no scheme; another scheme presents an empty value, which no key is.
+        scheme, _, token = (authorization or "").partition(" ")  # pragma: no mutate (equivalent: any text without a scheme presents no key)
+        presented = token.strip().encode() if scheme.lower() == "bearer" else b""  # pragma: no mutate (equivalent: a key is non-empty text, never the mutant's literal)
+        ok = False
+        for key in self._keys:  # constant time per key, and every key is compared
+            ok |= hmac.compare_digest(presented, key)
+        return ok
+
+
+def bearer(key: str | None) -> dict[str, str]:
+    """The request headers that present ``key`` (none for None)."""
+    return {} if key is None else {"authorization": f"Bearer {key}"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address reaches this machine only: ``localhost`` or a loopback
+    IP (127.0.0.0/8, ``::1``). A wildcard, a routable address or any other name is not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def admin_listener_problem(server: ServerConfig, host: str | None = None) -> ConfigError | None:
+    """Why the admin listener must not start on ``host`` (default ``server.admin_host``):
+    an address others can reach and no admin key to keep them out; None when it may."""
+    host = server.admin_host if host is None else host
+    if server.admin_api_keys or is_loopback(host):
+        return None
+    return ConfigError(
+        f"admin_host {host!r} is not a loopback address and no admin key is set: anyone who "
+        "reaches the admin port could read /events and reload the fleet with PUT /fleet; set "
+        f"server.admin_api_keys (or {ADMIN_KEY_ENV}), or bind it to 127.0.0.1",
+        path="$.server.admin_host",
+    )
