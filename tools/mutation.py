@@ -136,6 +136,8 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_fleet_settings.py", "tests/test_fleet_reload.py",
         # What an engine's readiness, its leaving and new settings ask of the router's parts.
         "tests/test_fleet_engines.py",
+        # All or nothing, make before break, per-model roles, linear work.
+        "tests/test_fleet_reload_hostile.py", "tests/test_fleet_replace.py", "tests/test_fleet_scale.py",
         # What runs before and after a document is applied (DNS discovery's resolutions).
         "tests/test_discovery.py::test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve",
         "tests/test_discovery.py::test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_role",
@@ -171,8 +173,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     # The reactive controller's rules directly (corrections, demand, the pressure model,
     # the decisions and their file), and end to end behind a router.
     "narwhal/router/controller.py": ("tests/test_controller_rules.py", "tests/test_reactive.py"),
-    # DNS-discovered engine groups: resolution, expansion, fleet changes.
-    "narwhal/router/discovery.py": ("tests/test_discovery.py",),
+    # DNS-discovered engine groups: resolution, expansion, fleet changes, max_engines.
+    "narwhal/router/discovery.py": (
+        "tests/test_discovery.py",
+        "tests/test_fleet_scale.py::test_an_answer_larger_than_max_engines_adds_its_first_addresses",
+    ),
+    # What a document changes (settings diff with secrets redacted, restart-only paths).
+    "narwhal/router/fleetdiff.py": ("tests/test_fleet_settings.py", "tests/test_fleet_reload_hostile.py"),
     # The router's families fed from records and transitions, and the live gauges read at
     # scrape time, in direct tests; the admin surface's /metrics end to end.
     "narwhal/router/metrics.py": ("tests/test_observability.py",),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 import attrs
 import trio
@@ -183,6 +183,9 @@ class Placement:
         #: The models each engine serves (declared, or learned from its /v1/models);
         #: an engine absent here is not known yet (see :meth:`serves`).
         self.models: dict[str, frozenset[str]] = {}
+        #: How many engines serve each model (kept as engines come and go: a fleet change
+        #: of N engines costs N small updates, not N walks over the fleet).
+        self._serving: dict[str, int] = {}
         self._several = False
         for name, served in (models or {}).items():
             self.set_models(name, served)
@@ -198,11 +201,29 @@ class Placement:
     def set_models(self, name: str, served: Iterable[str]) -> None:
         """Record the models engine ``name`` serves (an empty set: not known)."""
         served = frozenset(served)
+        before = self.models.get(name, frozenset())
         if served:
             self.models[name] = served
         else:
             self.models.pop(name, None)
-        self._several = len(self.model_names()) > 1
+        counts = self._serving
+        for model in before - served:
+            counts[model] -= 1
+            if not counts[model]:
+                del counts[model]
+        for model in served - before:
+            counts[model] = counts.get(model, 0) + 1
+        self._several = len(counts) > 1
+
+    @property
+    def served_models(self) -> Set[str]:
+        """The models some engine serves (unordered; :meth:`model_names` orders them)."""
+        return self._serving.keys()
+
+    @property
+    def several_models(self) -> bool:
+        """Whether engines serve more than one model."""
+        return self._several
 
     def model_names(self) -> list[str]:
         """Every model some engine serves, in the order the engines were recorded."""
@@ -236,8 +257,10 @@ class Placement:
     def set_roles(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         """The engines placement may choose for each role, from now on (a fleet change or
         reactive control's role move)."""
+        loads = self.loads
         for name in (*prefill, *decode):
-            self.add_engine(name)
+            if name not in loads:  # (a method call per engine of a large fleet costs)
+                self.add_engine(name)
         self.prefill_engines = list(prefill)
         self.decode_engines = list(decode)
 

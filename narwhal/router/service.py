@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -11,7 +10,7 @@ from typing import Any
 import httpx
 import trio
 
-from narwhal.config import FleetConfig, parse_fleet
+from narwhal.config import FleetConfig, parse_fleet, parse_fleet_json
 from narwhal.errors import ConfigError
 from narwhal.http.server import HTTPServer, ServerLimits
 from narwhal.profile.store import Profiles
@@ -80,10 +79,8 @@ class Router:
         prepare = self.prepare
         try:
             if isinstance(document, bytes | bytearray | memoryview | str):
-                try:
-                    document = json.loads(bytes(document) if isinstance(document, memoryview) else document)
-                except ValueError as exc:  # UnicodeDecodeError is one
-                    raise ConfigError(f"the document is not JSON: {exc}") from None
+                # A body is a document: never None (re-read the file), never nested deeper than one.
+                document = parse_fleet_json(document if isinstance(document, str) else bytes(document))
             if prepare is None:
                 if document is None:
                     raise ConfigError("the router was not started from a fleet document file: nothing to re-read")
