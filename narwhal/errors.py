@@ -167,9 +167,11 @@ class Refused(NarwhalError):
     error_type = "service_unavailable"
     terminal_class = "refused"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, placement: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        #: Why placement found no pair in time (its explanation), when it priced one.
+        self.placement = placement
 
 
 class DeadlineExceeded(NarwhalError):

@@ -50,7 +50,7 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         n=1, producer="p0", consumer="d0", prefill_request_id="a", decode_request_id="b", outcome="ok",
         ttft_s=0.1, placement_wait_s=0.2, predicted_ttft_s=0.3, predicted_tpot_s=0.01, deadline="x",
         held_by="d0", predicted_cached_tokens=4, cached_tokens=5, consumer_predicted_cached_tokens=6,
-        consumer_cached_tokens=7,
+        consumer_cached_tokens=7, placement={"rule": "owner"},
     )  # fmt: skip
     record = RequestRecord(
         request_id="r", arrival=1.5, route="chat", model="m", stream=True, prompt_tokens=9,
@@ -67,7 +67,7 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         "decode_request_id": None, "outcome": "pending", "error": None, "ttft_s": None, "placement_wait_s": 0.0,
         "predicted_ttft_s": None, "predicted_tpot_s": None, "deadline": None, "held_by": None,
         "predicted_cached_tokens": None, "cached_tokens": None, "consumer_predicted_cached_tokens": None,
-        "consumer_cached_tokens": None,
+        "consumer_cached_tokens": None, "placement": None,
     }  # fmt: skip
     bare = RequestRecord(request_id="r", arrival=0.0, route="completions")
     assert bare.to_json() == {

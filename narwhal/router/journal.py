@@ -77,6 +77,16 @@ class AttemptRecord:
             as its decode stream's usage reported it (None when not reported). vLLM
             counts the tokens the consumer pulled in it as well as its own hit, so
             after a whole handoff it is the prompt's length, not the hit alone.
+        placement: why the pair was chosen (:func:`narwhal.router.choice.explain`):
+            the ``rule`` that chose the producer (``owner``, ``move``, ``spill``,
+            ``price``, ``over_target``, ``headroom`` without a cache plan,
+            ``least_loaded`` or ``fallback`` without prices), the request's ``group``
+            and its ``owners``, the chosen producer's price and the runner-up's
+            (``predicted_ttft_s``, ``queue_s``, ``own_s``, ``cached_tokens`` as priced,
+            ``eviction_s``: what its new blocks cost later requests), why each other
+            producer was not taken (``others``), and the consumer's and its runner-up's
+            (``predicted_tpot_s``, ``cached_tokens``, ``handoff_s``). Set on a refused
+            attempt too, when placement priced it.
     """
 
     n: int
@@ -97,6 +107,7 @@ class AttemptRecord:
     cached_tokens: int | None = None
     consumer_predicted_cached_tokens: int | None = None
     consumer_cached_tokens: int | None = None
+    placement: dict[str, Any] | None = None
 
 
 # A new empty list per record, typed Any: the compiled build checks a class-body value

@@ -29,11 +29,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import trio
 
 from narwhal.errors import Refused
+from narwhal.router.cacheplan import PlanTicket
 from narwhal.router.sharedkv import HeldChain
 
 __all__ = ["MEAN_WEIGHT", "EngineLoad", "Placement", "Reservation"]
@@ -78,6 +80,7 @@ class Reservation:
         "_placement",
         "consumer",
         "decode_held",
+        "explain",
         "kv_tokens",
         "on_release_decode",
         "on_release_prefill",
@@ -102,6 +105,8 @@ class Reservation:
         self.on_release_decode: Callable[[], None] | None = None
         self.predicted_ttft_s: float | None = None
         self.predicted_tpot_s: float | None = None
+        #: Why the pair was chosen (priced placement's account, for the journal).
+        self.explain: dict[str, Any] | None = None
         p = placement.loads[producer]
         p.prefill_requests += 1
         p.prefill_tokens += prompt_tokens
@@ -333,13 +338,16 @@ class Placement:
         model: str | None = None,
         prompt_ids: Sequence[int] | None = None,
         held: Callable[[str], HeldChain] | None = None,
+        plan: PlanTicket | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` (least-loaded placement never waits; it ignores
-        ``cached``, ``prompt_ids`` and ``held``).
+        ``cached``, ``prompt_ids``, ``held`` and ``plan``).
 
         Cancellation is honoured here, but it does not yield to the scheduler: the
         request's next step is engine I/O, which does (a pass of the run loop per
         request saved).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        return self.choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
+        reservation = self.choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
+        reservation.explain = {"rule": "least_loaded"}
+        return reservation
