@@ -70,6 +70,11 @@ __all__ = [
 PLAN_S: Final = 1.0
 #: Seconds over which a group's request rate is averaged (an exponential decay).
 RATE_S: Final = 30.0
+#: The least time a rate is taken over.
+MIN_COVER_S: Final = 10.0
+#: A group stays with the producer holding it unless another would be busy less by
+#: :data:`STICKY` of it, and by this share of its time.
+STICKY_SLACK: Final = 0.05
 #: A group idle this long is forgotten.
 GROUP_TTL_S: Final = 600.0
 #: The groups a producer owns span at most this share of its cache's blocks (the rest
@@ -293,20 +298,16 @@ class CachePlan:
         ``chain``, what it shares, and held here), with what a prompt that passes through
         it continues."""
         full = len(ids) // bs
-        if not full:
-            return
+        if full <= len(chain):
+            return  # it adds no block of its own (its last one is what it shares)
         chains = self.index.chains
         parent = chain[-1] if chain else 0
-        if len(chain) >= full:
-            cid = chain[full - 1]
-            chains.hold(cid)
-        else:
-            cid = 0
-            for i in range(len(chain), full):
-                cid = chains.acquire(parent, tuple(ids[i * bs : (i + 1) * bs]))
-                if i > len(chain):
-                    chains.release(parent)  # its child holds it now
-                parent = cid
+        cid = 0
+        for i in range(len(chain), full):
+            cid = chains.acquire(parent, tuple(ids[i * bs : (i + 1) * bs]))
+            if i > len(chain):
+                chains.release(parent)  # its child holds it now
+            parent = cid
         tails = self._tails
         if cid in tails:
             chains.release(cid)  # held once for the table
@@ -326,7 +327,10 @@ class CachePlan:
         if ticket.new_session:  # a first turn: the session it starts is placed now
             held = {p: cached(p) for p in producers}
             owner = self._assign(group, producers, held, prompt_tokens, target_s, new_session=True)
-            return [owner] if owner is not None else []
+            owners = [owner] if owner is not None else []
+            if group.kind == "session":  # named: it is that session's owner from now on
+                group.owners = owners
+            return owners
         if group.owners:  # an owner kept out of this attempt (a failure, its breaker) stays the owner
             return [p for p in group.owners if p in producers]
         held = {p: cached(p) for p in producers}
@@ -432,7 +436,7 @@ class CachePlan:
         best = min(candidates, key=lambda p: (load_after(p), p))
         owner = best
         if not new_session and held[holder] and holder in candidates and load_after(holder) <= load_after(best) * (
-                1 + STICKY) + 0.02:  # fmt: skip
+                1 + STICKY) + STICKY_SLACK:  # fmt: skip
             owner = holder
         self._fresh[owner] = load_after(owner) - self.utilization(owner)
         self.owned_blocks[owner] = self.owned_blocks.get(owner, 0) + blocks
@@ -616,8 +620,9 @@ class CachePlan:
 
 def decayed_rate(count: float, last: float, born: float, now: float) -> float:
     """Events per second of a count decayed with :data:`RATE_S` since ``born``, last
-    counted at ``last``: the count over the (decayed) time it covers."""
-    covered = RATE_S * -math.expm1(-max(now - born, 1.0) / RATE_S)
+    counted at ``last``: the count over the (decayed) time it covers (at least
+    :data:`MIN_COVER_S`, so that a first event is no rate of its own)."""
+    covered = RATE_S * -math.expm1(-max(now - born, MIN_COVER_S) / RATE_S)
     return count * math.exp(-(now - last) / RATE_S) / covered
 
 
