@@ -170,7 +170,7 @@ class Group:
 class PlanTicket:
     """What the plan knows of one request attempt: its group and its prompt's chain."""
 
-    __slots__ = ("block_size", "chain", "continues", "group", "new_session")
+    __slots__ = ("block_size", "chain", "continues", "group", "new_session", "prompt_chain")
 
     def __init__(self, group: Group | None, chain: Sequence[int], block_size: int, continues: object,
                  new_session: bool = False) -> None:  # fmt: skip
@@ -180,6 +180,8 @@ class PlanTicket:
         #: The request is a session's first turn (its group's requests start sessions, or
         #: it names a session not seen yet): it is placed as the session's owner says.
         self.new_session = new_session
+        #: The chain ids of all the prompt's full blocks (interned when it was classified).
+        self.prompt_chain: Sequence[int] = chain
         #: What a prompt that continues this one belongs to: this group (a session), or a
         #: new session under it (a prefix's request: a first turn).
         self.continues = continues
@@ -288,25 +290,33 @@ class CachePlan:
             continues = _NewSession(group)
         else:
             group, continues = None, _NewSession(None)
+        ticket = PlanTicket(group, chain, block_size, continues,
+                            new_session=group is not None and group.kind == "prefix" and group.sessions >= SESSION_ROOT)
         if ids is not None:
-            self._tail(chain, ids, block_size, continues)
-        starts = group is not None and group.kind == "prefix" and group.sessions >= SESSION_ROOT
-        return PlanTicket(group, chain, block_size, continues, new_session=starts)
+            fresh = lookup.fresh()
+            remembered = len(self._tails)
+            ticket.prompt_chain = self._tail(chain, ids, block_size, continues)
+            if fresh and len(self._tails) > remembered:  # ids made past its chain, none forgotten
+                lookup.extended()
+        return ticket
 
-    def _tail(self, chain: Sequence[int], ids: Sequence[int], bs: int, continues: Group | _NewSession) -> None:
+    def _tail(self, chain: Sequence[int], ids: Sequence[int], bs: int,
+              continues: Group | _NewSession) -> Sequence[int]:  # fmt: skip
         """Remember the last full block of prompt ``ids`` (its chain interned past
         ``chain``, what it shares, and held here), with what a prompt that passes through
-        it continues."""
+        it continues. Returns the chain ids of all its full blocks."""
         full = len(ids) // bs
         if full <= len(chain):
-            return  # it adds no block of its own (its last one is what it shares)
+            return chain  # it adds no block of its own (its last one is what it shares)
         chains = self.index.chains
         parent = chain[-1] if chain else 0
+        out = list(chain)
         cid = 0
         for i in range(len(chain), full):
             cid = chains.acquire(parent, tuple(ids[i * bs : (i + 1) * bs]))
             if i > len(chain):
                 chains.release(parent)  # its child holds it now
+            out.append(cid)
             parent = cid
         tails = self._tails
         if cid in tails:
@@ -316,6 +326,7 @@ class CachePlan:
         while len(tails) > TAILS:
             old, _ = tails.popitem(last=False)
             chains.release(old)
+        return out
 
     def owners(self, ticket: PlanTicket, producers: Sequence[str], cached: Callable[[str], int],
                prompt_tokens: int, target_s: float | None) -> list[str]:  # fmt: skip

@@ -309,25 +309,31 @@ class PlacementView:
                 self._free[cid] = None
         self._trim()
 
-    def hold(self, ids: Sequence[int], extra_tokens: int = 0) -> Hold:
+    def hold(self, ids: Sequence[int], extra_tokens: int = 0, chain: Sequence[int] = ()) -> Hold:
         """A request of prompt ``ids`` (and ``extra_tokens`` more: its output) is scheduled:
         it hits the leading blocks cached here and takes new blocks for the rest; it
-        holds them until :meth:`release`."""
+        holds them until :meth:`release`. ``chain``: the chain ids of its leading blocks,
+        when known (their tokens are then not sliced again)."""
         bs = self.block_size
         chains, cached, held, free = self.chains, self._cached, self._held, self._free
+        alive = chains.ids()
+        take = self._take
         blocks: list[int] = []
-        parent = 0
         hits = max(len(ids) - 1, 0) // bs  # the last prompt token is always computed
         copies = 0
         full = len(ids) // bs
-        for i in range(full):
-            block = tuple(ids[i * bs : (i + 1) * bs])
-            cid = chains.find(parent, block)
-            if cid is not None and cid in cached:
+        known = min(len(chain), full)
+        i = 0
+        # The blocks whose ids are known (looked up or interned already): no slicing.
+        while i < known:
+            cid = chain[i]
+            if cid not in alive:
+                break  # forgotten since: sliced from here
+            if cid in cached:
                 if i >= hits:
                     # Computed again past a miss (or as the last token's block): vLLM
                     # caches a copy, which no prompt hits while this one is cached.
-                    self._take()
+                    take()
                     copies += 1
                 n = held.get(cid)
                 if n is None:
@@ -336,8 +342,31 @@ class PlacementView:
                 else:
                     held[cid] = n + 1
             else:
-                hits = i  # a miss: every block after it is computed
-                self._take()
+                hits = min(hits, i)  # a miss: every block after it is computed
+                take()
+                chains.hold(cid)
+                cached.add(cid)
+                held[cid] = 1
+            blocks.append(cid)
+            i += 1
+        parent = blocks[-1] if blocks else 0
+        for k in range(i, full):
+            block = tuple(ids[k * bs : (k + 1) * bs])
+            found = chains.find(parent, block)
+            if found is not None and found in cached:
+                if k >= hits:
+                    take()
+                    copies += 1
+                n = held.get(found)
+                if n is None:
+                    del free[found]
+                    held[found] = 1
+                else:
+                    held[found] = n + 1
+                cid = found
+            else:
+                hits = min(hits, k)
+                take()
                 cid = chains.acquire(parent, block)
                 cached.add(cid)
                 held[cid] = 1

@@ -102,6 +102,14 @@ class Chains:
                 del self._children[parent]
             cid = parent
 
+    def alive(self, cid: int) -> bool:
+        """Whether id ``cid`` is held still (ids are never reused)."""
+        return cid in self._links
+
+    def ids(self) -> Container[int]:
+        """The ids held now (for ``in`` tests: an id not in it was forgotten)."""
+        return self._links.keys()
+
     def parent(self, cid: int) -> int:
         """The id ``cid`` is interned under (0: a prompt's first block); 0 for an unknown id."""
         link = self._links.get(cid)

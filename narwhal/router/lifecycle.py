@@ -404,7 +404,9 @@ class RequestLifecycle:
 
     def _hold(self, role: str, engine: str, ids: tuple[int, ...], extra_tokens: int) -> None:
         """The attempt's request holds its blocks on ``engine`` (approximate views)."""
-        hold = self.state.prefix.hold(engine, ids, extra_tokens)
+        ticket = self._ticket
+        chain, bs = (ticket.prompt_chain, ticket.block_size) if ticket is not None else ((), 0)
+        hold = self.state.prefix.hold(engine, ids, extra_tokens, chain, bs)
         if hold is not None:
             self._holds[role] = hold
 

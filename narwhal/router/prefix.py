@@ -122,6 +122,15 @@ class PromptLookup:
         its hit limit)."""
         return self._chain(bs)
 
+    def fresh(self) -> bool:
+        """Whether no chain id was made or forgotten since the prompt was looked up."""
+        return self._version == self._index.chains.version
+
+    def extended(self) -> None:
+        """Only ids past the prompt's looked-up chains were made since (its own blocks,
+        interned by the cache plan): those chains stand, and are not looked up again."""
+        self._version = self._index.chains.version
+
     def _chain(self, bs: int) -> list[int]:
         """The prompt's leading chain ids in blocks of ``bs`` that some view holds."""
         chains = self._index.chains
@@ -273,14 +282,16 @@ class PrefixIndex:
         if isinstance(view, PlacementView):
             view.record(ids)
 
-    def hold(self, engine: str, ids: Sequence[int], extra_tokens: int = 0) -> Hold | None:
+    def hold(self, engine: str, ids: Sequence[int], extra_tokens: int = 0, chain: Sequence[int] = (),
+             block_size: int = 0) -> Hold | None:  # fmt: skip
         """The router sent a request of prompt ``ids`` (and ``extra_tokens`` of output) to
         ``engine``, which caches its blocks when it schedules it and holds them while the
         request runs there: release the returned hold when it ends there (None: no
-        approximate view learns from it)."""
+        approximate view learns from it). ``chain``: its leading blocks' chain ids in
+        blocks of ``block_size``, when known."""
         view = self.view(engine)
         if isinstance(view, PlacementView):
-            return view.hold(ids, extra_tokens)
+            return view.hold(ids, extra_tokens, chain if block_size == view.block_size else ())
         return None
 
     def touch(self, engine: str, chain: Sequence[int]) -> None:
