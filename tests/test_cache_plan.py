@@ -76,7 +76,9 @@ async def test_the_approximate_view_predicts_the_engines_under_eviction_with_req
     hits = sum(a["cached_tokens"] or 0 for a in attempts)
     print(f"{len(wrong)} of {len(attempts)} predictions differ from the engine's count")
     assert hits > 200 * 1024  # it hits, under eviction
-    assert len(wrong) <= 0.01 * len(attempts)
+    # The engine's pool, replayed: the producers' copies of busy prefixes included (the
+    # view held nothing of a request in flight, nor of a copy until it ended, before).
+    assert len(wrong) <= 2
 
 
 async def test_every_placement_is_explained_in_the_journal_and_on_the_events(autojump_clock: trio.abc.Clock) -> None:

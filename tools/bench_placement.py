@@ -109,7 +109,7 @@ def one_round(requests: int, plan_on: bool, seed: int) -> dict[str, float]:
         if ticket is not None and plan is not None:
             plan.placed(ticket, reservation.producer, len(ids), 0.05)
         if holds:
-            chain = ticket.prompt_chain if ticket is not None else ()
+            chain = ticket.chain if ticket is not None else ()
             produced = index.hold(reservation.producer, ids, 1, chain, 16)
             decoding = index.hold(reservation.consumer, ids, 40, chain, 16)
             reservation.release_prefill(done=True)

@@ -113,10 +113,11 @@ IMBALANCE: Final = 0.2
 TAIL_WINDOW: Final = 32
 #: Earlier prompts' last blocks remembered, to find the turns that continue them, and
 #: for how long.
-TAILS: Final = 4096
+TAILS: Final = 65536
 TAIL_TTL_S: Final = 300.0
-#: Sessions named by clients at most (past it a named session is planned as unnamed).
-MAX_GROUPS: Final = 100_000
+#: Groups (prefixes and sessions) remembered at most: past it, the one used least
+#: recently is forgotten.
+MAX_GROUPS: Final = 20_000
 
 #: A group's key: a prefix's root chain id, a detected session ``("s", n)`` or a named
 #: one ``("h", name)``.
@@ -170,7 +171,7 @@ class Group:
 class PlanTicket:
     """What the plan knows of one request attempt: its group and its prompt's chain."""
 
-    __slots__ = ("block_size", "chain", "continues", "group", "new_session", "prompt_chain")
+    __slots__ = ("block_size", "chain", "continues", "group", "new_session")
 
     def __init__(self, group: Group | None, chain: Sequence[int], block_size: int, continues: object,
                  new_session: bool = False) -> None:  # fmt: skip
@@ -180,8 +181,6 @@ class PlanTicket:
         #: The request is a session's first turn (its group's requests start sessions, or
         #: it names a session not seen yet): it is placed as the session's owner says.
         self.new_session = new_session
-        #: The chain ids of all the prompt's full blocks (interned when it was classified).
-        self.prompt_chain: Sequence[int] = chain
         #: What a prompt that continues this one belongs to: this group (a session), or a
         #: new session under it (a prefix's request: a first turn).
         self.continues = continues
@@ -211,12 +210,13 @@ class CachePlan:
         self.index = index
         self.prefill_s = prefill_s
         self.clock = clock
-        self.groups: dict[GroupKey, Group] = {}
+        self.groups: OrderedDict[GroupKey, Group] = OrderedDict()
         #: Prefix groups by the chain id of their root block now.
         self._roots: dict[int, Group] = {}
-        #: The last full block of each recent prompt (its chain id, held here), with what
-        #: a prompt passing through it continues, and when it was seen.
-        self._tails: OrderedDict[int, tuple[Group | _NewSession, float]] = OrderedDict()
+        #: The last full block of each recent prompt (its position and a hash of its
+        #: tokens and its parent's), with what a prompt passing through it continues, and
+        #: when it was seen.
+        self._tails: OrderedDict[tuple[int, int], tuple[Group | _NewSession, float]] = OrderedDict()
         self._sessions = itertools.count(1)
         #: Per producer: the prefill seconds one new block costs later (:meth:`eviction_s`).
         self.block_price: dict[str, float] = {}
@@ -255,21 +255,21 @@ class CachePlan:
         if hint is not None:
             key: GroupKey = ("h", hint)
             group = self.groups.get(key)
-            if group is None and len(self.groups) < MAX_GROUPS:
-                group = self.groups[key] = Group(key, "session", now)
-            return PlanTicket(group, chain, block_size, group, new_session=group is not None and not group.owners)
+            if group is None:
+                group = self._new_group(key, "session", now)
+            return PlanTicket(group, chain, block_size, group, new_session=not group.owners)
         if lookup is None or not block_size:
             return PlanTicket(None, (), 0, None)
         tails = self._tails
         found: Group | _NewSession | None = None
-        for cid in reversed(chain[-TAIL_WINDOW:]):
-            entry = tails.get(cid)
+        tokens = self.index.chains.tokens
+        for j in range(len(chain) - 1, max(len(chain) - TAIL_WINDOW, 0) - 1, -1):
+            entry = tails.get((j, hash((tokens(chain[j - 1]) if j else (), tokens(chain[j])))))
             if entry is not None:
                 found = entry[0]
                 break
         if isinstance(found, _NewSession) and found.started is None:  # a session's second turn: it starts now
-            session = Group(("s", next(self._sessions)), "session", now)
-            self.groups[session.key] = session
+            session = self._new_group(("s", next(self._sessions)), "session", now)
             found.started = session
             if found.parent is not None:
                 found.parent.sessions += 1
@@ -285,48 +285,37 @@ class CachePlan:
                 key = self.index.chains.content_key(root)
                 group = self.groups.get(key)
                 if group is None:
-                    group = self.groups[key] = Group(key, "prefix", now)
+                    group = self._new_group(key, "prefix", now)
                 self._roots[root] = group
             continues = _NewSession(group)
         else:
             group, continues = None, _NewSession(None)
-        ticket = PlanTicket(group, chain, block_size, continues,
-                            new_session=group is not None and group.kind == "prefix" and group.sessions >= SESSION_ROOT)
         if ids is not None:
-            fresh = lookup.fresh()
-            remembered = len(self._tails)
-            ticket.prompt_chain = self._tail(chain, ids, block_size, continues)
-            if fresh and len(self._tails) > remembered:  # ids made past its chain, none forgotten
-                lookup.extended()
-        return ticket
+            self._tail(chain, ids, block_size, continues)
+        return PlanTicket(group, chain, block_size, continues,
+                          new_session=group is not None and group.kind == "prefix" and group.sessions >= SESSION_ROOT)
 
-    def _tail(self, chain: Sequence[int], ids: Sequence[int], bs: int,
-              continues: Group | _NewSession) -> Sequence[int]:  # fmt: skip
-        """Remember the last full block of prompt ``ids`` (its chain interned past
-        ``chain``, what it shares, and held here), with what a prompt that passes through
-        it continues. Returns the chain ids of all its full blocks."""
+    def _new_group(self, key: GroupKey, kind: str, now: float) -> Group:
+        """A group not seen yet; the one used least recently goes past :data:`MAX_GROUPS`."""
+        group = self.groups[key] = Group(key, kind, now)
+        if len(self.groups) > MAX_GROUPS:
+            self.groups.popitem(last=False)
+        return group
+
+    def _tail(self, chain: Sequence[int], ids: Sequence[int], bs: int, continues: Group | _NewSession) -> None:
+        """Remember the last full block of prompt ``ids`` (by its position and its tokens
+        and its parent's), with what a prompt that passes through it continues, when the
+        prompt adds a block of its own to ``chain`` (what it shares)."""
         full = len(ids) // bs
         if full <= len(chain):
-            return chain  # it adds no block of its own (its last one is what it shares)
-        chains = self.index.chains
-        parent = chain[-1] if chain else 0
-        out = list(chain)
-        cid = 0
-        for i in range(len(chain), full):
-            cid = chains.acquire(parent, tuple(ids[i * bs : (i + 1) * bs]))
-            if i > len(chain):
-                chains.release(parent)  # its child holds it now
-            out.append(cid)
-            parent = cid
+            return  # its last block is what it shares
+        j = full - 1
+        key = (j, hash((tuple(ids[(j - 1) * bs : j * bs]) if j else (), tuple(ids[j * bs : full * bs]))))
         tails = self._tails
-        if cid in tails:
-            chains.release(cid)  # held once for the table
-        tails[cid] = (continues, self.clock())
-        tails.move_to_end(cid)
-        while len(tails) > TAILS:
-            old, _ = tails.popitem(last=False)
-            chains.release(old)
-        return out
+        tails[key] = (continues, self.clock())
+        tails.move_to_end(key)
+        if len(tails) > TAILS:
+            tails.popitem(last=False)
 
     def owners(self, ticket: PlanTicket, producers: Sequence[str], cached: Callable[[str], int],
                prompt_tokens: int, target_s: float | None) -> list[str]:  # fmt: skip
@@ -383,6 +372,8 @@ class CachePlan:
         count, last, born = self._busy.get(producer, (0.0, now, now))
         self._busy[producer] = (count * math.exp(-(now - last) / RATE_S) + work_s, now, born)
         if group is not None:
+            if group.key in self.groups:
+                self.groups.move_to_end(group.key)
             decay = math.exp(-(now - group.last) / RATE_S)
             group.count = group.count * decay + 1.0
             for p, n in list(group.placed_on.items()):
@@ -523,12 +514,8 @@ class CachePlan:
                 self.mean_turns += 0.1 * (group.turns - self.mean_turns)
         links = self.index.chains
         tails = self._tails
-        while tails:
-            cid, (_, seen) = next(iter(tails.items()))
-            if now - seen <= TAIL_TTL_S:
-                break
+        while tails and now - next(iter(tails.values()))[1] > TAIL_TTL_S:
             tails.popitem(last=False)
-            links.release(cid)
         for cid in [c for c, g in self._roots.items() if g.key not in self.groups or (not links.parent(c) and not links.tokens(c))]:
             del self._roots[cid]  # its id is gone (the block left every view) or its group is
         self._fresh = {}

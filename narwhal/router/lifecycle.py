@@ -405,7 +405,7 @@ class RequestLifecycle:
     def _hold(self, role: str, engine: str, ids: tuple[int, ...], extra_tokens: int) -> None:
         """The attempt's request holds its blocks on ``engine`` (approximate views)."""
         ticket = self._ticket
-        chain, bs = (ticket.prompt_chain, ticket.block_size) if ticket is not None else ((), 0)
+        chain, bs = (ticket.chain, ticket.block_size) if ticket is not None else ((), 0)
         hold = self.state.prefix.hold(engine, ids, extra_tokens, chain, bs)
         if hold is not None:
             self._holds[role] = hold
@@ -489,6 +489,11 @@ class RequestLifecycle:
 
         # Decode leg, under one scope whose deadline follows the stream.
         self._holder = reservation.consumer
+        if not same_worker:
+            # The producer lets the request's blocks go once the consumer pulled them: a
+            # KV pull takes milliseconds, and a block freed a little early in the view errs
+            # towards a miss the engine would have served, not a hit it no longer holds.
+            self._release_holds("producer")
         await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done)
 
     async def _decode(
@@ -559,8 +564,6 @@ class RequestLifecycle:
                             if tokens == n and n:
                                 self.visible = True
                                 self.record.first_byte_s = clock() - self.arrival
-                                if handoff is not None:  # the consumer has the KV: the producer lets it go
-                                    self._release_holds("producer")
                                 if silence != math.inf:
                                     stream.watch_silence(scope, silence)
                                 if parsed.stream:

@@ -122,15 +122,6 @@ class PromptLookup:
         its hit limit)."""
         return self._chain(bs)
 
-    def fresh(self) -> bool:
-        """Whether no chain id was made or forgotten since the prompt was looked up."""
-        return self._version == self._index.chains.version
-
-    def extended(self) -> None:
-        """Only ids past the prompt's looked-up chains were made since (its own blocks,
-        interned by the cache plan): those chains stand, and are not looked up again."""
-        self._version = self._index.chains.version
-
     def _chain(self, bs: int) -> list[int]:
         """The prompt's leading chain ids in blocks of ``bs`` that some view holds."""
         chains = self._index.chains

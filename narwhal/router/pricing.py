@@ -574,6 +574,8 @@ class PricedPlacement(Placement):
         if k <= 0 or 2 * k < prompt_tokens:
             return None
         holders = [n for n in names if held[n] >= k]
+        if any(n in self.replicating for n in holders):
+            return None  # a holder may be computing it still (a copy's blocks are held from its start)
         busy = min(self.quote_producer(n, prompt_tokens, 0.0, k).predicted_s for n in holders)
         if busy < REPLICATE_AT * target:
             return None
