@@ -31,13 +31,14 @@ _ORDER = (
     "test_transfer",
     "test_profile_check_bench",
     "test_prefix_pair",
+    "test_cache_plan_pair",
     "test_faults",
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Serving, transfer, profile/check/bench, prefix placement, then the faults that
-    kill engines."""
+    """Serving, transfer, profile/check/bench, prefix placement, the cache plan, then the
+    faults that kill engines."""
 
     def rank(item: pytest.Item) -> int:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
