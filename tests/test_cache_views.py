@@ -167,4 +167,11 @@ def test_a_group_root_is_where_a_prompt_leaves_what_it_shares() -> None:
     assert chains.group_root([]) == 0
     assert chains.children(0) == 1 and chains.children(a1[0]) == 2
     assert chains.parent(a1[1]) == a1[0] and chains.tokens(a1[1]) == (2, 2)
-    assert chains.extend(matched[:1], [*doc_a, 10, 10, 7], bs) == a1
+    # A block's content key is the same under a new id (the prefix evicted everywhere,
+    # then computed again).
+    other = Chains()
+    again = [other.acquire(0, (9, 9)), 0]
+    again[1] = other.acquire(again[0], (8, 8))
+    fresh = other.acquire(other.acquire(0, (1, 1)), (2, 2))
+    assert fresh != a1[1] or other is not chains
+    assert other.content_key(fresh) == chains.content_key(a1[1]) != other.content_key(again[1])

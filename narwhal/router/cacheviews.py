@@ -323,13 +323,18 @@ class PlacementView:
         copies = 0
         full = len(ids) // bs
         known = min(len(chain), full)
-        i = 0
-        # The blocks whose ids are known (looked up or interned already): no slicing.
-        while i < known:
-            cid = chain[i]
-            if cid not in alive:
-                break  # forgotten since: sliced from here
-            if cid in cached:
+        parent = 0
+        for i in range(full):
+            cid: int | None = None
+            block: tuple[int, ...] | None = None
+            if i < known:
+                cid = chain[i]  # looked up already: not sliced again
+                if cid not in alive:
+                    cid, known = None, i  # forgotten since: sliced from here
+            if cid is None:
+                block = tuple(ids[i * bs : (i + 1) * bs])
+                cid = chains.find(parent, block)
+            if cid is not None and cid in cached:
                 if i >= hits:
                     # Computed again past a miss (or as the last token's block): vLLM
                     # caches a copy, which no prompt hits while this one is cached.
@@ -344,30 +349,11 @@ class PlacementView:
             else:
                 hits = min(hits, i)  # a miss: every block after it is computed
                 take()
-                chains.hold(cid)
-                cached.add(cid)
-                held[cid] = 1
-            blocks.append(cid)
-            i += 1
-        parent = blocks[-1] if blocks else 0
-        for k in range(i, full):
-            block = tuple(ids[k * bs : (k + 1) * bs])
-            found = chains.find(parent, block)
-            if found is not None and found in cached:
-                if k >= hits:
-                    take()
-                    copies += 1
-                n = held.get(found)
-                if n is None:
-                    del free[found]
-                    held[found] = 1
+                if block is not None:
+                    cid = chains.acquire(parent, block)
                 else:
-                    held[found] = n + 1
-                cid = found
-            else:
-                hits = min(hits, k)
-                take()
-                cid = chains.acquire(parent, block)
+                    assert cid is not None  # (its id came from the chain)
+                    chains.hold(cid)
                 cached.add(cid)
                 held[cid] = 1
             blocks.append(cid)

@@ -102,10 +102,6 @@ class Chains:
                 del self._children[parent]
             cid = parent
 
-    def alive(self, cid: int) -> bool:
-        """Whether id ``cid`` is held still (ids are never reused)."""
-        return cid in self._links
-
     def ids(self) -> Container[int]:
         """The ids held now (for ``in`` tests: an id not in it was forgotten)."""
         return self._links.keys()
@@ -163,20 +159,6 @@ class Chains:
         parent = 0
         get = self._ids.get
         for i in range(0, limit * block_size, block_size):
-            cid = get((parent, tuple(ids[i : i + block_size])))
-            if cid is None:
-                break
-            out.append(cid)
-            parent = cid
-        return out
-
-    def extend(self, chain: Sequence[int], ids: Sequence[int], block_size: int) -> list[int]:
-        """The ids of the full blocks of ``ids`` past ``chain`` (its leading ids), as far as
-        some view holds them: ``chain`` continued block by block."""
-        out = list(chain)
-        parent = out[-1] if out else 0
-        get = self._ids.get
-        for i in range(len(out) * block_size, len(ids) // block_size * block_size, block_size):
             cid = get((parent, tuple(ids[i : i + block_size])))
             if cid is None:
                 break
