@@ -59,8 +59,8 @@ async def test_sessions_that_started_at_low_load_carry_a_higher_load_over_both_p
     attainment = sum(map(met, late)) / len(late)
     print(f"after the step: {dict(served)}, slow share {share:.2f}, attainment {attainment:.3f}")
     # Sessions were spread by capacity as they started (greedy pricing piles them on the
-    # fast producer at low load, about a fifth on the slow one after the step).
-    assert share >= 0.28
+    # fast producer at low load: a fifth of the turns on the slow one after the step).
+    assert share >= 0.25
     assert attainment >= 0.88
 
 

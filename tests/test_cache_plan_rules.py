@@ -94,12 +94,14 @@ def test_a_prefix_that_starts_sessions_places_each_request_as_a_new_session() ->
     t1 = [*system, *words("s9", 10)]
     ticket = plan.classify(index.lookup(t1), None, BS, t1)
     assert ticket.group is not None and ticket.group.sessions >= 2 and ticket.new_session
-    # Its owner is chosen for the session it starts: the slow producer, idle, while the
-    # fast one has been busy (both can take the turn in time).
-    plan.placed(ticket, "fast", 60, work_s=0.9 * 30)  # 0.9 s of work a second lately, on fast
+    # Its owner is chosen for the session it starts: by the producers' planned loads.
+    # Both idle: the fast one (a turn's work is half there).
+    assert plan.owners(ticket, ["fast", "slow"], lambda n: 128, len(t1), 0.5) == ["fast"]
+    assert ticket.group.owners == []  # (the prefix itself keeps none: each session its own)
+    # The fast one owns more already: the slow one (both can take the turn in time).
+    plan.owned_load["fast"] = 0.9
+    assert plan.owners(ticket, ["fast", "slow"], lambda n: 128, len(t1), 0.5) == ["slow"]
     clock.now += 1.0
-    owners = plan.owners(ticket, ["fast", "slow"], lambda n: 128, len(t1), 0.5)
-    assert owners == ["slow"]
 
 
 def quote(engine: str, predicted: float, cached: int = 0, queue: float = 0.0, delays: int = 0) -> Quote:

@@ -279,7 +279,7 @@ async def _profiles(config: Any, network: Any) -> Any:
 
 
 async def _run_one(workload: str, kv_events: bool, plan: str, rate: float, n: int,
-                   warmup_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
+                   warmup_s: float = 0.0, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     import httpx
     import trio
 
@@ -294,7 +294,7 @@ async def _run_one(workload: str, kv_events: bool, plan: str, rate: float, n: in
     journal = Journal(None)
     journal.add_listener(records.append)
     if workload == "shared-prefix":
-        rng = random.Random(int(rate * 1000))
+        rng = random.Random(int(rate * 1000) + seed)
         heads = [" ".join(f"h{k}w{j}" for j in range(1024)) for k in range(16)]
         trace, t = [], 0.0
         for i in range(n):
@@ -303,7 +303,7 @@ async def _run_one(workload: str, kv_events: bool, plan: str, rate: float, n: in
                           rng.randint(20, 60)))  # fmt: skip
             t += rng.expovariate(rate)
     else:
-        trace = multi_turn_trace(None, rate=rate, n=n, seed=int(rate * 1000), tag="q")
+        trace = multi_turn_trace(None, rate=rate, n=n, seed=int(rate * 1000) + seed, tag="q")
     async with open_memory_network() as net, open_sim_fleet(config, network=net) as fleet:
         profiles = await _profiles(config, net)
         async with open_router(config, transport=fleet.transport, journal=journal, profiles=profiles) as router:

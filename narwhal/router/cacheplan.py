@@ -72,9 +72,6 @@ PLAN_S: Final = 1.0
 RATE_S: Final = 30.0
 #: The least time a rate is taken over.
 MIN_COVER_S: Final = 10.0
-#: A group stays with the producer holding it unless another would be busy less by
-#: :data:`STICKY` of it, and by this share of its time.
-STICKY_SLACK: Final = 0.05
 #: A group idle this long is forgotten.
 GROUP_TTL_S: Final = 600.0
 #: The groups a producer owns span at most this share of its cache's blocks (the rest
@@ -105,9 +102,11 @@ IDLE_RATE: Final = 0.01
 #: A prefix whose requests started this many sessions starts sessions: each of its
 #: requests is placed as a new session's first turn.
 SESSION_ROOT: Final = 2
-#: The plan gives a group of the busiest producer to the least busy one when their
-#: prefill busy shares lately differ by this much.
-IMBALANCE: Final = 0.2
+#: ... and by this share of its time (differences smaller than that are noise).
+STICKY_SLACK: Final = 0.02
+#: A producer busy more than this share of its time is taken to serve a request in
+#: 1 / (1 - this) of its work (the queue of a producer near saturation, bounded).
+BUSY_FLOOR: Final = 0.05
 #: How far back from the end of a prompt's chain an earlier prompt's last block is
 #: looked for (blocks of output that a later turn repeats, when it does).
 TAIL_WINDOW: Final = 32
@@ -413,11 +412,14 @@ class CachePlan:
     def _assign(self, group: Group, producers: Sequence[str], held: Mapping[str, int], prompt_tokens: int,
                 target_s: float | None, *, new_session: bool = False) -> str | None:  # fmt: skip
         """An owner for ``group`` (or, ``new_session``, for the session a request of it
-        starts): the least busy producer after it (its prefill busy share lately, the
-        groups given it since, and the group's predicted work there, a hit), within its
-        cache; the one that holds most of it kept unless another is :data:`STICKY` less
-        busy; among those that could compute the request whole within
-        :data:`OWNER_WITHIN` of the target, idle (it is placed there while it is young)."""
+        starts): the producer whose planned load (the predicted prefill work a second of
+        the groups it owns, their requests hits) is least once the group's is added,
+        within its cache: groups are shared out by the producers' speed whatever the
+        load now, so that a slower producer has its part before the load needs it. The
+        one that holds most of it is kept unless another would be :data:`STICKY` less
+        loaded (and by :data:`STICKY_SLACK` of its time). Among the producers that could
+        compute the request whole within :data:`OWNER_WITHIN` of the target, idle (it is
+        placed there while it is young)."""
         if not producers:
             return None
         now = self.clock()
@@ -425,24 +427,30 @@ class CachePlan:
         if group.tokens <= 0:
             group.tokens = float(prompt_tokens)
         blocks = 0 if new_session else max(group.blocks, max(held.values(), default=0) // self._block_size())
-        holder = max(producers, key=lambda p: (held[p], -self._load(p)))
+        holder = max(producers, key=lambda p: (held[p], -self._planned(p)))
         can_miss = [p for p in producers
                     if target_s is None or held[p] or self.prefill_s(p, prompt_tokens, 0) <= OWNER_WITHIN * target_s]
         candidates = [p for p in can_miss if self._fits(p, blocks)] or can_miss or [holder]
-
-        def load_after(p: str) -> float:
-            tokens = prompt_tokens if new_session else max(int(group.tokens), 1)
-            return self._load(p) + rate * self.prefill_s(p, tokens, min(held[p], tokens - 1) if new_session
-                                                       else min(group.blocks * self._block_size(), tokens - 1))
-
-        best = min(candidates, key=lambda p: (load_after(p), p))
-        owner = best
-        if not new_session and held[holder] and holder in candidates and load_after(holder) <= load_after(best) * (
-                1 + STICKY) + STICKY_SLACK:  # fmt: skip
+        tokens = max(int(group.tokens), 1)
+        cached = min(group.blocks * self._block_size(), tokens - 1)  # its requests, hits
+        after = {p: self._planned(p) + rate * self.prefill_s(p, tokens, cached) for p in candidates}
+        owner = min(candidates, key=lambda p: (after[p], p))
+        if not new_session and held[holder] and holder in candidates and (
+                after[holder] <= after[owner] * (1 + STICKY) + STICKY_SLACK):  # fmt: skip
             owner = holder
-        self._fresh[owner] = load_after(owner) - self.utilization(owner)
+        self._fresh[owner] = after[owner] - self.owned_load.get(owner, 0.0)
         self.owned_blocks[owner] = self.owned_blocks.get(owner, 0) + blocks
         return owner
+
+    def _planned(self, producer: str) -> float:
+        """``producer``'s planned load: the groups it owned at the last plan and those given it since."""
+        return self.owned_load.get(producer, 0.0) + self._fresh.get(producer, 0.0)
+
+    @staticmethod
+    def _response_s(work_s: float, busy: float) -> float:
+        """What a request of ``work_s`` seconds takes, waiting included, on a producer busy
+        ``busy`` of its time (the share left serves it: ``work / (1 - busy)``)."""
+        return work_s / max(1.0 - busy, BUSY_FLOOR)
 
     def _own(self, group: Group, owner: str, now: float) -> None:
         """Count ``group``'s blocks and predicted work against ``owner`` in the plan."""
@@ -456,25 +464,28 @@ class CachePlan:
             return True
         return self.prefill_s(producer, max(int(group.tokens), 1), 0) <= MOVE_WITHIN * target_s
 
-    def _load(self, producer: str) -> float:
-        """``producer``'s prefill busy share lately, with the groups given it since the last plan."""
-        return self.utilization(producer) + self._fresh.get(producer, 0.0)
-
     def _balance(self, active: Sequence[Group], producers: Sequence[str], lives: Mapping[GroupKey, str],
                  target_s: float | None, now: float) -> int:  # fmt: skip
-        """Give one group of the busiest producer to the least busy one, when their
-        prefill busy shares differ by :data:`IMBALANCE` or more and the busiest is over
-        :data:`LOW_UTIL`: the smallest group the other can compute whole in time, within
-        its cache (it moves there at low load). Returns the groups given (0 or 1)."""
+        """Give one group of the busiest producer (over :data:`LOW_UTIL` of its time) to
+        the least busy one, when its requests would take :data:`STICKY` less there,
+        waiting included (:meth:`_response_s`): the smallest such group the other can
+        compute whole in time, within its cache (it moves there at low load). Returns
+        the groups given (0 or 1)."""
         if len(producers) < 2:
             return 0
         busy = {p: self.utilization(p) for p in producers}
         hot = max(producers, key=lambda p: busy[p])
         cold = min(producers, key=lambda p: busy[p])
-        if busy[hot] - busy[cold] < IMBALANCE or busy[hot] < LOW_UTIL:
+        if busy[hot] < LOW_UTIL:
             return 0
+
+        def quicker(g: Group) -> bool:
+            here, there = self._work(g, hot), self._work(g, cold)
+            after = busy[cold] + g.rate(now) * there
+            return self._response_s(there, after) < (1 - STICKY) * self._response_s(here, busy[hot])
+
         movable = [g for g in active if g.owners and g.owners[0] == hot and lives.get(g.key) == hot
-                   and self._can_miss(cold, g, target_s) and self._fits(cold, g.blocks)]  # fmt: skip
+                   and self._can_miss(cold, g, target_s) and self._fits(cold, g.blocks) and quicker(g)]  # fmt: skip
         if not movable:
             return 0
         group = min(movable, key=lambda g: (g.blocks, -g.rate(now)))
