@@ -77,3 +77,20 @@ def test_the_issue_fleet_is_two_producers_at_speeds_1_and_half_and_two_consumers
     assert tool.prefill_s(fast, 1174) == pytest.approx(0.198, abs=0.001)
     assert tool.prefill_s(fast, 1174, 1024) == pytest.approx(0.043, abs=0.001)
     assert tool.CAPACITY == {"shared-prefix": 16384, "multi-turn": 65536}
+
+
+def test_one_run_prints_its_row_and_a_point_is_the_mean_of_its_seeds(
+    tool: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --run-one is what --baseline runs in another tree's interpreter: one run in
+    # virtual time, its row as the last line of its output.
+    assert tool.main(["--run-one", json.dumps(["shared-prefix", False, "auto", 4.0, 24, 0.0, 0])]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["attainment"] == 1.0 and row["refused"] == 0
+    assert set(row["shares"]) == {"p-fast", "p-slow"} and sum(row["shares"].values()) == pytest.approx(1.0)
+    assert row["ceiling_rps"] == pytest.approx(min(row["prefill_rps"], row["decode_rps"]))
+    runs = [{**row, "attainment": a, "hit_rate": h, "shares": {"p-fast": s, "p-slow": 1 - s}}
+            for a, h, s in ((0.8, 0.5, 0.6), (1.0, 0.7, 0.8))]  # fmt: skip
+    mean = tool._mean(runs)
+    assert mean["attainment"] == pytest.approx(0.9) and mean["hit_rate"] == pytest.approx(0.6)
+    assert mean["shares"] == pytest.approx({"p-fast": 0.7, "p-slow": 0.3})

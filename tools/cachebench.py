@@ -12,12 +12,17 @@ against Narwhal with its cache plan and with it off (``controller.cache_plan``),
 with profiles that state the simulated engines' latency models exactly, and prints
 each one's SLO attainment per rate, goodput at 90% and its share of the fleet's
 ceiling, hit rate against the best the workload allows and the slow producer's share.
-With one rate a workload and 200 requests it takes about 30 s of CPU; ``--check`` exits
-1 when the plan's attainment is under the one without it by over 2 points, or a run
-fails (a CI guard):
+``--baseline TREE`` adds a row for another source tree (an export of the code before
+the plan, say: its ``narwhal`` package, run in a fresh interpreter without the
+``cache_plan`` key), ``--seeds N`` averages each point over N arrival sequences (the
+attainment of one run near the fleet's ceiling turns on a few requests). With the
+defaults (one rate a workload, 400 requests) it takes a few minutes of CPU; ``--check``
+exits 1 when the plan's attainment is under the one without it by over 2 points, or a
+run fails (a CI guard):
 
     python tools/cachebench.py --quick --check
-    python tools/cachebench.py --quick --requests 600 --prefix-rates 16,20,24,28 --turn-rates 16,20,24,28
+    python tools/cachebench.py --quick --requests 600 --prefix-rates 20,24,28 --turn-rates 20,24,28 \
+        --seeds 3 --baseline ../before
 """
 
 from __future__ import annotations
@@ -250,7 +255,8 @@ def _sim_doc(workload: str, kv_events: bool, plan: str) -> dict[str, Any]:
     return {"server": {"host": "router.test", "port": 8000, "max_concurrent_requests": 100000},
             "engines": engines,
             "engine": {"first_token_timeout_s": 30.0, "decode_read_timeout_s": 10.0, "request_timeout_s": 120.0},
-            "controller": {"slo": {"ttft_s": 0.5, "tpot_s": 0.05}, "admission": "refuse", "cache_plan": plan}}  # fmt: skip
+            "controller": {"slo": {"ttft_s": 0.5, "tpot_s": 0.05}, "admission": "refuse",
+                           **({"cache_plan": plan} if plan != "baseline" else {})}}  # fmt: skip
 
 
 async def _profiles(config: Any, network: Any) -> Any:
@@ -345,35 +351,34 @@ async def _run_one(workload: str, kv_events: bool, plan: str, rate: float, n: in
             **ceil}  # fmt: skip
 
 
-def quick(rates: dict[str, list[float]], n: int, check: bool, warmup_s: float = 0.0) -> int:
-    """The short form: each workload at each rate, with the cache plan and without;
-    attainment per rate, goodput at 90% and its share of the fleet's ceiling."""
-    import trio
-    import trio.testing
-
+def quick(rates: dict[str, list[float]], n: int, check: bool, warmup_s: float = 0.0, *, seeds: int = 1,
+          baseline: Path | None = None) -> int:  # fmt: skip
+    """The short form: each workload at each rate, with the cache plan and without (and
+    ``baseline``'s code, when given); attainment per rate (the mean of ``seeds`` arrival
+    sequences), goodput at 90% and its share of the fleet's ceiling."""
     cases = [("shared prefixes, no KV events", "shared-prefix", False),
              ("shared prefixes, KV events", "shared-prefix", True),
              ("multi-turn sessions, KV events", "multi-turn", True)]  # fmt: skip
+    routers = {"auto": "cache plan", "off": "no plan", **({"baseline": "baseline"} if baseline is not None else {})}
     failed = False
     for label, workload, events in cases:
-        print(f"\n{label} ({n} requests a rate, virtual time"
-              + (f"; the first {warmup_s:g} s unscored" if warmup_s else "") + ")")
+        print(f"\n{label} ({n} requests a rate" + (f", mean of {seeds} seeds" if seeds > 1 else "")
+              + ", virtual time" + (f"; the first {warmup_s:g} s unscored" if warmup_s else "") + ")")
         print(f"  {'router':<12}" + "".join(f"{r:>9g}/s" for r in rates[workload])
               + "   goodput@90%   of ceiling   hit rate (best)   p-slow share")  # fmt: skip
         rows: dict[str, list[dict[str, Any]]] = {}
-        for plan in ("auto", "off"):
+        for plan, name in routers.items():
             points = rows[plan] = []
             for rate in rates[workload]:
-                row = trio.run(_run_one, workload, events, plan, rate, n, warmup_s,
-                               clock=trio.testing.MockClock(autojump_threshold=0))  # fmt: skip
-                points.append({"rate": rate, **row})
+                runs = [_run_in(baseline if plan == "baseline" else None, workload, events, plan, rate, n, warmup_s,
+                                seed) for seed in range(seeds)]  # fmt: skip
+                points.append({"rate": rate, **_mean(runs)})
             held = [p for p in points if p["attainment"] >= 0.9]
             goodput = max((p["rate"] * p["attainment"] for p in held), default=0.0)
             ceil = min(p["ceiling_rps"] for p in points)
             hit = sum(p["hit_rate"] for p in points) / len(points)
             best = sum(p["best_hit_rate"] for p in points) / len(points)
             slow = sum(p["shares"]["p-slow"] for p in points) / len(points)
-            name = "cache plan" if plan == "auto" else "no plan"
             print(f"  {name:<12}" + "".join(f"{p['attainment']:>11.3f}" for p in points)
                   + f"   {goodput:>7.2f} req/s   {goodput / ceil:>9.0%}   {hit:.3f} ({best:.3f})   {slow:>12.2f}",
                   flush=True)  # fmt: skip
@@ -383,6 +388,33 @@ def quick(rates: dict[str, list[float]], n: int, check: bool, warmup_s: float = 
             if a["attainment"] < b["attainment"] - 0.02:
                 failed = True
     return 1 if check and failed else 0
+
+
+def _run_in(tree: Path | None, workload: str, events: bool, plan: str, rate: float, n: int, warmup_s: float,
+            seed: int) -> dict[str, Any]:  # fmt: skip
+    """One run in virtual time: here, or in a fresh interpreter on ``tree``'s code."""
+    if tree is None:
+        import trio
+        import trio.testing
+
+        return trio.run(_run_one, workload, events, plan, rate, n, warmup_s, seed,
+                        clock=trio.testing.MockClock(autojump_threshold=0))  # fmt: skip
+    import subprocess
+
+    args = json.dumps([workload, events, plan, rate, n, warmup_s, seed])
+    done = subprocess.run([sys.executable, __file__, "--run-one", args, "--tree", str(tree)], check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    row: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return row
+
+
+def _mean(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of runs of one point (their numbers; the first's ceiling, the same arrivals' model)."""
+    out = dict(runs[0])
+    for key in ("attainment", "hit_rate", "best_hit_rate", "refused"):
+        out[key] = sum(r[key] for r in runs) / len(runs)
+    out["shares"] = {p: sum(r["shares"][p] for r in runs) / len(runs) for p in runs[0]["shares"]}
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -395,12 +427,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="requests scheduled in each run's first S seconds are sent but not scored")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when the plan's attainment is under the one without it by over 2 points")
+    parser.add_argument("--seeds", type=int, default=1, help="arrival sequences a point (their mean)")
+    parser.add_argument("--baseline", metavar="TREE", type=Path,
+                        help="another source tree to run too (its narwhal package, without controller.cache_plan)")
+    parser.add_argument("--run-one", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.run_one:  # one run of --baseline, in this interpreter on --tree's code
+        import trio
+        import trio.testing
+
+        if args.tree is not None:
+            sys.path.insert(0, str(args.tree.resolve()))
+        workload, events, plan, rate, n, warmup_s, seed = json.loads(args.run_one)
+        row = trio.run(_run_one, workload, events, plan, rate, n, warmup_s, seed,
+                       clock=trio.testing.MockClock(autojump_threshold=0))  # fmt: skip
+        print(json.dumps(row))
+        return 0
     if not args.quick:
         parser.error("nothing to do: --quick runs the short form (tools/bench_goodput.py runs the full one)")
     rates = {"shared-prefix": [float(r) for r in args.prefix_rates.split(",")],
              "multi-turn": [float(r) for r in args.turn_rates.split(",")]}  # fmt: skip
-    return quick(rates, args.requests, args.check, args.warmup_s)
+    return quick(rates, args.requests, args.check, args.warmup_s, seeds=args.seeds, baseline=args.baseline)
 
 
 if __name__ == "__main__":
