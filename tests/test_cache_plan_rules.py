@@ -261,3 +261,33 @@ def test_a_consumer_holding_the_history_wins_when_it_shortens_the_transfer() -> 
     assert best_consumer([holder, far], model.per_token, 0.5).engine == "d1"
     model.forget("d0")
     assert "d0" not in model.per_token
+
+
+def test_the_handoff_slope_waits_for_enough_requests_and_spread_and_follows_the_recent_ones() -> None:
+    model = HandoffModel()
+    for i in range(19):
+        pulled = 100 + 100 * (i % 10)
+        model.observe("d0", 0.010 + 2e-5 * pulled, pulled)
+    assert "d0" not in model.per_token  # 19 requests: not yet
+    model.observe("d0", 0.010 + 2e-5 * 500, 500)
+    assert model.per_token["d0"] == pytest.approx(2e-5, rel=1e-3)
+    # Too little spread in what was pulled (a two-point spread of 120 tokens: 60 from
+    # the mean) says nothing about the slope, however many requests.
+    for i in range(100):
+        pulled = 1000 + 120 * (i % 2)
+        model.observe("d1", 0.010 + 2e-5 * pulled, pulled)
+    assert "d1" not in model.per_token
+    for i in range(40):  # 130 tokens apart: 65 from the mean, over MIN_SPREAD
+        pulled = 1000 + 130 * (i % 2)
+        model.observe("d2", 0.010 + 3e-5 * pulled, pulled)
+    assert model.per_token["d2"] == pytest.approx(3e-5, rel=1e-3)
+    # The link got slower: 300 requests later the fit is the new slope (decayed sums).
+    for i in range(300):
+        pulled = 100 + 100 * (i % 10)
+        model.observe("d0", 0.010 + 6e-5 * pulled, pulled)
+    assert model.per_token["d0"] == pytest.approx(6e-5, rel=0.01)
+    # A handoff that shrinks with the tokens pulled is noise, not a negative price.
+    for i in range(40):
+        pulled = 100 + 100 * (i % 10)
+        model.observe("d3", 0.050 - 2e-5 * pulled, pulled)
+    assert model.per_token["d3"] == 0.0

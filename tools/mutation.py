@@ -156,7 +156,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/cacheviews.py": ("tests/test_cache_views.py", "tests/test_prefix_index.py"),
     "narwhal/router/cacheplan.py": ("tests/test_cache_plan_rules.py",),
     "narwhal/router/choice.py": ("tests/test_cache_plan_rules.py",),
-    "narwhal/router/cachecal.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/cachecal.py": ("tests/test_cache_calibration.py", "tests/test_cache_plan_rules.py"),
     "narwhal/router/handoff.py": ("tests/test_cache_plan_rules.py",),
     "narwhal/router/quotes.py": ("tests/test_cache_plan_rules.py", "tests/test_prefix_placement.py::test_the_consumers_cached_blocks_only_break_ties"),
     # The router's prefix-cache tests: views made, dropped and cleared from the engines'
