@@ -701,6 +701,8 @@ def main() -> int:
                         if r.get("predicted_ttft_s") and r.get("router_ttft_s")]  # fmt: skip
 
     prompt = PROMPT if not shared else (
+        "multi-turn: 32 conversations over 4 system prompts of 512 tokens, 50-200 new tokens a turn, "
+        "history up to 3,000 tokens") if args.workload == "multi-turn" else (
         f"{args.workload}: {args.prefixes} prefixes of {args.prefix_len} tokens"
         + (f", zipf s={args.zipf_s}" if args.workload == "shared-prefix" and args.zipf_s else "")
         + (f", {args.turns} turns" if args.workload == "sessions" else ", tails uniform:50:250")

@@ -155,6 +155,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/chains.py": ("tests/test_cache_views.py", "tests/test_prefix_index.py"),
     "narwhal/router/cacheviews.py": ("tests/test_cache_views.py", "tests/test_prefix_index.py"),
     "narwhal/router/cacheplan.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/cachegroups.py": ("tests/test_cache_plan_rules.py",),
     "narwhal/router/choice.py": ("tests/test_cache_plan_rules.py",),
     "narwhal/router/cachecal.py": ("tests/test_cache_calibration.py", "tests/test_cache_plan_rules.py"),
     "narwhal/router/handoff.py": ("tests/test_cache_plan_rules.py",),

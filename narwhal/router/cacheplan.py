@@ -41,15 +41,14 @@ the target. This module does no I/O.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import trio
 
+from narwhal.router.cachegroups import RATE_S, Group, GroupKey, Groups, PlanTicket, decayed_rate
 from narwhal.router.prefix import PrefixIndex, PromptLookup
 
 __all__ = [
@@ -68,12 +67,6 @@ __all__ = [
 
 #: Seconds between two plans.
 PLAN_S: Final = 1.0
-#: Seconds over which a group's request rate is averaged (an exponential decay).
-RATE_S: Final = 30.0
-#: The least time a rate is taken over.
-MIN_COVER_S: Final = 10.0
-#: A group idle this long is forgotten.
-GROUP_TTL_S: Final = 600.0
 #: The groups a producer owns span at most this share of its cache's blocks (the rest
 #: holds the requests in flight and the blocks used once).
 CACHE_SHARE: Final = 0.7
@@ -82,10 +75,10 @@ STICKY: Final = 0.15
 #: A group whose predicted prefill work passes this share of a producer's time gets a
 #: second owner.
 SPLIT_AT: Final = 0.6
-#: A group is young for its first requests: its owner takes them while its predicted
-#: client TTFT is within :data:`OWNER_WITHIN` of the target, a miss included (placing
-#: a session or a prefix where it should live costs least while it is short and new).
-YOUNG: Final = 2
+#: A young group's owner (:data:`~narwhal.router.cachegroups.YOUNG`) takes its
+#: requests while its predicted client TTFT is within this share of the target, a miss
+#: included (placing a session or a prefix where it should live costs least while it is
+#: short and new).
 OWNER_WITHIN: Final = 0.8
 #: An established session's owner takes its turns while it holds this share of what the
 #: producer holding most of it does (a turn or so behind, after one went elsewhere).
@@ -99,101 +92,16 @@ LOW_UTIL: Final = 0.5
 MOVE_WITHIN: Final = 0.5
 #: A group with fewer requests a second takes no room in the plan.
 IDLE_RATE: Final = 0.01
-#: A prefix whose requests started this many sessions starts sessions: each of its
-#: requests is placed as a new session's first turn.
-SESSION_ROOT: Final = 2
 #: ... and by this share of its time (differences smaller than that are noise).
 STICKY_SLACK: Final = 0.02
 #: A producer busy more than this share of its time is taken to serve a request in
 #: 1 / (1 - this) of its work (the queue of a producer near saturation, bounded).
 BUSY_FLOOR: Final = 0.05
-#: How far back from the end of a prompt's chain an earlier prompt's last block is
-#: looked for (blocks of output that a later turn repeats, when it does).
-TAIL_WINDOW: Final = 32
-#: Earlier prompts' last blocks remembered, to find the turns that continue them, and
-#: for how long.
-TAILS: Final = 65536
-TAIL_TTL_S: Final = 300.0
-#: Groups (prefixes and sessions) remembered at most: past it, the one used least
-#: recently is forgotten.
-MAX_GROUPS: Final = 20_000
-
-#: A group's key: a prefix's root chain id, a detected session ``("s", n)`` or a named
-#: one ``("h", name)``.
-GroupKey = int | tuple[str, int] | tuple[str, str]
 
 #: Predicted prefill seconds of a prompt of ``tokens`` with ``cached`` of them cached on a producer.
 PrefillS = Callable[[str, int, int], float]
 
 
-class Group:
-    """One prefix or session: its requests, where they went and who owns it."""
-
-    __slots__ = ("blocks", "born", "chain", "count", "key", "kind", "last", "owners", "placed_on", "sessions", "tokens",
-                 "turns")
-
-    def __init__(self, key: GroupKey, kind: str, now: float) -> None:
-        self.key = key
-        #: ``prefix`` or ``session``.
-        self.kind = kind
-        #: Producers that own it (empty: not planned yet).
-        self.owners: list[str] = []
-        #: Decayed count of its requests (:meth:`rate`).
-        self.count = 0.0
-        self.last = now
-        self.born = now
-        #: Decayed counts of its requests per producer.
-        self.placed_on: dict[str, float] = {}
-        #: Blocks its requests share (a prefix's depth, a session's history).
-        self.blocks = 0
-        #: Its requests' mean prompt tokens (moving).
-        self.tokens = 0.0
-        self.turns = 0
-        #: Sessions its requests started (a system prompt's first turns).
-        self.sessions = 0
-        #: The chain its latest request matched (what a producer may hold of it).
-        self.chain: Sequence[int] = ()
-
-    def rate(self, now: float) -> float:
-        """Requests per second, as of ``now`` (the decayed count over the time it covers)."""
-        return decayed_rate(self.count, self.last, self.born, now)
-
-    def young(self) -> bool:
-        """Whether its owner takes its requests even with a miss (:data:`YOUNG`)."""
-        return self.turns < YOUNG
-
-    def label(self) -> str:
-        key = self.key
-        return f"prefix:{key}" if isinstance(key, int) else f"session:{key[1]}"
-
-
-class PlanTicket:
-    """What the plan knows of one request attempt: its group and its prompt's chain."""
-
-    __slots__ = ("block_size", "chain", "continues", "group", "new_session")
-
-    def __init__(self, group: Group | None, chain: Sequence[int], block_size: int, continues: object,
-                 new_session: bool = False) -> None:  # fmt: skip
-        self.group = group
-        self.chain = chain
-        self.block_size = block_size
-        #: The request is a session's first turn (its group's requests start sessions, or
-        #: it names a session not seen yet): it is placed as the session's owner says.
-        self.new_session = new_session
-        #: What a prompt that continues this one belongs to: this group (a session), or a
-        #: new session under it (a prefix's request: a first turn).
-        self.continues = continues
-
-
-class _NewSession:
-    """A session not seen yet: the turn that continues the prompt it was registered for starts it."""
-
-    __slots__ = ("parent", "started")
-
-    def __init__(self, parent: Group | None) -> None:
-        self.parent = parent
-        #: The session, once a turn continued the prompt.
-        self.started: Group | None = None
 
 
 class CachePlan:
@@ -209,14 +117,9 @@ class CachePlan:
         self.index = index
         self.prefill_s = prefill_s
         self.clock = clock
-        self.groups: OrderedDict[GroupKey, Group] = OrderedDict()
-        #: Prefix groups by the chain id of their root block now.
-        self._roots: dict[int, Group] = {}
-        #: The last full block of each recent prompt (its position and a hash of its
-        #: tokens and its parent's), with what a prompt passing through it continues, and
-        #: when it was seen.
-        self._tails: OrderedDict[tuple[int, int], tuple[Group | _NewSession, float]] = OrderedDict()
-        self._sessions = itertools.count(1)
+        #: The groups of the requests seen lately.
+        self.grouping = Groups(index.chains, clock)
+        self.groups = self.grouping.groups
         #: Per producer: the prefill seconds one new block costs later (:meth:`eviction_s`).
         self.block_price: dict[str, float] = {}
         #: Per producer: the cache's characteristic time and its blocks used once per second.
@@ -239,82 +142,9 @@ class CachePlan:
 
     def classify(self, lookup: PromptLookup | None, hint: str | None, block_size: int,
                  ids: Sequence[int] | None = None) -> PlanTicket:  # fmt: skip
-        """The group of a request: named by ``hint``, else found from its prompt's chain
-        (``lookup``, in blocks of ``block_size``); no group for a prompt nothing shares.
+        """The request's group (:meth:`narwhal.router.cachegroups.Groups.classify`)."""
+        return self.grouping.classify(lookup, hint, block_size, ids)
 
-        A prompt continues an earlier one (the next turn of its session) when its chain
-        passes through the earlier prompt's last full block (remembered here under its
-        chain id, from ``ids``): the turns of a session repeat each other whole, while
-        the requests of a shared prefix part at the prefix's end, each with a tail of its
-        own.
-        """
-        now = self.clock()
-        chain: Sequence[int] = lookup.chain(block_size) if lookup is not None and block_size else ()
-        group: Group | None
-        if hint is not None:
-            key: GroupKey = ("h", hint)
-            group = self.groups.get(key)
-            if group is None:
-                group = self._new_group(key, "session", now)
-            return PlanTicket(group, chain, block_size, group, new_session=not group.owners)
-        if lookup is None or not block_size:
-            return PlanTicket(None, (), 0, None)
-        tails = self._tails
-        found: Group | _NewSession | None = None
-        tokens = self.index.chains.tokens
-        for j in range(len(chain) - 1, max(len(chain) - TAIL_WINDOW, 0) - 1, -1):
-            entry = tails.get((j, hash((tokens(chain[j - 1]) if j else (), tokens(chain[j])))))
-            if entry is not None:
-                found = entry[0]
-                break
-        if isinstance(found, _NewSession) and found.started is None:  # a session's second turn: it starts now
-            session = self._new_group(("s", next(self._sessions)), "session", now)
-            found.started = session
-            if found.parent is not None:
-                found.parent.sessions += 1
-        if isinstance(found, _NewSession):
-            found = found.started
-        if isinstance(found, Group) and found.key in self.groups:
-            group = found
-            continues: Group | _NewSession = group
-        elif chain:
-            root = self.index.chains.group_root(chain)
-            group = self._roots.get(root)
-            if group is None:  # a root not seen under this id: its content may have been (evicted, computed again)
-                key = self.index.chains.content_key(root)
-                group = self.groups.get(key)
-                if group is None:
-                    group = self._new_group(key, "prefix", now)
-                self._roots[root] = group
-            continues = _NewSession(group)
-        else:
-            group, continues = None, _NewSession(None)
-        if ids is not None:
-            self._tail(chain, ids, block_size, continues)
-        return PlanTicket(group, chain, block_size, continues,
-                          new_session=group is not None and group.kind == "prefix" and group.sessions >= SESSION_ROOT)
-
-    def _new_group(self, key: GroupKey, kind: str, now: float) -> Group:
-        """A group not seen yet; the one used least recently goes past :data:`MAX_GROUPS`."""
-        group = self.groups[key] = Group(key, kind, now)
-        if len(self.groups) > MAX_GROUPS:
-            self.groups.popitem(last=False)
-        return group
-
-    def _tail(self, chain: Sequence[int], ids: Sequence[int], bs: int, continues: Group | _NewSession) -> None:
-        """Remember the last full block of prompt ``ids`` (by its position and its tokens
-        and its parent's), with what a prompt that passes through it continues, when the
-        prompt adds a block of its own to ``chain`` (what it shares)."""
-        full = len(ids) // bs
-        if full <= len(chain):
-            return  # its last block is what it shares
-        j = full - 1
-        key = (j, hash((tuple(ids[(j - 1) * bs : j * bs]) if j else (), tuple(ids[j * bs : full * bs]))))
-        tails = self._tails
-        tails[key] = (continues, self.clock())
-        tails.move_to_end(key)
-        if len(tails) > TAILS:
-            tails.popitem(last=False)
 
     def owners(self, ticket: PlanTicket, producers: Sequence[str], cached: Callable[[str], int],
                prompt_tokens: int, target_s: float | None) -> list[str]:  # fmt: skip
@@ -371,8 +201,7 @@ class CachePlan:
         count, last, born = self._busy.get(producer, (0.0, now, now))
         self._busy[producer] = (count * math.exp(-(now - last) / RATE_S) + work_s, now, born)
         if group is not None:
-            if group.key in self.groups:
-                self.groups.move_to_end(group.key)
+            self.grouping.touch(group)
             decay = math.exp(-(now - group.last) / RATE_S)
             group.count = group.count * decay + 1.0
             for p, n in list(group.placed_on.items()):
@@ -519,16 +348,9 @@ class CachePlan:
         """Make the plan again from the groups' observed rates; return how many groups
         changed owner."""
         now = self.clock()
-        for key in [k for k, g in self.groups.items() if now - g.last > GROUP_TTL_S]:
-            group = self.groups.pop(key)
+        for group in self.grouping.expire(now):
             if group.kind == "session" and group.turns:
                 self.mean_turns += 0.1 * (group.turns - self.mean_turns)
-        links = self.index.chains
-        tails = self._tails
-        while tails and now - next(iter(tails.values()))[1] > TAIL_TTL_S:
-            tails.popitem(last=False)
-        for cid in [c for c, g in self._roots.items() if g.key not in self.groups or (not links.parent(c) and not links.tokens(c))]:
-            del self._roots[cid]  # its id is gone (the block left every view) or its group is
         self._fresh = {}
         self.owned_blocks = dict.fromkeys(producers, 0)
         self.owned_load = dict.fromkeys(producers, 0.0)
@@ -627,12 +449,6 @@ class CachePlan:
         }
 
 
-def decayed_rate(count: float, last: float, born: float, now: float) -> float:
-    """Events per second of a count decayed with :data:`RATE_S` since ``born``, last
-    counted at ``last``: the count over the (decayed) time it covers (at least
-    :data:`MIN_COVER_S`, so that a first event is no rate of its own)."""
-    covered = RATE_S * -math.expm1(-max(now - born, MIN_COVER_S) / RATE_S)
-    return count * math.exp(-(now - last) / RATE_S) / covered
 
 
 def che_time(items: Sequence[tuple[int, float, float]], unique_rate: float, capacity: float) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Container, Sequence
 
-__all__ = ["Chains", "count_held", "hit_limit"]
+__all__ = ["Chains", "count_held", "hit_limit", "tail_key"]
 
 #: A chain link: the parent block's chain id (0 at the root) and the block's tokens.
 _Link = tuple[int, tuple[int, ...]]
@@ -24,6 +24,12 @@ _Link = tuple[int, tuple[int, ...]]
 def hit_limit(prompt_len: int, block_size: int) -> int:
     """Most leading blocks of a ``prompt_len``-token prompt a cache can serve."""
     return max(prompt_len - 1, 0) // block_size
+
+
+def tail_key(parent: tuple[int, ...], block: tuple[int, ...]) -> int:
+    """A key for a block at the end of a prompt: its tokens and its parent block's
+    (empty for a prompt's first block)."""
+    return hash((parent, block))
 
 
 def count_held(chain: Sequence[int], held: Container[int]) -> int:
@@ -54,6 +60,8 @@ class Chains:
         self._refs: dict[int, int] = {}
         #: Per id (0: the root), how many ids are interned directly under it.
         self._children: dict[int, int] = {}
+        #: Per id, its :meth:`tail_key` once asked for.
+        self._tail_keys: dict[int, int] = {}
         self._next = itertools.count(1)
         #: Changes whenever an id is made or forgotten (a looked-up chain is then stale).
         self.version = 0
@@ -91,6 +99,7 @@ class Chains:
             if self._refs[cid]:
                 return
             del self._refs[cid]
+            self._tail_keys.pop(cid, None)
             self.version += 1
             link = self._links.pop(cid)
             del self._ids[link]
@@ -115,6 +124,18 @@ class Chains:
         """The tokens of block ``cid`` (empty for an unknown id)."""
         link = self._links.get(cid)
         return link[1] if link is not None else ()
+
+    def tail_key(self, cid: int) -> int:
+        """:func:`tail_key` of block ``cid`` and its parent's tokens (kept: a prompt's
+        chain is scanned for it on every request)."""
+        key = self._tail_keys.get(cid)
+        if key is None:
+            link = self._links.get(cid)
+            if link is None:
+                return tail_key((), ())
+            parent = self._links.get(link[0])
+            key = self._tail_keys[cid] = tail_key(parent[1] if parent is not None else (), link[1])
+        return key
 
     def children(self, cid: int) -> int:
         """How many ids are interned directly under ``cid`` (0: the root)."""

@@ -5,7 +5,7 @@ predicted TTFT with its queue and its hit). Without a cache plan the producer wi
 most headroom against the TTFT target wins. With one (:mod:`narwhal.router.cacheplan`),
 :func:`choose_producer`:
 
-1. for a young group (its first :data:`~narwhal.router.cacheplan.YOUNG` requests: a
+1. for a young group (its first :data:`~narwhal.router.cachegroups.YOUNG` requests: a
    session's first turns, a prefix's first reuse), takes an owner when one meets the
    target within :data:`~narwhal.router.cacheplan.OWNER_WITHIN` of it, with the handoff
    (rule ``owner``; ``move`` when it holds less of the prompt than another producer: a
@@ -50,7 +50,8 @@ __all__ = ["ProducerChoice", "choose_producer", "explain"]
 
 @attrs.define
 class ProducerChoice:
-    """The producer chosen for a request, the runner-up and why the others were not."""
+    """The producer chosen for a request, the runner-up and why the others were not
+    (:attr:`others`, worded only when asked: the journal writes it after the response)."""
 
     quote: Quote
     rule: str
@@ -58,9 +59,34 @@ class ProducerChoice:
     owners: list[str] = attrs.Factory(list)
     #: Per producer quoted: the prefill seconds its new blocks would cost later requests.
     future_s: dict[str, float] = attrs.Factory(dict)
-    #: Per producer not chosen: why.
-    others: dict[str, str] = attrs.Factory(dict)
     group: str | None = None
+    #: Every producer quoted, and what the choice held them to.
+    quotes: Sequence[Quote] = ()
+    target_s: float | None = None
+    handoff_s: float = 0.0
+    bound: Callable[[Quote], float] | None = None
+    #: Chosen by the cache plan's rules (else by headroom alone).
+    planned: bool = False
+
+    @property
+    def others(self) -> dict[str, str]:
+        """Per producer quoted and not chosen: why."""
+        out = {}
+        for q in self.quotes:
+            if q is self.quote:
+                continue
+            why = _why_not(q, self.target_s, self.handoff_s, self.bound or (lambda q: q.low))
+            if why is None:
+                if not self.planned:
+                    why = "less headroom"
+                elif self.rule in ("owner", "move") and q.engine not in self.owners:
+                    why = f"not an owner of {self.group}"
+                else:
+                    future = self.future_s[q.engine]
+                    why = (f"price {(q.predicted_s + future) * 1000:.1f} ms "
+                           f"(TTFT {q.predicted_s * 1000:.1f} + later {future * 1000:.1f})")  # fmt: skip
+            out[q.engine] = why
+        return out
 
 
 def choose_producer(
@@ -82,10 +108,8 @@ def choose_producer(
 
     if plan is None or ticket is None or target_s is None:
         ranked = sorted(quotes, key=headroom_key, reverse=True)
-        choice = ProducerChoice(ranked[0], "headroom", ranked[1] if len(ranked) > 1 else None)
-        for q in ranked[1:]:
-            choice.others[q.engine] = _why_not(q, target_s, handoff_s, bound) or "less headroom"
-        return choice
+        return ProducerChoice(ranked[0], "headroom", ranked[1] if len(ranked) > 1 else None, quotes=ranked,
+                              target_s=target_s, handoff_s=handoff_s, bound=bound)  # fmt: skip
     target = target_s
 
     names = [q.engine for q in quotes]
@@ -136,18 +160,8 @@ def choose_producer(
         rule = "over_target"
     runner_up = rest[0] if rest else next((q for q in sorted(quotes, key=headroom_key, reverse=True)
                                            if q is not chosen), None)  # fmt: skip
-    choice = ProducerChoice(chosen, rule, runner_up, owners, future, group=group.label() if group else None)
-    for q in quotes:
-        if q is chosen:
-            continue
-        why = _why_not(q, target_s, handoff_s, bound)
-        if why is None:
-            if rule in ("owner", "move") and q.engine not in owners:
-                why = f"not an owner of {choice.group}"
-            else:
-                why = f"price {price(q) * 1000:.1f} ms (TTFT {q.predicted_s * 1000:.1f} + later {future[q.engine] * 1000:.1f})"
-        choice.others[q.engine] = why
-    return choice
+    return ProducerChoice(chosen, rule, runner_up, owners, future, group=group.label() if group else None,
+                          quotes=quotes, target_s=target_s, handoff_s=handoff_s, bound=bound, planned=True)  # fmt: skip
 
 
 def _why_not(q: Quote, target_s: float | None, handoff_s: float, bound: Callable[[Quote], float]) -> str | None:

@@ -86,7 +86,8 @@ class AttemptRecord:
             ``eviction_s``: what its new blocks cost later requests), why each other
             producer was not taken (``others``), and the consumer's and its runner-up's
             (``predicted_tpot_s``, ``cached_tokens``, ``handoff_s``). Set on a refused
-            attempt too, when placement priced it.
+            attempt too, when placement priced it. Placement may leave a function that
+            writes it: the record's JSON has what it returns.
     """
 
     n: int
@@ -107,7 +108,7 @@ class AttemptRecord:
     cached_tokens: int | None = None
     consumer_predicted_cached_tokens: int | None = None
     consumer_cached_tokens: int | None = None
-    placement: dict[str, Any] | None = None
+    placement: dict[str, Any] | Callable[[], dict[str, Any]] | None = None
 
 
 # A new empty list per record, typed Any: the compiled build checks a class-body value
@@ -162,7 +163,11 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         # attrs.asdict, written out: it runs once per request on the router's hot path.
         out = {name: getattr(self, name) for name in _RECORD_FIELDS}
-        out["attempts"] = [{name: getattr(a, name) for name in _ATTEMPT_FIELDS} for a in self.attempts]
+        out["attempts"] = attempts = [{name: getattr(a, name) for name in _ATTEMPT_FIELDS} for a in self.attempts]
+        for a in attempts:
+            placement = a["placement"]
+            if placement is not None and not isinstance(placement, dict):
+                a["placement"] = placement()  # worded now, after the response
         return out
 
 

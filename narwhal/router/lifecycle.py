@@ -361,9 +361,7 @@ class RequestLifecycle:
             # What the consumer holds it need not pull from the producer.
             attempt.consumer_predicted_cached_tokens = predicted(reservation.consumer)
         if ticket is not None and plan is not None:
-            explained = reservation.explain or {}
-            work = (explained.get("producer") or {}).get("own_s") or 0.0
-            plan.placed(ticket, reservation.producer, self.prompt_tokens, work)
+            plan.placed(ticket, reservation.producer, self.prompt_tokens, reservation.predicted_work_s or 0.0)
         if lookup is not None and prefix.exact(reservation.producer):
             prefix.touch(reservation.producer, lookup.held_chain(reservation.producer)[0])
         with reservation:

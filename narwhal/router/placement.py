@@ -72,6 +72,11 @@ class EngineLoad:
         return max(0, self.engine_running + self.engine_waiting - self.engine_own)
 
 
+#: Why a pair was chosen, for the journal: its JSON object, or a function that writes
+#: it (priced placement words it when the journal writes the record, after the response).
+Explanation = dict[str, Any] | Callable[[], dict[str, Any]]
+
+
 class Reservation:
     """The phase reservations of one attempt."""
 
@@ -86,6 +91,7 @@ class Reservation:
         "on_release_prefill",
         "predicted_tpot_s",
         "predicted_ttft_s",
+        "predicted_work_s",
         "prefill_held",
         "producer",
         "prompt_tokens",
@@ -106,7 +112,9 @@ class Reservation:
         self.predicted_ttft_s: float | None = None
         self.predicted_tpot_s: float | None = None
         #: Why the pair was chosen (priced placement's account, for the journal).
-        self.explain: dict[str, Any] | None = None
+        self.explain: Explanation | None = None
+        #: The producer's predicted prefill seconds for the request (priced placement).
+        self.predicted_work_s: float | None = None
         p = placement.loads[producer]
         p.prefill_requests += 1
         p.prefill_tokens += prompt_tokens

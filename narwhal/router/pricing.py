@@ -94,6 +94,7 @@ fallback is counted and reported.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -107,7 +108,7 @@ from narwhal.profile.store import EngineProfile
 from narwhal.router.cacheplan import CachePlan, PlanTicket
 from narwhal.router.choice import ProducerChoice, choose_producer, explain
 from narwhal.router.handoff import HandoffModel
-from narwhal.router.placement import MEAN_WEIGHT, Placement, Reservation
+from narwhal.router.placement import MEAN_WEIGHT, Explanation, Placement, Reservation
 from narwhal.router.prefillqueue import PrefillQueues
 from narwhal.router.quotes import CONSUMER_TIE, Quote, best_consumer
 from narwhal.router.sharedkv import HeldChain, SharedBlocks
@@ -503,10 +504,16 @@ class PricedPlacement(Placement):
         own_late = self.slo.ttft_s is not None and bound + handoff > self.slo.ttft_s
         delays = self.slo.ttft_s is not None and p.delays > 0
         decode_miss = c.kv_over > 0 or (self.slo.tpot_s is not None and c.headroom < 0)
-        account = explain(choice, c, self._last_consumer_runner_up, handoff_s=handoff,
-                          unpriced=self._unpriced(self.prefill_engines, [p.engine, *choice.others], avoid, model,
-                                                  "prefill"),
-                          transfer_s_per_token=self.handoffs.per_token)  # fmt: skip
+        # The explanation is written out when the journal writes the record (after the
+        # response): what it needs of now is taken now.
+        runner_up = self._last_consumer_runner_up
+        per_token = self.handoffs.per_token
+        account = functools.partial(
+            explain, choice, c, runner_up, handoff_s=handoff,
+            unpriced=self._unpriced(self.prefill_engines, [q.engine for q in choice.quotes], avoid, model, "prefill"),
+            transfer_s_per_token={q.engine: per_token[q.engine] for q in (c, runner_up)
+                                  if q is not None and q.engine in per_token} if per_token else None,
+        )  # fmt: skip
         if own_late or delays or decode_miss:
             self.counters["refused"] += 1
             if own_late and prompt_ids is not None and cached is not None and self.replicate is not None:
@@ -669,6 +676,7 @@ class PricedPlacement(Placement):
         reservation.on_release_prefill = lambda done: self._release_work(producer, key, done)
         reservation.on_release_decode = self._capacity_changed
         reservation.predicted_ttft_s = p.predicted_s if p is not None else None
+        reservation.predicted_work_s = work
         reservation.predicted_tpot_s = c.predicted_s if c is not None else None
         return reservation
 
@@ -808,11 +816,11 @@ class _NoCapacity(Exception):
     the prompts waiting for the producer's next step late (it can wait for that step)."""
 
     def __init__(self, producer: Quote, consumer: Quote, handoff_s: float = 0.0, *, deferrable: bool = False,
-                 account: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 account: Explanation | None = None) -> None:  # fmt: skip
         super().__init__("no placement meets the SLO")
         self.producer = producer
         self.consumer = consumer
         self.handoff_s = handoff_s
         self.deferrable = deferrable
-        #: The placement's explanation (:func:`narwhal.router.choice.explain`).
+        #: The placement's explanation (:func:`narwhal.router.choice.explain`, when called).
         self.account = account
