@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -94,3 +95,21 @@ def test_one_run_prints_its_row_and_a_point_is_the_mean_of_its_seeds(
     mean = tool._mean(runs)
     assert mean["attainment"] == pytest.approx(0.9) and mean["hit_rate"] == pytest.approx(0.6)
     assert mean["shares"] == pytest.approx({"p-fast": 0.7, "p-slow": 0.3})
+
+
+def test_the_short_form_checks_attainment_hits_the_plan_against_none_and_the_slow_producer_s_share(
+    tool: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def point(attainment: float, hit: float, slow: float) -> dict[str, Any]:
+        return {"rate": 20.0, "attainment": attainment, "hit_rate": hit, "best_hit_rate": 0.8,
+                "shares": {"p-fast": 1 - slow, "p-slow": slow}}  # fmt: skip
+
+    assert tool._checks("multi-turn", [point(0.95, 0.75, 0.3)], [point(0.96, 0.75, 0.1)])
+    assert "NOT met" not in capsys.readouterr().out
+    assert not tool._checks("multi-turn", [point(0.95, 0.75, 0.1)], [point(0.95, 0.75, 0.1)])  # sessions piled up
+    assert "[NOT met] the slow producer takes >= 20% of the prefills at 20/s: 0.10" in capsys.readouterr().out
+    assert tool._checks("shared-prefix", [point(0.95, 0.75, 0.1)], [point(0.95, 0.75, 0.1)])  # no share asked
+    assert not tool._checks("shared-prefix", [point(0.89, 0.75, 0.3)], [point(0.85, 0.75, 0.3)])
+    assert not tool._checks("shared-prefix", [point(0.95, 0.71, 0.3)], [point(0.95, 0.75, 0.3)])  # 0.71 < 0.72
+    assert not tool._checks("shared-prefix", [point(0.92, 0.75, 0.3)], [point(0.95, 0.75, 0.3)])  # 3 points under
+    capsys.readouterr()

@@ -79,6 +79,24 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
     assert bare.attempts is not RequestRecord(request_id="s", arrival=0.0, route="completions").attempts
 
 
+def test_a_placement_left_as_a_function_is_written_as_what_it_returns() -> None:
+    # Priced placement words its explanation when the record is written, not on the
+    # request's path: the line has the object, worded then.
+    worded: list[int] = []
+
+    def explanation() -> dict[str, Any]:
+        worded.append(1)
+        return {"rule": "owner", "others": {"p1": "TTFT 612.0 ms over the target"}}
+
+    record = RequestRecord(request_id="r", arrival=0.0, route="completions",
+                           attempts=[AttemptRecord(n=1, placement=explanation), AttemptRecord(n=2)])  # fmt: skip
+    assert not worded
+    line = record.to_json()
+    assert line["attempts"][0]["placement"] == {"rule": "owner", "others": {"p1": "TTFT 612.0 ms over the target"}}
+    assert line["attempts"][1]["placement"] is None and worded == [1]
+    json.dumps(line)
+
+
 def test_an_unknown_class_and_a_closed_journal_are_refused_and_not_counted() -> None:
     journal = Journal(None)
     with pytest.raises(ValueError, match=r"^unknown terminal class 'weird'$"):
