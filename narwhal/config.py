@@ -820,6 +820,12 @@ class ControllerConfig:
             reports ``enable_prefix_caching`` (exact from its ``kv_events``, else from
             the prompts placed on it) and prices each producer's hit; ``off`` prices
             every prefill as if nothing were cached and reads no KV events.
+        cache_plan: ``auto`` (with ``prefix_cache: auto`` and profiles) plans where
+            prefixes and sessions live: each reused prefix or session has an owner among
+            the producers, by their speed and their caches' capacity, that takes its
+            requests while it meets the TTFT target within 0.8 of it (a miss included),
+            and a placement's price adds what its new blocks cost later requests;
+            ``off`` places each request for its own predicted TTFT alone.
     """
 
     slo: SLOConfig = attrs.field(factory=SLOConfig)
@@ -837,6 +843,7 @@ class ControllerConfig:
     )
     reactive: ReactiveConfig = attrs.field(factory=ReactiveConfig)
     prefix_cache: Literal["auto", "off"] = attrs.field(default="auto", validator=_member(("auto", "off")))
+    cache_plan: Literal["auto", "off"] = attrs.field(default="auto", validator=_member(("auto", "off")))
 
 
 @attrs.frozen(kw_only=True)

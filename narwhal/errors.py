@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 __all__ = [
@@ -184,9 +185,13 @@ class Refused(NarwhalError):
     error_type = "service_unavailable"
     terminal_class = "refused"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, *, retry_after_s: float = 1.0,
+                 placement: dict[str, Any] | Callable[[], dict[str, Any]] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        #: Why placement found no pair in time (its explanation, or a function that
+        #: writes it), when it priced one.
+        self.placement = placement
 
 
 class NoEngine(Refused):

@@ -498,7 +498,7 @@ def test_defaults_match_the_plan() -> None:
                                   "admission_bound": "lower", "pricing": "point",
                                   "reactive": {"enabled": False, "movement_margin": 0.10,
                                                "interval_s": 10.0, "deployment_record": None},
-                                  "prompt_tokens": "auto", "prefix_cache": "auto"}  # fmt: skip
+                                  "prompt_tokens": "auto", "prefix_cache": "auto", "cache_plan": "auto"}  # fmt: skip
     assert data["journal"] == {"path": "runs/journal.jsonl", "queue_size": 10000, "fsync": True}
     sim = unstructure_fleet(parse_fleet(fleet(prefill(), decode(sim={}))))["engines"][1]["sim"]
     assert sim == {

@@ -344,6 +344,24 @@ async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: 
              ("narwhal_prefix_index_blocks", {"engine": "p1", "source": "placements"}, 2),
              ("narwhal_prefix_index_blocks", {"engine": "d0", "source": "placements"}, 0)],
         ),
+        "narwhal_prefix_index_held_blocks": (
+            "gauge", "Blocks of an approximate prefix view held by requests in flight (not evictable).",
+            [("narwhal_prefix_index_held_blocks", {"engine": "p1"}, 0)],
+        ),
+        "narwhal_prefix_index_overflow_evicted": (
+            "counter",
+            "Blocks an engine's KV-event view evicted because it held more than the engine reports it can "
+            "(its BlockRemoved events were lost).",
+            [("narwhal_prefix_index_overflow_evicted_total", {"engine": "p0"}, 0)],
+        ),
+        "narwhal_prefix_hit_materialized_ratio": (
+            "gauge",
+            "Share of the prefix-cache hits the router predicted on an engine that its reports say "
+            "materialized (recent placements); its hits are priced at it.", [],
+        ),
+        "narwhal_prefix_view_overpredicting": (
+            "gauge", "1 while fewer than 80% of an engine's predicted prefix-cache hits materialize.", [],
+        ),
         "narwhal_kv_events_stale": (
             "gauge",
             "1 while an engine's KV events are taken for stale (replay probes find batches that never "

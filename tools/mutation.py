@@ -159,6 +159,17 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),
+    # The cache plan's modules: their rules' unit tests, then the views block for block
+    # against the simulated pool (the end-to-end runs of tests/test_cache_plan.py take
+    # minutes each: left out).
+    "narwhal/router/chains.py": ("tests/test_cache_views.py", "tests/test_prefix_index.py"),
+    "narwhal/router/cacheviews.py": ("tests/test_cache_views.py", "tests/test_prefix_index.py"),
+    "narwhal/router/cacheplan.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/cachegroups.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/choice.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/cachecal.py": ("tests/test_cache_calibration.py", "tests/test_cache_plan_rules.py"),
+    "narwhal/router/handoff.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/quotes.py": ("tests/test_cache_plan_rules.py", "tests/test_prefix_placement.py::test_the_consumers_cached_blocks_only_break_ties"),
     # The router's prefix-cache tests: views made, dropped and cleared from the engines'
     # metrics, KV-event subscribers, stale streams (without the load-level comparisons).
     "narwhal/router/prefixwatch.py": (

@@ -88,6 +88,17 @@ class AttemptRecord:
         resumed_at_s: on a resume, arrival to the failure it continues after.
         not_resumed: with ``recovery.resume_streams``, why this attempt's failure after
             output was not resumed (the stream then ended with the terminal event).
+        placement: why the pair was chosen (:func:`narwhal.router.choice.explain`):
+            the ``rule`` that chose the producer (``owner``, ``move``, ``spill``,
+            ``price``, ``over_target``, ``headroom`` without a cache plan,
+            ``least_loaded`` or ``fallback`` without prices), the request's ``group``
+            and its ``owners``, the chosen producer's price and the runner-up's
+            (``predicted_ttft_s``, ``queue_s``, ``own_s``, ``cached_tokens`` as priced,
+            ``eviction_s``: what its new blocks cost later requests), why each other
+            producer was not taken (``others``), and the consumer's and its runner-up's
+            (``predicted_tpot_s``, ``cached_tokens``, ``handoff_s``). Set on a refused
+            attempt too, when placement priced it. Placement may leave a function that
+            writes it: the record's JSON has what it returns.
     """
 
     n: int
@@ -114,6 +125,7 @@ class AttemptRecord:
     resume: str | None = None
     resumed_at_s: float | None = None
     not_resumed: str | None = None
+    placement: dict[str, Any] | Callable[[], dict[str, Any]] | None = None
 
 
 # A new empty list per record, typed Any: the compiled build checks a class-body value
@@ -171,7 +183,11 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         # attrs.asdict, written out: it runs once per request on the router's hot path.
         out = {name: getattr(self, name) for name in _RECORD_FIELDS}
-        out["attempts"] = [{name: getattr(a, name) for name in _ATTEMPT_FIELDS} for a in self.attempts]
+        out["attempts"] = attempts = [{name: getattr(a, name) for name in _ATTEMPT_FIELDS} for a in self.attempts]
+        for a in attempts:
+            placement = a["placement"]
+            if placement is not None and not isinstance(placement, dict):
+                a["placement"] = placement()  # worded now, after the response
         return out
 
 

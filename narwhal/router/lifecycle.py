@@ -36,6 +36,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -56,6 +57,8 @@ from narwhal.errors import (
     SilenceTimeout,
 )
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
+from narwhal.router.cacheplan import PlanTicket
+from narwhal.router.cacheviews import Hold
 from narwhal.router.journal import AttemptRecord, RequestRecord
 from narwhal.router.placement import Reservation
 from narwhal.router.requests import (
@@ -83,6 +86,10 @@ _DONE = b"data: [DONE]\n\n"
 #: Header names, lower-case (names are case-insensitive on the wire).
 _REQUEST_ID = "x-request-id"
 _RETRY_AFTER = "retry-after"
+#: The header naming a request's session (a hint for the cache plan), and the most of
+#: it (or of the request's ``user`` field) kept.
+_SESSION_ID = "x-session-id"
+_HINT_MAX = 200
 #: The most time a failure answer may take to write (a client that stopped reading).
 _ANSWER_WRITE_S = 5.0
 
@@ -112,6 +119,15 @@ def terminal_class_for(err: NarwhalError) -> str:
 #: call per request; workers draw different prefixes).
 _ID_PREFIX = secrets.token_hex(6)
 _ids = itertools.count(1)
+
+
+def _calibrated(predicted: Callable[[str], int], factor: Callable[[str], float]) -> Callable[[str], int]:
+    """Predicted hits priced at the share of them that materializes on each engine."""
+
+    def cached(name: str) -> int:
+        return int(predicted(name) * factor(name))
+
+    return cached
 
 
 def _new_request_id() -> str:
@@ -159,6 +175,11 @@ class RequestLifecycle:
         #: What the stream delivered, when a failure after output may be resumed
         #: (``recovery.resume_streams``); its ``current`` continuation is the attempt's request.
         self.ledger: StreamLedger | None = None
+        #: The attempt's blocks in the approximate views of its engines, by role, until
+        #: it ends there (the producer's until the consumer has its KV).
+        self._holds: dict[str, Hold] = {}
+        #: The attempt's ticket of the cache plan (None: no plan).
+        self._ticket: PlanTicket | None = None
 
     # ------------------------------------------------------------------ entry point
 
@@ -339,7 +360,20 @@ class RequestLifecycle:
         # The prompt's block chain is looked up once; each candidate engine's hit is then
         # a walk over its ids.
         lookup = prefix.lookup(ids) if ids is not None and prefix.active else None
-        cached = lookup.cached_tokens if lookup is not None else None
+        predicted = lookup.cached_tokens if lookup is not None else None
+        # Hits are priced at the share of the predicted ones that materialize there.
+        calibration = state.cache_cal
+        cached: Callable[[str], int] | None = predicted
+        if predicted is not None and calibration.factors:
+            cached = _calibrated(predicted, calibration.factor)
+
+        plan = state.cache_plan
+        ticket = None
+        if plan is not None and self.config.controller.cache_plan == "auto":
+            hint = self._session_hint()
+            if lookup is not None or hint is not None:
+                ticket = plan.classify(lookup, hint, plan.block_size(), ids)
+        self._ticket = ticket
         trace = self.trace
         if trace is not None:
             trace.placing(state.placement, self.record.model, avoid)
@@ -347,19 +381,27 @@ class RequestLifecycle:
             reservation = await state.placement.acquire(
                 prompt_tokens, max_tokens, avoid=avoid, deadline=deadline,
                 elapsed_s=elapsed, cached=cached, model=self.record.model, prompt_ids=ids,
-                held=lookup.held_chain if lookup is not None else None,
+                held=lookup.held_chain if lookup is not None else None, plan=ticket,
             )  # fmt: skip
+        except Refused as err:
+            attempt.placement = err.placement
+            raise
         finally:
             attempt.placement_wait_s = state.clock() - placed_at
         attempt.predicted_ttft_s = reservation.predicted_ttft_s
         attempt.predicted_tpot_s = reservation.predicted_tpot_s
-        # The hits priced placement assumed, read again (nothing changed since); only
-        # for an engine whose cache the index sees (None: not predicted, not a miss).
-        if cached is not None and prefix.enabled(reservation.producer):
-            attempt.predicted_cached_tokens = cached(reservation.producer)
-        if cached is not None and not reservation.same_worker and prefix.enabled(reservation.consumer):
+        attempt.placement = reservation.explain
+        # The hits the index predicted, read again (nothing changed since); only for an
+        # engine whose cache the index sees (None: not predicted, not a miss).
+        if predicted is not None and prefix.enabled(reservation.producer):
+            attempt.predicted_cached_tokens = predicted(reservation.producer)
+        if predicted is not None and not reservation.same_worker and prefix.enabled(reservation.consumer):
             # What the consumer holds it need not pull from the producer.
-            attempt.consumer_predicted_cached_tokens = cached(reservation.consumer)
+            attempt.consumer_predicted_cached_tokens = predicted(reservation.consumer)
+        if ticket is not None and plan is not None:
+            plan.placed(ticket, reservation.producer, prompt_tokens, reservation.predicted_work_s or 0.0)
+        if lookup is not None and prefix.exact(reservation.producer):
+            prefix.touch(reservation.producer, lookup.held_chain(reservation.producer)[0])
         with reservation:
             attempt.producer = reservation.producer
             attempt.consumer = reservation.consumer
@@ -385,8 +427,35 @@ class RequestLifecycle:
                         culprit, err.message, origin_producer=reservation.producer, leg=err.leg
                     )
                 raise
+            finally:
+                self._release_holds()
         state.breaker.record_success(reservation.producer)
         state.breaker.record_success(reservation.consumer)
+
+    def _session_hint(self) -> str | None:
+        """The session the client names, if any: its ``x-session-id`` header, else the
+        request's ``user`` field (at most :data:`_HINT_MAX` characters of either)."""
+        hint = self.request.header(_SESSION_ID)
+        if not hint:
+            parsed = self.parsed
+            user = parsed.body.get("user") if parsed is not None else None
+            hint = user if isinstance(user, str) else None
+        return hint[:_HINT_MAX] if hint else None
+
+    def _hold(self, role: str, engine: str, ids: tuple[int, ...], extra_tokens: int) -> None:
+        """The attempt's request holds its blocks on ``engine`` (approximate views)."""
+        ticket = self._ticket
+        chain, bs = (ticket.chain, ticket.block_size) if ticket is not None else ((), 0)
+        hold = self.state.prefix.hold(engine, ids, extra_tokens, chain, bs)
+        if hold is not None:
+            self._holds[role] = hold
+
+    def _release_holds(self, role: str | None = None) -> None:
+        """The attempt's request ended on its engines (``role``: on that one only)."""
+        for key in [role] if role is not None else list(self._holds):
+            hold = self._holds.pop(key, None)
+            if hold is not None:
+                hold.release()
 
     async def _legs(self, attempt: AttemptRecord, reservation: Reservation) -> None:
         state = self.state
@@ -406,10 +475,13 @@ class RequestLifecycle:
         assert prompt is not None  # counted before the first attempt
         ids = prompt.ids
         body, kind = (parsed.body, self.kind) if cont is None else (cont.body, "completions")
+        output_limit = self.max_tokens if cont is None else cont.max_tokens
         if ids is not None:
             # The producer caches the prompt's blocks when it schedules it, before computing
-            # them (vLLM's allocate_slots): a prompt queued behind this one hits them.
-            state.prefix.placed(reservation.producer, ids)
+            # them (vLLM's allocate_slots): a prompt queued behind this one hits them. It
+            # holds them until the consumer has pulled them (or, on one worker, until the
+            # decode ends).
+            self._hold("producer", reservation.producer, ids, output_limit if same_worker else 1)
         trace = self.trace
         headers = () if trace is None else trace.prefill(reservation.producer, attempt.prefill_request_id)
         with trio.CancelScope(deadline=handoff_deadline) as scope:
@@ -435,8 +507,8 @@ class RequestLifecycle:
         if trace is not None:
             trace.prefilled(prefill, cfg.handoff.max_age_s)
         attempt.cached_tokens = prefill.cached_tokens
-        if ids is not None and not same_worker:
-            state.prefix.placed(reservation.consumer, ids)  # a consumer caches what it pulls
+        if ids is not None and not same_worker:  # a consumer caches what it pulls, and holds it while it decodes
+            self._hold("consumer", reservation.consumer, ids, output_limit)
         counted = prefill.prompt_tokens if cont is None else None  # (a resume's prompt is not the client's)
         if counted is not None and counted > 0:
             if not prompt.exact:
@@ -466,6 +538,11 @@ class RequestLifecycle:
 
         # Decode leg, under one scope whose deadline follows the stream.
         self._holder = reservation.consumer
+        if not same_worker:
+            # The producer lets the request's blocks go once the consumer pulled them: a
+            # KV pull takes milliseconds, and a block freed a little early in the view errs
+            # towards a miss the engine would have served, not a hit it no longer holds.
+            self._release_holds("producer")
         await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done, body, kind)
 
     async def _decode(

@@ -32,11 +32,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from typing import Any
 
 import attrs
 import trio
 
 from narwhal.errors import NoEngine
+from narwhal.router.cacheplan import PlanTicket
 from narwhal.router.sharedkv import HeldChain
 
 __all__ = ["MEAN_WEIGHT", "EngineLoad", "Placement", "Reservation"]
@@ -73,6 +75,11 @@ class EngineLoad:
         return max(0, self.engine_running + self.engine_waiting - self.engine_own)
 
 
+#: Why a pair was chosen, for the journal: its JSON object, or a function that writes
+#: it (priced placement words it when the journal writes the record, after the response).
+Explanation = dict[str, Any] | Callable[[], dict[str, Any]]
+
+
 class Reservation:
     """The phase reservations of one attempt."""
 
@@ -81,11 +88,13 @@ class Reservation:
         "_placement",
         "consumer",
         "decode_held",
+        "explain",
         "kv_tokens",
         "on_release_decode",
         "on_release_prefill",
         "predicted_tpot_s",
         "predicted_ttft_s",
+        "predicted_work_s",
         "prefill_held",
         "producer",
         "prompt_tokens",
@@ -105,6 +114,10 @@ class Reservation:
         self.on_release_decode: Callable[[], None] | None = None
         self.predicted_ttft_s: float | None = None
         self.predicted_tpot_s: float | None = None
+        #: Why the pair was chosen (priced placement's account, for the journal).
+        self.explain: Explanation | None = None
+        #: The producer's predicted prefill seconds for the request (priced placement).
+        self.predicted_work_s: float | None = None
         p = placement.loads[producer]
         p.prefill_requests += 1
         p.prefill_tokens += prompt_tokens
@@ -372,13 +385,16 @@ class Placement:
         model: str | None = None,
         prompt_ids: Sequence[int] | None = None,
         held: Callable[[str], HeldChain] | None = None,
+        plan: PlanTicket | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` (least-loaded placement never waits; it ignores
-        ``cached``, ``prompt_ids`` and ``held``).
+        ``cached``, ``prompt_ids``, ``held`` and ``plan``).
 
         Cancellation is honoured here, but it does not yield to the scheduler: the
         request's next step is engine I/O, which does (a pass of the run loop per
         request saved).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        return self.choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
+        reservation = self.choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
+        reservation.explain = {"rule": "least_loaded"}
+        return reservation

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -210,6 +211,15 @@ async def open_router(
                 state.journal.add_listener(state.placement.on_record)
             if prefix_watch is not None and isinstance(state.placement, PricedPlacement):
                 await nursery.start(PrefixReplicator(state, state.placement).run)
+            state.cache_cal.publish = events.publish
+            state.journal.add_listener(state.cache_cal.on_record)
+            plan, placement = state.cache_plan, state.placement
+            if plan is not None and isinstance(placement, PricedPlacement):
+
+                def planned() -> list[str]:
+                    return [n for n in placement.prefill_engines if n in placement.profiles and state.placeable(n)]
+
+                await nursery.start(partial(plan.run, planned, lambda: placement.slo.ttft_s, publish=events.publish))
             controller = None
             if config.controller.reactive.enabled and isinstance(state.placement, PricedPlacement):
                 controller = ReactiveController(

@@ -19,6 +19,9 @@ from narwhal.engines.kvevents import KVEventSubscriber
 from narwhal.errors import BadRequest, EngineError, NotFound
 from narwhal.profile.store import Profiles
 from narwhal.router.breaker import Breaker
+from narwhal.router.cachecal import CacheCalibration
+from narwhal.router.cacheplan import CachePlan
+from narwhal.router.cacheviews import EventView
 from narwhal.router.journal import Journal
 from narwhal.router.placement import Placement
 from narwhal.router.prefix import PrefixIndex
@@ -144,6 +147,13 @@ class RouterState:
         self._prompt_lengths: dict[str, PromptLengths] = {}
         #: What each engine's prefix cache holds (kept by ``PrefixWatch``).
         self.prefix = PrefixIndex()
+        #: Whether the predicted hits materialize, per engine (:mod:`narwhal.router.cachecal`).
+        self.cache_cal = CacheCalibration()
+        #: Where prefixes and sessions live (:mod:`narwhal.router.cacheplan`); with priced
+        #: placement and the prefix index only.
+        self.cache_plan: CachePlan | None = None
+        if isinstance(self.placement, PricedPlacement) and config.controller.prefix_cache == "auto":
+            self.cache_plan = self.placement.cache_plan = CachePlan(self.prefix, self.placement.prefill_s, clock)
         self.kv_subscribers: dict[str, KVEventSubscriber] = {}
         #: Why an engine is still ``starting`` (its last readiness probe), for /health.
         self.phase_errors: dict[str, str] = {}
@@ -339,6 +349,28 @@ class RouterState:
         if len(self.models) > 1:  # the router is ready while any model is: say which are not
             body["models"] = {m: "ready" if r is None else r for m, r in self.model_readiness().items()}
         return body
+
+    def prefix_cache_status(self, name: str) -> dict[str, Any] | None:
+        """What the router knows of engine ``name``'s prefix cache (None: no view): its
+        view, blocks and capacity, whether its predicted hits materialize, and what the
+        cache plan gives it (``/fleet``)."""
+        index = self.prefix
+        view = index.view(name)
+        if view is None or not index.enabled(name):
+            return None
+        out: dict[str, Any] = {
+            "view": "events" if isinstance(view, EventView) else "placements",
+            "blocks": len(view),
+            "capacity_blocks": index.capacity_blocks.get(name),
+        }
+        if isinstance(view, EventView):
+            out["overflow_evicted"] = view.overflow_evicted
+        else:
+            out["held_blocks"] = view.held
+        out.update(self.cache_cal.status(name))
+        if self.cache_plan is not None and name in self.placement.prefill_engines:
+            out["plan"] = self.cache_plan.status(name)
+        return out
 
     def kv_events_status(self, name: str) -> dict[str, Any] | None:
         """How engine ``name``'s KV events arrive (None: they are not followed): ``live``,

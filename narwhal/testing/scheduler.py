@@ -242,7 +242,8 @@ class Scheduler:
         self.metrics = EngineMetrics()
         self.num_blocks = sim.kv_capacity_tokens // sim.block_size
         self.held: dict[str, Handoff] = {}
-        self.pool = BlockPool(self.num_blocks, sim.block_size, caching=sim.prefix_caching)
+        # vLLM's pool sets one block aside (its null block): the rest hold requests.
+        self.pool = BlockPool(max(self.num_blocks - 1, 1), sim.block_size, caching=sim.prefix_caching)
         #: Receives the KV events of each step (vLLM's publisher); None drops them.
         self.publish = publish
         self._root = none_hash(sim.seed)
