@@ -820,7 +820,8 @@ class ControllerConfig:
             reports ``enable_prefix_caching`` (exact from its ``kv_events``, else from
             the prompts placed on it) and prices each producer's hit; ``off`` prices
             every prefill as if nothing were cached and reads no KV events.
-        cache_plan: ``auto`` (with ``prefix_cache: auto`` and profiles) plans where
+        cache_plan: ``auto`` (with ``prefix_cache: auto``, profiles and a TTFT target
+            in ``slo.ttft_s``; without one each request is placed by headroom) plans where
             prefixes and sessions live: each reused prefix or session has an owner among
             the producers, by their speed and their caches' capacity, that takes its
             requests while it meets the TTFT target within 0.8 of it (a miss included),
