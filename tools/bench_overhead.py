@@ -110,11 +110,10 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def thread_cpu_seconds(pid: int) -> float:
-    """CPU seconds of every live thread of ``pid`` and its descendants, to the nanosecond
-    (``/proc/<pid>/task/<tid>/schedstat``): fine enough for a block of a few requests.
-    A thread that exits between two readings takes its time since the first with it."""
-    total = 0
+def thread_cpu(pid: int) -> dict[int, int]:
+    """CPU nanoseconds of every live thread of ``pid`` and its descendants, by thread id
+    (``/proc/<pid>/task/<tid>/schedstat``): fine enough for a block of a few requests."""
+    out: dict[int, int] = {}
     for p in process_tree(pid):
         try:
             tids = os.listdir(f"/proc/{p}/task")
@@ -122,10 +121,16 @@ def thread_cpu_seconds(pid: int) -> float:
             continue
         for tid in tids:
             try:
-                total += int(Path(f"/proc/{p}/task/{tid}/schedstat").read_text().split()[0])
+                out[int(tid)] = int(Path(f"/proc/{p}/task/{tid}/schedstat").read_text().split()[0])
             except (OSError, IndexError, ValueError):
                 continue  # gone meanwhile
-    return total / 1e9
+    return out
+
+
+def cpu_between(before: dict[int, int], after: dict[int, int]) -> float:
+    """CPU seconds the threads of ``after`` used since ``before`` (a thread new since then
+    counts from its start; one that ended meanwhile took its time with it)."""
+    return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
 
 
 def loadgen(url: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:

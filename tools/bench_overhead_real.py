@@ -65,7 +65,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from bench_overhead import parse_build, pct, start_narwhal, start_vllm_router, thread_cpu_seconds
+from bench_overhead import (
+    cpu_between,
+    parse_build,
+    pct,
+    start_narwhal,
+    start_vllm_router,
+    thread_cpu,
+)
 from loadgen import unique_prompt
 from proctools import stop
 
@@ -167,15 +174,15 @@ def loadgen(target: Target, pair: Pair, concurrency: int, requests: int, max_tok
 def block(target: Target, pair: Pair, concurrency: int, requests: int, tokens: int, words: int) -> dict[str, Any]:
     """One block of ``requests`` through ``target``: its figures."""
     kv0 = kv_counters(pair.consumer)
-    cpu0 = thread_cpu_seconds(target.pid) if target.pid else 0.0
+    cpu0 = thread_cpu(target.pid) if target.pid else {}
     res = loadgen(target, pair, concurrency, requests, tokens, words)
-    cpu1 = thread_cpu_seconds(target.pid) if target.pid else 0.0
+    cpu = cpu_between(cpu0, thread_cpu(target.pid)) if target.pid else 0.0
     kv1 = kv_counters(pair.consumer)
     n = max(res["requests"], 1)
     return {
         "requests": res["requests"],
         "errors": res["errors"],
-        "cpu_ms_per_request": (cpu1 - cpu0) / n * 1e3 if target.pid else None,
+        "cpu_ms_per_request": cpu / n * 1e3 if target.pid else None,
         "ttft_p50_ms": pct(res["ttft_s"], 0.5) * 1e3,
         "tpot_p50_ms": pct(res["tpot_s"], 0.5) * 1e3,
         **{f"kv_{k}": kv1[k] - kv0[k] for k in kv0},
@@ -207,6 +214,11 @@ def summarize_level(
             "kv_local_compute_per_request": sum(r["kv_local_compute"] for r in rows) / max(requests, 1),
             "kv_transfers_per_request": sum(r["kv_transfers"] for r in rows) / max(requests, 1),
         }  # fmt: skip
+        first = next(iter(blocks.values()))
+        if name != next(iter(blocks)) and first[0]["cpu_ms_per_request"] and rows[0]["cpu_ms_per_request"]:
+            # Against the first target, block by block within each round (an A/B's B/A).
+            level["cpu_vs_first_paired"] = _median([r["cpu_ms_per_request"] / f["cpu_ms_per_request"]
+                                                     for r, f in zip(rows, first, strict=True)])  # fmt: skip
         if direct is not None:
             level["added_ttft_p50_ms"] = _median([r["ttft_p50_ms"] - d["ttft_p50_ms"] for r, d in zip(rows, direct, strict=True)])
             level["added_tpot_p50_ms"] = _median([r["tpot_p50_ms"] - d["tpot_p50_ms"] for r, d in zip(rows, direct, strict=True)])
@@ -272,6 +284,7 @@ def main() -> int:
                         help="a Narwhal target run with PYTHONPATH=TREE (repeatable; default: this checkout)")
     parser.add_argument("--no-prefix-off", action="store_true", help="leave out narwhal-noprefix")
     parser.add_argument("--no-kv-aware", action="store_true", help="leave out vllm-router-kv")
+    parser.add_argument("--no-vllm-router", action="store_true", help="leave out vllm-router (an A/B of two trees)")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--tokens", type=int, default=32, help="output tokens of the main runs")
     parser.add_argument("--long-tokens", type=int, default=256, help="output tokens of the per-token runs")
@@ -281,14 +294,17 @@ def main() -> int:
     parser.add_argument("--long-block", type=int, default=8, help="requests per block of the per-token runs")
     parser.add_argument("--rounds", type=int, default=7, help="blocks per target and level")
     parser.add_argument("--idle-s", type=float, default=30.0, help="seconds of the idle measurement")
+    parser.add_argument("--idle-settle-s", type=float, default=12.0,
+                        help="seconds from the last request to the idle measurement (trio keeps an idle "
+                        "worker thread 10 s; one that ends within the measurement takes its time with it)")
     parser.add_argument("--short", action="store_true", help="the CI form: a quick check that every target works")
     args = parser.parse_args()
     if args.short:
         args.concurrency, args.long_tokens, args.block, args.long_block = "1", 128, 5, 3
-        args.rounds, args.idle_s = 2, 5.0
+        args.rounds, args.idle_s, args.idle_settle_s = 2, 5.0, 1.0
     levels_c = [int(c) for c in args.concurrency.split(",")]
     pair = Pair.load(Path(args.pair))
-    vr = args.vllm_router or shutil.which("vllm-router")
+    vr = None if args.no_vllm_router else args.vllm_router or shutil.which("vllm-router")
     builds = [parse_build(spec) for spec in args.narwhal]
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-bench-real-"))
     load_before = loadavg()
@@ -325,7 +341,7 @@ def main() -> int:
                                                "--kv-event-block-size", block_size], new_session=False)  # fmt: skip
                 procs.append(proc)
                 targets.append(Target("vllm-router-kv", url, proc.pid))
-        else:
+        elif not args.no_vllm_router:
             print("  vllm-router not found (--vllm-router PATH): measured without it", file=sys.stderr, flush=True)
         targets.append(Target("direct", pair.consumer, None, prefill_url=pair.producer))
         words = words_for(pair, args.prompt_tokens)
@@ -346,11 +362,13 @@ def main() -> int:
             levels.append(summarize_level(blocks, c, tokens))
             print(f"  measured concurrency {c}, {tokens} tokens", file=sys.stderr, flush=True)
 
-        # Idle: every router up, no request.
-        idle_start = {t.name: thread_cpu_seconds(t.pid) for t in targets if t.pid}
+        # Idle: every router up, no request, once the threads a router started for the
+        # load (trio's thread cache keeps an idle worker 10 s) have ended.
+        time.sleep(args.idle_settle_s)
+        idle_start = {t.name: thread_cpu(t.pid) for t in targets if t.pid}
         time.sleep(args.idle_s)
         engines = len(pair.fleet["engines"])
-        idle = {t.name: (thread_cpu_seconds(t.pid) - idle_start[t.name]) / args.idle_s * 1e3 / engines
+        idle = {t.name: cpu_between(idle_start[t.name], thread_cpu(t.pid)) / args.idle_s * 1e3 / engines
                 for t in targets if t.pid}  # fmt: skip
     finally:
         for proc in reversed(procs):
@@ -388,6 +406,13 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{'' if add_t is None else f'{add_t:+.1f}':>7}{lv['tpot_p50_ms']:>9.2f}"
                   f"{'' if add_p is None else f'{add_p:+.2f}':>7}{lv['kv_external_per_request']:>11.0f}"
                   f"{lv['kv_local_compute_per_request']:>10.0f}{lv['kv_transfers_per_request']:>6.2f}{lv['errors']:>4}")  # fmt: skip
+    for level in report["levels"]:
+        names = list(level)
+        for name, lv in level.items():
+            if lv.get("cpu_vs_first_paired") is not None:
+                ratio = lv["cpu_ms_per_request"] / level[names[0]]["cpu_ms_per_request"]
+                print(f"  c={lv['concurrency']}, {lv['tokens']} tokens: {name} / {names[0]} CPU per request "
+                      f"x{ratio:.3f} (medians), x{lv['cpu_vs_first_paired']:.3f} (median of the rounds' ratios)")
     for name, us in report["per_token_cpu_us"].items():
         print(f"  per-token relay CPU, {name}: {us:.1f} us a token")
     for name, ms in report["idle_cpu_ms_per_s_per_engine"].items():
