@@ -33,8 +33,6 @@ from typing import Final
 
 import trio
 
-from narwhal.errors import caused
-
 __all__ = ["YIELD_EVERY", "StreamIO"]
 
 #: Calls that complete without waiting before one yields to the scheduler anyway.
@@ -99,7 +97,7 @@ class StreamIO:
         except BlockingIOError:
             sent = 0
         except OSError as exc:
-            raise caused(_translate(exc), exc)
+            raise _translate(exc) from exc
         if sent == len(data):
             await self._tick()
             return
@@ -129,7 +127,7 @@ class StreamIO:
                 await self._wait_readable(sock)
                 continue
             except OSError as exc:
-                raise caused(_translate(exc), exc)
+                raise _translate(exc) from exc
             self._drained = 0 < len(data) < max_bytes
             await self._tick()
             return data
@@ -139,7 +137,7 @@ class StreamIO:
         try:
             await trio.lowlevel.wait_readable(sock)
         except trio.ClosedResourceError:
-            raise caused(trio.ClosedResourceError("the connection was closed while reading"), None)
+            raise trio.ClosedResourceError("the connection was closed while reading") from None
 
     async def _tick(self) -> None:
         self._unyielded += 1

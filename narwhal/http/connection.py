@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from narwhal.errors import NarwhalError, Refused, caused
+from narwhal.errors import NarwhalError, Refused
 from narwhal.http.messages import BODYLESS_STATUSES, JSON_HEADERS, Request, ResponseWriter
 from narwhal.http.parser import ProtocolError, RequestHead, RequestParser
 from narwhal.netio import StreamIO
@@ -319,7 +319,7 @@ class Connection:
             try:
                 head = parser.head()
             except ProtocolError as exc:
-                raise caused(_Reject.of(exc), exc)
+                raise _Reject.of(exc) from exc
             if head is not None:
                 return head
             if parser.closed:
@@ -359,7 +359,7 @@ class Connection:
             try:
                 chunk = parser.body()
             except ProtocolError as exc:
-                raise caused(_Reject.of(exc), exc)
+                raise _Reject.of(exc) from exc
             if chunk:
                 size += len(chunk)
                 if size > limit:
@@ -428,8 +428,7 @@ class Connection:
 
     def _forget_watcher(self) -> None:
         # A method, not `self.watcher = None` inline: mypy would narrow the attribute
-        # to None for the rest of `serve`, and the compiled build checks reads against
-        # the narrowed type (start_watcher sets it meanwhile).
+        # to None for the rest of `serve` (start_watcher sets it meanwhile).
         self.watcher = None
 
     def start_watcher(self, request: Request) -> None:

@@ -100,8 +100,7 @@ class AttemptRecord:
     consumer_cached_tokens: int | None = None
 
 
-# A new empty list per record, typed Any: the compiled build checks a class-body value
-# against its annotation, and an attrs.Factory is not a list (setup.py).
+# A new empty list per record.
 _EMPTY_LIST: Any = attrs.Factory(list)
 
 
