@@ -14,7 +14,9 @@ to theirs. Targets, each in front of the same two engines:
   (``--pd-kv-events``); it calls the engines' render endpoint on every request, so only
   when the pair runs with ``--enable-scale-out``;
 - ``direct``: no router: the load generator does the handoff itself (prefill on the
-  producer, decode with its descriptor on the consumer), the least any router can add.
+  producer, decode with its descriptor on the consumer), the least any router can add;
+- ``floor`` (``--floor``): ``tools/floor_relay.py``, a prefill/decode relay in Python on
+  trio that does nothing else: what any Python router on trio pays.
 
 ``--narwhal NAME=TREE`` (repeatable) replaces the two Narwhal targets with one per
 checkout (a pure-Python and a compiled tree, say), each with the pair's fleet document
@@ -74,7 +76,7 @@ from bench_overhead import (
     thread_cpu,
 )
 from loadgen import unique_prompt
-from proctools import stop
+from proctools import free_port, start, stop, wait_port
 
 from narwhal.engines.metrics import parse_prometheus, sum_samples
 
@@ -285,6 +287,8 @@ def main() -> int:
     parser.add_argument("--no-prefix-off", action="store_true", help="leave out narwhal-noprefix")
     parser.add_argument("--no-kv-aware", action="store_true", help="leave out vllm-router-kv")
     parser.add_argument("--no-vllm-router", action="store_true", help="leave out vllm-router (an A/B of two trees)")
+    parser.add_argument("--floor", action="store_true",
+                        help="add the floor: tools/floor_relay.py, a Python/trio relay that does nothing else")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--tokens", type=int, default=32, help="output tokens of the main runs")
     parser.add_argument("--long-tokens", type=int, default=256, help="output tokens of the per-token runs")
@@ -343,6 +347,14 @@ def main() -> int:
                 targets.append(Target("vllm-router-kv", url, proc.pid))
         elif not args.no_vllm_router:
             print("  vllm-router not found (--vllm-router PATH): measured without it", file=sys.stderr, flush=True)
+        if args.floor:
+            port = free_port()
+            proc = start([sys.executable, str(HERE / "floor_relay.py"), "--port", str(port), "--prefill",
+                          pair.producer, "--decode", pair.consumer], tmp / "floor.log",
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, new_session=False)  # fmt: skip
+            procs.append(proc)
+            wait_port(port)
+            targets.append(Target("floor", f"http://127.0.0.1:{port}", proc.pid))
         targets.append(Target("direct", pair.consumer, None, prefill_url=pair.producer))
         words = words_for(pair, args.prompt_tokens)
         print(f"  {words} random words a prompt (about {args.prompt_tokens} tokens); load average {load_before}",
