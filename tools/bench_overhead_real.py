@@ -18,9 +18,11 @@ to theirs. Targets, each in front of the same two engines:
 - ``floor`` (``--floor``): ``tools/floor_relay.py``, a prefill/decode relay in Python on
   trio that does nothing else: what any Python router on trio pays.
 
-``--narwhal NAME=TREE`` (repeatable) replaces the two Narwhal targets with one per
-checkout (a pure-Python and a compiled tree, say), each with the pair's fleet document
-as written; ``--no-prefix-off`` leaves out ``narwhal-noprefix``.
+``--narwhal NAME=TREE`` (repeatable) replaces ``narwhal`` with one target per checkout
+(the code before a change and after it, say), each with the pair's fleet document as
+written; the last one also runs with the prefix view off (``NAME-noprefix``) unless
+``--no-prefix-off`` (an A/B: ``--narwhal a=A --narwhal b=B --no-prefix-off
+--no-vllm-router``).
 
 Every request is a unique prompt of about ``--prompt-tokens`` tokens (a random nonce
 first, so nothing is cached anywhere: every request moves its whole prompt over NIXL),
@@ -284,7 +286,7 @@ def main() -> int:
     parser.add_argument("--vllm-router", help="path of the vllm-router executable (default: on PATH)")
     parser.add_argument("--narwhal", action="append", default=[], metavar="NAME=TREE",
                         help="a Narwhal target run with PYTHONPATH=TREE (repeatable; default: this checkout)")
-    parser.add_argument("--no-prefix-off", action="store_true", help="leave out narwhal-noprefix")
+    parser.add_argument("--no-prefix-off", action="store_true", help="leave out the target with the prefix view off")
     parser.add_argument("--no-kv-aware", action="store_true", help="leave out vllm-router-kv")
     parser.add_argument("--no-vllm-router", action="store_true", help="leave out vllm-router (an A/B of two trees)")
     parser.add_argument("--floor", action="store_true",
@@ -320,9 +322,10 @@ def main() -> int:
         docs: list[tuple[str, str | None, dict[str, Any]]] = [(n, t, pair.fleet) for n, t, _ in builds] or [
             ("narwhal", str(REPO), pair.fleet)
         ]
-        if not args.no_prefix_off and not builds:
+        if not args.no_prefix_off:  # the last tree with the prefix view off
+            name, tree, _ = docs[-1]
             off = {**pair.fleet, "controller": {**pair.fleet.get("controller", {}), "prefix_cache": "off"}}
-            docs.append(("narwhal-noprefix", str(REPO), off))
+            docs.append((f"{name}-noprefix", tree, off))
         for name, tree, doc in docs:
             proc, url, builds_of[name] = start_narwhal(name, tree, 1, doc, tmp, new_session=False)
             procs.append(proc)
