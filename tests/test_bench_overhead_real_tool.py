@@ -3,28 +3,17 @@ the issue's targets. (The measurement itself needs the real pair: docs/benchmark
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from .toolkit import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool() -> ModuleType:
-    sys.path.insert(0, str(TOOLS))  # its siblings: bench_overhead, loadgen, proctools
-    try:
-        spec = importlib.util.spec_from_file_location("_bench_overhead_real", TOOLS / "bench_overhead_real.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(TOOLS))
+    return load_tool("bench_overhead_real.py")
 
 
 def block(cpu: float | None, ttft: float, tpot: float, n: int = 10) -> dict[str, Any]:

@@ -56,6 +56,7 @@ fail or the KV did not move over NIXL, never on a figure.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -64,11 +65,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import attrs
+import httpx
 from bench_overhead import (
     cpu_between,
     parse_build,
@@ -79,8 +81,6 @@ from bench_overhead import (
 )
 from loadgen import unique_prompt
 from proctools import free_port, start, stop, wait_port
-
-from narwhal.engines.metrics import parse_prometheus, sum_samples
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -137,31 +137,30 @@ class Pair:
         )
 
 
-def _post(url: str, body: dict[str, Any]) -> Any:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return json.loads(resp.read())
+def _sibling(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: ``counters(client, url)``: an engine's prompt tokens by source and its NIXL transfers.
+_measure = _sibling(HERE / "vllm-cpu" / "measure.py")
 
 
 def kv_counters(url: str) -> dict[str, float]:
-    """The engine's prompt tokens by source and NIXL transfers so far."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        samples = parse_prometheus(resp.read().decode())
-
-    def total(name: str, **labels: str) -> float:
-        return sum_samples(samples.get(name, ()), **labels) or 0.0
-
-    return {
-        "external": total("vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
-        "local_compute": total("vllm:prompt_tokens_by_source_total", source="local_compute"),
-        "transfers": total("vllm:nixl_xfer_time_seconds_count"),
-    }
+    """The engine's prompt tokens by source, NIXL transfers and their seconds so far."""
+    with httpx.Client(timeout=30) as client:
+        result: dict[str, float] = _measure.counters(client, url)
+    return result
 
 
 def words_for(pair: Pair, tokens: int) -> int:
     """Random words per prompt for about ``tokens`` prompt tokens (the producer's tokenizer)."""
-    counts = [_post(f"{pair.producer}/tokenize", {"model": pair.model, "prompt": unique_prompt(100)})["count"]
-              for _ in range(3)]  # fmt: skip
+    with httpx.Client(timeout=60) as client:
+        counts = [client.post(f"{pair.producer}/tokenize", json={"model": pair.model, "prompt": unique_prompt(100)})
+                  .json()["count"] for _ in range(3)]  # fmt: skip
     return max(1, round(tokens * 100 / statistics.median(counts)))
 
 
@@ -217,6 +216,7 @@ def summarize_level(
             "kv_external_per_request": sum(r["kv_external"] for r in rows) / max(requests, 1),
             "kv_local_compute_per_request": sum(r["kv_local_compute"] for r in rows) / max(requests, 1),
             "kv_transfers_per_request": sum(r["kv_transfers"] for r in rows) / max(requests, 1),
+            "kv_transfer_ms": sum(r.get("kv_xfer_s", 0.0) for r in rows) * 1e3 / max(sum(r["kv_transfers"] for r in rows), 1),
         }  # fmt: skip
         first = next(iter(blocks.values()))
         if name != next(iter(blocks)) and first[0]["cpu_ms_per_request"] and rows[0]["cpu_ms_per_request"]:
