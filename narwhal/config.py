@@ -9,11 +9,13 @@ their own object and the structuring walk re-bases it, so a class built by hand 
 
 from __future__ import annotations
 
+import collections
 import difflib
 import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
 from typing import Any, Literal, TypeVar, get_args, get_origin
@@ -29,11 +31,12 @@ from cattrs.gen import make_dict_structure_fn
 from narwhal.errors import ConfigError
 
 __all__ = [
-    "FAULT_KINDS", "ROLES", "ConnectorConfig", "ControllerConfig", "EngineConfig",
-    "EngineContract", "EngineGroupConfig", "EngineLimits", "EngineTimeouts", "FaultSpec", "FleetConfig",
-    "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
-    "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "TracingConfig", "converter",
-    "load_default_fleet", "load_fleet", "parse_as", "parse_fleet", "secret_setting", "unstructure_fleet",
+    "FAULT_KINDS", "INCARNATION", "MAX_DOCUMENT_BYTES", "REDACTED", "ROLES", "ConnectorConfig", "ControllerConfig",
+    "EngineConfig", "EngineContract", "EngineGroupConfig", "EngineLimits", "EngineTimeouts", "FaultSpec", "FleetConfig",
+    "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig",
+    "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig", "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel",
+    "SimPrefillModel", "TracingConfig", "converter", "is_secret", "load_default_fleet", "load_fleet", "parse_as",
+    "parse_fleet", "parse_fleet_json", "read_document", "redacted", "secret_setting", "unstructure_fleet",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -108,6 +111,11 @@ def _one_of(choices: Iterable[str]) -> str:
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+#: Between an engine's name and the number of a later incarnation of it (``d0#2``): the
+#: router starts an engine whose URL or key a reload changes beside the one it replaces,
+#: under that name. A document's names never have it.
+INCARNATION = "#"
+_INCARNATION = re.compile(rf"{_NAME.pattern}(?:{INCARNATION}[0-9]+)?")
 _positive = _rule(lambda v: _num(v) and v > 0, "expected a number > 0")
 _non_negative = _rule(lambda v: _num(v) and v >= 0, "expected a number >= 0")
 _fraction = _rule(lambda v: _num(v) and 0 <= v <= 1, "expected a number between 0 and 1")
@@ -119,8 +127,18 @@ _http_status = _rule(lambda v: _int(v) and 400 <= v <= 599, "expected an HTTP st
 _text = _rule(lambda v: isinstance(v, str) and v != "", "expected a non-empty string")
 _url = _rule(lambda v: isinstance(v, str) and _host_port(v) is not None,
              "expected an http(s)://host:port URL")  # fmt: skip
-_name = _rule(lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None,
-              "expected a name of letters, digits, '.', '_' and '-'")  # fmt: skip
+_NAME_MESSAGE = "expected a name of letters, digits, '.', '_' and '-'"
+_name = _rule(lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None, _NAME_MESSAGE)
+# An engine's: a later incarnation's too (the document refuses those, FleetConfig below).
+_engine_name = _rule(lambda v: isinstance(v, str) and _INCARNATION.fullmatch(v) is not None, _NAME_MESSAGE)
+#: A Bearer token as it may go in a request head: visible ASCII, no space or control
+#: character (RFC 9110 field values; a CR or LF would end the header). The message never
+#: shows the value: it is a secret.
+_header_token = _rule(
+    lambda v: isinstance(v, str) and v != "" and all("!" <= c <= "~" for c in v),
+    "expected a key of visible ASCII characters (no space, control or non-ASCII character: "
+    "it is sent as an HTTP header)",
+)
 _zmq = _rule(_zmq_endpoint, "expected a tcp://host:port ZeroMQ endpoint (a host, not '*')")
 _zmq_bind = _rule(_zmq_bind_endpoint, "expected a tcp://host:port ZeroMQ endpoint to bind ('*' for every interface)")
 _opt = attrs.validators.optional
@@ -208,6 +226,16 @@ class ServerConfig:
         body_timeout_s: Seconds a client may take to send the request body (408 after).
         keepalive_timeout_s: Seconds an idle keep-alive connection stays open.
         max_concurrent_requests: Requests in flight at once; more are refused with 503.
+        max_connections: Client connections open at once; at the limit the router stops
+            accepting until one closes (further clients wait in the listen backlog), so
+            that clients cannot take the file descriptors its engine connections need;
+            null derives it from the process's open-file limit (``ulimit -n``) as
+            (limit - 64) / 3, since each connection may hold two more descriptors (to
+            engines), and at least 16, at most 65536.
+        send_timeout_s: Seconds one write to a client may wait while the client reads
+            nothing (nginx's ``send_timeout``; any bytes read start it again); then the
+            client counts as gone: its request ends as ``client_cancelled``, its engine
+            legs are cancelled and its connection is closed.
         shutdown_grace_s: Seconds in-flight requests get to finish on shutdown.
         api_keys: Bearer keys clients must present; empty means no authentication.
         admin_host: Address the admin endpoints (metrics, events) bind; loopback by default.
@@ -244,6 +272,8 @@ class ServerConfig:
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     keepalive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
     max_concurrent_requests: int = attrs.field(default=4096, validator=_positive_int)
+    max_connections: int | None = attrs.field(default=None, validator=_opt(_positive_int))
+    send_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     shutdown_grace_s: float = attrs.field(default=30.0, validator=_non_negative)
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts, repr=_hidden)
     admin_host: str = attrs.field(default="127.0.0.1", validator=_text)
@@ -470,17 +500,18 @@ class EngineConfig(_Roles):
             lists; a simulated engine lists its ``sim.model``, which must equal ``model``
             when both are given), and until then places there only while the fleet serves
             one model.
-        api_key: Bearer key sent to the engine; null sends none.
+        api_key: Bearer key sent to the engine (visible ASCII: it goes in a request
+            header); null sends none. Never shown in a message.
         connector: KV connector of the engine; needed for remote handoff.
         kv_events: Where the engine publishes KV-cache events; null: none are read.
         sim: Run a simulated engine on ``url`` with these settings.
     """
 
-    name: str = attrs.field(validator=_name)
+    name: str = attrs.field(validator=_engine_name)
     url: str = attrs.field(converter=_strip_slash, validator=_url)
     roles: tuple[Role, ...] = attrs.field(converter=_role_tuple, validator=_roles)
     model: str | None = attrs.field(default=None, validator=_opt(_text))
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, validator=_opt(_header_token))
     connector: ConnectorConfig | None = None
     kv_events: KVEventsConfig | None = None
     sim: SimConfig | None = None
@@ -548,10 +579,14 @@ class EngineGroupConfig(_Roles):
         port: The port of each engine's OpenAI HTTP surface.
         roles: What the group's engines may do: ``prefill``, ``decode`` or both.
         model: Model name to request; null uses each engine's only model.
-        api_key: Bearer key sent to the engines; null sends none.
+        api_key: Bearer key sent to the engines (visible ASCII: it goes in a request
+            header); null sends none. Never shown in a message.
         connector: KV connector of the engines; needed for remote handoff.
         kv_events: Where the engines publish KV-cache events; null: none are read.
         resolve_every_s: Seconds between two resolutions of ``host``.
+        max_engines: Most engines the group has: an answer with more addresses keeps the
+            first this many in sorted order (the same ones at every lookup) and says so in
+            the log and on ``GET /fleet``, so that a runaway answer cannot flood the fleet.
     """
 
     name: str = attrs.field(validator=_name)
@@ -559,10 +594,11 @@ class EngineGroupConfig(_Roles):
     port: int = attrs.field(validator=_port)
     roles: tuple[Role, ...] = attrs.field(converter=_role_tuple, validator=_roles)
     model: str | None = attrs.field(default=None, validator=_opt(_text))
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, validator=_opt(_header_token))
     connector: GroupConnectorConfig | None = None
     kv_events: GroupKVEventsConfig | None = None
     resolve_every_s: float = attrs.field(default=10.0, validator=_positive)
+    max_engines: int = attrs.field(default=1024, validator=_positive_int)
 
 
 # ------------------------------------------------------------------ policy sections
@@ -673,6 +709,10 @@ class RecoveryConfig:
         probe_interval_s: Seconds between readmission probes of an ejected engine (and
             the ``Retry-After`` of a request that finds no engine of a role while a probe
             of one runs).
+        resume_streams: Continue a decode that fails after output was sent on another
+            engine (the prompt plus the tokens sent, as a token-id prompt); false ends
+            the stream with the terminal error event.
+        max_resumes: Resumes per request, when ``resume_streams`` is on.
     """
 
     eject_after: int = attrs.field(default=3, validator=_positive_int)
@@ -680,6 +720,8 @@ class RecoveryConfig:
     max_attempts: int = attrs.field(default=1, validator=_positive_int)
     retry_budget: RetryBudgetConfig = attrs.field(factory=RetryBudgetConfig)
     probe_interval_s: float = attrs.field(default=5.0, validator=_positive)
+    resume_streams: bool = False
+    max_resumes: int = attrs.field(default=2, validator=_positive_int)
 
 
 @attrs.frozen(kw_only=True)
@@ -706,6 +748,8 @@ class ProfilesConfig:
 
     Attributes:
         path: profiles.json to price placement with; its samples sidecar lies beside it.
+            A regular file of at most 64 MiB (a device, a FIFO or a larger file is refused
+            before it is read).
         max_decode_fit_mape: Largest accepted decode fit error (mean absolute percentage).
         max_decode_cv_mape: Largest accepted leave-one-cell-out decode error.
     """
@@ -778,6 +822,12 @@ class ControllerConfig:
             reports ``enable_prefix_caching`` (exact from its ``kv_events``, else from
             the prompts placed on it) and prices each producer's hit; ``off`` prices
             every prefill as if nothing were cached and reads no KV events.
+        cache_plan: ``auto`` (with ``prefix_cache: auto`` and profiles) plans where
+            prefixes and sessions live: each reused prefix or session has an owner among
+            the producers, by their speed and their caches' capacity, that takes its
+            requests while it meets the TTFT target within 0.8 of it (a miss included),
+            and a placement's price adds what its new blocks cost later requests;
+            ``off`` places each request for its own predicted TTFT alone.
     """
 
     slo: SLOConfig = attrs.field(factory=SLOConfig)
@@ -795,6 +845,7 @@ class ControllerConfig:
     )
     reactive: ReactiveConfig = attrs.field(factory=ReactiveConfig)
     prefix_cache: Literal["auto", "off"] = attrs.field(default="auto", validator=_member(("auto", "off")))
+    cache_plan: Literal["auto", "off"] = attrs.field(default="auto", validator=_member(("auto", "off")))
 
 
 @attrs.frozen(kw_only=True)
@@ -874,7 +925,9 @@ class FleetConfig:
     Attributes:
         server: The router's HTTP listener.
         engines: The engines; names and urls unique, at least one prefill and one decode
-            (counting those of ``engine_groups``), and so for each model declared.
+            (counting those of ``engine_groups``), and so for each model declared. An
+            engine a reload or DNS adds takes requests once its readiness probe passes
+            (at most 32 probed at once).
         engine: Deadlines of engine legs.
         engine_limits: What the router accepts from an engine (sizes, counts, deadlines).
         handoff: The KV handoff.
@@ -905,6 +958,8 @@ class FleetConfig:
             raise ConfigError("expected at least one engine (or an engine group)", path="$.engines")
         seen: dict[tuple[Any, ...], str] = {}  # name / url / KV endpoint -> engine name
         for i, e in enumerate(self.engines):
+            if INCARNATION in e.name:  # the router's own names for later incarnations
+                raise ConfigError(_NAME_MESSAGE, path=f"$.engines[{i}].name")
             checks = [
                 (("name", e.name), f"duplicate engine name {e.name!r}", "name"),
                 (("url", urlsplit(e.url).scheme, e.host.lower(), e.port), "url", "url"),
@@ -928,17 +983,22 @@ class FleetConfig:
             if not any(role in e.roles for e in self.engines) and not any(role in g.roles for g in groups):
                 raise ConfigError(f"no engine has the {role} role", path="$.engines")
         self._check_model_pools()
+        # Counted once (a fleet of thousands of engines is checked in linear time): the
+        # decoders of each declared model, and those that declare none (of every pool).
         members: tuple[EngineConfig | EngineGroupConfig, ...] = (*self.engines, *groups)
+        decoders = collections.Counter(m.model for m in members if m.can_decode)
+        every = sum(decoders.values())
+
+        def other_decoders(m: EngineConfig | EngineGroupConfig, itself: int) -> int:
+            pool = every if m.model is None else decoders[m.model] + decoders[None]
+            return pool - itself
+
         for i, e in enumerate(self.engines):
-            if (
-                e.can_prefill
-                and e.connector is None
-                and any(o.can_decode for o in members if o is not e and _same_pool(e, o))
-            ):
+            if e.can_prefill and e.connector is None and other_decoders(e, int(e.can_decode)) > 0:
                 message = "a prefill engine needs a connector when another engine can decode"
                 raise ConfigError(message, path=f"$.engines[{i}].connector")
         for i, g in enumerate(groups):
-            if g.can_prefill and g.connector is None and any(o.can_decode for o in members if _same_pool(g, o)):
+            if g.can_prefill and g.connector is None and other_decoders(g, 0) > 0:
                 message = "a prefill engine group needs a connector when an engine can decode"
                 raise ConfigError(message, path=f"$.engine_groups[{i}].connector")
         first_token = self.engine.first_token_timeout_s
@@ -1015,11 +1075,6 @@ class FleetConfig:
     def decode_engines(self) -> tuple[EngineConfig, ...]:
         """Engines with the decode role, in document order."""
         return tuple(e for e in self.engines if e.can_decode)
-
-
-def _same_pool(a: EngineConfig | EngineGroupConfig, b: EngineConfig | EngineGroupConfig) -> bool:
-    """Whether two engines may serve one request: the same model, or one not declared."""
-    return a.model is None or b.model is None or a.model == b.model
 
 
 def _names(names: Iterable[str]) -> str:
@@ -1158,18 +1213,86 @@ def parse_fleet(obj: Any, source: str | None = None) -> FleetConfig:
     return parse_as(FleetConfig, obj, source=source)
 
 
+#: The largest document file read (a fleet document, a profiles file): larger ones are
+#: refused before they are read.
+MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
+
+#: Deeper JSON than this is refused (the fleet document nests six levels).
+_MAX_DEPTH_MESSAGE = "the document nests too deeply to be a fleet document"
+
+
+def read_document(path: str | os.PathLike[str], what: str, *, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
+    """The bytes of the document file at ``path``: a regular file of at most ``limit`` bytes.
+
+    A device (``/dev/zero``), a FIFO or a socket is refused without a read (and without
+    waiting for a FIFO's writer); so is a larger file, by its size and by what is read.
+
+    Raises:
+        ConfigError: Not a regular file, larger than ``limit`` or unreadable (the
+            message names ``what``).
+    """
+    source = os.fspath(path)
+    try:
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what}: {exc.strerror}", source=source) from None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"cannot read {what}: not a regular file", source=source)
+            if info.st_size > limit:
+                raise ConfigError(f"{what} is larger than {limit} bytes ({info.st_size})", source=source)
+            data = f.read(limit + 1)
+        except OSError as exc:
+            raise ConfigError(f"cannot read {what}: {exc.strerror}", source=source) from None
+    if len(data) > limit:  # it grew since
+        raise ConfigError(f"{what} is larger than {limit} bytes", source=source)
+    return data
+
+
+def parse_fleet_json(text: str | bytes, *, source: str | None = None) -> dict[str, Any]:
+    """A fleet document's JSON text as an object (not yet validated as a fleet).
+
+    Raises:
+        ConfigError: Not JSON, nested too deeply (a 400, not a recursion error), or not
+            an object (``null`` included: it is no document).
+    """
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise ConfigError(f"the document is not JSON: {exc.msg} at {where}", source=source) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the document is not JSON: not UTF-8 text ({exc.reason})", source=source) from None
+    except RecursionError:
+        raise ConfigError(_MAX_DEPTH_MESSAGE, source=source) from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"expected a fleet document (a JSON object), not {_json_kind(obj)}", source=source)
+    return obj
+
+
+def _json_kind(obj: Any) -> str:
+    if obj is None:
+        return "null"
+    if isinstance(obj, bool):
+        return "a boolean"
+    if isinstance(obj, int | float):
+        return "a number"
+    return "a string" if isinstance(obj, str) else "a list"
+
+
 def load_fleet(path: str | os.PathLike[str]) -> FleetConfig:
     """Read and validate the JSON fleet document at ``path``.
 
     Raises:
-        ConfigError: The file is unreadable, not JSON, or not a valid fleet.
+        ConfigError: The file is unreadable (or not a regular file of at most
+            :data:`MAX_DOCUMENT_BYTES`), not JSON, or not a valid fleet.
     """
     source = os.fspath(path)
+    data = read_document(source, "fleet document")
     try:
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read fleet document: {exc.strerror}", source=source) from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError("fleet document is not UTF-8 text", source=source) from None
     return _load_text(text, source)
@@ -1187,17 +1310,48 @@ def _load_text(text: str, source: str) -> FleetConfig:
     except json.JSONDecodeError as exc:
         where = f"line {exc.lineno}, column {exc.colno}"
         raise ConfigError(f"invalid JSON: {exc.msg} at {where}", source=source) from None
+    except RecursionError:
+        raise ConfigError(_MAX_DEPTH_MESSAGE, source=source) from None
     return parse_fleet(obj, source=source)
 
 
-#: The settings that hold secrets (a dotted path's last field): never shown.
-_SECRETS = ("api_keys", "admin_api_keys", "api_key")
+# ------------------------------------------------------------------ secrets
+
+#: A setting whose last key ends so holds a secret (``api_key``, ``api_keys``,
+#: ``admin_api_keys``, ``*_token``, ``*_secret``, ``*_password``, ...): by rule, so that a
+#: secret field added later is covered too.
+_SECRET_KEY = re.compile(r"(?:^|_)(?:keys?|secrets?|tokens?|passwords?|passphrases?|credentials?)$", re.IGNORECASE)
+
+#: What a secret value is shown as.
+REDACTED = "<redacted>"
+
+
+def is_secret(path: str) -> bool:
+    """Whether the setting at ``path`` (dotted or JSON path: ``server.api_keys``,
+    ``$.engines[0].api_key``) holds a secret."""
+    last = re.split(r"[.\[\]$]+", path.strip(".[]$"))[-1] if path else ""
+    return bool(_SECRET_KEY.search(last))
+
+
+def redacted(path: str, value: Any) -> Any:
+    """``value`` as it may be shown: the setting at ``path``'s secret redacted (each item
+    of a list, so that their number shows; a mapping's secret keys at any depth); null
+    and empty values as they are (absence is no secret)."""
+    if isinstance(value, Mapping):
+        return {k: redacted(f"{path}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not is_secret(path):
+        return [redacted(path, v) for v in value]
+    if not is_secret(path) or value is None or value == "" or value == [] or value == ():
+        return value
+    if isinstance(value, list | tuple):
+        return [REDACTED for _ in value]
+    return REDACTED
 
 
 def secret_setting(path: str) -> bool:
     """Whether the setting at a dotted ``path`` (``server.admin_api_keys``) holds a secret,
-    whose value no message, record or log line may show."""
-    return path.rpartition(".")[2] in _SECRETS
+    whose value no message, record or log line may show (:func:`is_secret`)."""
+    return is_secret(path)
 
 
 def unstructure_fleet(cfg: FleetConfig) -> dict[str, Any]:

@@ -21,6 +21,9 @@ exc``), most specific first::
     │   └── NoEngine (503, no_engine)         no engine of a role in placement (every one ejected)
     ├── DeadlineExceeded (504, deadline_exceeded)
     └── EngineError (502, ...)               anything an engine did wrong
+        ├── RouterOverloaded (503, router_overloaded)    not the engine: the router ran out of
+        │                                                 its own descriptors, buffers or ports
+        │                                                 opening a connection to it; Retry-After
         ├── EngineUnavailable (502, engine_unavailable)   connect refused / reset
         ├── EngineHTTPError (502, engine_http_error)      non-2xx answer; keeps upstream status
         │                                                 (a 400/422 is the client's fault: that status;
@@ -43,9 +46,13 @@ the error names a more specific class (timeouts, handoff expiry, descriptor).
 
 from __future__ import annotations
 
+import errno
+import os
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 __all__ = [
+    "RESOURCE_ERRNOS",
     "TIMEOUT_STATUSES",
     "BadRequest",
     "ClientError",
@@ -69,10 +76,12 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "Refused",
+    "RouterOverloaded",
     "SilenceTimeout",
     "StreamClosed",
     "Unauthorized",
     "Unsupported",
+    "resource_exhaustion",
 ]
 
 
@@ -176,9 +185,13 @@ class Refused(NarwhalError):
     error_type = "service_unavailable"
     terminal_class = "refused"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, *, retry_after_s: float = 1.0,
+                 placement: dict[str, Any] | Callable[[], dict[str, Any]] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        #: Why placement found no pair in time (its explanation, or a function that
+        #: writes it), when it priced one.
+        self.placement = placement
 
 
 class NoEngine(Refused):
@@ -214,8 +227,11 @@ class EngineError(NarwhalError):
     terminal_class = "engine_error"
     transient = True
     #: The engine rejected the request's content (see :class:`EngineHTTPError`): the
-    #: client's fault, not the engine's, so the breaker does not count it.
+    #: client's fault.
     client_fault: bool = False
+    #: Not the router's own fault (:class:`RouterOverloaded`: it could not reach the
+    #: engine for want of its own resources).
+    router_fault: bool = False
 
     def __init__(
         self,
@@ -237,9 +253,73 @@ class EngineError(NarwhalError):
     def public_message(self) -> str:
         return self._public if self._public is not None else self.message
 
+    @property
+    def engine_fault(self) -> bool:
+        """Whether the engine's breaker counts this failure (neither the client's request
+        nor the router's own resources are to blame)."""
+        return not (self.client_fault or self.router_fault)
+
 
 class EngineUnavailable(EngineError):
     terminal_class = "engine_unavailable"
+
+
+#: What an ``errno`` says the router itself ran out of (on ``socket()``, ``connect()``
+#: or ``accept()``): the router's fault, never the peer's.
+RESOURCE_ERRNOS: dict[int, str] = {
+    errno.EMFILE: "file descriptors",
+    errno.ENFILE: "file descriptors (system-wide)",
+    errno.ENOBUFS: "socket buffers",
+    errno.ENOMEM: "memory",
+    errno.EADDRNOTAVAIL: "local ports",
+}
+
+
+def resource_exhaustion(exc: BaseException) -> OSError | None:
+    """The :class:`OSError` under ``exc`` (itself, its causes and contexts, the members
+    of exception groups: ``trio.open_tcp_stream`` raises one error caused by a group of
+    its attempts' errors) whose ``errno`` is one of :data:`RESOURCE_ERRNOS`, or None."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        err = stack.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in RESOURCE_ERRNOS:
+            return err
+        if isinstance(err, BaseExceptionGroup):
+            stack.extend(err.exceptions)
+        for linked in (err.__cause__, err.__context__):
+            if linked is not None:
+                stack.append(linked)
+    return None
+
+
+class RouterOverloaded(EngineError):
+    """The router ran out of its own resources (descriptors, socket buffers, memory,
+    local ports) opening a connection to an engine: a 503 with ``Retry-After``, never
+    the engine's fault (``router_fault``: no breaker counts it), never retried on
+    another engine (which would need the same resources)."""
+
+    status = 503
+    error_type = "service_unavailable"
+    terminal_class = "router_overloaded"
+    transient = False
+    router_fault = True
+    retry_after_s = 1.0
+
+    @classmethod
+    def opening(cls, target: str, cause: OSError) -> RouterOverloaded:
+        """The error for ``cause`` (its ``errno`` one of :data:`RESOURCE_ERRNOS`) while
+        connecting to ``target``; the client's message names what ran out, not the address."""
+        code = cause.errno
+        assert code is not None  # (resource_exhaustion found it by its errno)
+        what = RESOURCE_ERRNOS[code]
+        return cls(
+            f"router out of {what} ({errno.errorcode[code]}) connecting to {target}: {os.strerror(code)}",
+            public=f"router overloaded: out of {what} ({errno.errorcode[code]}); retry later",
+        )
 
 
 #: Upstream statuses that say the engine itself timed out: answered as 504.

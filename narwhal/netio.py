@@ -10,7 +10,9 @@ engine and one write to the client, so those passes were most of its per-token c
 ``os.read``/``os.write`` on its descriptor first:
 
 - a write that the kernel takes whole returns without yielding; a partial write or a
-  full buffer finishes through trio's own ``send_all`` (which waits for writability);
+  full buffer finishes through trio's own ``send_all`` (which waits for writability),
+  or, with a bound on how long the peer may read nothing (``wait_s``), by waiting for
+  writability here, each wait bounded (:class:`trio.TooSlowError` when one expires);
 - a read that finds data returns it without yielding; an empty buffer waits with
   :func:`trio.lowlevel.wait_readable`.
 
@@ -27,6 +29,7 @@ Any other stream (an in-memory stream in tests, TLS) is used through its own met
 from __future__ import annotations
 
 import errno
+import math
 import os
 from collections.abc import Callable
 from typing import Final
@@ -73,7 +76,11 @@ class StreamIO:
         self._drained = False
 
     async def send_all(
-        self, data: bytes | bytearray | memoryview, *, on_wait: Callable[[], None] | None = None
+        self,
+        data: bytes | bytearray | memoryview,
+        *,
+        on_wait: Callable[[], None] | None = None,
+        wait_s: float = math.inf,
     ) -> None:
         """Write all of ``data`` (see the module docstring).
 
@@ -81,31 +88,51 @@ class StreamIO:
             on_wait: called before the write waits for the peer to read (a full socket
                 buffer, or any write on a stream without the fast path), so a caller can
                 tell the peer's backpressure from its own deadlines.
+            wait_s: the longest the write may wait with the peer reading nothing: on a
+                socket, any bytes the kernel takes start the bound again; on any other
+                stream it bounds the whole write.
+
+        Raises:
+            trio.TooSlowError: the peer read nothing for ``wait_s``; part of ``data``
+                may have been sent, so the stream is unusable.
         """
         sock = self._socket
         if sock is None or sock.did_shutdown_SHUT_WR:
             if on_wait is not None:
                 on_wait()
-            await self.stream.send_all(data)
+            if wait_s == math.inf:
+                await self.stream.send_all(data)
+                return
+            with trio.move_on_after(wait_s) as scope:
+                await self.stream.send_all(data)
+            if scope.cancelled_caught:
+                raise trio.TooSlowError(f"the peer read nothing for {wait_s:g} s")
             return
         await trio.lowlevel.checkpoint_if_cancelled()
-        fd = sock.fileno()
-        if fd < 0:
-            raise trio.ClosedResourceError("the connection was already closed")
-        try:
-            sent = os.write(fd, data) if data else 0
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            raise _translate(exc) from exc
+        sent = _write(sock, data) if data else 0
         if sent == len(data):
             await self._tick()
             return
-        # The kernel's buffer is full: trio waits for it to drain.
+        # The kernel's buffer is full: wait for it to drain.
         self._unyielded = 0
         if on_wait is not None:
             on_wait()
-        await self.stream.send_all(memoryview(data)[sent:])
+        if wait_s == math.inf:
+            await self.stream.send_all(memoryview(data)[sent:])
+        else:
+            await self._send_rest(sock, memoryview(data)[sent:], wait_s)
+
+    async def _send_rest(self, sock: trio.socket.SocketType, rest: memoryview, wait_s: float) -> None:
+        """Write ``rest`` as the socket drains, each wait for writability bounded by ``wait_s``."""
+        while rest:
+            with trio.move_on_after(wait_s) as scope:
+                try:
+                    await trio.lowlevel.wait_writable(sock)
+                except trio.ClosedResourceError:
+                    raise trio.ClosedResourceError("the connection was closed while writing") from None
+            if scope.cancelled_caught:
+                raise trio.TooSlowError(f"the peer read nothing for {wait_s:g} s")
+            rest = rest[_write(sock, rest) :]
 
     async def receive_some(self, max_bytes: int = 65536) -> bytes:
         """Up to ``max_bytes`` bytes; ``b""`` at end of stream."""
@@ -144,6 +171,20 @@ class StreamIO:
         if self._unyielded >= YIELD_EVERY:
             self._unyielded = 0
             await trio.lowlevel.cancel_shielded_checkpoint()
+
+
+def _write(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview) -> int:
+    """One non-blocking write of ``data`` to ``sock``: the bytes the kernel took (0 when
+    its buffer is full)."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError("the connection was already closed")
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        raise _translate(exc) from exc
 
 
 def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:

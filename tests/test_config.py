@@ -129,6 +129,10 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "expected a number >= 0 @ $.recovery.failure_quarantine_s"),
     ("attempts-zero", fleet(recovery={"max_attempts": 0}),
      "expected an integer > 0 @ $.recovery.max_attempts"),
+    ("resumes-zero", fleet(recovery={"max_resumes": 0}),
+     "expected an integer > 0 @ $.recovery.max_resumes"),
+    ("resume-not-bool", fleet(recovery={"resume_streams": "yes"}),
+     "expected a boolean @ $.recovery.resume_streams"),
     ("budget-ratio-negative", fleet(recovery={"retry_budget": {"ratio": -0.1}}),
      "expected a number >= 0 @ $.recovery.retry_budget.ratio"),
     ("slo-zero", fleet(controller={"slo": {"ttft_s": 0}}),
@@ -471,6 +475,7 @@ def test_defaults_match_the_plan() -> None:
         "host": "127.0.0.1", "port": 8000, "max_body_bytes": 8388608,
         "max_header_bytes": 16384, "header_timeout_s": 10.0, "body_timeout_s": 30.0,
         "keepalive_timeout_s": 75.0, "max_concurrent_requests": 4096,
+        "max_connections": None, "send_timeout_s": 60.0,
         "shutdown_grace_s": 30.0, "api_keys": [], "admin_host": "127.0.0.1", "admin_port": 8001,
         "admin_api_keys": [], "admin_fleet_writes": True, "engine_load_poll_s": 0.0, "engine_urls_in_errors": False,
     }  # fmt: skip
@@ -481,7 +486,7 @@ def test_defaults_match_the_plan() -> None:
     assert data["recovery"] == {
         "eject_after": 3, "failure_quarantine_s": 0.0, "max_attempts": 1,
         "retry_budget": {"ratio": 0.2, "min_retries_per_s": 1.0, "window_s": 10.0},
-        "probe_interval_s": 5.0,
+        "probe_interval_s": 5.0, "resume_streams": False, "max_resumes": 2,
     }  # fmt: skip
     assert data["engine_contract"] is None
     assert data["profiles"] == {
@@ -493,7 +498,7 @@ def test_defaults_match_the_plan() -> None:
                                   "admission_bound": "lower", "pricing": "point",
                                   "reactive": {"enabled": False, "movement_margin": 0.10,
                                                "interval_s": 10.0, "deployment_record": None},
-                                  "prompt_tokens": "auto", "prefix_cache": "auto"}  # fmt: skip
+                                  "prompt_tokens": "auto", "prefix_cache": "auto", "cache_plan": "auto"}  # fmt: skip
     assert data["journal"] == {"path": "runs/journal.jsonl", "queue_size": 10000, "fsync": True}
     sim = unstructure_fleet(parse_fleet(fleet(prefill(), decode(sim={}))))["engines"][1]["sim"]
     assert sim == {

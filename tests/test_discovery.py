@@ -40,10 +40,12 @@ _SIM = {**copy.deepcopy(SIM), "decode": {"c0": STEP_S, "c1": 0.0, "c2": 0.0}, "m
 
 
 class Resolver(trio.abc.HostnameResolver):
-    """DNS as the test says: ``names[host]`` is its addresses; None fails the lookup."""
+    """DNS as the test says: ``names[host]`` is its addresses; None fails the lookup; a
+    name not there does not exist (NXDOMAIN), one in ``nodata`` exists with no address."""
 
     def __init__(self, names: dict[str, list[str] | None]) -> None:
         self.names = names
+        self.nodata: set[str] = set()
         self.lookups: list[str] = []
         #: Each lookup's port and socket type.
         self.asked: list[tuple[Any, int]] = []
@@ -59,6 +61,8 @@ class Resolver(trio.abc.HostnameResolver):
         self.asked.append((port, type))
         if name in self.gates:
             await self.gates[name].wait()
+        if name in self.nodata:
+            raise socket.gaierror(socket.EAI_NODATA, "No address associated with hostname")
         if name not in self.names:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         addresses = self.names[name]
@@ -492,3 +496,46 @@ async def test_the_router_does_not_wait_for_a_group_engine_whose_first_probe_fai
         assert trio.current_time() - began < 1.0  # not the connect timeout and more
         assert live.router.state.phase == {"decode-127.0.0.9": "starting"}
         assert "decode-127.0.0.9" in live.router.state.phase_errors
+
+
+async def test_a_group_whose_name_does_not_exist_is_refused_and_one_with_no_address_is_not(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """As the operations guide says: a reload that brings a group whose host cannot be
+    resolved is refused, NXDOMAIN (most often a typo) included; a name that exists with
+    no address (no pod ready) is a group with no engines yet."""
+    async with open_live(["127.0.0.2"]) as live:
+        state = live.router.state
+        prefill = engine("p0", 8101, ["prefill"], **_SIM)
+        typo = group(name="more", host="mroe.llm.svc")
+        with pytest.raises(ConfigError) as err:
+            await live.router.reload(fleet_doc(prefill, engine_groups=[group(), typo]), source="test")
+        assert err.value.path == "$.engine_groups[1].host"
+        assert err.value.reason == (
+            "cannot resolve 'mroe.llm.svc': [Errno -2] the name does not exist (NXDOMAIN: Name or service not known)"
+        )
+        assert [c["path"] for c in live.router.fleet.changes if c["event"] == "rejected"] == ["$.engine_groups[1].host"]
+        discovery = live.router.admin.handler.discovery  # type: ignore[attr-defined]
+        assert "more" not in discovery.addresses and sorted(state.engines) == ["decode-127.0.0.2", "p0"]
+        live.resolver.nodata.add("more.llm.svc")
+        change = await live.router.reload(fleet_doc(prefill, engine_groups=[group(), group(name="more",
+                                          host="more.llm.svc")]), source="test")  # fmt: skip
+        assert change.empty and discovery.addresses["more"] == ()
+        live.resolver.nodata.discard("more.llm.svc")
+        live.resolver.names["more.llm.svc"] = ["127.0.0.3"]
+        await trio.sleep(5.5)
+        assert "more-127.0.0.3" in state.engines
+
+
+async def test_a_group_whose_name_does_not_exist_at_start_is_refused_and_watched(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="narwhal.router.discovery")
+    async with open_live(["127.0.0.2"], host="decod.llm.svc.cluster.local") as live:  # a typo
+        state = live.router.state
+        assert sorted(state.engines) == ["p0"] and not state.ready()
+        [rejected] = [c for c in live.router.fleet.changes if c["event"] == "rejected"]
+        assert (rejected["source"], rejected["path"]) == ("dns", "$.engine_groups[0].host")
+        assert _logged(caplog) == [(logging.ERROR, "engine groups: cannot resolve 'decod.llm.svc.cluster.local': "
+                                    "[Errno -2] the name does not exist (NXDOMAIN: Name or service not known) "
+                                    "@ $.engine_groups[0].host")]  # fmt: skip

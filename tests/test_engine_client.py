@@ -241,7 +241,10 @@ async def test_prefill_sends_the_vllm_proxy_body(autojump_clock: trio.testing.Mo
     engine.on("POST", "/v1/completions", slow)
     start = trio.current_time()
     async with engine.client(api_key="sk-test") as client:
-        result = await client.prefill(CLIENT_BODY, request_id="rid-1")
+        # Stop strings and stop token ids go to the decode leg only: the discarded token
+        # completing one would end the prefill with "stop", which hands off nothing.
+        body = {**CLIENT_BODY, "stop": ["\n"], "stop_token_ids": [13]}
+        result = await client.prefill(body, request_id="rid-1")
 
     assert engine.body() == {
         "model": "tiny-llama",
@@ -265,7 +268,7 @@ async def test_prefill_sends_the_vllm_proxy_body(autojump_clock: trio.testing.Mo
     assert result.backend_request_id == "rid-1"
     assert result.connector == "NixlConnector"
     assert result.kind == "completions"
-    assert dict(result.request) == CLIENT_BODY
+    assert dict(result.request) == body
     assert result.prompt_tokens == 3
     assert result.started_at == start
     assert result.completed_at == start + 0.25

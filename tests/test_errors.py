@@ -5,6 +5,9 @@ requests; these pin every field down (see tools/mutation.py)."""
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 
 from narwhal.errors import (
@@ -29,10 +32,12 @@ from narwhal.errors import (
     NotFound,
     PayloadTooLarge,
     Refused,
+    RouterOverloaded,
     SilenceTimeout,
     StreamClosed,
     Unauthorized,
     Unsupported,
+    resource_exhaustion,
 )
 
 
@@ -267,3 +272,42 @@ def test_invalid_descriptor_hides_the_details_from_the_client() -> None:
     )
     assert InvalidDescriptor("missing", leg="decode").leg == "decode"
     assert InvalidDescriptor("missing").engine is None
+
+
+def test_the_routers_own_resource_error_is_found_under_chains_groups_and_cycles() -> None:
+    emfile = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    refused = OSError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
+    assert resource_exhaustion(emfile) is emfile
+    assert resource_exhaustion(refused) is None and resource_exhaustion(RuntimeError("x")) is None
+    # trio.open_tcp_stream: one error, caused by the group of its attempts' errors.
+    message = "all attempts to connect to h:1 failed"
+    top = OSError(message)
+    top.__cause__ = ExceptionGroup(message, [refused, emfile])
+    assert resource_exhaustion(top) is emfile
+    # Under what httpx or a caller wrapped it in, as a cause or a context.
+    wrapped = RuntimeError("connect failed")
+    wrapped.__context__ = top
+    assert resource_exhaustion(wrapped) is emfile
+    # A cycle in a chain ends the walk there, not the search.
+    b, c = RuntimeError("b"), RuntimeError("c")
+    b.__cause__, c.__cause__ = c, b
+    top = OSError("x")
+    top.__cause__, top.__context__ = emfile, b
+    assert resource_exhaustion(top) is emfile
+    assert resource_exhaustion(b) is None
+
+
+def test_router_overloaded_is_the_routers_fault_not_the_engines() -> None:
+    cause = OSError(errno.ENFILE, "whatever the library said")
+    err = RouterOverloaded.opening("10.0.0.5:8000", cause)
+    assert isinstance(err, EngineError) and err.router_fault and not err.client_fault
+    assert not err.engine_fault and not err.transient
+    assert (err.http_status, err.terminal_class, err.retry_after_s) == (503, "router_overloaded", 1.0)
+    assert err.message == (
+        "router out of file descriptors (system-wide) (ENFILE) connecting to 10.0.0.5:8000: "
+        + os.strerror(errno.ENFILE)
+    )
+    assert err.to_body() == {"error": {
+        "message": "router overloaded: out of file descriptors (system-wide) (ENFILE); retry later",
+        "type": "service_unavailable", "code": None,
+    }}  # fmt: skip

@@ -115,9 +115,10 @@ async def test_new_settings_reach_the_controller_and_new_profiles_bind_the_engin
 async def test_a_replacement_dropped_when_the_engine_is_wanted_again_never_comes_back(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """d1 is replaced while busy (it drains, its new configuration waits), then wanted
-    again as it was (it serves on, the pending replacement dropped), then removed: once
-    drained it is gone, not re-added with the replacement nobody wants any more."""
+    """d1 is replaced while busy (its replacement starts beside it, at an address where
+    nothing answers yet, and d1 serves on), then wanted again as it was (the replacement
+    is called off), then removed: once drained it is gone, and so is the replacement
+    nobody wants any more."""
     moved = {**THREE["engines"][2], "url": "http://d1.test:9999"}
     without_d1 = parse_fleet(fleet_doc(*THREE["engines"][:2]))
     async with running(THREE, spy=False) as (fleet, state, _parts):
@@ -125,13 +126,15 @@ async def test_a_replacement_dropped_when_the_engine_is_wanted_again_never_comes
         await until(lambda: state.engine_state("d1") == "ok")
         state.in_flight_by_engine["d1"] += 1  # a request still streams from it
         change = await fleet.apply(parse_fleet(fleet_doc(*THREE["engines"][:2], moved)), profiles=None, source="test")
-        assert change.replaced == ("d1",) and state.phase["d1"] == "draining"
+        assert change.replaced == ("d1",) and "d1" not in state.phase and state.phase["d1#2"] == "starting"
+        assert state.engines["d1#2"].url == "http://d1.test:9999"
         change = await fleet.apply(parse_fleet(THREE), profiles=None, source="test")
-        assert change.added == ("d1",) and "d1" not in state.phase
+        assert change.replaced == ("d1",) and "d1" not in state.phase and "d1#2" not in state.engines
         assert (await fleet.apply(without_d1, profiles=None, source="test")).removed == ("d1",)
         state.in_flight_by_engine["d1"] -= 1
         state.placement.notify_released()
         await until(lambda: "d1" not in state.engines)
         await trio.sleep(state.config.recovery.probe_interval_s * 3)
-        assert "d1" not in state.engines
+        assert sorted(state.engines) == ["d0", "p0"] and fleet._tasks == {}
     assert [c["event"] for c in fleet.changes if c.get("engine") == "d1"][-1] == "removed"
+    assert [c["event"] for c in fleet.changes if c.get("engine") == "d1#2"] == ["starting", "removed"]

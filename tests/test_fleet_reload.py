@@ -27,7 +27,7 @@ from narwhal.config import parse_fleet
 from narwhal.errors import ConfigError
 from narwhal.router.fleet import LiveFleet
 from narwhal.router.journal import Journal
-from narwhal.router.service import Router, open_router
+from narwhal.router.service import Prepare, Router, open_router
 from narwhal.router.state import RouterState
 from narwhal.testing import MemoryNetwork, SimFleet, open_memory_network, open_sim_fleet
 
@@ -75,9 +75,11 @@ class Live:
 
 @asynccontextmanager
 async def open_live(
-    first: dict[str, Any], *, journal_path: Path | None = None, priced: bool = False, profile_names: tuple[str, ...] = ()
+    first: dict[str, Any], *, journal_path: Path | None = None, priced: bool = False, profile_names: tuple[str, ...] = (),
+    prepare: Prepare | None = None,
 ) -> AsyncIterator[Live]:
-    """Every engine of :data:`ENGINES` runs; the router serves ``first``."""
+    """Every engine of :data:`ENGINES` runs; the router serves ``first`` (``prepare``: how
+    it turns a reloaded document into what to serve, as ``narwhal serve``'s)."""
     every = parse_fleet(fleet_doc(*ENGINES.values()))
     config = parse_fleet(first)
     records: list[dict[str, Any]] = []
@@ -88,7 +90,8 @@ async def open_live(
         if priced:
             profiles = await sim_profiles(every, net)
             profiles = attrs.evolve(profiles, engines={n: p for n, p in profiles.engines.items() if n in profile_names})
-        async with open_router(config, transport=sims.transport, journal=journal, profiles=profiles) as router:
+        async with open_router(config, transport=sims.transport, journal=journal, profiles=profiles,
+                               prepare=prepare) as router:  # fmt: skip
             net.listen(ROUTER_HOST, ROUTER_PORT, router.server)
             net.listen(*ADMIN, router.admin)
             events: list[dict[str, Any]] = []
@@ -354,9 +357,13 @@ async def test_roles_change_in_place_and_a_changed_url_replaces_the_engine(autoj
         moved = {**ENGINES["d0"], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
         change = await live.router.reload(fleet_doc(ENGINES["p0"], moved, both), source="test")
         assert change.replaced == ("d0",)
-        await until(lambda: state.engine_state("d0") == "ok" and state.engines["d0"].url == "http://d2.test:8105")
+        # The new d0 starts beside the old one (its next incarnation, d0#2), which drains once it is ready.
+        await until(lambda: "d0" not in state.engines and state.engine_state("d0#2") == "ok")
+        assert state.engines["d0#2"].url == "http://d2.test:8105"
         assert [e.get("engine") for e in live.fleet_events("removed")] == ["d0"]
-        assert [e.get("engine") for e in live.fleet_events("ready")] == ["d0"]
+        assert [e.get("engine") for e in live.fleet_events("ready")] == ["d0#2"]
+        [draining] = live.fleet_events("draining")
+        assert (draining["engine"], draining["replaced_by"]) == ("d0", "d0#2")
         served = live.sims.engines["d2"].stats.requests
         for i in range(6):
             assert (await live.request(f"r{i}", 2)).ok
@@ -456,7 +463,7 @@ async def test_a_drain_that_outlasts_the_request_timeout_is_warned_once(
 ) -> None:
     """A stream that arrived under a longer deadline outlasts the one in force: the drain
     says so once, at that deadline, and the engine leaves when the stream ends (removed,
-    or replaced and then dropped before it was added again)."""
+    or replaced: drained once its replacement is ready, which serves on)."""
     caplog.set_level(logging.INFO, logger="narwhal.router.fleet")
     async with open_live(doc("p0", "d0", "d1")) as live:
         state = live.router.state
@@ -464,18 +471,25 @@ async def test_a_drain_that_outlasts_the_request_timeout_is_warned_once(
             await live.router.reload(doc("p0", "d0", "d1", engine={"request_timeout_s": 2.0}), source="test")
             began = trio.current_time()
             drop = doc("p0", other, engine={"request_timeout_s": 2.0})
-            if replaced:  # another address, twice: it drains once
+            if replaced:  # another address, twice: it drains once, its replacement ready
                 moved = {**ENGINES[busy], "url": "http://d2.test:8105", "connector": ENGINES["d2"]["connector"]}
                 replace = fleet_doc(ENGINES["p0"], ENGINES[other], moved, engine={"request_timeout_s": 2.0})
-                for _ in range(2):
-                    assert (await live.router.reload(replace, source="test")).replaced == (busy,)
+                assert (await live.router.reload(replace, source="test")).replaced == (busy,)
+                await until(lambda: state.engine_state(busy) == "draining")
+                assert (await live.router.reload(replace, source="test")).empty
+                assert trio.current_time() - began < 0.2
+                assert _logged(caplog) == [(logging.INFO, f"engine {busy}#2 is ready: in placement (load)")]
+                caplog.clear()
+                why = {"replaced_by": f"{busy}#2"}
             else:
                 assert (await live.router.reload(drop, source="test")).removed == (busy,)
-            for _ in range(2):  # dropped while draining: nothing more to do
-                assert (await live.router.reload(drop, source="test")).empty
+                for _ in range(2):  # dropped while draining: nothing more to do
+                    assert (await live.router.reload(drop, source="test")).empty
+                why = {}
             [draining] = _changes(live, "draining")
-            assert _fields(draining) == {"event": "draining", "engine": busy, "url": ENGINES[busy]["url"], "in_flight": 1}
-            await trio.sleep(1.9)
+            assert _fields(draining) == {"event": "draining", "engine": busy, "url": ENGINES[busy]["url"], "in_flight": 1,
+                                         **why}  # fmt: skip
+            await trio.sleep_until(began + 1.9)  # the drain began with the change (its replacement ready at once)
             assert _logged(caplog) == []
             await trio.sleep(0.2)
             warned = (logging.WARNING, f"engine {busy} still serves 1 request(s) 2 s into its drain")
@@ -488,7 +502,12 @@ async def test_a_drain_that_outlasts_the_request_timeout_is_warned_once(
         assert _fields(removed) == {"event": "removed", "engine": busy, "url": ENGINES[busy]["url"], "detail": detail}
         assert _logged(caplog) == [warned, (logging.INFO, f"engine {busy} left the fleet: {detail}")]
         await trio.sleep(1.0)
-        assert busy not in state.engines and _changes(live, "starting") == []
+        assert busy not in state.engines
+        if replaced:
+            assert [_fields(c)["engine"] for c in _changes(live, "starting")] == [f"{busy}#2"]
+            assert state.engine_state(f"{busy}#2") == "ok"
+        else:
+            assert _changes(live, "starting") == []
 
 
 async def test_an_engine_removed_before_it_was_ready_is_probed_no_more(

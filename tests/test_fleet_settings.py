@@ -8,18 +8,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 
 from narwhal.config import parse_fleet
 from narwhal.errors import ConfigError
-from narwhal.router.fleet import (
-    FleetChange,
-    LiveFleet,
-    _flatten,
-    _restart_only,
-    _same_connection,
-    changed_settings,
-)
+from narwhal.router.fleet import FleetChange, LiveFleet
+from narwhal.router.fleetdiff import _flatten, changed_settings
+from narwhal.router.fleetdiff import restart_only as _restart_only
+from narwhal.router.fleetdiff import same_connection as _same_connection
 
 from .routerkit import engine, fleet_doc
 
@@ -58,6 +55,8 @@ def test_roles_and_the_simulator_are_no_part_of_an_engines_connection() -> None:
     assert a.roles != b.roles and a.sim != b.sim
     assert _same_connection(a, b) and _same_connection(b, a)
     assert not _same_connection(a, c)
+    # Nor its name: a later incarnation (the router's d0#2) is reached as the document's d0.
+    assert _same_connection(attrs.evolve(a, name="p0#2"), a) and _same_connection(a, attrs.evolve(b, name="p0#2"))
     other_kv = engine("p0", 8101, ["prefill"])
     other_kv["connector"]["kv_port"] = 16000
     assert not _same_connection(a, _config(other_kv, d0).engines[0])

@@ -26,7 +26,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 
-from narwhal.config import FaultSpec
+from narwhal.config import FaultSpec, ServerConfig
 
 from .loadkit import Outcome, exchange, read_response, request_bytes
 from .routerkit import ROUTER_HOST, ROUTER_PORT, Stack, engine, fleet_doc, open_stack
@@ -253,6 +253,33 @@ async def test_chat_bodies(
         assert_untouched_breaker(stack)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("path", "raw", "where"),
+    [
+        ("/v1/completions", rb'{"prompt": "ab\udc80cd", "max_tokens": 2', "'prompt'"),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "ab\udc80cd"}], "max_tokens": 2',
+         "'messages[0].content'"),
+    ],
+)
+async def test_a_lone_surrogate_is_a_400_not_a_500(
+    autojump_clock: trio.abc.Clock, path: str, raw: bytes, where: str, stream: bool
+) -> None:
+    # Before: 500 "internal error" and a traceback in the log for every such request
+    # (the engine leg could not encode the body).
+    body = raw + (b', "stream": true}' if stream else b"}")
+    async with open_stack(hostile_doc()) as stack:
+        out = await post(stack, body, path=path)
+        assert out.status == 400, out
+        assert_error_shape(out)
+        assert out.error["message"].startswith(f"{where} is not valid Unicode"), out.error  # type: ignore[index]
+        assert out.error["code"] == "invalid_value"  # type: ignore[index]
+        [record] = stack.records
+        assert (record["terminal_class"], record["status"]) == ("invalid_request", 400)
+        assert stack.engine("p0").requests_seen == [] and stack.engine("d0").requests_seen == []
+        assert_untouched_breaker(stack)
+
+
 async def test_engine_rejections_of_client_input_never_eject_engines(autojump_clock: trio.abc.Clock) -> None:
     # Before: the engine's 400 became a 502 counted by the breaker, so three bad
     # prompts ejected the only producer and every later client got 503.
@@ -327,6 +354,38 @@ async def test_slow_reader_is_not_engine_silence(autojump_clock: trio.abc.Clock)
         await conn.aclose()
     assert out.ok and out.tokens == 200
     assert stack.records[0]["terminal_class"] == "ok"
+
+
+async def test_a_client_that_stops_reading_ends_its_request_after_the_send_timeout(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # A stream the client stops reading (its connection open: the write waits for it)
+    # ends server.send_timeout_s after the last write made progress, as a disconnect:
+    # the decode leg cancelled, its engine connection closed, the request journaled.
+    # Before: it waited until engine.request_timeout_s (600 s), holding the decode
+    # engine's sequence and KV all along.
+    send_timeout = ServerConfig().send_timeout_s  # the shipped default
+    async with open_stack(hostile_doc(engine={"request_timeout_s": 10 * send_timeout})) as stack:
+        journaled = trio.Event()
+        stack.router.state.journal.add_listener(lambda _: journaled.set())
+        client, server_end = trio.testing.lockstep_stream_pair()  # each write waits for its read
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stack.router.server.handle_connection, server_end)
+            await client.send_all(request_bytes({"prompt": "a b", "max_tokens": 200, "stream": True}, request_id="stop"))
+            head = await client.receive_some(1 << 20)  # the head and the first token
+            assert head.startswith(b"HTTP/1.1 200 OK")
+            stopped = trio.current_time()
+            await journaled.wait()
+            # The next token's write waited from the decode step after the last read.
+            assert trio.current_time() - stopped == pytest.approx(send_timeout, abs=1.0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert stack.router.state.in_flight == 0
+            assert stack.engine("d0").stats.active == 0  # the decode leg ended with it
+            await client.aclose()
+    [record] = stack.records
+    assert (record["terminal_class"], record["status"]) == ("client_cancelled", 200)
+    assert record["error"] == f"client read nothing for {send_timeout:g} s (send timeout)"
+    assert 0 < record["output_len"] < 200
 
 
 @pytest.mark.parametrize("chunked", [False, True])

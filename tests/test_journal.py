@@ -41,7 +41,7 @@ def test_the_closed_set_of_terminal_classes() -> None:
     assert TERMINAL_CLASSES == {
         "ok", "refused", "no_engine", "invalid_request", "client_cancelled", "prefill_failed", "decode_failed",
         "first_token_timeout", "silence_timeout", "handoff_expired", "invalid_descriptor",
-        "deadline_exceeded", "shutdown", "internal_error",
+        "deadline_exceeded", "shutdown", "router_overloaded", "internal_error",
     }  # fmt: skip
 
 
@@ -50,7 +50,8 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         n=1, producer="p0", consumer="d0", prefill_request_id="a", decode_request_id="b", outcome="ok",
         ttft_s=0.1, placement_wait_s=0.2, predicted_ttft_s=0.3, predicted_tpot_s=0.01, deadline="x",
         held_by="d0", predicted_cached_tokens=4, cached_tokens=5, consumer_predicted_cached_tokens=6,
-        consumer_cached_tokens=7,
+        consumer_cached_tokens=7, started_s=0.01, first_token_s=0.2, output_tokens=3, resume="stream_closed",
+        resumed_at_s=0.15, not_resumed="x", placement={"rule": "owner"},
     )  # fmt: skip
     record = RequestRecord(
         request_id="r", arrival=1.5, route="chat", model="m", stream=True, prompt_tokens=9,
@@ -67,7 +68,8 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         "decode_request_id": None, "outcome": "pending", "error": None, "ttft_s": None, "placement_wait_s": 0.0,
         "predicted_ttft_s": None, "predicted_tpot_s": None, "deadline": None, "held_by": None,
         "predicted_cached_tokens": None, "cached_tokens": None, "consumer_predicted_cached_tokens": None,
-        "consumer_cached_tokens": None,
+        "consumer_cached_tokens": None, "started_s": None, "first_token_s": None, "output_tokens": 0,
+        "resume": None, "resumed_at_s": None, "not_resumed": None, "placement": None,
     }  # fmt: skip
     bare = RequestRecord(request_id="r", arrival=0.0, route="completions")
     assert bare.to_json() == {
@@ -77,6 +79,24 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         "producer": None, "consumer": None, "attempts": [], "error": None, "trace_id": None,
     }  # fmt: skip
     assert bare.attempts is not RequestRecord(request_id="s", arrival=0.0, route="completions").attempts
+
+
+def test_a_placement_left_as_a_function_is_written_as_what_it_returns() -> None:
+    # Priced placement words its explanation when the record is written, not on the
+    # request's path: the line has the object, worded then.
+    worded: list[int] = []
+
+    def explanation() -> dict[str, Any]:
+        worded.append(1)
+        return {"rule": "owner", "others": {"p1": "TTFT 612.0 ms over the target"}}
+
+    record = RequestRecord(request_id="r", arrival=0.0, route="completions",
+                           attempts=[AttemptRecord(n=1, placement=explanation), AttemptRecord(n=2)])  # fmt: skip
+    assert not worded
+    line = record.to_json()
+    assert line["attempts"][0]["placement"] == {"rule": "owner", "others": {"p1": "TTFT 612.0 ms over the target"}}
+    assert line["attempts"][1]["placement"] is None and worded == [1]
+    json.dumps(line)
 
 
 def test_an_unknown_class_and_a_closed_journal_are_refused_and_not_counted() -> None:

@@ -120,6 +120,8 @@ class _ReferenceMetrics:
         self.output_tokens = Counter("narwhal_output_tokens", "Identified output tokens delivered.", ["route"],
                                      registry=r)
         self.retries = Counter("narwhal_retries", "Fresh attempts after a transient fault.", registry=r)
+        self.resumes = Counter("narwhal_resumes", "Streams continued on another attempt after a failure once "
+                               "output was sent (recovery.resume_streams), by what broke them.", ["cause"], registry=r)
         self.placements = Counter("narwhal_placement_decisions", "Attempts placed, by producer and consumer.",
                                   ["producer", "consumer"], registry=r)
         self.refusals = Counter("narwhal_placement_refusals", "Requests refused for lack of capacity.", registry=r)
@@ -158,8 +160,11 @@ class _ReferenceMetrics:
         if record.get("output_len"):
             self.output_tokens.labels(route).inc(record["output_len"])
         attempts = record.get("attempts") or []
-        if len(attempts) > 1:
-            self.retries.inc(len(attempts) - 1)
+        resumed = [a["resume"] for a in attempts if a.get("resume")]
+        for cause in resumed:
+            self.resumes.labels(cause).inc()
+        if len(attempts) - 1 > len(resumed):
+            self.retries.inc(len(attempts) - 1 - len(resumed))
         for attempt in attempts:
             producer, consumer = attempt.get("producer"), attempt.get("consumer")
             if producer and consumer:
@@ -222,6 +227,13 @@ async def test_metrics_exposition_is_prometheus_clients(
              "attempts": [_attempt(consumer=None, outcome="prefill_failed", ttft_s=None),
                           _attempt(ttft_s=0.0, predicted_ttft_s=0.01),
                           _attempt(predicted_cached_tokens=32, cached_tokens=16)]},
+            # Resumes (recovery.resume_streams) are counted by cause, not as retries.
+            {"route": "completions", "terminal_class": "ok", "latency_s": 0.5, "ttft_s": 0.1, "output_len": 9,
+             "attempts": [_attempt(outcome="prefill_failed", ttft_s=None), _attempt(outcome="decode_failed"),
+                          _attempt(outcome="first_token_timeout", resume="stream_closed"),
+                          _attempt(resume="first_token_timeout")]},
+            {"route": "chat", "terminal_class": "decode_failed", "latency_s": 0.5, "ttft_s": 0.1, "output_len": 9,
+             "attempts": [_attempt(outcome="decode_failed"), _attempt(outcome="decode_failed", resume="stream_closed")]},
             # No producer (an attempt cut before placement) has nothing to compare.
             {"route": "chat", "terminal_class": "deadline_exceeded", "latency_s": 2.0,
              "attempts": [_attempt(producer=None, predicted_ttft_s=0.03, predicted_cached_tokens=8)]},
@@ -331,6 +343,24 @@ async def test_live_gauges_are_read_from_the_state_when_scraped(autojump_clock: 
             [("narwhal_prefix_index_blocks", {"engine": "p0", "source": "events"}, 0),
              ("narwhal_prefix_index_blocks", {"engine": "p1", "source": "placements"}, 2),
              ("narwhal_prefix_index_blocks", {"engine": "d0", "source": "placements"}, 0)],
+        ),
+        "narwhal_prefix_index_held_blocks": (
+            "gauge", "Blocks of an approximate prefix view held by requests in flight (not evictable).",
+            [("narwhal_prefix_index_held_blocks", {"engine": "p1"}, 0)],
+        ),
+        "narwhal_prefix_index_overflow_evicted": (
+            "counter",
+            "Blocks an engine's KV-event view evicted because it held more than the engine reports it can "
+            "(its BlockRemoved events were lost).",
+            [("narwhal_prefix_index_overflow_evicted_total", {"engine": "p0"}, 0)],
+        ),
+        "narwhal_prefix_hit_materialized_ratio": (
+            "gauge",
+            "Share of the prefix-cache hits the router predicted on an engine that its reports say "
+            "materialized (recent placements); its hits are priced at it.", [],
+        ),
+        "narwhal_prefix_view_overpredicting": (
+            "gauge", "1 while fewer than 80% of an engine's predicted prefix-cache hits materialize.", [],
         ),
         "narwhal_kv_events_stale": (
             "gauge",

@@ -70,7 +70,8 @@ def test_an_event_view_that_knows_no_block_size_yet_holds_no_hit() -> None:
 
 
 def test_placement_view_is_an_lru_of_chains() -> None:
-    view = PlacementView(2, capacity_blocks=4)
+    # Three blocks a prompt: two full ones and the partial one its last token is in.
+    view = PlacementView(2, capacity_blocks=6)
     a, b, c = [1, 2, 3, 4, 0], [5, 6, 7, 8, 0], [9, 10, 11, 12, 0]
     view.record(a)
     view.record(b)
@@ -78,8 +79,10 @@ def test_placement_view_is_an_lru_of_chains() -> None:
     view.record(a)  # a is the most recent again
     view.record(c)  # evicts b, tail first
     assert view.cached_blocks(b, 2) == 0 and view.cached_blocks(a, 2) == 2
-    view.record([1, 2, 13, 14])  # shares a's head
-    assert view.cached_blocks(a, 2) == 1  # a's tail went; the shared head stays
+    view.record([1, 2, 13, 14])  # shares a's head: one new block (a's old partial one goes)
+    assert view.cached_blocks(a, 2) == 2
+    view.record([20, 21, 0])  # two new blocks: a's tail goes; the shared head stays
+    assert view.cached_blocks(a, 2) == 1
     assert view.cached_blocks([1, 2, 13, 14, 0], 2) == 2
 
 
@@ -164,7 +167,7 @@ async def test_placement_view_agrees_with_a_lone_engine_until_eviction(autojump_
 def test_engines_share_chain_ids_and_nothing_outlives_its_views() -> None:
     index = PrefixIndex()
     for name in ("p0", "p1"):
-        index.enable(name, block_size=2, capacity_tokens=6, events=False)
+        index.enable(name, block_size=2, capacity_tokens=8, events=False)
     index.enable("e0", block_size=2, capacity_tokens=64, events=True)
     a = [1, 2, 3, 4, 5, 6, 0]
     index.placed("p0", a)
@@ -172,7 +175,9 @@ def test_engines_share_chain_ids_and_nothing_outlives_its_views() -> None:
     index.apply("e0", stored([11, 12, 13], None, a[:6]))
     assert len(index.chains) == 3  # one id per block of the shared chain, whoever holds it
     assert [index.cached_tokens(n, a) for n in ("p0", "p1", "e0")] == [6, 4, 6]
-    index.placed("p0", [7, 8, 9, 10, 0])  # capacity 3 blocks: a's tail goes, then its middle
+    # Capacity 4 blocks, a's 3 full ones and its partial one: 3 new blocks take a's
+    # partial block, then its tail, then its middle.
+    index.placed("p0", [7, 8, 9, 10, 0])
     assert index.cached_tokens("p0", a) == 2 and index.cached_tokens("e0", a) == 6
     index.apply("e0", EventBatch(0.0, (BlockRemoved(block_hashes=(12,)),)))
     # 12's id stays while 13 (its child) is held, so the chain does not change under 13.

@@ -37,12 +37,25 @@ class _Placement:
         self.released.append((producer, work_s))
 
 
-class _Prefix:
-    def __init__(self) -> None:
-        self.learned: list[tuple[str, list[int]]] = []
+class _Hold:
+    def __init__(self, prefix: _Prefix, engine: str, ids: list[int]) -> None:
+        self.prefix, self.engine, self.ids = prefix, engine, ids
 
-    def placed(self, engine: str, ids: list[int]) -> None:
-        self.learned.append((engine, ids))
+    def release(self) -> None:
+        self.prefix.released.append((self.engine, self.ids))
+
+
+class _Prefix:
+    """The index: a copy's blocks are held while it runs (the engine takes them when it
+    schedules the copy), then released, cached."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[str, list[int], int]] = []
+        self.released: list[tuple[str, list[int]]] = []
+
+    def hold(self, engine: str, ids: list[int], extra_tokens: int) -> _Hold:
+        self.held.append((engine, ids, extra_tokens))
+        return _Hold(self, engine, ids)
 
 
 def _setup(**clients: _Producer) -> tuple[PrefixReplicator, Any, _Placement]:
@@ -67,6 +80,7 @@ async def test_a_copy_prefills_the_ids_once_and_the_producer_learns_them(
             assert rep.submit("p0", (1, 2, 3), "m", 0.25) is True
             await trio.sleep(0.05)
             assert state.in_flight_by_engine == {"p0": 3}  # the copy is one of our legs there
+            assert state.prefix.held == [("p0", [1, 2, 3], 1)] and state.prefix.released == []
             assert rep.submit("p1", [4, 5], None, 0.5) is True  # p1 is not in the table yet
             await trio.sleep(0.01)
             assert state.in_flight_by_engine == {"p0": 3, "p1": 1}
@@ -76,7 +90,7 @@ async def test_a_copy_prefills_the_ids_once_and_the_producer_learns_them(
     assert p0.calls == [({"prompt": [1, 2, 3], "model": "m"},
                          {"request_id": "narwhal-replicate-1", "leg": "replicate", "transfer": False})]  # fmt: skip
     assert p1.calls == [({"prompt": [4, 5]}, {"request_id": "narwhal-replicate-2", "leg": "replicate", "transfer": False})]
-    assert state.prefix.learned == [("p0", [1, 2, 3]), ("p1", [4, 5])]
+    assert state.prefix.released == [("p0", [1, 2, 3]), ("p1", [4, 5])]
     assert placement.released == [("p0", 0.25), ("p1", 0.5)]
     assert state.in_flight_by_engine == {"p0": 2, "p1": 0}
     assert rep.counts == {"started": 2, "done": 2, "failed": 0}
@@ -106,7 +120,7 @@ async def test_no_copy_starts_when_stopped_for_an_unknown_producer_or_no_ids(aut
         (_Producer(delay_s=60.0), "copying a 2-token prefix to p0 timed out"),
     ],
 )
-async def test_a_failed_or_timed_out_copy_teaches_nothing_and_releases_its_work(
+async def test_a_failed_or_timed_out_copy_releases_its_work_and_its_blocks(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, producer: _Producer, message: str
 ) -> None:
     rep, state, placement = _setup(p0=producer)
@@ -119,7 +133,7 @@ async def test_a_failed_or_timed_out_copy_teaches_nothing_and_releases_its_work(
             assert placement.released == [] or producer.fail is not None  # bounded by the first-token timeout (5 s)
             await trio.sleep(0.2)
             nursery.cancel_scope.cancel()
-    assert state.prefix.learned == []
+    assert sorted(state.prefix.released) == [("p0", [7, 8]), ("p0", [9, 10])]  # scheduled, then let go
     assert sorted(placement.released) == [("p0", 0.2), ("p0", 0.3)] and state.in_flight_by_engine == {"p0": 2}
     assert rep.counts == {"started": 2, "done": 0, "failed": 2}
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.WARNING, message)] * 2
@@ -145,4 +159,4 @@ async def test_stopping_cancels_the_copies_in_flight(autojump_clock: trio.abc.Cl
         await trio.sleep(1.0)
         nursery.cancel_scope.cancel()
     assert placement.released == [("p0", 0.1)] and state.in_flight_by_engine == {"p0": 2}
-    assert rep.counts == {"started": 1, "done": 0, "failed": 0} and state.prefix.learned == []
+    assert rep.counts == {"started": 1, "done": 0, "failed": 0} and state.prefix.released == [("p0", [1, 2])]

@@ -85,6 +85,41 @@ def test_the_depth_limit_is_inclusive() -> None:
     assert _refusal(mixed).code == "invalid_json"
 
 
+_LONE = " is not valid Unicode: it holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair)"
+
+
+@pytest.mark.parametrize(
+    ("raw", "kind", "where"),
+    [
+        (rb'{"prompt": "ab\udc80cd"}', "completions", "'prompt'"),
+        (rb'{"prompt": "ab\uD83Dcd"}', "completions", "'prompt'"),  # a high half, no low one after it
+        (rb'{"prompt": "ab\ude00\ud83d"}', "completions", "'prompt'"),  # both halves, in the wrong order
+        (rb'{"prompt": "a", "stop": ["x", "\udfff"]}', "completions", "'stop[1]'"),
+        (rb'{"prompt": "a", "\ud800": 1}', "completions", "a key of the body"),
+        (rb'{"prompt": "a", "stream_options": {"\ud800": 1}}', "completions", "a key of 'stream_options'"),
+        (rb'{"messages": [{"role": "user", "content": "ab\udc80cd"}]}', "chat", "'messages[0].content'"),
+        (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc80"}]}]}', "chat",
+         "'messages[0].content[0].text'"),
+        (rb'{"messages": [{"role": "user", "content": "hi", "name": "\udc80"}]}', "chat", "'messages[0].name'"),
+        (rb'{"messages": [{"role": "user", "content": "hi"}], "model": "\udc80"}', "chat", "'model'"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_where_it_is(raw: bytes, kind: str, where: str) -> None:
+    # Before: the stdlib parser kept it, and forwarding the body to an engine raised
+    # UnicodeEncodeError: a 500 and a logged traceback per request.
+    err = _refusal(raw, kind)
+    assert (err.code, err.message) == ("invalid_value", where + _LONE)
+
+
+def test_only_a_lone_surrogate_is_refused() -> None:
+    # What only looks like one is text like any other: a pair is one character, an
+    # escaped backslash is the text \udc80, and the code points on either side of the
+    # surrogates are characters.
+    for raw in (rb'{"prompt": "ab\ud83d\ude00cd"}', rb'{"prompt": "ab\\udc80cd"}', rb'{"prompt": "\ud7ff\ue000"}'):
+        assert parse_request(raw, "completions").body["prompt"] == json.loads(raw)["prompt"]
+    assert _refusal(rb'{"prompt": "\ud7ff\ud800\ue000"}').message == "'prompt'" + _LONE
+
+
 def test_a_role_outside_the_list_is_refused_with_the_list() -> None:
     err = _refusal({"messages": [*USER, {"role": "x" * 100}]}, "chat")
     assert err.code == "invalid_value"

@@ -330,6 +330,23 @@ async def test_outputs_are_deterministic_and_count_by_id(autojump_clock: trio.ab
         assert "" in texts  # some ids have no text of their own; they still count
 
 
+async def test_tokens_follow_the_model_and_the_token_context(autojump_clock: trio.abc.Clock) -> None:
+    # Two engines of one model with different seeds, as a greedy model on two hosts: the
+    # same tokens for the same context, and a prompt that is another's prompt plus its
+    # first generated tokens continues it token for token.
+    configs = [engine_config("e0", 8101, seed=1), engine_config("e1", 8102, seed=2)]
+    async with open_sim_fleet(configs) as fleet:
+        async with fleet.client("e0", timeout=None) as c0, fleet.client("e1", timeout=None) as c1:
+            body = {"prompt": prompt(12), "max_tokens": 10}
+            whole = [e["choices"][0]["token_ids"][0] for _, e in await stream_times(c0, body)]
+            assert [e["choices"][0]["token_ids"][0] for _, e in await stream_times(c1, body)] == whole
+            first = (await stream_times(c0, body))[0][1]
+            ids = first["choices"][0]["prompt_token_ids"]
+            for k in (1, 4, 9):
+                rest = await stream_times(c1, {"prompt": [*ids, *whole[:k]], "max_tokens": 10 - k})
+                assert [e["choices"][0]["token_ids"][0] for _, e in rest] == whole[k:]
+
+
 def _sample(text: str, name: str, **labels: str) -> float:
     """The value of one sample of the engine's ``/metrics`` (its engine and model labels aside)."""
     got = [s.value for s in parse_prometheus(text).get(name, ())

@@ -146,11 +146,12 @@ async def test_a_repeated_prompt_hits_every_full_block_before_its_last_token(
 
 
 async def test_a_hit_needs_room_only_for_the_blocks_it_adds(autojump_clock: trio.abc.Clock) -> None:
-    # 8 blocks of 16. A's 64-token prompt leaves 4 blocks cached and free; Y holds the 3
-    # blocks never used while it decodes. A again (B) hits 3 of A's blocks and needs 2 new
-    # ones beside them: with 5 free blocks it fits exactly and runs beside Y. A again with
-    # 16 more tokens to generate (B2) needs one block more than is free: it waits for Y.
-    async with one_engine(prefix_caching=True, block_size=16, kv_capacity_tokens=128) as (_, engine, client):
+    # 8 blocks of 16 (9, one of them vLLM's null block). A's 64-token prompt leaves 4
+    # blocks cached and free; Y holds the 3 blocks never used while it decodes. A again
+    # (B) hits 3 of A's blocks and needs 2 new ones beside them: with 5 free blocks it
+    # fits exactly and runs beside Y. A again with 16 more tokens to generate (B2) needs
+    # one block more than is free: it waits for Y.
+    async with one_engine(prefix_caching=True, block_size=16, kv_capacity_tokens=144) as (_, engine, client):
         a = prompt(64, "a")
         await complete(client, a)
         done: list[str] = []
@@ -236,8 +237,9 @@ async def test_generated_tokens_are_cached_too(
 
 
 async def test_lru_eviction_under_a_small_cache(autojump_clock: trio.abc.Clock) -> None:
-    # 8 blocks of 16: each 40-token request with 1 output token takes 3
-    async with one_engine(prefix_caching=True, block_size=16, kv_capacity_tokens=128) as (_, engine, client):
+    # 8 blocks of 16 (9, one of them vLLM's null block): each 40-token request with 1
+    # output token takes 3
+    async with one_engine(prefix_caching=True, block_size=16, kv_capacity_tokens=144) as (_, engine, client):
         await complete(client, prompt(40, "a"))
         await complete(client, prompt(40, "b"))
         await complete(client, prompt(40, "a"))  # a is recent again

@@ -15,7 +15,9 @@ from narwhal.testing.tokenizer import (
     decode,
     encode,
     encode_chat,
+    extend_key,
     generated_token,
+    greedy_tokens,
     prompt_key,
     render_chat,
     token_text,
@@ -48,6 +50,16 @@ def test_generated_tokens_are_deterministic() -> None:
     assert first == [generated_token(0, key, i) for i in range(100)]
     assert first != [generated_token(1, key, i) for i in range(100)]
     assert all(FIRST_WORD_ID <= t < VOCAB_SIZE for t in first)
+
+
+def test_greedy_tokens_follow_the_token_context() -> None:
+    prompt = encode("a b c d")
+    tokens = greedy_tokens("m", prompt, 12)
+    # A continuation whose prompt is the prompt plus the first k tokens goes on alike.
+    for k in (1, 5, 11):
+        assert greedy_tokens("m", [*prompt, *tokens[:k]], 12 - k) == tokens[k:]
+    assert greedy_tokens("other", prompt, 12) != tokens  # another model, other tokens
+    assert prompt_key([*prompt, tokens[0]]) == extend_key(prompt_key(prompt), tokens[0])
 
 
 def test_about_one_in_eight_ids_has_no_text() -> None:

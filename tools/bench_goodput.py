@@ -105,6 +105,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from cachebench import (
+    CAPACITY,
+    CONSUMER_CAPACITY,
+    ISSUE_FLEET,
+    ceiling,
+    issue_targets,
+    multi_turn_trace,
+    request_counts,
+    shares,
+)
 from proctools import free_port, start, stop, wait_http
 
 from narwhal.bench.journal import prediction_by_producer
@@ -252,6 +262,11 @@ def fleet(ports: dict[str, int], *, caching: bool = False, kind: str = "default"
                     "prefix_caching": caching, "prompt_tokens_details": caching, **sim},
         }  # fmt: skip
 
+    if caching and kind.startswith("issue:"):  # the cache plan's fleet; its producers' cache per workload
+        capacity = CAPACITY[kind.split(":", 1)[1]]
+        return [eng(name, role, pre, dec, transfer_s_per_token=1e-5, max_model_len=8192,
+                    kv_capacity_tokens=capacity if role == "prefill" else CONSUMER_CAPACITY)
+                for name, (role, pre, dec) in ISSUE_FLEET.items()]  # fmt: skip
     if caching:
         return prefix_fleet(eng, kind)
     fast_decode = {"c0": 0.004, "c1": 0.0002, "c2": 1e-7}
@@ -301,7 +316,8 @@ SLOW_PREFIX_FLEET = {
     "d-0": ("decode", {"a": 0.015, "b": 8.7e-4, "c": 9.0e-9}),
     "d-1": ("decode", {"a": 0.015, "b": 8.7e-4, "c": 9.0e-9}),
 }
-PREFIX_FLEETS = {"default": PREFIX_FLEET, "slow": SLOW_PREFIX_FLEET}
+PREFIX_FLEETS = {"default": PREFIX_FLEET, "slow": SLOW_PREFIX_FLEET,
+                 "issue": {name: (role, pre) for name, (role, pre, _) in ISSUE_FLEET.items()}}  # fmt: skip
 
 
 def prefix_fleet(eng: Any, kind: str = "default") -> list[dict[str, Any]]:
@@ -428,7 +444,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="requests per rate and router")
     parser.add_argument("--out", default="runs/goodput.json")
     parser.add_argument("--vllm-router", help="path of the vllm-router executable")
-    parser.add_argument("--workload", choices=("uniform", "shared-prefix", "sessions"), default="uniform")
+    parser.add_argument("--workload", choices=("uniform", "shared-prefix", "sessions", "multi-turn"), default="uniform",
+                        help="multi-turn: 32 conversations at once over 4 system prompts of 512 tokens, 50-200 "
+                             "tokens a turn, up to 3,000 of history (tools/cachebench.py)")
     parser.add_argument("--prefixes", type=int, default=8, help="shared prefixes (shared-prefix, sessions)")
     parser.add_argument("--prefix-len", type=int, default=1024, help="tokens per shared prefix")
     parser.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of prefix popularity; 0: uniform")
@@ -438,6 +456,9 @@ def main() -> int:
                              "on a slower fleet: a cold 1,174-token prompt ~1.05 s on the fast producer, a cached "
                              "1,024-token prefix 60-150 ms; see SLOW_PREFIX_FLEET)")
     parser.add_argument("--turns", type=int, default=4, help="turns per session (sessions)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="every simulated engine publishes its KV events (ZeroMQ, as vLLM's --kv-events-config): "
+                             "Narwhal follows them, and vllm-router kv_aware runs on its producers' (--pd-kv-events)")
     parser.add_argument("--replicas", type=int, default=0,
                         help="N >= 2: N router replicas behind a round-robin client against one router")
     parser.add_argument("--poll", type=float, default=0.25,
@@ -463,6 +484,10 @@ def main() -> int:
         parser.error("--chunked-prefill takes N >= 1 prompt tokens a step")
     if args.prefix_fleet != "default" and args.workload == "uniform":
         parser.error("--prefix-fleet goes with the shared-prefix or sessions workload")
+    if args.workload == "multi-turn" and args.prefix_fleet != "issue":
+        parser.error("--workload multi-turn goes with --prefix-fleet issue")
+    if args.kv_events and args.workload == "uniform":
+        parser.error("--kv-events goes with a cached workload")
     if args.replicas == 1 or args.replicas < 0 or (args.replicas and args.workload != "uniform"):
         parser.error("--replicas takes N >= 2, with the uniform workload")
     if args.workers < 1 or (args.workers > 1 and args.replicas):
@@ -473,9 +498,16 @@ def main() -> int:
     vr = args.vllm_router or shutil.which("vllm-router")
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-goodput-"))
     names = list(PREFIX_FLEETS[args.prefix_fleet]) if shared else ["p-fast", "p-slow", "d-fast", "d-slow"]
-    ports = {k: free_port() for k in [*names, *(n + "-kv" for n in names), "priced", "least", "vr", "a1", "a2",
-                                      "blind", "a3", "vrc", "workers", "a4"]}  # fmt: skip
-    engines = fleet(ports, caching=shared, kind=args.prefix_fleet)
+    ports = {k: free_port() for k in [*names, *(n + "-kv" for n in names), *(n + "-pub" for n in names),
+                                      *(n + "-replay" for n in names), "priced", "least", "vr", "a1", "a2",
+                                      "blind", "a3", "vrc", "workers", "a4", "greedy", "a5", "vrk"]}  # fmt: skip
+    kind = f"issue:{'multi-turn' if args.workload == 'multi-turn' else 'shared-prefix'}" if (
+        args.prefix_fleet == "issue") else args.prefix_fleet  # fmt: skip
+    engines = fleet(ports, caching=shared, kind=kind)
+    if args.kv_events:  # each engine binds its PUB and replay endpoints, as vLLM's tcp://*:P does
+        for e in engines:
+            e["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{ports[e['name'] + '-pub']}",
+                              "replay_endpoint": f"tcp://127.0.0.1:{ports[e['name'] + '-replay']}"}  # fmt: skip
     if args.chunked_prefill is not None:
         for e in engines:
             e["sim"]["max_num_batched_tokens"] = args.chunked_prefill
@@ -549,14 +581,19 @@ def main() -> int:
         if shared:
             blind_doc = router_doc(ports["blind"], ports["a3"], "blind", profiles={"path": str(profiles)},
                                    controller={"slo": slo, "admission": "refuse", "prefix_cache": "off"})  # fmt: skip
+            # Hit-aware, each request priced for its own TTFT alone (the cache plan off).
+            greedy_doc = router_doc(ports["greedy"], ports["a5"], "greedy", profiles={"path": str(profiles)},
+                                    controller={"slo": slo, "admission": "refuse", "cache_plan": "off"})  # fmt: skip
             targets = {"narwhal-hit-aware": targets.pop("narwhal-priced"),
+                       "narwhal-no-plan": [(greedy_doc, ports["greedy"])],
                        "narwhal-hit-blind": [(blind_doc, ports["blind"])], **targets}  # fmt: skip
         if args.baseline and not args.replicas:
             port = free_port()
             targets["narwhal-today"] = [(router_doc(port, free_port(), "today", profiles={"path": str(profiles)},
                                                    controller={"slo": slo, "admission": "refuse"}), port)]  # fmt: skip
         journals = {"narwhal-hit-aware": tmp / "priced", "narwhal-priced": tmp / "priced",
-                    "narwhal-hit-blind": tmp / "blind", "narwhal-today": tmp / "today"}  # fmt: skip
+                    "narwhal-hit-blind": tmp / "blind", "narwhal-today": tmp / "today",
+                    "narwhal-no-plan": tmp / "greedy"}  # fmt: skip
         chosen = set(args.routers.split(",")) if args.routers else None
         if chosen is not None:
             targets = {k: v for k, v in targets.items() if k in chosen}
@@ -572,6 +609,8 @@ def main() -> int:
         policies = {"vllm-router": ("round_robin", "vr")}
         if shared:
             policies = {"vllm-router-rr": ("round_robin", "vr"), "vllm-router-cache-aware": ("cache_aware", "vrc")}
+            if args.kv_events:  # kv_aware follows the producers' KV events (P/D mode: --pd-kv-events)
+                policies["vllm-router-kv-aware"] = ("kv_aware", "vrk")
         if chosen is not None:
             policies = {k: v for k, v in policies.items() if k in chosen}
         for label, (policy, key) in policies.items() if vr and not args.replicas else ():
@@ -579,6 +618,8 @@ def main() -> int:
                    "--port", str(ports[key]), "--prometheus-port", str(free_port())]  # fmt: skip
             for p in producer_engines:
                 cmd += ["--prefill", p["url"]]
+                if policy == "kv_aware":
+                    cmd += ["--pd-kv-events", f"{p['url']}={p['kv_events']['endpoint']}"]
             for d in consumer_engines:
                 cmd += ["--decode", d["url"]]
             procs.append(start(cmd, tmp / f"{label}.log"))
@@ -588,6 +629,8 @@ def main() -> int:
         capacity = {e["name"]: e["sim"].get("kv_capacity_tokens", 262144) for e in producer_engines}
         block = 16
         oracle: dict[float, float] = {}
+        ceilings: dict[float, dict[str, float]] = {}
+        producer_urls = {e["name"]: e["url"] for e in producer_engines}
         for rate in rates:
             for name, url in urls.items():  # url: one, or the replicas (round robin)
                 trace = None
@@ -595,17 +638,28 @@ def main() -> int:
                     # The same arrivals and prompts for every router; fresh prefixes per rate
                     # and router, so that no run starts with another's cache.
                     trace = tmp / f"{name}-{rate:g}.trace.jsonl"
-                    make = shared_prefix_trace if args.workload == "shared-prefix" else sessions_trace
-                    extra = {"zipf_s": args.zipf_s or None} if make is shared_prefix_trace else {"turns": args.turns}
-                    requests = make(trace, rate=rate, n=args.requests, prefixes=args.prefixes,
-                                    prefix_len=args.prefix_len, seed=int(rate * 1000),
-                                    tag=f"{len(results.get(name, []))}{name.replace('-', '')}", **extra)  # fmt: skip
+                    tag = f"{len(results.get(name, []))}{name.replace('-', '')}"
+                    if args.workload == "multi-turn":
+                        turns = multi_turn_trace(trace, rate=rate, n=args.requests, seed=int(rate * 1000), tag=tag)
+                        requests = [(prompt, group) for prompt, group, _, _ in turns]
+                        outputs = [out for *_, out in turns]
+                    else:
+                        make = shared_prefix_trace if args.workload == "shared-prefix" else sessions_trace
+                        extra = {"zipf_s": args.zipf_s or None} if make is shared_prefix_trace else {"turns": args.turns}
+                        requests = make(trace, rate=rate, n=args.requests, prefixes=args.prefixes,
+                                        prefix_len=args.prefix_len, seed=int(rate * 1000), tag=tag, **extra)  # fmt: skip
+                        outputs = [json.loads(line)["output_len"] for line in trace.read_text().splitlines()]
                     oracle.setdefault(rate, oracle_hit_rate(requests, capacity, block))
+                    if args.prefix_fleet == "issue" and rate not in ceilings:
+                        ceilings[rate] = ceiling(ISSUE_FLEET, requests, outputs, block=block,
+                                                 capacity=CONSUMER_CAPACITY, tpot_s=slo_ms["tpot_ms"] / 1000)  # fmt: skip
                 before = prefix_counters(producers) if shared else (0.0, 0.0)
+                counted = request_counts(producer_urls) if shared else {}
                 warmup = warmup_count(trace, args.warmup_s) if trace is not None and args.warmup_s else 0
                 summary = bench(url, rate, args.requests, tmp / f"{name}-{rate:g}", slo=slo_ms, trace=trace,
                                 warmup=warmup)  # fmt: skip
                 after = prefix_counters(producers) if shared else (0.0, 0.0)
+                share = shares(counted, request_counts(producer_urls)) if shared else {}
                 queries = after[1] - before[1]
                 hit_rate = (after[0] - before[0]) / queries if queries else None
                 both = summary["attainment"]["both"]
@@ -615,12 +669,13 @@ def main() -> int:
                     {"rate": rate, "attainment": both["ratio"], "goodput_rps": summary["goodput_rps"],
                      "by_class": by_class, "prefix_hit_rate": hit_rate, "oracle_hit_rate": oracle.get(rate),
                      "warmup_requests": warmup, "attainment_all": every, "refused_all": refused_all,
+                     "producer_shares": share, "ceiling": ceilings.get(rate),
                      "results": str(tmp / f"{name}-{rate:g}")}
                 )  # fmt: skip
                 hits = f"  hit rate {hit_rate:.3f}" if hit_rate is not None else ""
                 also = f" (all requests {every:.3f}, {warmup} warm-up)" if warmup and every is not None else ""
                 print(f"  {name:<24} rate {rate:>5g}/s  attainment {both['ratio']:.3f}{also}{hits}  "
-                      f"refused {by_class.get('refused', 0)}", file=sys.stderr, flush=True)  # fmt: skip
+                      f"refused {by_class.get('refused', 0)}  shares {share}", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         for proc in reversed(procs):
             stop(proc)
@@ -628,6 +683,7 @@ def main() -> int:
     # TTFT prediction error per producer, from each priced router's journal (the
     # journals are complete once the routers stopped).
     errors: dict[str, dict[str, dict[str, Any]]] = {}
+    ratios: dict[str, list[float]] = {}
     for name, points in results.items():
         journal = journals.get(name)
         if journal is None or not journal.exists():
@@ -641,8 +697,12 @@ def main() -> int:
                 lines = path.read_text().splitlines()
                 rows += [r for r in map(json.loads, lines) if r["client_class"] == "ok" and r["router_class"] == "ok"]
         errors[name] = prediction_by_producer(rows)
+        ratios[name] = [r["router_ttft_s"] / r["predicted_ttft_s"] for r in rows
+                        if r.get("predicted_ttft_s") and r.get("router_ttft_s")]  # fmt: skip
 
     prompt = PROMPT if not shared else (
+        "multi-turn: 32 conversations over 4 system prompts of 512 tokens, 50-200 new tokens a turn, "
+        "history up to 3,000 tokens") if args.workload == "multi-turn" else (
         f"{args.workload}: {args.prefixes} prefixes of {args.prefix_len} tokens"
         + (f", zipf s={args.zipf_s}" if args.workload == "shared-prefix" and args.zipf_s else "")
         + (f", {args.turns} turns" if args.workload == "sessions" else ", tails uniform:50:250")
@@ -662,6 +722,11 @@ def main() -> int:
     print(f"{'router':<26}" + "".join(f"{r:>9g}/s" for r in rates) + "   goodput@90%" + ("   hit rate   503s" if shared else ""))
     if shared:
         print(f"{'(oracle hit rate)':<26}" + "".join(f"{oracle.get(r, 0):>11.3f}" for r in rates))
+    if ceilings:
+        print(f"{'(fleet ceiling, req/s)':<26}" + "".join(f"{ceilings[r]['ceiling_rps']:>11.1f}" for r in rates)
+              + "   (prefill " + ", ".join(f"{ceilings[r]['prefill_rps']:.1f}" for r in rates)
+              + "; decode " + ", ".join(f"{ceilings[r]['decode_rps']:.1f}" for r in rates) + ")")  # fmt: skip
+        report["ceilings"] = {f"{r:g}": c for r, c in ceilings.items()}
     for name, points in results.items():
         goodput = goodput_at_90(points)
         report["routers"][name] = {"points": points, "goodput_at_90": goodput, "ttft_error_by_producer": errors.get(name)}
@@ -675,6 +740,9 @@ def main() -> int:
         print(line)
         if shared:
             print(f"{'  hit rate':<26}" + "".join(f"{p['prefix_hit_rate'] or 0:>11.3f}" for p in points))
+            for producer in producer_urls:
+                print(f"{'  share ' + producer:<26}"
+                      + "".join(f"{(p['producer_shares'] or {}).get(producer, 0.0):>11.2f}" for p in points))
         print(f"{'  503s':<26}" + "".join(f"{p['by_class'].get('refused', 0):>11d}" for p in points))
         if args.warmup_s:
             print(f"{'  all requests':<26}" + "".join(f"{p['attainment_all'] or 0:>11.3f}" for p in points)
@@ -702,8 +770,8 @@ def main() -> int:
     lead = "narwhal-hit-aware" if shared else "narwhal-priced"
     if lead in routers:
         g = routers[lead]["goodput_at_90"]
-        others = ("narwhal-hit-blind", "narwhal-least-loaded", "vllm-router-rr", "vllm-router-cache-aware",
-                  "vllm-router")  # fmt: skip
+        others = ("narwhal-no-plan", "narwhal-hit-blind", "narwhal-least-loaded", "vllm-router-rr",
+                  "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router")  # fmt: skip
         for other in others:
             if other in routers and routers[other]["goodput_at_90"] > 0:
                 every = ""
@@ -713,6 +781,9 @@ def main() -> int:
             elif other in routers:
                 print(f"{lead} / {other}: {other} never reached 90% attainment")
     report["targets"] = targets_met(routers, errors, rates, shared=shared, oracle=oracle, lead=lead, slo_ms=slo_ms)
+    if args.prefix_fleet == "issue" and lead in routers:
+        report["targets"].update(issue_targets(routers, lead, ceilings, ratios.get(lead, []), oracle,
+                                               workload=args.workload, kv_events=args.kv_events))  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

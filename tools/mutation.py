@@ -60,6 +60,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/retry.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # Client and admin keys, the admin listener's loopback rule.
     "narwhal/router/keys.py": ("tests/test_security.py",),
+    # Resuming a broken stream: what is resumed, the continuation, the rewritten events.
+    "narwhal/router/resume.py": ("tests/test_resume_ledger.py", "tests/test_resume.py"),
     # Its 600-odd mutants each rerun the router tests that reach them: these files keep
     # a run of the request path's functions (--only) under an hour on two cores.
     "narwhal/router/lifecycle.py": (
@@ -134,6 +136,8 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_fleet_settings.py", "tests/test_fleet_reload.py",
         # What an engine's readiness, its leaving and new settings ask of the router's parts.
         "tests/test_fleet_engines.py",
+        # All or nothing, make before break, per-model roles, linear work.
+        "tests/test_fleet_reload_hostile.py", "tests/test_fleet_replace.py", "tests/test_fleet_scale.py",
         # What runs before and after a document is applied (DNS discovery's resolutions).
         "tests/test_discovery.py::test_a_reload_brings_a_group_and_refuses_one_that_cannot_resolve",
         "tests/test_discovery.py::test_a_failed_lookup_keeps_the_engines_and_an_empty_name_keeps_the_role",
@@ -155,6 +159,17 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/test_prefix_placement.py::test_hit_aware_pricing_carries_a_shared_prefix_load_hit_blind_refuses",
         "--deselect=tests/test_prefix_replication.py::test_hit_aware_placement_carries_more_than_the_fast_producer_alone",
     ),
+    # The cache plan's modules: their rules' unit tests, then the views block for block
+    # against the simulated pool (the end-to-end runs of tests/test_cache_plan.py take
+    # minutes each: left out).
+    "narwhal/router/chains.py": ("tests/test_cache_views.py", "tests/test_prefix_index.py"),
+    "narwhal/router/cacheviews.py": ("tests/test_cache_views.py", "tests/test_prefix_index.py"),
+    "narwhal/router/cacheplan.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/cachegroups.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/choice.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/cachecal.py": ("tests/test_cache_calibration.py", "tests/test_cache_plan_rules.py"),
+    "narwhal/router/handoff.py": ("tests/test_cache_plan_rules.py",),
+    "narwhal/router/quotes.py": ("tests/test_cache_plan_rules.py", "tests/test_prefix_placement.py::test_the_consumers_cached_blocks_only_break_ties"),
     # The router's prefix-cache tests: views made, dropped and cleared from the engines'
     # metrics, KV-event subscribers, stale streams (without the load-level comparisons).
     "narwhal/router/prefixwatch.py": (
@@ -169,8 +184,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     # The reactive controller's rules directly (corrections, demand, the pressure model,
     # the decisions and their file), and end to end behind a router.
     "narwhal/router/controller.py": ("tests/test_controller_rules.py", "tests/test_reactive.py"),
-    # DNS-discovered engine groups: resolution, expansion, fleet changes.
-    "narwhal/router/discovery.py": ("tests/test_discovery.py",),
+    # DNS-discovered engine groups: resolution, expansion, fleet changes, max_engines.
+    "narwhal/router/discovery.py": (
+        "tests/test_discovery.py",
+        "tests/test_fleet_scale.py::test_an_answer_larger_than_max_engines_adds_its_first_addresses",
+    ),
+    # What a document changes (settings diff with secrets redacted, restart-only paths).
+    "narwhal/router/fleetdiff.py": ("tests/test_fleet_settings.py", "tests/test_fleet_reload_hostile.py"),
     # The router's families fed from records and transitions, and the live gauges read at
     # scrape time, in direct tests; the admin surface's /metrics end to end.
     "narwhal/router/metrics.py": ("tests/test_observability.py",),

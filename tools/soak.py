@@ -33,6 +33,15 @@ an engine restart every 6 s, and judges only the invariants above, none of which
 depends on the machine's speed: a loaded CI machine serves fewer requests, not
 different ones. The RSS figure is printed but not judged there (20 s is within the
 allocator's warm-up).
+
+    python tools/soak.py --resume-streams
+
+With ``--resume-streams`` the router resumes broken decodes (``recovery.resume_streams``)
+and every client asks for token ids; it also checks that every answer carries exactly
+the tokens of an uninterrupted greedy run, each once and in order, or a prefix of them
+when it ended with an error (never a duplicated or lost token), that at least 99 % of
+the requests that met a decode fault after their first token completed, and reports the
+delay at each break against the continuation's own first-token time.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from narwhal.router.journal import TERMINAL_CLASSES
 from narwhal.router.service import open_router
 from narwhal.testing import SimFleet, open_sim_fleet
 from narwhal.testing.ports import free_port
+from narwhal.testing.tokenizer import encode, encode_chat, greedy_tokens
 
 PREFILL = ("prefill-0", "prefill-1")
 DECODE = ("decode-0", "decode-1")
@@ -87,7 +97,7 @@ DECODE_FAULTS = [
 ]
 
 
-def fleet(journal: Path, rate: float, seed: int) -> FleetConfig:
+def fleet(journal: Path, rate: float, seed: int, resume: bool = False) -> FleetConfig:
     def sim(i: int, faults: list[FaultSpec]) -> dict[str, Any]:
         return {
             "seed": seed + i, "model": "sim-llama", "max_model_len": 4096,
@@ -113,7 +123,7 @@ def fleet(journal: Path, rate: float, seed: int) -> FleetConfig:
         "engine": {"first_token_timeout_s": FIRST_TOKEN_S, "decode_read_timeout_s": SILENCE_S,
                    "request_timeout_s": REQUEST_S, "connect_timeout_s": 2.0},
         "handoff": {"max_age_s": HANDOFF_S},
-        "recovery": {"eject_after": 5, "probe_interval_s": 1.0},
+        "recovery": {"eject_after": 5, "probe_interval_s": 1.0, "resume_streams": resume},
         "journal": {"path": str(journal), "fsync": False},
     })  # fmt: skip
 
@@ -201,6 +211,10 @@ class Seen:
         if not (self.stream and self.status == 200):
             return True
         return self.complete and (self.done != (self.error is not None)) and self.after_end == 0
+    token_ids: list[int] = attrs.Factory(list)
+    #: --resume-streams: the token ids are the greedy run's (all of them, or a prefix
+    #: for an answer that ended with an error); None when not checked.
+    ids_ok: bool | None = None
 
 
 async def one_request(port: int, rid: str, body: dict[str, Any], path: str) -> Seen:
@@ -250,10 +264,13 @@ async def one_request(port: int, rid: str, body: dict[str, Any], path: str) -> S
                             seen.error = obj["error"]
                         elif obj.get("choices"):
                             seen.tokens += 1
+                            seen.token_ids += obj["choices"][0].get("token_ids") or ()
                 elif isinstance(event, h11.EndOfMessage):
                     seen.complete = True
                     if seen.status != 200:
                         seen.error = json.loads(body_bytes).get("error")
+                    elif not seen.stream:
+                        seen.token_ids = json.loads(body_bytes)["choices"][0].get("token_ids") or []
                     return seen
                 else:
                     return seen
@@ -261,6 +278,12 @@ async def one_request(port: int, rid: str, body: dict[str, Any], path: str) -> S
         return seen
     finally:
         await trio.aclose_forcefully(stream)
+
+
+#: --resume-streams: the classes a stream's terminal event may carry after a resume
+#: (the last attempt's failure, at any leg, or a refused placement).
+RESUMED_ENDS = frozenset({"decode_failed", "silence_timeout", "prefill_failed", "first_token_timeout",
+                          "handoff_expired", "invalid_descriptor", "refused", "deadline_exceeded"})
 
 
 def expected_classes(seen: Seen) -> set[str]:
@@ -328,7 +351,11 @@ async def clients(port: int, run: Run, args: argparse.Namespace, rng: random.Ran
             else:
                 body["prompt"] = words
             path = "/v1/chat/completions" if chat else "/v1/completions"
+            if args.resume_streams:
+                body["return_token_ids"] = True
             seen = await one_request(port, f"soak-{n:07d}", body, path)
+            if args.resume_streams:
+                check_token_ids(seen, body)
             run.seen.append(seen)
             if seen.status == 503 and seen.error and seen.error.get("type") == "service_unavailable":
                 await trio.sleep(min(seen.retry_after_s, 5.0))  # a refused client waits its Retry-After
@@ -336,6 +363,54 @@ async def clients(port: int, run: Run, args: argparse.Namespace, rng: random.Ran
     async with trio.open_nursery() as nursery:
         for _ in range(args.clients):
             nursery.start_soon(worker)
+
+
+def check_token_ids(seen: Seen, body: dict[str, Any]) -> None:
+    """Whether the answer's token ids are the greedy run's, each once, in order: all of
+    them when it completed, a prefix when it ended with an error (--resume-streams)."""
+    prompt = encode_chat(body["messages"]) if "messages" in body else encode(body["prompt"])
+    want = greedy_tokens("sim-llama", prompt, body["max_tokens"])
+    whole = seen.status == 200 and seen.error is None and (seen.done or not seen.stream)
+    seen.ids_ok = seen.token_ids == want if whole else seen.token_ids == want[: len(seen.token_ids)]
+    seen.token_ids = []  # checked: not kept (RSS is measured)
+
+
+def resume_report(run: Run, records: list[dict[str, Any]]) -> dict[str, bool]:
+    """--resume-streams: tokens exactly once, the share of broken decodes that completed,
+    and the delay at each break."""
+    checked = [s for s in run.seen if s.ids_ok is not None]
+    wrong = [s for s in checked if not s.ids_ok]
+    # A decode fault after the first token: an attempt that delivered tokens and failed,
+    # or a resume (which follows one).
+    met = [r for r in records if any(a.get("resume") or (a["output_tokens"] and a["outcome"] != "ok")
+                                     for a in r["attempts"])]  # fmt: skip
+    completed = sum(r["terminal_class"] == "ok" for r in met)
+    resumes = [a for r in records for a in r["attempts"] if a.get("resume")]
+    causes = collections.Counter(a["resume"] for a in resumes)
+    why_not = collections.Counter(a["not_resumed"] for r in records for a in r["attempts"] if a.get("not_resumed"))
+    started = [a for a in resumes if a.get("first_token_s") is not None]
+    gaps = sorted(a["first_token_s"] - a["resumed_at_s"] for a in started)
+    own = sorted(a["first_token_s"] - a["started_s"] for a in started)
+    extra = sorted((a["first_token_s"] - a["resumed_at_s"]) / (a["first_token_s"] - a["started_s"]) for a in started)
+    first = sorted(r["first_byte_s"] for r in records if r["terminal_class"] == "ok" and r["first_byte_s"] is not None)
+
+    def q(xs: list[float], p: float) -> float:
+        return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+
+    share = completed / len(met) if met else 1.0
+    print(f"token ids:           {len(checked) - len(wrong)}/{len(checked)} answers carry the greedy run's tokens "
+          f"exactly once (all of them, or a prefix before an error); {len(wrong)} do not")
+    print(f"broken decodes:      {len(met)} requests met a decode fault after their first token; "
+          f"{completed} completed ({100 * share:.2f} %)")
+    print("resumes:             " + ", ".join(f"{k} {v}" for k, v in sorted(causes.items()))
+          + f"; not resumed: {dict(why_not) or 'none'}")
+    print(f"break delay ms:      break seen -> first token after it p50 {1000 * q(gaps, 0.5):.1f} "
+          f"p99 {1000 * q(gaps, 0.99):.1f}; the continuation's own first-token time p50 {1000 * q(own, 0.5):.1f} "
+          f"p99 {1000 * q(own, 0.99):.1f}; ratio p50 {q(extra, 0.5):.3f} max {q(extra, 1.0):.3f} "
+          f"(ordinary first byte p50 {1000 * q(first, 0.5):.1f})")
+    for seen in wrong[:5]:
+        print(f"  wrong token ids: {seen}", file=sys.stderr)
+    return {"tokens exactly once": not wrong and bool(checked), "99% of broken decodes complete": share >= 0.99}
 
 
 async def restarter(sims: SimFleet, run: Run, every: float) -> None:
@@ -364,7 +439,7 @@ async def sampler(sims: SimFleet, run: Run, warmup: float) -> None:
 
 async def soak(args: argparse.Namespace, journal: Path) -> tuple[Run, dict[str, Any]]:
     rng = random.Random(args.seed)
-    config = fleet(journal, args.fault_rate, args.seed)
+    config = fleet(journal, args.fault_rate, args.seed, args.resume_streams)
     run = Run()
     gc.collect()
     before = (rss_mib(), open_fds())
@@ -414,9 +489,12 @@ def report(run: Run, figures: dict[str, Any], journal: Path, args: argparse.Name
     matched, mismatches = 0, []
     for seen in run.seen:
         recs = by_id.get(seen.rid, [])
+        expected = expected_classes(seen)
+        if args.resume_streams and seen.status == 200 and seen.error is not None and not seen.done:
+            expected |= RESUMED_ENDS  # a resume's own failure ends the stream
         ok = (
             len(recs) == 1
-            and recs[0]["terminal_class"] in expected_classes(seen)
+            and recs[0]["terminal_class"] in expected
             and recs[0]["status"] == seen.status
         )
         matched += ok
@@ -484,6 +562,8 @@ def report(run: Run, figures: dict[str, Any], journal: Path, args: argparse.Name
         # Allocator noise aside, steady load must not grow memory (a short run is still
         # within the allocator's warm-up: printed, not judged).
         checks["rss flat"] = rss_flat
+    if args.resume_streams:
+        checks.update(resume_report(run, records))
     leaks = int(fd_leak > 0) + int(bool(leaked_tasks)) + int(not rss_flat and not args.short)
     print(f"leaks:               {leaks}")
     for name, ok in checks.items():
@@ -507,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the CI form: {SHORT['duration']:g} s of load by {SHORT['clients']} clients, fault rate "
                              f"{SHORT['fault_rate']:g}, a restart every {SHORT['restart_every']:g} s (unless given), "
                              "judged by invariants only (under a minute of wall time)")
+    parser.add_argument("--resume-streams", action="store_true",
+                        help="resume broken decodes (recovery.resume_streams) and check every token once")
     args = parser.parse_args(argv)
     if args.short:
         for name, value in SHORT.items():

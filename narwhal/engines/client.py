@@ -558,8 +558,8 @@ class EngineClient:
         ``max_completion_tokens: 1`` on chat), ``stream: false``, no
         ``stream_options`` or ``min_tokens``, ``return_token_ids: true`` and the
         connector's ``kv_transfer_params`` request block in place of any the client
-        sent, with ``ignore_eos: true`` so that it ends by its length cap. The
-        generated token is discarded.
+        sent, with ``ignore_eos: true`` and no ``stop`` or ``stop_token_ids`` so that it
+        ends by its length cap. The generated token is discarded.
 
         Args:
             body: the client's request body.
@@ -600,8 +600,11 @@ class EngineClient:
             payload["kv_transfer_params"] = prefill_request_params(self.connector)
             # The discarded token must end the request by its length cap: a producer
             # whose first token is end-of-sequence finishes with "stop" and hands off
-            # nothing. The decode leg generates (and may stop on) every visible token.
+            # nothing (nor may a stop string or stop token end it). The decode leg
+            # generates (and may stop on) every visible token.
             payload["ignore_eos"] = True
+            payload.pop("stop", None)
+            payload.pop("stop_token_ids", None)
         self._with_model(payload)
 
         started_at = trio.current_time()
@@ -862,6 +865,23 @@ class EngineClient:
         status, _reason, _body = await self._fetch("POST", "/reset_prefix_cache", None, leg="reset")
         return status == 200
 
+    async def detokenize(self, ids: Sequence[int], *, model: str | None = None) -> str:
+        """The text of token ids (vLLM's ``POST /detokenize``, which answers ``{"prompt": text}``).
+
+        Raises:
+            EngineProtocolError: the answer carries no text.
+        """
+        payload: dict[str, Any] = {"tokens": list(ids)}
+        if model is not None:
+            payload["model"] = model
+        obj = await self._request_json("POST", "/detokenize", self._with_model(payload), leg="detokenize")
+        text = obj.get("prompt")
+        if not isinstance(text, str):
+            raise EngineProtocolError(
+                f"engine {self.name} answered /detokenize without a text", engine=self.name, leg="detokenize"
+            )
+        return text
+
     async def metrics(self, names: frozenset[str] | None = None) -> EngineMetrics:
         """The engine's load from ``/metrics``, with every sample parsed, or only the
         samples ``names`` (and those the load reads)."""
@@ -949,10 +969,17 @@ class EngineClient:
 
     async def unhealthy(self) -> str | None:
         """Why ``GET /health`` does not answer 200 (the connection error or the status);
-        None when it does."""
+        None when it does.
+
+        Raises:
+            RouterOverloaded: the router itself lacked the descriptors, buffers or memory
+                to ask (which says nothing about the engine).
+        """
         try:
             status, reason, _ = await self._fetch("GET", "/health", None, leg="health")
         except EngineError as exc:
+            if exc.router_fault:
+                raise
             return str(exc)
         return None if status == 200 else f"engine {self.name} /health answered HTTP {status} {reason}".rstrip()
 

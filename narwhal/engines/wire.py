@@ -11,7 +11,10 @@ timeout, TCP_NODELAY on every socket. A streamed body yields everything that has
 arrived in one piece, so a burst of SSE events costs one iteration.
 
 Errors are httpx's (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
-``WriteError``, ``RemoteProtocolError``), so callers map them in one place. A pooled
+``WriteError``, ``RemoteProtocolError``), so callers map them in one place, except
+one: a connection that cannot be opened because the router itself ran out of
+descriptors, buffers, memory or local ports is :class:`~narwhal.errors.RouterOverloaded`,
+the router's fault and not the engine's. A pooled
 connection that turns out to be closed before any byte of the response arrived is
 retried once on a fresh connection (the engine never saw the request).
 
@@ -34,6 +37,7 @@ from typing import Final
 import httpx
 import trio
 
+from narwhal.errors import RouterOverloaded, resource_exhaustion
 from narwhal.netio import StreamIO
 
 __all__ = ["Connector", "WireResponse", "WireTransport", "tcp_connector"]
@@ -365,6 +369,9 @@ class WireTransport(httpx.AsyncBaseTransport):
         except trio.TooSlowError:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
+            lack = resource_exhaustion(exc)
+            if lack is not None:
+                raise RouterOverloaded.opening(f"{host}:{port}", lack) from exc
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
         self.connections_opened += 1
         return _Conn(stream, origin)
@@ -390,7 +397,7 @@ class WireTransport(httpx.AsyncBaseTransport):
 
         Raises:
             httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.ReadError,
-            httpx.RemoteProtocolError: as the module docstring says.
+            httpx.RemoteProtocolError, RouterOverloaded: as the module docstring says.
         """
         if self._closed:
             raise httpx.ConnectError("transport is closed")

@@ -208,21 +208,31 @@ class Connection:
     async def write(self, data: bytes, on_wait: Callable[[], None] | None = None) -> None:
         """One ``send_all``; a failed write means the client is gone (cancels the handler).
 
-        ``on_wait`` is called if the write has to wait for the client to read.
+        ``on_wait`` is called if the write has to wait for the client to read. A client
+        that reads nothing for ``send_timeout_s`` while the write waits counts as gone
+        too (:class:`trio.BrokenResourceError` where no handler is cancelled).
         """
         try:
-            await self.io.send_all(data, on_wait=on_wait)
+            await self.io.send_all(data, on_wait=on_wait, wait_s=self.limits.send_timeout_s)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.client_gone()
             await trio.lowlevel.checkpoint()  # raises Cancelled inside the handler's scope
             raise
+        except trio.TooSlowError as exc:
+            reason = f"client read nothing for {self.limits.send_timeout_s:g} s (send timeout)"
+            self.client_gone(reason)
+            await trio.lowlevel.checkpoint()
+            raise trio.BrokenResourceError(reason) from exc
 
-    def client_gone(self) -> None:
+    def client_gone(self, reason: str = "client disconnected") -> None:
+        """The client went away (or stopped reading: ``reason``): cancel its request."""
         self.gone = True
         if self.request is not None:
+            if not self.request.disconnected.is_set():
+                self.request.disconnect_reason = reason
             self.request.disconnected.set()
         if self.handler_scope is not None:
-            self.handler_scope.cancel("client disconnected")
+            self.handler_scope.cancel(reason)
 
     def response_head(
         self, status: int, headers: Sequence[tuple[str, str]], content_length: int | None
@@ -433,7 +443,8 @@ class Connection:
 
     def start_watcher(self, request: Request) -> None:
         """Start ``request``'s disconnect watcher, if the request is still being handled:
-        its socket in the server's socket watch, else a task (any other stream)."""
+        its socket in the server's socket watch, else a task (any other stream, or a
+        socket the socket watch cannot take)."""
         if self.request is not request or self.watcher is not None or self.polled_fd >= 0 or self.detached:
             return
         sock = self.io.socket
@@ -441,10 +452,17 @@ class Connection:
         if sock is not None and socket_watch is not None:
             fd = sock.fileno()
             if fd >= 0:
-                self.read_ahead = 0
-                socket_watch.watch(fd, self.on_readable)
-                self.polled_fd = fd
-                return
+                try:
+                    socket_watch.watch(fd, self.on_readable)
+                except OSError as exc:
+                    # Out of descriptors or memory: a task of its own watches instead (a
+                    # request left unwatched would notice a client's FIN only when a write
+                    # failed, never while a write waits on a client that stopped reading).
+                    self.server.watch_failed(exc)
+                else:
+                    self.read_ahead = 0
+                    self.polled_fd = fd
+                    return
         assert self.nursery is not None
         self.watcher = watcher = _Watcher()
         self.nursery.start_soon(self.watch, watcher)

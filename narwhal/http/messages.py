@@ -48,6 +48,15 @@ class ServerLimits:
     goes away; a request that ends sooner never needs it. ``0`` watches every request
     from its start. Until the watch starts, a client that went away is noticed when a
     write to it fails.
+
+    ``send_timeout_s`` (nginx's ``send_timeout``): the longest one write to the client
+    may wait without the client reading anything (a full socket buffer; any progress
+    restarts it); then the client counts as gone: the handler is cancelled as for a
+    disconnect and the connection is closed.
+
+    ``max_connections``: the most connections accepted from listeners open at once
+    (the server stops accepting at the limit); None: what the process's open-file
+    limit allows (:func:`narwhal.http.server.default_max_connections`).
     """
 
     max_header_bytes: int = 16384
@@ -56,6 +65,8 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0
     disconnect_check_s: float = 0.05
+    send_timeout_s: float = 60.0
+    max_connections: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _positive("max_header_bytes", self.max_header_bytes)
@@ -64,6 +75,9 @@ class ServerLimits:
         _positive("body_timeout_s", self.body_timeout_s)
         _positive("keepalive_timeout_s", self.keepalive_timeout_s)
         _not_negative("disconnect_check_s", self.disconnect_check_s)
+        _positive("send_timeout_s", self.send_timeout_s)
+        if self.max_connections is not None:
+            _positive("max_connections", self.max_connections)
 
 
 @attrs.define(eq=False)
@@ -72,7 +86,8 @@ class Request:
 
     ``path`` and ``query`` are the raw (not percent-decoded) parts of ``target``;
     header names are lower-cased. ``disconnected`` is set when the client goes away
-    while the handler runs (the handler is cancelled at the same moment).
+    while the handler runs (the handler is cancelled at the same moment), or stops
+    reading for ``ServerLimits.send_timeout_s``; ``disconnect_reason`` says which.
     """
 
     method: str
@@ -83,6 +98,7 @@ class Request:
     body: bytes = b""
     client: tuple[str, int] | None = None
     disconnected: trio.Event = attrs.field(factory=trio.Event, repr=False)
+    disconnect_reason: str = ""
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (case-insensitive), or None."""

@@ -6,23 +6,75 @@ keep-alive loop run by :class:`narwhal.http.connection.Connection` (limits, time
 the handler and its disconnect watcher, error responses: see that module). The
 request and response objects live in :mod:`narwhal.http.messages` and are
 re-exported here.
+
+Accepting (as nginx does): at ``ServerLimits.max_connections`` open connections the
+server stops accepting until one closes, so further clients wait in the kernel's
+listen backlog instead of taking the descriptors the open ones need (each request
+opens connections to engines too). An ``accept()`` that fails because the process or
+the system is out of descriptors, buffers or memory (``EMFILE``, ``ENFILE``,
+``ENOBUFS``, ``ENOMEM``) pauses accepting until a connection closes or
+:data:`ACCEPT_PAUSE_S` passes, without a log line per try; any other failure is
+logged and retried after the same pause. Neither ends the server.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import resource
 import socket
+from collections.abc import Sequence
+from typing import Final
 
 import trio
 
+from narwhal.errors import RESOURCE_ERRNOS
 from narwhal.http.connection import Connection
 from narwhal.http.delayed import DelayedCalls
 from narwhal.http.messages import JSON_HEADERS, Handler, Request, ResponseWriter, ServerLimits
 from narwhal.http.sockwatch import SocketWatch, available
 
-__all__ = ["JSON_HEADERS", "HTTPServer", "Handler", "ListenError", "Request", "ResponseWriter", "ServerLimits"]
+__all__ = [
+    "ACCEPT_PAUSE_S",
+    "JSON_HEADERS",
+    "HTTPServer",
+    "Handler",
+    "ListenError",
+    "Request",
+    "ResponseWriter",
+    "ServerLimits",
+    "default_max_connections",
+]
 
 logger = logging.getLogger("narwhal.http")
+
+#: How long accepting pauses after ``accept()`` failed (nginx's 500 ms), unless a
+#: connection closes first.
+ACCEPT_PAUSE_S: Final = 0.5
+#: At most one log line per this many seconds about each of: the connection limit,
+#: failing accepts, sockets the socket watch cannot take (each line says how many so far).
+_WARN_EVERY_S: Final = 10.0
+#: Descriptors kept back from the served connections by the default limit: listeners,
+#: the journal, engine metrics and KV-event sockets, the event loop's own.
+_RESERVED_FDS: Final = 64
+#: Descriptors one served connection may hold: its own, and a prefill and a decode
+#: connection to engines while a request of it runs.
+_FDS_PER_CONNECTION: Final = 3
+#: The default limit where the process may open any number of descriptors.
+_UNLIMITED_DEFAULT: Final = 65536
+
+
+def default_max_connections() -> int:
+    """The connection limit of a server whose ``ServerLimits.max_connections`` is None:
+    what the process's open-file limit (the soft ``RLIMIT_NOFILE``) leaves for
+    connections that each may hold three descriptors, after a reserve of 64; at least 16."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return _UNLIMITED_DEFAULT
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return _UNLIMITED_DEFAULT
+    return min(_UNLIMITED_DEFAULT, max(16, (soft - _RESERVED_FDS) // _FDS_PER_CONNECTION))
 
 
 class ListenError(OSError):
@@ -58,6 +110,17 @@ class HTTPServer:
         self.server_name = server_name
         self.server_header = server_name.encode("latin-1")
         self._connections: set[Connection] = set()
+        #: The most connections accepted from listeners open at once (see the module docstring).
+        self.max_connections = (
+            limits.max_connections if limits.max_connections is not None else default_max_connections()
+        )
+        self._accepted = 0  # connections accepted from listeners and not yet closed
+        self._slot_freed = trio.lowlevel.ParkingLot()
+        #: Times accepting paused at the connection limit, and accepts that failed.
+        self.limit_reached = 0
+        self.accept_failures = 0
+        self.watch_failures = 0  # requests watched by a task because the socket watch failed
+        self._warned: dict[str, float] = {}  # what -> when last logged
         self._accept_scopes: set[trio.CancelScope] = set()
         self._closing = False
         self._in_flight = 0
@@ -77,6 +140,11 @@ class HTTPServer:
     def open_connections(self) -> int:
         """Connections being served (all of them, however they were accepted)."""
         return len(self._connections)
+
+    @property
+    def accepted_connections(self) -> int:
+        """Connections accepted from listeners and not yet closed (what ``max_connections`` bounds)."""
+        return self._accepted
 
     @property
     def closing(self) -> bool:
@@ -133,35 +201,115 @@ class HTTPServer:
         for listener in listeners:
             name = listener.socket.getsockname()
             addresses.append((str(name[0]), int(name[1])))
+        await self.serve_listeners(listeners, task_status=task_status, started=addresses)
+
+    async def serve_listeners(
+        self,
+        listeners: Sequence[trio.abc.Listener[trio.abc.Stream]],
+        *,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+        started: list[tuple[str, int]] | None = None,
+    ) -> None:
+        """Accept connections from ``listeners`` (see the module docstring) and serve
+        them until :meth:`shutdown` completes; the listeners are closed once shutdown
+        stops accepting (clients still in their backlog are refused, not left waiting).
+
+        Reports ``started`` (the bound addresses; empty by default) through ``task_status``.
+        """
         accept_scope = trio.CancelScope()
         self._accept_scopes.add(accept_scope)
         if self._closing:
             accept_scope.cancel("server shutdown")
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._accept, listeners, nursery, accept_scope)
-                task_status.started(addresses)
+            async with trio.open_nursery() as nursery:  # the connections
+                try:
+                    with accept_scope:
+                        async with trio.open_nursery() as accepting:
+                            for listener in listeners:
+                                accepting.start_soon(self._accept, listener, nursery)
+                            task_status.started(started or [])
+                finally:
+                    for listener in listeners:
+                        await trio.aclose_forcefully(listener)
         finally:
             self._accept_scopes.discard(accept_scope)
-            for listener in listeners:
-                await trio.aclose_forcefully(listener)
 
-    async def _accept(
-        self,
-        listeners: list[trio.SocketListener],
-        nursery: trio.Nursery,
-        scope: trio.CancelScope,
-    ) -> None:
-        with scope:
-            await trio.serve_listeners(self._serve_socket, listeners, handler_nursery=nursery)
+    async def _accept(self, listener: trio.abc.Listener[trio.abc.Stream], nursery: trio.Nursery) -> None:
+        """Accept from ``listener`` while under the connection limit; each connection is
+        served in ``nursery``."""
+        while True:
+            if self._accepted >= self.max_connections:
+                self.limit_reached += 1
+                self._warn(
+                    "limit",
+                    "%d connections open (the server's max_connections): new ones wait in the listen "
+                    "backlog until one closes (reached %d times)",
+                    self.max_connections,
+                    self.limit_reached,
+                )
+                while self._accepted >= self.max_connections:
+                    await self._slot_freed.park()
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return
+            except OSError as exc:
+                await self._accept_failed(exc)
+                continue
+            self._accepted += 1
+            nursery.start_soon(self._serve_accepted, stream)
 
-    async def _serve_socket(self, stream: trio.SocketStream) -> None:
+    async def _accept_failed(self, exc: OSError) -> None:
+        self.accept_failures += 1
+        lack = RESOURCE_ERRNOS.get(exc.errno) if exc.errno is not None else None
+        if lack is not None:
+            self._warn(
+                "accept",
+                "accept() failed: out of %s (%s); not accepting for %g s or until a connection closes "
+                "(%d failed accepts so far)",
+                lack,
+                exc.strerror,
+                ACCEPT_PAUSE_S,
+                self.accept_failures,
+            )
+        else:
+            self._warn(
+                "accept", "accept() failed: %s; retrying in %g s (%d failed accepts so far)",
+                exc, ACCEPT_PAUSE_S, self.accept_failures,
+            )  # fmt: skip
+        with trio.move_on_after(ACCEPT_PAUSE_S):
+            if lack is not None:
+                await self._slot_freed.park()  # a closed connection gave a descriptor back
+            else:
+                await trio.sleep_forever()
+
+    def watch_failed(self, exc: OSError) -> None:
+        """A request's socket could not join the socket watch (a task watches it instead)."""
+        self.watch_failures += 1
+        self._warn(
+            "watch", "cannot watch a client socket with the others (%s): a task per request watches "
+            "instead (%d so far)", exc, self.watch_failures,
+        )  # fmt: skip
+
+    def _warn(self, what: str, message: str, *args: object) -> None:
+        """Log ``message`` at most once per :data:`_WARN_EVERY_S` for ``what``."""
+        now = trio.current_time()
+        if now - self._warned.get(what, -math.inf) >= _WARN_EVERY_S:
+            self._warned[what] = now
+            logger.warning(message, *args)
+
+    async def _serve_accepted(self, stream: trio.abc.Stream) -> None:
         try:
-            # Tokens are small writes that must leave at once: no Nagle delay.
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-        except OSError:
-            pass  # the peer is already gone; handle_connection will notice
-        await self.handle_connection(stream)
+            if isinstance(stream, trio.SocketStream):
+                try:
+                    # Tokens are small writes that must leave at once: no Nagle delay.
+                    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+                except OSError:
+                    pass  # the peer is already gone; handle_connection will notice
+            await self.handle_connection(stream)
+        finally:
+            self._accepted -= 1
+            self._slot_freed.unpark_all()
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting, close idle connections, let in-flight requests finish for up

@@ -19,7 +19,8 @@ unwatches. The set and its task last until :meth:`SocketWatch.aclose` (the ownin
 server closed its last connection) or the end of the run.
 
 Where ``select.epoll`` does not exist, :func:`available` is False and the owner keeps
-a task per watch.
+a task per watch; it does too for a socket the set cannot take (:meth:`SocketWatch.watch`
+raises ``OSError``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ class SocketWatch:
         """Call ``callback()`` while ``fd`` is readable, until :meth:`unwatch`.
 
         Must be called in a trio run; ``fd`` must not be watched already.
+
+        Raises:
+            OSError: the set cannot take it (its ``epoll`` descriptor cannot be made when
+                the process is out of descriptors, ``epoll_ctl`` can run out of memory or
+                of ``max_user_watches``): nothing is watched, and the caller watches
+                ``fd`` another way.
         """
         ep = self._epoll
         if ep is None:

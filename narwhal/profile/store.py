@@ -24,7 +24,7 @@ from typing import Any, Final, Literal, TypeVar
 
 import attrs
 
-from narwhal.config import converter, parse_as
+from narwhal.config import converter, parse_as, read_document
 from narwhal.engines.client import EngineIdentity
 from narwhal.errors import ConfigError
 from narwhal.profile.fit import CACHED_MODEL, TPOT_MODEL, TTFT_MODEL, cached_prefill_s
@@ -446,18 +446,17 @@ def write_json(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> Any:
-    """Parse a JSON file.
+    """Parse a JSON file (a regular file of at most :data:`~narwhal.config.MAX_DOCUMENT_BYTES`).
 
     Raises:
-        ConfigError: unreadable or not JSON (the message names ``what``).
+        ConfigError: unreadable, not a regular file, too large, or not JSON (the
+            message names ``what``).
     """
     source = os.fspath(path)
+    data = read_document(source, what)  # a regular file of a bounded size, or refused unread
     try:
-        with open(source, encoding="utf-8") as f:  # pragma: no mutate (equivalent in a UTF-8 locale, the only one a test here runs in)
-            return json.load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what}: {exc.strerror}", source=source) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(f"{what} is not valid JSON: {exc}", source=source) from None
 
 

@@ -142,6 +142,9 @@ class AdminApp:
             kv = state.kv_events_status(e.name)
             if kv is not None:
                 engines[-1]["kv_events"] = kv
+            cache = state.prefix_cache_status(e.name)
+            if cache is not None:
+                engines[-1]["prefix_cache"] = cache
             placement = state.placement
             if isinstance(placement, PricedPlacement) and e.name in placement.prefill_engines and e.name in placement.profiles:
                 engines[-1]["prefill_queue"] = "batched" if e.name in placement.queue_models.batched else "serial"

@@ -131,11 +131,8 @@ class Breaker:
         """The engine left the fleet: its state is forgotten, and later reports about it
         (a probe or a request that outlived it) are ignored."""
         self.states.pop(engine, None)
-        self._peers.pop(engine, None)
-        for groups in self._peers.values():
-            for group in groups:
-                if engine in group:
-                    group.remove(engine)
+        for group in self._peers.pop(engine, ()):  # the role groups it was in (shared by their members)
+            group.remove(engine)
 
     def add_listener(self, listener: Callable[[Transition], None]) -> None:
         self._listeners.append(listener)

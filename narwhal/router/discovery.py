@@ -10,10 +10,16 @@ Each group is resolved (``trio.socket.getaddrinfo``, so a custom hostname resolv
 applies) when the router starts or a reload brings it, then every
 ``resolve_every_s``. When the set of addresses changes, the fleet changes exactly as a
 reload would (:mod:`narwhal.router.fleet`): a new address is a ``starting`` engine that
-takes traffic once its readiness probe passes; a vanished one drains. A name that does
-not exist (or has no address) has no engines; a resolution that fails otherwise (a
-timeout, a server failure) keeps the addresses last resolved, and ``/fleet`` on the
-admin port says so.
+takes traffic once its readiness probe passes; a vanished one drains.
+
+A group's name must exist when the group is brought (at start, or by a reload): one
+that does not (NXDOMAIN, a typo more often than not) is refused, naming
+``$.engine_groups[i].host``, as is any failed lookup then. Later, a name that no longer
+exists or has no address has no engines (Kubernetes answers NXDOMAIN for a headless
+Service with no ready pod), though a role is never emptied; a resolution that fails
+otherwise (a timeout, a server failure) keeps the addresses last resolved, and
+``/fleet`` on the admin port says so. An answer of more than the group's
+``max_engines`` addresses keeps the first ``max_engines`` in sorted order.
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ log = logging.getLogger("narwhal.router.discovery")
 _NO_ADDRESS = frozenset(
     code for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None)) if code is not None
 )
+#: The one of them that says the name does not exist at all (NXDOMAIN).
+_NO_NAME = getattr(socket, "EAI_NONAME", None)
+
+#: Engines built between two checkpoints (thousands of addresses keep requests flowing).
+_BATCH = 64
 
 
 def _in_url(address: str) -> str:
@@ -77,11 +88,18 @@ def group_engines(group: EngineGroupConfig, addresses: Iterable[str]) -> list[En
     return engines
 
 
-async def resolve_group(group: EngineGroupConfig, timeout_s: float) -> tuple[str, ...]:
+async def resolve_group(group: EngineGroupConfig, timeout_s: float, *, must_exist: bool = False) -> tuple[str, ...]:
     """The addresses ``group.host`` resolves to now, sorted (empty: the name has none).
 
+    Args:
+        group: the group.
+        timeout_s: how long the lookup may take.
+        must_exist: a name that does not exist (NXDOMAIN) is a failure, not "no address"
+            (a group being brought).
+
     Raises:
-        OSError: the resolution failed (not "no such name"), or took over ``timeout_s``.
+        OSError: the resolution failed (not "no such name", unless ``must_exist``), or
+            took over ``timeout_s``.
     """
     try:
         with trio.fail_after(timeout_s):
@@ -89,6 +107,8 @@ async def resolve_group(group: EngineGroupConfig, timeout_s: float) -> tuple[str
     except trio.TooSlowError:
         raise OSError(errno.ETIMEDOUT, f"no answer within {timeout_s:g} s (engine.connect_timeout_s)") from None
     except socket.gaierror as exc:
+        if must_exist and exc.errno == _NO_NAME:
+            raise OSError(exc.errno, f"the name does not exist (NXDOMAIN: {exc.strerror})") from None
         if exc.errno in _NO_ADDRESS:
             return ()
         raise
@@ -113,8 +133,12 @@ class Discovery:
         self.state = fleet.state
         #: group name -> the addresses it resolved to last.
         self.addresses: dict[str, tuple[str, ...]] = {}
-        #: group name -> why its last resolution failed (the addresses above are kept).
+        #: group name -> why its last resolution failed (the addresses above are kept), or
+        #: that its answer had more addresses than its ``max_engines``.
         self.errors: dict[str, str] = {}
+        #: group name -> (the group, its addresses, their engines): built once per answer,
+        #: with checkpoints, not at every document applied.
+        self._built: dict[str, tuple[EngineGroupConfig, tuple[str, ...], list[EngineConfig]]] = {}
         self._watches: dict[str, _Watch] = {}
         self._nursery: trio.Nursery | None = None
         fleet.expand = self.expand
@@ -128,7 +152,13 @@ class Discovery:
         names = {e.name for e in engines}
         urls = {e.url for e in engines}
         for group in config.engine_groups:
-            for e in group_engines(group, self.addresses.get(group.name, ())):
+            addresses = self.addresses.get(group.name, ())
+            built = self._built.get(group.name)
+            if built is not None and built[:2] == (group, addresses):
+                members = built[2]
+            else:
+                members = group_engines(group, addresses)
+            for e in members:
                 if e.name in names or e.url in urls:
                     log.warning("engine group %s: %s at %s is already in the fleet: skipped", group.name, e.name, e.url)
                     continue
@@ -146,13 +176,41 @@ class Discovery:
         timeout = config.engine.connect_timeout_s
         for i, group in enumerate(config.engine_groups):
             watch = self._watches.get(group.name)
-            if watch is not None and (watch.group.host, watch.group.port) == (group.host, group.port):
+            same = ("host", "port", "max_engines")
+            if watch is not None and all(getattr(watch.group, f) == getattr(group, f) for f in same):
+                await self._build(group, self.addresses.get(group.name, ()))  # its other settings may have changed
                 continue
             try:
-                self.addresses[group.name] = await resolve_group(group, timeout)
-                self.errors.pop(group.name, None)
+                found = await resolve_group(group, timeout, must_exist=True)
             except OSError as exc:
                 raise ConfigError(f"cannot resolve {group.host!r}: {exc}", path=f"$.engine_groups[{i}].host") from None
+            await self._build(group, self._capped(group, found))
+
+    def _capped(self, group: EngineGroupConfig, found: tuple[str, ...]) -> tuple[str, ...]:
+        """The first ``max_engines`` of the addresses a lookup found (it succeeded: its
+        error, if any, goes; an answer over the cap is noted, and logged when it changes)."""
+        addresses = found[: group.max_engines]
+        if len(found) == len(addresses):
+            self.errors.pop(group.name, None)
+            return addresses
+        note = f"{group.host} answered {len(found)} addresses: the first {len(addresses)} kept (max_engines)"
+        if self.errors.get(group.name) != note:
+            log.warning("engine group %s: %s", group.name, note)
+        self.errors[group.name] = note
+        return addresses
+
+    async def _build(self, group: EngineGroupConfig, addresses: tuple[str, ...]) -> None:
+        """Keep ``addresses`` as the group's and build their engines, a batch between two
+        checkpoints (expanding a document then takes them as built)."""
+        self.addresses[group.name] = addresses
+        built = self._built.get(group.name)
+        if built is not None and built[:2] == (group, addresses):
+            return
+        engines: list[EngineConfig] = []
+        for start in range(0, len(addresses), _BATCH):
+            engines += group_engines(group, addresses[start : start + _BATCH])
+            await trio.lowlevel.checkpoint()
+        self._built[group.name] = (group, addresses, engines)
 
     def follow(self, config: FleetConfig) -> None:
         """Resolve the document's groups periodically from now on (and no others)."""
@@ -163,6 +221,7 @@ class Discovery:
                 if name not in wanted:
                     self.addresses.pop(name, None)
                     self.errors.pop(name, None)
+                    self._built.pop(name, None)
         if self._nursery is None:
             return
         for name, group in wanted.items():
@@ -192,19 +251,20 @@ class Discovery:
                 try:
                     addresses = await resolve_group(group, self.state.config.engine.connect_timeout_s)
                 except OSError as exc:
-                    if self.errors.get(group.name) is None:
+                    if self.errors.get(group.name) != str(exc):  # said once (again when it changes)
                         log.warning("engine group %s: cannot resolve %r: %s (keeping %d engines)",
                                     group.name, group.host, exc, len(self.addresses.get(group.name, ())))  # fmt: skip
                     self.errors[group.name] = str(exc)
                     continue
-                self.errors.pop(group.name, None)
-                if addresses == self.addresses.get(group.name):
+                previous = self.addresses.get(group.name)
+                kept = self._capped(group, addresses)
+                if kept == previous:
                     continue
-                log.info("engine group %s: %s resolves to %s", group.name, group.host, ", ".join(addresses) or "nothing")
-                previous = self.addresses.get(group.name, ())
-                self.addresses[group.name] = addresses
+                shown = ", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else "")
+                log.info("engine group %s: %s resolves to %s", group.name, group.host, shown or "nothing")
+                await self._build(group, kept)
                 try:
                     await self.fleet.refresh(f"dns:{group.name}")
                 except ConfigError as err:  # tried again at the next resolution
-                    self.addresses[group.name] = previous
+                    self.addresses[group.name] = previous or ()
                     log.error("engine group %s: the change was refused: %s", group.name, err)

@@ -8,28 +8,38 @@ knows and changes only the difference:
 - an **added** engine is ``starting``: known (client, breaker state, load) but out of
   placement until its readiness probe passes (``GET /health`` answers 200, or with
   ``engine_contract`` its identity matches the contract), retried every
-  ``recovery.probe_interval_s``. Then it is priced by its profile when one binds to the
-  generation running there, else placed by load (``/health`` on the admin port says
-  which);
+  ``recovery.probe_interval_s``, :data:`PROBES_AT_ONCE` at a time. Those found ready
+  together enter placement together. Then it is priced by its profile when one binds
+  to the generation running there, else placed by load (``/health`` on the admin port
+  says which);
 - a **removed** engine is ``draining``: no new placements; the requests it serves
   finish under their own deadlines; then its connections are closed and it is
-  forgotten. A role is never left empty by a change: a draining engine keeps taking
-  placements while no serving engine has one of its roles (until an added one is
-  ready);
+  forgotten. A role is never left empty by a change, per model: a draining engine
+  keeps taking placements while no serving engine of a model it serves (one the fleet
+  still serves) has one of its roles (until an added one is ready);
 - an engine whose roles change keeps serving with its new roles; one whose address or
   any other connection setting (``url``, ``model``, ``api_key``, ``connector``,
-  ``kv_events``) changes is **replaced**: drained, then added again under its name;
+  ``kv_events``) changes is **replaced**, make before break: the new engine starts
+  beside it under its next incarnation's name (``d0#2``: :data:`~narwhal.config.INCARNATION`),
+  and the old one drains once the new one is ready (it serves on while the new one is
+  not; a document that goes back to the old settings calls the replacement off);
 - settings (deadlines, SLO, recovery, the engine contract, profiles) apply to the
   requests that arrive after the change; requests in flight keep the document they
   arrived under. ``server``, ``journal``, ``engine_limits`` and some controller settings take a restart
   (:data:`RESTART_ONLY`): a document that changes them is refused, as is any document
   that fails validation, and nothing changes.
 
+A change applies whole or not at all: what can fail (the checks, the groups' lookups,
+the clients of the engines it adds) is done before anything changes, and the change is
+then made shielded from its caller's cancellation, in time linear in the engines, with
+a checkpoint every :data:`_BATCH` engines so that requests keep flowing.
+
 Every change is one record (``"type": "fleet"``), published on the admin ``/events``
 stream and appended to ``<journal>.fleet.jsonl`` beside the request journal (whose
 contract is one line per request): ``reload`` (what a document changed, and from
-where), ``rejected`` (why, with the JSON path), and per engine ``starting``, ``ready``,
-``not_ready`` (its first failed readiness probe), ``draining`` and ``removed``.
+where), ``rejected`` (why, with the JSON path; a secret's values redacted), and per
+engine ``starting``, ``ready``, ``not_ready`` (its first failed readiness probe),
+``draining`` and ``removed``.
 """
 
 from __future__ import annotations
@@ -38,108 +48,48 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 import trio
 
-from narwhal.config import EngineConfig, FleetConfig, secret_setting, unstructure_fleet
+from narwhal.config import INCARNATION, EngineConfig, FleetConfig
+from narwhal.engines.client import EngineClient
 from narwhal.errors import ConfigError
 from narwhal.profile.store import Profiles
 from narwhal.router.controller import ReactiveController
+from narwhal.router.fleetdiff import (
+    RESTART_ONLY,
+    FleetChange,
+    changed_settings,
+    restart_only,
+    same_connection,
+)
 from narwhal.router.prefixwatch import PrefixWatch
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import readiness_problem
-from narwhal.router.state import RouterState
+from narwhal.router.state import RouterState, document_name
 
 __all__ = ["RESTART_ONLY", "FleetChange", "LiveFleet"]
 
 log = logging.getLogger("narwhal.router.fleet")
 
-#: Settings that change only with a restart (dotted paths; a prefix covers its fields).
-RESTART_ONLY: Final = (
-    "server",
-    "journal",
-    "tracing",  # the exporter and its batch thread are built once, at start
-    "engine_limits",
-    "controller.prompt_tokens",
-    "controller.prefix_cache",
-    "controller.reactive.enabled",
-)
+#: Engines handled between two checkpoints while a change applies: requests keep
+#: flowing (and a signal is seen) while thousands of engines come or go.
+_BATCH: Final = 64
 
-#: Sections that are the fleet's engines, not settings.
-_ENGINE_SECTIONS: Final = ("engines", "engine_groups")
+#: Readiness probes (and the model listing, profile binding and cache configuration of
+#: an engine found ready) that run at once: a change of thousands of engines probes them
+#: a bounded number at a time, so that their answers do not all land in one scheduler
+#: pass and stall the requests in flight.
+PROBES_AT_ONCE: Final = 32
 
 
-@attrs.frozen
-class FleetChange:
-    """What one applied document changed.
-
-    Attributes:
-        source: where the document came from (``SIGHUP``, ``PUT /fleet``, ``dns:<group>``).
-        added: engines added (starting until their readiness probe passes).
-        removed: engines draining out of the fleet.
-        replaced: engines drained and then added again (a connection setting changed).
-        roles: engines whose roles changed in place.
-        settings: the dotted paths of the settings that changed.
-    """
-
-    source: str
-    added: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-    replaced: tuple[str, ...] = ()
-    roles: tuple[str, ...] = ()
-    settings: tuple[str, ...] = ()
-
-    @property
-    def empty(self) -> bool:
-        return not (self.added or self.removed or self.replaced or self.roles or self.settings)
-
-    def describe(self) -> str:
-        """One line: ``added p2; removed d0`` (or ``no change``)."""
-        fields = (("added", self.added), ("removed", self.removed), ("replaced", self.replaced),
-                  ("roles changed", self.roles), ("settings changed", self.settings))  # fmt: skip
-        return "; ".join(f"{what} {', '.join(names)}" for what, names in fields if names) or "no change"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "added": list(self.added),
-            "removed": list(self.removed),
-            "replaced": list(self.replaced),
-            "roles": list(self.roles),
-            "settings": list(self.settings),
-        }
-
-
-def _same_connection(a: EngineConfig, b: EngineConfig) -> bool:
-    """Whether ``a`` and ``b`` reach the same engine the same way (roles and the
-    simulator block aside)."""
-    return attrs.evolve(a, roles=b.roles, sim=b.sim) == b
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, Mapping):
-        out: dict[str, Any] = {}
-        for key, value in obj.items():
-            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out or {prefix: {}}
-    return {prefix: obj}
-
-
-def changed_settings(old: FleetConfig, new: FleetConfig) -> list[tuple[str, Any, Any]]:
-    """``(dotted path, old value, new value)`` of every setting that differs (the engines aside)."""
-    a, b = unstructure_fleet(old), unstructure_fleet(new)
-    for section in _ENGINE_SECTIONS:  # (fields of every document: always there)
-        del a[section], b[section]
-    fa, fb = _flatten(a), _flatten(b)
-    return [(k, fa.get(k), fb.get(k)) for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)]
-
-
-def _restart_only(path: str) -> bool:
-    return any(path == p or path.startswith(p + ".") for p in RESTART_ONLY)
+def _named(engine: EngineConfig, name: str) -> EngineConfig:
+    """``engine`` under its name in the router (a later incarnation's, ``d0#2``)."""
+    return engine if engine.name == name else attrs.evolve(engine, name=name)
 
 
 class LiveFleet:
@@ -179,9 +129,19 @@ class LiveFleet:
         self.after_apply: Callable[[FleetConfig], None] | None = None
         #: The most recent records (the file has them all).
         self.changes: list[dict[str, Any]] = []
-        #: Engines draining to be added again with a new configuration (replaced).
-        self._readd: dict[str, EngineConfig] = {}
+        #: A document name -> the engine serving it (or starting to): the name itself, or
+        #: a later incarnation (``d0#2``) after a replacement. (Made from the router's
+        #: engines when the first document is applied: until then only this changes them.)
+        self._primary: dict[str, str] = {}
+        self._indexed = False
+        #: A document name -> every engine of it the router knows (draining ones too).
+        self._incarnations: dict[str, list[str]] = {}
+        #: A replacement -> the engine it replaces, which serves until it is ready.
+        self._replaces: dict[str, str] = {}
+        #: Engines whose readiness probe passed, waiting to enter placement together.
+        self._admitting: dict[str, str | None] = {}
         self._tasks: dict[str, trio.CancelScope] = {}
+        self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
         self._lock = trio.Lock()
         self._held: list[dict[str, Any]] | None = None
         self._recorded = trio.Event()
@@ -263,13 +223,15 @@ class LiveFleet:
         """Refuse a document this router cannot apply without a restart.
 
         Raises:
-            ConfigError: naming the first such setting's JSON path.
+            ConfigError: naming the first such setting's JSON path (a secret's values
+                redacted).
         """
         state = self.state
         for path, old, new in changed_settings(state.config, config):
-            if _restart_only(path):
-                values = "" if secret_setting(path) else f" (running with {old!r}, the document says {new!r})"
-                raise ConfigError(f"changes only with a restart{values}", path=f"$.{path}")
+            if restart_only(path):
+                raise ConfigError(
+                    f"changes only with a restart (running with {old!r}, the document says {new!r})", path=f"$.{path}"
+                )
         if (profiles is None) != (state.profiles is None):
             how = "by profiles" if state.profiles is not None else "by load"
             raise ConfigError(
@@ -278,10 +240,13 @@ class LiveFleet:
             )
 
     async def apply(self, config: FleetConfig, *, profiles: Profiles | None, source: str) -> FleetChange:
-        """Make the router serve ``config`` (see the module docstring).
+        """Make the router serve ``config`` (see the module docstring): all of it, or
+        nothing when it is refused.
 
         Raises:
             ConfigError: the document cannot be applied; nothing changed.
+            RuntimeError: it adds or drains engines and the fleet is not running
+                (:meth:`run`); nothing changed.
         """
         async with self._lock:
             return await self._apply_document(config, profiles, source)
@@ -294,85 +259,177 @@ class LiveFleet:
             return await self._apply_document(self.state.config, self.state.profiles, source)
 
     async def _apply_document(self, config: FleetConfig, profiles: Profiles | None, source: str) -> FleetChange:
+        if not self._indexed:
+            self._indexed = True
+            for name in self.state.engines:
+                self._primary.setdefault(document_name(name), name)
+                known = self._incarnations.setdefault(document_name(name), [])
+                if name not in known:
+                    known.append(name)
+        # Everything that can fail, before anything changes: the checks, the groups'
+        # resolution, and the clients of the engines it may add.
         try:
             self.check(config, profiles)
             if self.before_apply is not None:
                 await self.before_apply(config)
-            desired = self._desired(config)
+            desired = await self._desired(config)
         except ConfigError as err:
             self.reject(err, source)
             raise
-        self._held = []
+        clients = await self._prepare_clients(desired)
+        if self._nursery is None and (clients or any(name not in desired for name in self._primary)):
+            await _close_all(c for _, c in clients.values())
+            raise RuntimeError("the live fleet is not running")
         began = time.time()
-        try:
-            change = await self._apply(config, profiles, desired, source)
-        finally:
-            held, self._held = self._held, None
-        if not change.empty:
-            self.record("reload", at=began, **change.as_dict())
-        for rec in held:
-            self._emit(rec)
+        # Applied whole once begun: a caller that goes away (a PUT whose client hung up)
+        # does not cut it short. Linear in the engines, with checkpoints.
+        with trio.CancelScope(shield=True):
+            self._held = []
+            try:
+                change = await self._apply(config, profiles, desired, clients, source)
+                if not change.empty:
+                    self._emit({"type": "fleet", "event": "reload", "at": began, **change.as_dict()})
+                held = self._held
+                for i, rec in enumerate(held):  # records made meanwhile join the end
+                    self._emit(rec)
+                    if i % _BATCH == _BATCH - 1:
+                        await trio.lowlevel.checkpoint()
+            finally:
+                self._held = None
+                await _close_all(c for _, c in clients.values())  # those not used
         if self.after_apply is not None:
             self.after_apply(config)
         return change
 
-    def _desired(self, config: FleetConfig) -> dict[str, EngineConfig]:
+    async def _desired(self, config: FleetConfig) -> dict[str, EngineConfig]:
         # A role this leaves without an engine (a group that resolves to nothing) keeps
         # its draining engines in placement until one is ready again (RouterState.members).
         desired: dict[str, EngineConfig] = {}
-        for e in self.expand(config):
+        for i, e in enumerate(self.expand(config)):
             desired.setdefault(e.name, e)
+            if i % _BATCH == _BATCH - 1:
+                await trio.lowlevel.checkpoint()
         return desired
 
+    async def _prepare_clients(self, desired: dict[str, EngineConfig]) -> dict[str, tuple[str, EngineClient]]:
+        """The clients of the engines the document may add (new, or a replacement),
+        under the names they would have: made before anything changes."""
+        state = self.state
+        clients: dict[str, tuple[str, EngineClient]] = {}
+        try:
+            for i, (name, new) in enumerate(desired.items()):
+                key = self._primary.get(name)
+                if key is not None and same_connection(state.engines[key], new):
+                    continue
+                if key is None or state.phase.get(key) != "starting":
+                    key = self._free_name(name)
+                clients[name] = (key, state.new_client(_named(new, key)))
+                if i % _BATCH == _BATCH - 1:
+                    await trio.lowlevel.checkpoint()
+        except BaseException:
+            await _close_all(c for _, c in clients.values())
+            raise
+        return clients
+
+    def _free_name(self, name: str) -> str:
+        """``name``, or its next incarnation's (``name#2``, ...) while an engine has it."""
+        engines = self.state.engines
+        if name not in engines:
+            return name
+        serial = 2
+        while f"{name}{INCARNATION}{serial}" in engines:
+            serial += 1
+        return f"{name}{INCARNATION}{serial}"
+
     async def _apply(
-        self, config: FleetConfig, profiles: Profiles | None, desired: dict[str, EngineConfig], source: str
+        self,
+        config: FleetConfig,
+        profiles: Profiles | None,
+        desired: dict[str, EngineConfig],
+        clients: dict[str, tuple[str, EngineClient]],
+        source: str,
     ) -> FleetChange:
         state = self.state
         settings = [path for path, _, _ in changed_settings(state.config, config)]
         old_timeout = state.config.engine.request_timeout_s
         self._apply_settings(config, profiles)
-        added: list[str] = []
-        removed: list[str] = []
-        replaced: list[str] = []
-        roles: list[str] = []
-        for name in list(state.engines):
-            phase = state.phase.get(name)
-            new = desired.get(name)
-            current = state.engines[name]
-            if new is None:
-                self._readd.pop(name, None)
-                if phase == "starting":
-                    await self._forget_starting(name, "removed before it was ready")
-                    removed.append(name)
-                elif phase != "draining":
-                    self._drain(name, old_timeout)
-                    removed.append(name)
-            elif _same_connection(current, new):
-                if phase == "draining":
-                    # Wanted again as it is: it serves on (a pending replacement is dropped).
-                    self._readd.pop(name, None)  # pragma: no mutate (equivalent: a later drain of it pops or overwrites the entry first; dropped here to keep the table true)
-                    self._cancel_task(name)
-                    del state.phase[name]
-                    self.record("ready", engine=name, url=new.url, detail="wanted again while draining")
-                    added.append(name)
-                if current.roles != new.roles:
-                    roles.append(name)
-                state.engines[name] = new
-            elif phase == "starting":
-                await self._forget_starting(name, "replaced before it was ready")
-                self._add(new)
-                replaced.append(name)
-            else:
-                if phase != "draining":
-                    self._drain(name, old_timeout)
-                self._readd[name] = new
-                replaced.append(name)
-        for name, new in desired.items():
-            if name not in state.engines:
-                self._add(new)
-                added.append(name)
+        changed: dict[str, list[str]] = {"added": [], "removed": [], "replaced": [], "roles": []}
+        for i, name in enumerate(dict.fromkeys([*self._primary, *desired])):
+            for what in await self._apply_engine(name, desired.get(name), clients, old_timeout):
+                changed[what].append(name)
+            if i % _BATCH == _BATCH - 1:
+                await trio.lowlevel.checkpoint()
         state.refresh_roles()
-        return FleetChange(source, tuple(added), tuple(removed), tuple(replaced), tuple(roles), tuple(settings))
+        return FleetChange(
+            source, added=tuple(changed["added"]), removed=tuple(changed["removed"]),
+            replaced=tuple(changed["replaced"]), roles=tuple(changed["roles"]), settings=tuple(settings),
+        )  # fmt: skip
+
+    async def _apply_engine(
+        self, name: str, new: EngineConfig | None, clients: dict[str, tuple[str, EngineClient]], old_timeout: float
+    ) -> list[str]:
+        """Make document name ``name`` what ``new`` says (None: gone); what changed."""
+        state = self.state
+        key = self._primary.get(name)
+        if new is None:
+            if key is None:
+                return []
+            del self._primary[name]
+            replaced = self._replaces.pop(key, None)
+            if state.phase.get(key) == "starting":
+                await self._forget_starting(key, "removed before it was ready")
+            else:
+                self._drain(key, old_timeout)
+            if replaced is not None and replaced in state.engines and replaced not in state.phase:
+                self._drain(replaced, old_timeout)  # it served until its replacement was ready
+            return ["removed"]
+        if key is None:
+            for old in self._incarnations.get(name, ()):
+                if state.phase.get(old) == "draining" and same_connection(state.engines[old], new):
+                    # Wanted again as it is: it serves on.
+                    self._cancel_task(old)
+                    del state.phase[old]
+                    roles = state.engines[old].roles != new.roles
+                    state.engines[old] = _named(new, old)
+                    self._primary[name] = old
+                    self.record("ready", engine=old, url=new.url, detail="wanted again while draining")
+                    return ["added", "roles"] if roles else ["added"]
+            key = self._free_name(name)
+            self._add(_named(new, key), self._client(name, key, new, clients))
+            self._primary[name] = key
+            return ["added"]
+        replaced = self._replaces.get(key)
+        if replaced is not None and same_connection(state.engines[replaced], new):
+            # Back to what the engine being replaced is: its replacement is called off.
+            del self._replaces[key]
+            self._primary[name] = replaced
+            await self._forget_starting(key, "its replacement was called off")
+            state.engines[replaced] = _named(new, replaced)
+            return ["replaced"]
+        current = state.engines[key]
+        if same_connection(current, new):
+            state.engines[key] = _named(new, key)
+            return ["roles"] if current.roles != new.roles else []
+        if state.phase.get(key) == "starting":  # not serving yet: replaced at once
+            await self._forget_starting(key, "replaced before it was ready")
+            self._add(_named(new, key), self._client(name, key, new, clients), replaces=replaced)
+            return ["replaced"]
+        # Make before break: the new engine starts beside the one it replaces, which
+        # serves until the new one is ready and then drains.
+        successor = self._free_name(name)
+        self._replaces[successor] = key
+        self._primary[name] = successor
+        self._add(_named(new, successor), self._client(name, successor, new, clients), replaces=key)
+        return ["replaced"]
+
+    def _client(self, name: str, key: str, new: EngineConfig, clients: dict[str, tuple[str, EngineClient]]) -> EngineClient:
+        """The client made for ``name`` beforehand, when made under ``key`` (else made now:
+        the same settings, so it cannot fail where that one did not)."""
+        prepared = clients.get(name)
+        if prepared is not None and prepared[0] == key:
+            del clients[name]
+            return prepared[1]
+        return self.state.new_client(_named(new, key))
 
     def _apply_settings(self, config: FleetConfig, profiles: Profiles | None) -> None:
         state = self.state
@@ -401,19 +458,23 @@ class LiveFleet:
 
     # ------------------------------------------------------------ engines
 
-    def _add(self, engine: EngineConfig) -> None:
-        self.state.add_engine(engine)  # starting: placed once its readiness probe passes
-        self.record("starting", engine=engine.name, url=engine.url, roles=list(engine.roles))
-        self._spawn(engine.name, self._ready)
+    def _add(self, engine: EngineConfig, client: EngineClient | None = None, *, replaces: str | None = None) -> None:
+        name = engine.name
+        self.state.add_engine(engine, client=client)  # starting: placed once its readiness probe passes
+        self._incarnations.setdefault(document_name(name), []).append(name)
+        extra = {"replaces": replaces} if replaces is not None else {}
+        self.record("starting", engine=name, url=engine.url, roles=list(engine.roles), **extra)
+        self._spawn(name, self._ready)
 
-    def _drain(self, name: str, timeout_s: float) -> None:
+    def _drain(self, name: str, timeout_s: float, **detail: str) -> None:
         state = self.state
         state.phase[name] = "draining"
-        self.record("draining", engine=name, url=state.engines[name].url, in_flight=state.in_flight_by_engine[name])
+        self.record("draining", engine=name, url=state.engines[name].url, in_flight=state.in_flight_by_engine[name],
+                    **detail)  # fmt: skip
         self._spawn(name, lambda n: self._drained(n, timeout_s))
 
     def _spawn(self, name: str, body: Callable[[str], Any]) -> None:
-        # The only task a name has here is the drain re-adding it, which ends now.
+        # The only task a name has here is its readiness probe, which ends now.
         self._cancel_task(name)  # pragma: no mutate (equivalent: see above)
         scope = self._tasks[name] = trio.CancelScope()
 
@@ -433,13 +494,17 @@ class LiveFleet:
             scope.cancel()
 
     async def _ready(self, name: str) -> None:
-        """Probe an added engine until it is ready, then put it in placement."""
+        """Probe an added engine until it is ready, then have it enter placement."""
         state = self.state
         failed = False  # pragma: no mutate (equivalent: None is as false)
         while True:
-            problem = await readiness_problem(state, name)
-            if problem is None:
-                break
+            async with self._probes:
+                problem = await readiness_problem(state, name)
+                if problem is None:
+                    await self._prepare_ready(name)
+                    break
+            if state.phase.get(name) != "starting":  # forgotten meanwhile (its probe's cancellation is on its way)
+                return
             state.phase_errors[name] = problem
             if not failed:
                 failed = True
@@ -447,6 +512,12 @@ class LiveFleet:
                             name, problem, state.config.recovery.probe_interval_s)  # fmt: skip
                 self.record("not_ready", engine=name, detail=problem)
             await trio.sleep(state.config.recovery.probe_interval_s)
+
+    async def _prepare_ready(self, name: str) -> None:
+        """An engine found ready: its models, profile and cache, then placement."""
+        state = self.state
+        if state.phase.get(name) != "starting":  # forgotten meanwhile
+            return
         state.phase_errors.pop(name, None)
         await state.refresh_models([name])
         unbound = await state.bind_profiles([name])
@@ -454,12 +525,34 @@ class LiveFleet:
             await self.prefix_watch.add(name)
         if state.phase.get(name) != "starting":
             return
-        del state.phase[name]
+        self._admitting[name] = unbound.get(name)
+        if len(self._admitting) == 1 and self._nursery is not None:
+            self._nursery.start_soon(self._admit)
+
+    async def _admit(self) -> None:
+        """Put the engines whose readiness probes passed in placement, together: one
+        change of placement's roles for all those of a tick (thousands of engines
+        probed at once enter in one step, not one walk of the fleet each), then drain
+        the engines they replace."""
+        await trio.lowlevel.checkpoint()  # the probes that pass in this tick join
+        batch, self._admitting = self._admitting, {}
+        state = self.state
+        timeout = state.config.engine.request_timeout_s
+        replaced: list[tuple[str, str]] = []
+        for name, detail in batch.items():
+            if state.phase.get(name) != "starting":  # pragma: no mutate (equivalent: a forgotten engine's entry is dropped with it)
+                continue
+            del state.phase[name]
+            pricing = "profile" if isinstance(state.placement, PricedPlacement) and detail is None else "load"
+            log.info("engine %s is ready: in placement (%s)", name, pricing if detail is None else f"{pricing}: {detail}")
+            self.record("ready", engine=name, url=state.engines[name].url, pricing=pricing, detail=detail)
+            old = self._replaces.pop(name, None)
+            if old is not None:
+                replaced.append((name, old))
+        for name, old in replaced:
+            if old in state.engines and old not in state.phase:
+                self._drain(old, timeout, replaced_by=name)
         state.refresh_roles()
-        pricing = "profile" if isinstance(state.placement, PricedPlacement) and name not in unbound else "load"
-        detail = unbound.get(name)
-        log.info("engine %s is ready: in placement (%s)", name, pricing if detail is None else f"{pricing}: {detail}")
-        self.record("ready", engine=name, url=state.engines[name].url, pricing=pricing, detail=detail)
 
     async def _drained(self, name: str, timeout_s: float) -> None:
         """Wait until a draining engine is out of placement and idle, then forget it."""
@@ -484,9 +577,6 @@ class LiveFleet:
                             state.in_flight_by_engine[name], timeout_s)  # fmt: skip
         since = f"{state.clock() - began:.3g} s" if began is not None else "no time"
         await self._forget(name, f"drained in {since}")
-        readd = self._readd.pop(name, None)
-        if readd is not None:
-            self._add(readd)
 
     async def _forget_starting(self, name: str, detail: str) -> None:
         """Forget an engine not ready yet: its readiness probe ends first (it would
@@ -500,10 +590,23 @@ class LiveFleet:
         if self.prefix_watch is not None:
             self.prefix_watch.remove(name)
         state.phase_errors.pop(name, None)
-        await state.forget_engine(name)
-        state.refresh_roles()
+        self._admitting.pop(name, None)
+        incarnations = self._incarnations.get(document_name(name), [])
+        if name in incarnations:
+            incarnations.remove(name)
+            if not incarnations:
+                del self._incarnations[document_name(name)]
         log.info("engine %s left the fleet: %s", name, detail)
         self.record("removed", engine=name, url=url, detail=detail)
+        # Out of every table before the first checkpoint; out of placement's roles
+        # already (it drained, or never entered).
+        await state.forget_engine(name)
+        state.placement.notify_released()
+
+
+async def _close_all(clients: Iterable[EngineClient]) -> None:
+    for client in list(clients):
+        await client.aclose()
 
 
 def _append(path: Path, text: str) -> None:

@@ -39,6 +39,7 @@ TERMINAL_CLASSES = frozenset(
         "invalid_descriptor",
         "deadline_exceeded",
         "shutdown",
+        "router_overloaded",
         "internal_error",
     }
 )
@@ -78,6 +79,26 @@ class AttemptRecord:
             as its decode stream's usage reported it (None when not reported). vLLM
             counts the tokens the consumer pulled in it as well as its own hit, so
             after a whole handoff it is the prompt's length, not the hit alone.
+        started_s: arrival to the start of this attempt (its placement).
+        first_token_s: arrival to this attempt's first generated token, when it had one.
+        output_tokens: identified tokens this attempt's decode delivered.
+        resume: on a resume (``recovery.resume_streams``), what broke the stream it
+            continues: the failed attempt's error class (``stream_closed``,
+            ``silence_timeout``, ``engine_stream_error``, ...).
+        resumed_at_s: on a resume, arrival to the failure it continues after.
+        not_resumed: with ``recovery.resume_streams``, why this attempt's failure after
+            output was not resumed (the stream then ended with the terminal event).
+        placement: why the pair was chosen (:func:`narwhal.router.choice.explain`):
+            the ``rule`` that chose the producer (``owner``, ``move``, ``spill``,
+            ``price``, ``over_target``, ``headroom`` without a cache plan,
+            ``least_loaded`` or ``fallback`` without prices), the request's ``group``
+            and its ``owners``, the chosen producer's price and the runner-up's
+            (``predicted_ttft_s``, ``queue_s``, ``own_s``, ``cached_tokens`` as priced,
+            ``eviction_s``: what its new blocks cost later requests), why each other
+            producer was not taken (``others``), and the consumer's and its runner-up's
+            (``predicted_tpot_s``, ``cached_tokens``, ``handoff_s``). Set on a refused
+            attempt too, when placement priced it. Placement may leave a function that
+            writes it: the record's JSON has what it returns.
     """
 
     n: int
@@ -98,6 +119,13 @@ class AttemptRecord:
     cached_tokens: int | None = None
     consumer_predicted_cached_tokens: int | None = None
     consumer_cached_tokens: int | None = None
+    started_s: float | None = None
+    first_token_s: float | None = None
+    output_tokens: int = 0
+    resume: str | None = None
+    resumed_at_s: float | None = None
+    not_resumed: str | None = None
+    placement: dict[str, Any] | Callable[[], dict[str, Any]] | None = None
 
 
 # A new empty list per record.
@@ -154,7 +182,11 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         # attrs.asdict, written out: it runs once per request on the router's hot path.
         out = {name: getattr(self, name) for name in _RECORD_FIELDS}
-        out["attempts"] = [{name: getattr(a, name) for name in _ATTEMPT_FIELDS} for a in self.attempts]
+        out["attempts"] = attempts = [{name: getattr(a, name) for name in _ATTEMPT_FIELDS} for a in self.attempts]
+        for a in attempts:
+            placement = a["placement"]
+            if placement is not None and not isinstance(placement, dict):
+                a["placement"] = placement()  # worded now, after the response
         return out
 
 

@@ -36,6 +36,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -52,9 +53,12 @@ from narwhal.errors import (
     InvalidDescriptor,
     NarwhalError,
     Refused,
+    RouterOverloaded,
     SilenceTimeout,
 )
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
+from narwhal.router.cacheplan import PlanTicket
+from narwhal.router.cacheviews import Hold
 from narwhal.router.journal import AttemptRecord, RequestRecord
 from narwhal.router.placement import Reservation
 from narwhal.router.requests import (
@@ -66,6 +70,7 @@ from narwhal.router.requests import (
     error_event,
     parse_request,
 )
+from narwhal.router.resume import StreamLedger, open_ledger, resume_after
 from narwhal.router.state import PromptCount, RouterState
 from narwhal.tracing import RequestTrace
 
@@ -81,6 +86,10 @@ _DONE = b"data: [DONE]\n\n"
 #: Header names, lower-case (names are case-insensitive on the wire).
 _REQUEST_ID = "x-request-id"
 _RETRY_AFTER = "retry-after"
+#: The header naming a request's session (a hint for the cache plan), and the most of
+#: it (or of the request's ``user`` field) kept.
+_SESSION_ID = "x-session-id"
+_HINT_MAX = 200
 #: The most time a failure answer may take to write (a client that stopped reading).
 _ANSWER_WRITE_S = 5.0
 
@@ -88,6 +97,8 @@ _ANSWER_WRITE_S = 5.0
 def terminal_class_for(err: NarwhalError) -> str:
     """The journal's terminal class for an error."""
     if isinstance(err, EngineError):
+        if isinstance(err, RouterOverloaded):
+            return "router_overloaded"  # the router's own fault, whichever leg met it
         if err.client_fault:
             return "invalid_request"
         if isinstance(err, InvalidDescriptor):
@@ -108,6 +119,15 @@ def terminal_class_for(err: NarwhalError) -> str:
 #: call per request; workers draw different prefixes).
 _ID_PREFIX = secrets.token_hex(6)
 _ids = itertools.count(1)
+
+
+def _calibrated(predicted: Callable[[str], int], factor: Callable[[str], float]) -> Callable[[str], int]:
+    """Predicted hits priced at the share of them that materializes on each engine."""
+
+    def cached(name: str) -> int:
+        return int(predicted(name) * factor(name))
+
+    return cached
 
 
 def _new_request_id() -> str:
@@ -152,6 +172,14 @@ class RequestLifecycle:
         self.max_tokens = 0  # pragma: no mutate (equivalent: set before read)
         #: The engine whose leg is running (the one a deadline that fires now blames).
         self._holder: str | None = None  # pragma: no mutate (equivalent: _attempt sets it before any read)
+        #: What the stream delivered, when a failure after output may be resumed
+        #: (``recovery.resume_streams``); its ``current`` continuation is the attempt's request.
+        self.ledger: StreamLedger | None = None
+        #: The attempt's blocks in the approximate views of its engines, by role, until
+        #: it ends there (the producer's until the consumer has its KV).
+        self._holds: dict[str, Hold] = {}
+        #: The attempt's ticket of the cache plan (None: no plan).
+        self._ticket: PlanTicket | None = None
 
     # ------------------------------------------------------------------ entry point
 
@@ -179,7 +207,8 @@ class RequestLifecycle:
             if self.request.disconnected.is_set():
                 record.terminal_class = "client_cancelled"
                 record.status = 200 if self.committed else 499
-                record.error = "client disconnected"
+                # (Gone, or stopped reading for server.send_timeout_s: the server says which.)
+                record.error = self.request.disconnect_reason or "client disconnected"
             else:
                 # The shutdown grace period is over: the client still gets its answer
                 # (503 before the first token, a terminal event after it).
@@ -261,6 +290,8 @@ class RequestLifecycle:
         if tok.exact and max_model_len is not None and tok.count + self.max_tokens > max_model_len:
             raise context_length_exceeded(max_model_len, tok.count, self.max_tokens)
         state.retry_budget.note_request()
+        if self.config.recovery.resume_streams:
+            self.ledger = open_ledger(parsed, self.request_id)
         max_attempts = self.config.recovery.max_attempts
         tried: set[str] = set()
         n = 0
@@ -270,7 +301,12 @@ class RequestLifecycle:
             record.attempts.append(attempt)
             if self.trace is not None:
                 self.trace.attempt(attempt)
-            record.ttft_s = None  # this attempt's, once its prefill completes
+            cont = self.ledger.current if self.ledger is not None else None
+            if cont is None:
+                record.ttft_s = None  # this attempt's, once its prefill completes
+            else:  # a resume: the request's first token (and TTFT) came before it
+                attempt.resume = cont.cause
+                attempt.resumed_at_s = cont.at
             try:
                 await self._attempt(attempt, frozenset(tried))
                 attempt.outcome = "ok"
@@ -283,6 +319,8 @@ class RequestLifecycle:
                     attempt.held_by = err.engine
                 if err.engine:
                     tried.add(err.engine)
+                if self.visible and await resume_after(self, err, attempt):
+                    continue  # the same stream, continued by a new attempt
                 if not self._may_retry(err, n, max_attempts):
                     # An engine's 400 for an over-long prompt reads as the router's own.
                     over = engine_context_length(err, parsed, record.prompt_tokens)
@@ -306,36 +344,64 @@ class RequestLifecycle:
         self._holder = None  # placement's wait is no engine's time
         slo_ttft = self.config.controller.slo.ttft_s
         deadline = self.arrival + self.config.engine.request_timeout_s
-        if slo_ttft is not None:
-            deadline = min(deadline, self.arrival + slo_ttft)
         placed_at = state.clock()
-        assert self.prompt is not None  # counted before the first attempt
-        ids = self.prompt.ids
+        attempt.started_s = placed_at - self.arrival
+        cont = self.ledger.current if self.ledger is not None else None
+        prompt, prompt_tokens, max_tokens, elapsed = self.prompt, self.prompt_tokens, self.max_tokens, placed_at - self.arrival
+        if cont is not None:
+            # A resume waits for a placement no longer than a first token may take.
+            prompt, prompt_tokens, max_tokens, elapsed = cont.prompt, cont.prompt.count, cont.max_tokens, 0.0
+            deadline = min(deadline, placed_at + self.config.engine.first_token_timeout_s)
+        elif slo_ttft is not None:
+            deadline = min(deadline, self.arrival + slo_ttft)
+        assert prompt is not None  # counted before the first attempt
+        ids = prompt.ids
         prefix = state.prefix
         # The prompt's block chain is looked up once; each candidate engine's hit is then
         # a walk over its ids.
         lookup = prefix.lookup(ids) if ids is not None and prefix.active else None
-        cached = lookup.cached_tokens if lookup is not None else None
+        predicted = lookup.cached_tokens if lookup is not None else None
+        # Hits are priced at the share of the predicted ones that materialize there.
+        calibration = state.cache_cal
+        cached: Callable[[str], int] | None = predicted
+        if predicted is not None and calibration.factors:
+            cached = _calibrated(predicted, calibration.factor)
+
+        plan = state.cache_plan
+        ticket = None
+        if plan is not None and self.config.controller.cache_plan == "auto":
+            hint = self._session_hint()
+            if lookup is not None or hint is not None:
+                ticket = plan.classify(lookup, hint, plan.block_size(), ids)
+        self._ticket = ticket
         trace = self.trace
         if trace is not None:
             trace.placing(state.placement, self.record.model, avoid)
         try:
             reservation = await state.placement.acquire(
-                self.prompt_tokens, self.max_tokens, avoid=avoid, deadline=deadline,
-                elapsed_s=placed_at - self.arrival, cached=cached, model=self.record.model, prompt_ids=ids,
-                held=lookup.held_chain if lookup is not None else None,
+                prompt_tokens, max_tokens, avoid=avoid, deadline=deadline,
+                elapsed_s=elapsed, cached=cached, model=self.record.model, prompt_ids=ids,
+                held=lookup.held_chain if lookup is not None else None, plan=ticket,
             )  # fmt: skip
+        except Refused as err:
+            attempt.placement = err.placement
+            raise
         finally:
             attempt.placement_wait_s = state.clock() - placed_at
         attempt.predicted_ttft_s = reservation.predicted_ttft_s
         attempt.predicted_tpot_s = reservation.predicted_tpot_s
-        # The hits priced placement assumed, read again (nothing changed since); only
-        # for an engine whose cache the index sees (None: not predicted, not a miss).
-        if cached is not None and prefix.enabled(reservation.producer):
-            attempt.predicted_cached_tokens = cached(reservation.producer)
-        if cached is not None and not reservation.same_worker and prefix.enabled(reservation.consumer):
+        attempt.placement = reservation.explain
+        # The hits the index predicted, read again (nothing changed since); only for an
+        # engine whose cache the index sees (None: not predicted, not a miss).
+        if predicted is not None and prefix.enabled(reservation.producer):
+            attempt.predicted_cached_tokens = predicted(reservation.producer)
+        if predicted is not None and not reservation.same_worker and prefix.enabled(reservation.consumer):
             # What the consumer holds it need not pull from the producer.
-            attempt.consumer_predicted_cached_tokens = cached(reservation.consumer)
+            attempt.consumer_predicted_cached_tokens = predicted(reservation.consumer)
+        if ticket is not None and plan is not None:
+            plan.placed(ticket, reservation.producer, prompt_tokens, reservation.predicted_work_s or 0.0)
+        if lookup is not None and prefix.exact(reservation.producer):
+            prefix.touch(reservation.producer, lookup.held_chain(reservation.producer)[0])
         with reservation:
             attempt.producer = reservation.producer
             attempt.consumer = reservation.consumer
@@ -356,13 +422,40 @@ class RequestLifecycle:
                 err.engine = culprit
                 if trace is not None:
                     trace.failed(err, self.tokens)
-                if not err.client_fault:
+                if err.engine_fault:
                     state.breaker.record_failure(
                         culprit, err.message, origin_producer=reservation.producer, leg=err.leg
                     )
                 raise
+            finally:
+                self._release_holds()
         state.breaker.record_success(reservation.producer)
         state.breaker.record_success(reservation.consumer)
+
+    def _session_hint(self) -> str | None:
+        """The session the client names, if any: its ``x-session-id`` header, else the
+        request's ``user`` field (at most :data:`_HINT_MAX` characters of either)."""
+        hint = self.request.header(_SESSION_ID)
+        if not hint:
+            parsed = self.parsed
+            user = parsed.body.get("user") if parsed is not None else None
+            hint = user if isinstance(user, str) else None
+        return hint[:_HINT_MAX] if hint else None
+
+    def _hold(self, role: str, engine: str, ids: tuple[int, ...], extra_tokens: int) -> None:
+        """The attempt's request holds its blocks on ``engine`` (approximate views)."""
+        ticket = self._ticket
+        chain, bs = (ticket.chain, ticket.block_size) if ticket is not None else ((), 0)
+        hold = self.state.prefix.hold(engine, ids, extra_tokens, chain, bs)
+        if hold is not None:
+            self._holds[role] = hold
+
+    def _release_holds(self, role: str | None = None) -> None:
+        """The attempt's request ended on its engines (``role``: on that one only)."""
+        for key in [role] if role is not None else list(self._holds):
+            hold = self._holds.pop(key, None)
+            if hold is not None:
+                hold.release()
 
     async def _legs(self, attempt: AttemptRecord, reservation: Reservation) -> None:
         state = self.state
@@ -377,21 +470,26 @@ class RequestLifecycle:
         handoff_start = state.clock()
         handoff_deadline = handoff_start + cfg.handoff.max_age_s
         self._holder = reservation.producer
-        prompt = self.prompt
+        cont = self.ledger.current if self.ledger is not None else None
+        prompt = self.prompt if cont is None else cont.prompt
         assert prompt is not None  # counted before the first attempt
         ids = prompt.ids
+        body, kind = (parsed.body, self.kind) if cont is None else (cont.body, "completions")
+        output_limit = self.max_tokens if cont is None else cont.max_tokens
         if ids is not None:
             # The producer caches the prompt's blocks when it schedules it, before computing
-            # them (vLLM's allocate_slots): a prompt queued behind this one hits them.
-            state.prefix.placed(reservation.producer, ids)
+            # them (vLLM's allocate_slots): a prompt queued behind this one hits them. It
+            # holds them until the consumer has pulled them (or, on one worker, until the
+            # decode ends).
+            self._hold("producer", reservation.producer, ids, output_limit if same_worker else 1)
         trace = self.trace
         headers = () if trace is None else trace.prefill(reservation.producer, attempt.prefill_request_id)
         with trio.CancelScope(deadline=handoff_deadline) as scope:
             state.in_flight_by_engine[reservation.producer] += 1
             try:
                 prefill = await producer.prefill(
-                    parsed.body,
-                    kind=self.kind,
+                    body,
+                    kind=kind,
                     request_id=attempt.prefill_request_id,
                     transfer=not same_worker,
                     trace=headers,
@@ -409,9 +507,9 @@ class RequestLifecycle:
         if trace is not None:
             trace.prefilled(prefill, cfg.handoff.max_age_s)
         attempt.cached_tokens = prefill.cached_tokens
-        if ids is not None and not same_worker:
-            state.prefix.placed(reservation.consumer, ids)  # a consumer caches what it pulls
-        counted = prefill.prompt_tokens
+        if ids is not None and not same_worker:  # a consumer caches what it pulls, and holds it while it decodes
+            self._hold("consumer", reservation.consumer, ids, output_limit)
+        counted = prefill.prompt_tokens if cont is None else None  # (a resume's prompt is not the client's)
         if counted is not None and counted > 0:
             if not prompt.exact:
                 state.prompt_lengths_for(self.record.model).observe(self.kind, prompt.size, counted)
@@ -429,7 +527,8 @@ class RequestLifecycle:
                 elif limit is not None and counted + self.max_tokens > limit:
                     raise context_length_exceeded(limit, counted, self.max_tokens)
         attempt.ttft_s = prefill_done - self.arrival
-        self.record.ttft_s = attempt.ttft_s
+        if cont is None:
+            self.record.ttft_s = attempt.ttft_s
         # The producer's client validated the descriptor against the producer's
         # configured connector and KV endpoint; the consumer's re-checks it on use.
         # A same-worker decode has no handoff: no handoff age bounds it.
@@ -439,7 +538,12 @@ class RequestLifecycle:
 
         # Decode leg, under one scope whose deadline follows the stream.
         self._holder = reservation.consumer
-        await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done)
+        if not same_worker:
+            # The producer lets the request's blocks go once the consumer pulled them: a
+            # KV pull takes milliseconds, and a block freed a little early in the view errs
+            # towards a miss the engine would have served, not a hit it no longer holds.
+            self._release_holds("producer")
+        await self._decode(consumer, handoff, attempt, reservation, handoff_deadline, prefill_done, body, kind)
 
     async def _decode(
         self,
@@ -449,6 +553,8 @@ class RequestLifecycle:
         reservation: Reservation,
         handoff_deadline: float,
         prefill_done: float,
+        body: dict[str, Any],
+        kind: RequestKind,
     ) -> None:
         state = self.state
         cfg = self.config.engine
@@ -458,11 +564,24 @@ class RequestLifecycle:
         silence = cfg.decode_read_timeout_s if cfg.decode_read_timeout_s > 0 else math.inf
         first_token_deadline = clock() + cfg.first_token_timeout_s
         scope = trio.CancelScope(deadline=min(handoff_deadline, first_token_deadline))
-        acc = None if parsed.stream else ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+        # A resumable request's events are parsed, noted and (a resume's) rewritten.
+        ledger = self.ledger
+        resumed = ledger is not None and ledger.current is not None
+        if parsed.stream:
+            acc = None
+        elif ledger is None:
+            acc = ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+        else:  # one answer across the attempts that continue the stream
+            if ledger.acc is None or not resumed:
+                ledger.acc = ResponseAccumulator(parsed, self.request_id, self.record.model or "")
+            acc = ledger.acc
+        if ledger is not None and not resumed:
+            ledger.prefill_done = prefill_done
         shape = StreamShaper(parsed, self.request_id)
         forward_meta = parsed.include_usage
         respond = self.response
-        tokens = 0
+        # Tokens delivered to the client, those of the attempts this one resumes included.
+        base = tokens = self.tokens
         # Events not yet written to the client: before the first token (e.g. chat's role
         # delta), then a burst in progress.
         out = self._unsent
@@ -488,15 +607,18 @@ class RequestLifecycle:
             with scope:
                 async with consumer.decode(
                     handoff,
-                    parsed.body,
-                    kind=self.kind,
+                    body,
+                    kind=kind,
                     request_id=attempt.decode_request_id,
-                    lazy=acc is None,  # a relayed stream needs token counts, not token objects
+                    # A relayed stream needs token counts, not token objects.
+                    lazy=acc is None and ledger is None,
                     trace=headers,
                 ) as stream:
                     async for chunk in stream:
+                        if ledger is not None:
+                            chunk = ledger.relay(chunk)
                         if chunk.kind == "token":
-                            if not tokens and scope.cancel_called:
+                            if tokens == base and scope.cancel_called:
                                 # Read in the scheduler tick in which its deadline expired:
                                 # too late, and nothing is sent yet, so a timeout as usual
                                 # (committing now would be cut by the pending cancellation).
@@ -509,14 +631,16 @@ class RequestLifecycle:
                                 acc.add(chunk.data)
                             else:
                                 out.append(shape(chunk.raw))
-                            if tokens == n and n:
-                                self.visible = True
-                                self.record.first_byte_s = clock() - self.arrival
+                            if tokens == base + n and n:
+                                attempt.first_token_s = clock() - self.arrival
                                 if trace is not None:
                                     trace.first_token()
                                 if silence != math.inf:
                                     stream.watch_silence(scope, silence)
-                                if parsed.stream:
+                                if not resumed:
+                                    self.visible = True
+                                    self.record.first_byte_s = attempt.first_token_s
+                                if parsed.stream and not resumed:
                                     scope.deadline = math.inf
                                     data = b"".join(out)
                                     out.clear()
@@ -526,6 +650,10 @@ class RequestLifecycle:
                             acc.add(chunk.data)
                         elif forward_meta or not _is_usage(chunk.data):
                             out.append(shape(chunk.raw))
+                        if resumed and ledger is not None and ledger.stopped is not None:
+                            # A stop string across the break ends the stream here.
+                            self._stopped(ledger, acc, out, shape)
+                            break
                         if stream.buffered:
                             continue  # more of this burst already arrived
                         # The end of a burst: one write for everything that arrived together;
@@ -535,7 +663,7 @@ class RequestLifecycle:
                             data = b"".join(out)
                             out.clear()
                             await respond.send(data, on_wait=disarm)
-                        if tokens and (burst_tokens or not armed):
+                        if tokens > base and (burst_tokens or not armed):
                             now = clock()
                             if burst_tokens:
                                 last_token_at = now
@@ -546,16 +674,17 @@ class RequestLifecycle:
                     if burst_tokens:  # [DONE] came in the burst of the last tokens
                         last_token_at = clock()
                     attempt.consumer_cached_tokens = stream.cached_tokens
-                    ended = stream.done
+                    ended = stream.done or (ledger is not None and ledger.stopped is not None)
         finally:
             state.in_flight_by_engine[name] -= 1
             reservation.release_decode()
+            attempt.output_tokens = tokens - base
         # The scope's deadline fired before the engine's end was read (whether its Cancelled
         # was caught here, or a token read in the same tick broke the loop). A stream that
         # reached its end is whole: a deadline that expired as the end was read cancels only
         # the close of its connection (which is closed all the same).
         if scope.cancel_called and not ended:
-            if tokens:
+            if tokens > base:
                 raise SilenceTimeout(
                     f"engine went silent between tokens (no chunk for {cfg.decode_read_timeout_s:g} s "
                     f"after {tokens} tokens)",
@@ -582,14 +711,26 @@ class RequestLifecycle:
         if trace is not None:
             trace.decoded(tokens, attempt.consumer_cached_tokens)
         if tokens >= 2:
-            self.record.tpot_s = (last_token_at - prefill_done) / (tokens - 1)
+            # (A resumed stream's counts from its first prefill, over all its tokens.)
+            start = ledger.prefill_done if resumed and ledger is not None and ledger.prefill_done is not None else prefill_done
+            self.record.tpot_s = (last_token_at - start) / (tokens - 1)
         if acc is None:
             data = b"".join((*out, _DONE))
             out.clear()
             await respond.end(data)
         else:
-            body = json.dumps(acc.body(self.prompt_tokens)).encode()
-            await respond.respond(200, (*JSON_HEADERS, (_REQUEST_ID, self.request_id)), body)
+            answer = json.dumps(acc.body(self.prompt_tokens)).encode()
+            await respond.respond(200, (*JSON_HEADERS, (_REQUEST_ID, self.request_id)), answer)
+
+    def _stopped(
+        self, ledger: StreamLedger, acc: ResponseAccumulator | None, out: list[bytes], shape: StreamShaper
+    ) -> None:
+        """End a resumed stream at a stop string the router found across the break: the
+        usage event a stream asked for (the engine's end never comes)."""
+        if acc is not None:
+            acc.usage = ledger.usage()
+        elif self.parsed is not None and self.parsed.include_usage:
+            out.append(shape(ledger.usage_event()))
 
 
 def _max_model_len(state: RouterState, model: str | None, told: int | None = None) -> int | None:

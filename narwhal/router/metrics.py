@@ -143,6 +143,7 @@ class _LiveState(Collector):
         for name, fallback in state.prefix.fallbacks.items():
             views.add_metric([name, "placements"], len(fallback))
         yield views
+        yield from _cache_families(state)
         stale = GaugeMetricFamily(
             "narwhal_kv_events_stale",
             "1 while an engine's KV events are taken for stale (replay probes find batches that never "
@@ -186,6 +187,71 @@ class _LiveState(Collector):
             if pool is not None:
                 model_ready.add_metric([pool], 1 if reason is None else 0)
         yield model_ready
+
+
+def _cache_families(state: RouterState) -> Iterator[Metric]:
+    """The prefix caches' calibration, the views' bounds and the cache plan."""
+    held = GaugeMetricFamily(
+        "narwhal_prefix_index_held_blocks",
+        "Blocks of an approximate prefix view held by requests in flight (not evictable).", labels=["engine"],
+    )
+    overflow = CounterMetricFamily(
+        "narwhal_prefix_index_overflow_evicted",
+        "Blocks an engine's KV-event view evicted because it held more than the engine reports it can "
+        "(its BlockRemoved events were lost).", labels=["engine"],
+    )
+    for name in state.prefix.views:
+        view = state.prefix.view(name)
+        if isinstance(view, EventView):
+            overflow.add_metric([name], view.overflow_evicted)
+        elif view is not None:
+            held.add_metric([name], view.held)
+    yield held
+    yield overflow
+    cal = state.cache_cal
+    ratio = GaugeMetricFamily(
+        "narwhal_prefix_hit_materialized_ratio",
+        "Share of the prefix-cache hits the router predicted on an engine that its reports say "
+        "materialized (recent placements); its hits are priced at it.", labels=["engine"],
+    )
+    over = GaugeMetricFamily(
+        "narwhal_prefix_view_overpredicting",
+        "1 while fewer than 80% of an engine's predicted prefix-cache hits materialize.", labels=["engine"],
+    )
+    for name in state.engines:
+        value = cal.ratio(name)
+        if value is not None:
+            ratio.add_metric([name], value)
+            over.add_metric([name], 1 if name in cal.overpredicting else 0)
+    yield ratio
+    yield over
+    placement = state.placement
+    plan = state.cache_plan
+    if plan is None or not isinstance(placement, PricedPlacement):
+        return
+    rules = CounterMetricFamily(
+        "narwhal_cache_plan_placements", "Priced placements by the rule that chose the producer.", labels=["rule"]
+    )
+    for rule, count in placement.rules.items():
+        rules.add_metric([rule], count)
+    yield rules
+    groups = GaugeMetricFamily(
+        "narwhal_cache_plan_groups", "Prefixes and sessions the cache plan gives each producer.", labels=["producer"]
+    )
+    price = GaugeMetricFamily(
+        "narwhal_cache_plan_block_price_seconds",
+        "Prefill seconds one more block on the producer costs later requests (the cache plan's price).",
+        labels=["producer"],
+    )
+    for name in placement.prefill_engines:
+        status = plan.status(name)
+        groups.add_metric([name], float(status["owned_groups"]))  # type: ignore[arg-type]
+        price.add_metric([name], plan.block_price.get(name, 0.0))
+    yield groups
+    yield price
+    moves = CounterMetricFamily("narwhal_cache_plan_moves", "Groups the cache plan gave another owner.")
+    moves.add_metric([], plan.moves)
+    yield moves
 
 
 class _Counter:
@@ -324,6 +390,12 @@ class RouterMetrics:
         )
         self.output_tokens = _Counter("narwhal_output_tokens", "Identified output tokens delivered.", ("route",))
         self.retries = _Counter("narwhal_retries", "Fresh attempts after a transient fault.")
+        self.resumes = _Counter(
+            "narwhal_resumes",
+            "Streams continued on another attempt after a failure once output was sent "
+            "(recovery.resume_streams), by what broke them.",
+            ("cause",),
+        )
         self.placements = _Counter(
             "narwhal_placement_decisions", "Attempts placed, by producer and consumer.", ("producer", "consumer")
         )
@@ -353,7 +425,7 @@ class RouterMetrics:
         )
         self.registry.register(_Families([
             self.requests, self.model_requests, self.ttft, self.first_byte, self.tpot, self.duration,
-            self.output_tokens, self.retries, self.placements, self.refusals, self.attempt_outcomes,
+            self.output_tokens, self.retries, self.resumes, self.placements, self.refusals, self.attempt_outcomes,
             self.breaker_transitions, self.ttft_error, self.cached_tokens, self.consumer_cached_tokens,
         ]))  # fmt: skip
         self.registry.register(_LiveState(state, events))
@@ -387,7 +459,11 @@ class RouterMetrics:
             self.output_tokens.inc(key, output_len)
         attempts = record.get("attempts") or []
         if len(attempts) > 1:  # pragma: no mutate (equivalent: one attempt adds no retry; skipped so that most requests touch no counter)
-            self.retries.inc((), len(attempts) - 1)
+            resumed = [a["resume"] for a in attempts if a.get("resume")]
+            for cause in resumed:
+                self.resumes.inc((cause,))
+            if len(attempts) - 1 > len(resumed):
+                self.retries.inc((), len(attempts) - 1 - len(resumed))
         for attempt in attempts:
             producer, consumer = attempt.get("producer"), attempt.get("consumer")
             if producer and consumer:

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from typing import Any
 
 import attrs
 import trio
 
 from narwhal.errors import NoEngine
+from narwhal.router.cacheplan import PlanTicket
 from narwhal.router.sharedkv import HeldChain
 
 __all__ = ["MEAN_WEIGHT", "EngineLoad", "Placement", "Reservation"]
@@ -73,6 +75,11 @@ class EngineLoad:
         return max(0, self.engine_running + self.engine_waiting - self.engine_own)
 
 
+#: Why a pair was chosen, for the journal: its JSON object, or a function that writes
+#: it (priced placement words it when the journal writes the record, after the response).
+Explanation = dict[str, Any] | Callable[[], dict[str, Any]]
+
+
 class Reservation:
     """The phase reservations of one attempt."""
 
@@ -81,11 +88,13 @@ class Reservation:
         "_placement",
         "consumer",
         "decode_held",
+        "explain",
         "kv_tokens",
         "on_release_decode",
         "on_release_prefill",
         "predicted_tpot_s",
         "predicted_ttft_s",
+        "predicted_work_s",
         "prefill_held",
         "producer",
         "prompt_tokens",
@@ -105,6 +114,10 @@ class Reservation:
         self.on_release_decode: Callable[[], None] | None = None
         self.predicted_ttft_s: float | None = None
         self.predicted_tpot_s: float | None = None
+        #: Why the pair was chosen (priced placement's account, for the journal).
+        self.explain: Explanation | None = None
+        #: The producer's predicted prefill seconds for the request (priced placement).
+        self.predicted_work_s: float | None = None
         p = placement.loads[producer]
         p.prefill_requests += 1
         p.prefill_tokens += prompt_tokens
@@ -183,6 +196,9 @@ class Placement:
         #: The models each engine serves (declared, or learned from its /v1/models);
         #: an engine absent here is not known yet (see :meth:`serves`).
         self.models: dict[str, frozenset[str]] = {}
+        #: How many engines serve each model (kept as engines come and go: a fleet change
+        #: of N engines costs N small updates, not N walks over the fleet).
+        self._serving: dict[str, int] = {}
         self._several = False
         for name, served in (models or {}).items():
             self.set_models(name, served)
@@ -198,11 +214,29 @@ class Placement:
     def set_models(self, name: str, served: Iterable[str]) -> None:
         """Record the models engine ``name`` serves (an empty set: not known)."""
         served = frozenset(served)
+        before = self.models.get(name, frozenset())
         if served:
             self.models[name] = served
         else:
             self.models.pop(name, None)
-        self._several = len(self.model_names()) > 1
+        counts = self._serving
+        for model in before - served:
+            counts[model] -= 1
+            if not counts[model]:
+                del counts[model]
+        for model in served - before:
+            counts[model] = counts.get(model, 0) + 1
+        self._several = len(counts) > 1
+
+    @property
+    def served_models(self) -> Set[str]:
+        """The models some engine serves (unordered; :meth:`model_names` orders them)."""
+        return self._serving.keys()
+
+    @property
+    def several_models(self) -> bool:
+        """Whether engines serve more than one model."""
+        return self._several
 
     def model_names(self) -> list[str]:
         """Every model some engine serves, in the order the engines were recorded."""
@@ -236,8 +270,10 @@ class Placement:
     def set_roles(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         """The engines placement may choose for each role, from now on (a fleet change or
         reactive control's role move)."""
+        loads = self.loads
         for name in (*prefill, *decode):
-            self.add_engine(name)
+            if name not in loads:  # (a method call per engine of a large fleet costs)
+                self.add_engine(name)
         self.prefill_engines = list(prefill)
         self.decode_engines = list(decode)
 
@@ -349,13 +385,16 @@ class Placement:
         model: str | None = None,
         prompt_ids: Sequence[int] | None = None,
         held: Callable[[str], HeldChain] | None = None,
+        plan: PlanTicket | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` (least-loaded placement never waits; it ignores
-        ``cached``, ``prompt_ids`` and ``held``).
+        ``cached``, ``prompt_ids``, ``held`` and ``plan``).
 
         Cancellation is honoured here, but it does not yield to the scheduler: the
         request's next step is engine I/O, which does (a pass of the run loop per
         request saved).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        return self.choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
+        reservation = self.choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
+        reservation.explain = {"rule": "least_loaded"}
+        return reservation

@@ -4,8 +4,11 @@ For every engine, every ``PREFIX_REFRESH_S`` seconds while the router sends it r
 (an engine it sent none since the last read is read twice as long after, up to
 ``PREFIX_REFRESH_MAX_S``; a request brings it back within ``PREFIX_REFRESH_S``), the
 engine's ``/metrics`` says whether prefix caching is on (``cache_config_info``'s
-``enable_prefix_caching``), its block size and its capacity, and its
-``process_start_time_seconds``:
+``enable_prefix_caching``), its block size and its capacity (``num_gpu_blocks`` less
+vLLM's null block, else ``kv_cache_size_tokens`` over the block size), its
+``process_start_time_seconds``, and its ``vllm:prefix_cache_hits`` and ``_queries``
+counters (what the router's predicted hits are checked against,
+:mod:`narwhal.router.cachecal`):
 
 - prefix caching on: the engine gets a view, exact when the fleet document names its
   ``kv_events`` endpoint, else approximate (from the prompts placed on it). No flag is
@@ -39,10 +42,11 @@ from typing import Any, Final
 import trio
 
 from narwhal.engines.kvevents import KVEventSubscriber
+from narwhal.engines.metrics import EngineMetrics
 from narwhal.errors import EngineError, EngineProtocolError
 from narwhal.router.state import RouterState
 
-__all__ = ["PREFIX_REFRESH_MAX_S", "PREFIX_REFRESH_S", "PrefixWatch"]
+__all__ = ["PREFIX_COUNTERS", "PREFIX_REFRESH_MAX_S", "PREFIX_REFRESH_S", "PrefixWatch", "capacity_blocks"]
 
 log = logging.getLogger("narwhal.router.prefix")
 
@@ -52,6 +56,26 @@ PREFIX_REFRESH_S: Final = 10.0
 #: The longest wait between two reads of an engine the router sends nothing (an idle
 #: router reads each engine's ~60 KB page once in this long, not every 10 s).
 PREFIX_REFRESH_MAX_S: Final = 80.0
+
+#: The counters of an engine's prefix cache, read with its configuration.
+PREFIX_COUNTERS: Final = frozenset({"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"})
+
+
+def capacity_blocks(metrics: EngineMetrics, block_size: int) -> int:
+    """The blocks an engine's cache holds: its pool's ``num_gpu_blocks`` less the one vLLM
+    sets aside (its null block), summed over its cores, else its capacity in tokens
+    over ``block_size``."""
+    total = 0
+    for info in metrics.get("vllm:cache_config_info"):
+        raw = info.label("num_gpu_blocks")
+        try:
+            blocks = int(float(raw)) if raw is not None else 0
+        except ValueError:
+            blocks = 0  # "None" when the engine does not know
+        if blocks <= 1:
+            return (metrics.kv_cache_size_tokens or 0) // block_size
+        total += blocks - 1
+    return total if total else (metrics.kv_cache_size_tokens or 0) // block_size
 
 
 class PrefixWatch:
@@ -122,6 +146,7 @@ class PrefixWatch:
         if scope is not None:
             scope.cancel()
         self.state.kv_subscribers.pop(name, None)
+        self.state.prefix.unfollow(name)
         self._starts.pop(name, None)
         self._due.pop(name, None)
         self._wait.pop(name, None)
@@ -191,8 +216,9 @@ class PrefixWatch:
             return
         try:
             with trio.move_on_after(state.config.engine.connect_timeout_s):
-                # Only the samples the summary reads (a tenth of parsing the whole page).
-                metrics = await client.load()
+                # Only the samples the summary reads and the cache's counters (a tenth of
+                # parsing the whole page).
+                metrics = await client.metrics(PREFIX_COUNTERS)
                 engine = state.engines.get(name)
                 if engine is None:  # it left the fleet meanwhile
                     return
@@ -204,12 +230,16 @@ class PrefixWatch:
                     return
                 capacity = metrics.kv_cache_size_tokens or 0
                 index.enable(name, block_size=block_size, capacity_tokens=capacity,
-                             events=engine.kv_events is not None)  # fmt: skip
+                             events=engine.kv_events is not None,
+                             capacity_blocks=capacity_blocks(metrics, block_size))  # fmt: skip
                 start = metrics.process_start_time
                 if name in starts and start != starts[name]:
                     log.info("engine %s: a new generation; its prefix view is cleared", name)
                     index.reset(name)
+                    state.cache_cal.forget(name)
                 starts[name] = start
+                state.cache_cal.observe_counters(name, metrics.total("vllm:prefix_cache_hits_total"),
+                                                 metrics.total("vllm:prefix_cache_queries_total"))  # fmt: skip
         except EngineProtocolError as exc:
             # It answers, with nothing usable: what it said before is no longer to be trusted.
             log.debug("engine %s: cache configuration unusable: %s", name, exc)

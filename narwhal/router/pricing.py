@@ -94,19 +94,23 @@ fallback is counted and reported.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
-import attrs
 import trio
 
 from narwhal.config import SLOConfig
 from narwhal.errors import Refused
 from narwhal.profile.store import EngineProfile
-from narwhal.router.placement import MEAN_WEIGHT, Placement, Reservation
+from narwhal.router.cacheplan import CachePlan, PlanTicket
+from narwhal.router.choice import ProducerChoice, choose_producer, explain
+from narwhal.router.handoff import HandoffModel
+from narwhal.router.placement import MEAN_WEIGHT, Explanation, Placement, Reservation
 from narwhal.router.prefillqueue import PrefillQueues
+from narwhal.router.quotes import CONSUMER_TIE, Quote, best_consumer
 from narwhal.router.sharedkv import HeldChain, SharedBlocks
 
 __all__ = ["CONSUMER_TIE", "REPLICATE_AT", "PricedPlacement", "Quote", "Replicate", "best_consumer"]
@@ -140,38 +144,6 @@ LOW_FLOOR: Final = 0.5
 #: Starts copying a prefix to a producer: (producer, prefix token ids, model, predicted
 #: seconds of the copy's prefill); returns whether it started.
 Replicate = Callable[[str, Sequence[int], "str | None", float], bool]
-
-
-@attrs.frozen
-class Quote:
-    """A candidate's price for one request.
-
-    ``cached_tokens`` is the engine's predicted prefix-cache hit (None when no prefix
-    index was asked): on a producer quote what it need not compute, on a consumer quote
-    what it need not pull. ``own_s`` (a producer's own prefill time) is set on producer
-    quotes.
-    """
-
-    engine: str
-    predicted_s: float
-    headroom: float
-    out_of_domain: bool = False
-    cached_tokens: int | None = None
-    own_s: float = 0.0
-    low_s: float | None = None
-    #: Time the request had spent in the router when it was quoted (a producer quote's).
-    elapsed_s: float = 0.0
-    #: Requests queued on the producer that this one would make miss the TTFT target
-    #: (a producer computing its queued prompts together: they share its next step).
-    delays: int = 0
-    #: Tokens by which this request's KV would pass the consumer's capacity (a consumer
-    #: quote when no priced consumer has room: no TPOT is predicted then).
-    kv_over: int = 0
-
-    @property
-    def low(self) -> float:
-        """The low end of the prediction (a producer quote's), else the prediction."""
-        return self.predicted_s if self.low_s is None else self.low_s
 
 
 class PricedPlacement(Placement):
@@ -231,6 +203,17 @@ class PricedPlacement(Placement):
         self._warming: dict[str, Sequence[int]] = {}
         #: Per consumer, the cached prompt blocks its streams hit when placed.
         self.shared_kv: dict[str, SharedBlocks] = {}
+        #: The cache plan (set while the router runs with ``controller.cache_plan: auto``
+        #: and a prefix index): owners of prefixes and sessions, and the later cost of
+        #: a placement's new blocks (:mod:`narwhal.router.choice`).
+        self.cache_plan: CachePlan | None = None
+        #: Placements by the rule that chose their producer (:mod:`narwhal.router.choice`).
+        self.rules: dict[str, int] = {}
+        #: What a pulled token costs each consumer's handoff (learned from the journal).
+        self.handoffs = HandoffModel()
+        #: The choice the latest :meth:`price` made (read by :meth:`choose` at once).
+        self.last_choice: ProducerChoice | None = None
+        self._last_consumer_runner_up: Quote | None = None
         #: The moving mean of the KV a placed stream takes of its consumer's capacity:
         #: its prompt and output less the blocks it hits that a stream there holds (None
         #: until a priced placement). Others' streams are counted at it against a
@@ -266,7 +249,9 @@ class PricedPlacement(Placement):
     ) -> Quote:
         """Predicted router TTFT from arrival: time already spent + queue + own prefill."""
         own = self.prefill_s(name, prompt_tokens, cached_tokens or 0)
-        ahead = (self.queues.queue_s(name) + own) * self.ttft_correction[name]
+        correction = self.ttft_correction[name]
+        queue = self.queues.queue_s(name) * correction
+        ahead = queue + own * correction
         predicted = elapsed_s + ahead
         # The prompts waiting for the step are held to its point prediction under either
         # admission bound: the low end is for the newcomer's own TTFT (held to it, they
@@ -274,7 +259,7 @@ class PricedPlacement(Placement):
         delays = self.queues.delays(name, own, self.ttft_correction[name]) if name in self.queue_models.batched else 0
         return Quote(name, predicted, self._headroom(predicted, self.slo.ttft_s), cached_tokens=cached_tokens,
                      own_s=own, low_s=elapsed_s + ahead * self.low_factor(name), elapsed_s=elapsed_s,
-                     delays=delays)  # fmt: skip
+                     delays=delays, queue_s=queue)  # fmt: skip
 
     def low_factor(self, name: str) -> float:
         """The low end of ``name``'s TTFT predictions as a share of them: the
@@ -404,12 +389,16 @@ class PricedPlacement(Placement):
         cached: Callable[[str], int] | None = None,
         model: str | None = None,
         held: Callable[[str], HeldChain] | None = None,
+        plan: PlanTicket | None = None,
     ) -> tuple[Quote, Quote] | None:
         """The best (producer, consumer) quotes among engines serving ``model``, or None
         when no priced pair exists.
 
         ``cached`` says how many leading prompt tokens an engine holds (the prefix index),
         ``held`` which blocks (:meth:`narwhal.router.prefix.PromptLookup.held_chain`).
+        The producer is chosen by :func:`narwhal.router.choice.choose_producer`, with the
+        cache plan when ``plan`` (the request's ticket) is given and the plan is on; the
+        choice stays in :attr:`last_choice`.
         When every priced consumer's KV capacity is a limit this request would pass, the
         consumer quote is the one it would pass by least, with ``kv_over`` set (a pair
         that cannot be placed: no room is not no price).
@@ -418,10 +407,16 @@ class PricedPlacement(Placement):
         consumers = self._priced_candidates(self.decode_engines, avoid, model)
         if not producers or not consumers:
             return None
-        p = max(  # one that would make no queued request late, then the most headroom
-            (self.quote_producer(n, prompt_tokens, elapsed_s, cached(n) if cached else None) for n in producers),
-            key=lambda q: (not q.delays, q.headroom),
-        )
+        handoff = min((self.handoff_s.get(n, 0.0) for n in consumers), default=0.0)
+        choice = choose_producer(
+            [self.quote_producer(n, prompt_tokens, elapsed_s, cached(n) if cached else None) for n in producers],
+            target_s=self.slo.ttft_s, handoff_s=handoff, bound=self._bound,
+            plan=self.cache_plan if plan is not None else None, ticket=plan, cached=cached,
+            prompt_tokens=prompt_tokens,
+        )  # fmt: skip
+        self.last_choice = choice
+        self._last_consumer_runner_up = None
+        p = choice.quote
         chains = {n: held(n) for n in consumers} if held is not None else {}
         quotes = [
             q for n in consumers
@@ -439,7 +434,33 @@ class PricedPlacement(Placement):
                 return None  # profiled for prefill only: no consumer is priced
             over, name = min(limited)
             return p, Quote(name, math.inf, -math.inf, cached_tokens=cached(name) if cached else None, kv_over=over)
-        return p, best_consumer(quotes)
+        c = best_consumer(quotes, self.handoffs.per_token, self.slo.ttft_s)
+        if len(quotes) > 1:
+            self._last_consumer_runner_up = max((q for q in quotes if q is not c), key=lambda q: q.headroom)
+        return p, c
+
+    def _bound(self, q: Quote) -> float:
+        """The prediction admission holds against the TTFT target."""
+        return q.predicted_s if self.admission_bound == "point" else q.low
+
+    def _unpriced(self, names: Sequence[str], quoted: Sequence[str], avoid: frozenset[str], model: str | None,
+                  role: str) -> dict[str, str]:  # fmt: skip
+        """Why each of ``names`` was not quoted for ``role``."""
+        out = {}
+        for n in names:
+            if n in quoted:
+                continue
+            if not self.available(n):
+                out[n] = "unavailable (breaker or fleet phase)"
+            elif not self.serves(n, model):
+                out[n] = "does not serve the model"
+            elif n not in self.profiles:
+                out[n] = f"not priced ({self.unbound.get(n, 'no bound profile')})"
+            elif n in avoid:
+                out[n] = "failed this request before"
+            else:
+                out[n] = f"not a {role} candidate"
+        return out
 
     def choose(
         self,
@@ -452,6 +473,7 @@ class PricedPlacement(Placement):
         model: str | None = None,
         prompt_ids: Sequence[int] | None = None,
         held: Callable[[str], HeldChain] | None = None,
+        plan: PlanTicket | None = None,
     ) -> Reservation:
         """Reserve the best pair serving ``model`` now; raise ``_NoCapacity`` when none meets the SLO.
 
@@ -459,16 +481,21 @@ class PricedPlacement(Placement):
         counting, earlier placement waits): it counts against the TTFT target.
         ``cached`` says how many leading prompt tokens an engine's cache holds;
         ``prompt_ids`` (the prompt's token ids) lets a busy prefix be copied to another
-        producer (:meth:`replication`).
+        producer (:meth:`replication`); ``plan``: the request's ticket of the cache plan.
+        The reservation carries the placement's explanation (``explain``).
         """
-        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s, cached, model, held)
+        quotes = self.price(prompt_tokens, max_tokens, avoid, elapsed_s, cached, model, held, plan)
         if quotes is None:
             self.counters["fallback"] += 1
             reservation = super().choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
+            reservation.explain = {"rule": "fallback", "detail": "no priced pair: least reserved load"}
             return self._reserve(reservation, prompt_tokens, None, None)
         p, c = quotes
+        choice = self.last_choice
+        assert choice is not None  # set by price
+        owners = choice.owners if plan is not None else None
         if prompt_ids is not None and cached is not None and self.replicate is not None:
-            copy = self.replication(prompt_tokens, cached, model)
+            copy = self.replication(prompt_tokens, cached, model, owners)
             if copy is not None:
                 self._start_copy(copy[0], prompt_ids[: copy[1]], copy[2], model)
         # A miss is a predicted miss of a target that is set (without a target, a
@@ -479,17 +506,29 @@ class PricedPlacement(Placement):
         own_late = self.slo.ttft_s is not None and bound + handoff > self.slo.ttft_s
         delays = self.slo.ttft_s is not None and p.delays > 0
         decode_miss = c.kv_over > 0 or (self.slo.tpot_s is not None and c.headroom < 0)
+        # The explanation is written out when the journal writes the record (after the
+        # response): what it needs of now is taken now.
+        runner_up = self._last_consumer_runner_up
+        per_token = self.handoffs.per_token
+        account = functools.partial(
+            explain, choice, c, runner_up, handoff_s=handoff,
+            unpriced=self._unpriced(self.prefill_engines, [q.engine for q in choice.quotes], avoid, model, "prefill"),
+            transfer_s_per_token={q.engine: per_token[q.engine] for q in (c, runner_up)
+                                  if q is not None and q.engine in per_token} if per_token else None,
+        )  # fmt: skip
         if own_late or delays or decode_miss:
             self.counters["refused"] += 1
             if own_late and prompt_ids is not None and cached is not None and self.replicate is not None:
-                warm = self.warming(prompt_tokens, prompt_ids, cached, model, handoff)
+                warm = self.warming(prompt_tokens, prompt_ids, cached, model, handoff, owners)
                 if warm is not None:
                     self._start_copy(warm[0], prompt_ids, warm[1], model, warm=True)
-            raise _NoCapacity(p, c, handoff, deferrable=not (own_late or decode_miss))
+            raise _NoCapacity(p, c, handoff, deferrable=not (own_late or decode_miss), account=account)
         self.counters["priced"] += 1
+        self.rules[choice.rule] = self.rules.get(choice.rule, 0) + 1
         if c.out_of_domain:
             self.counters["out_of_domain"] += 1
         reservation = Reservation(self, p.engine, c.engine, prompt_tokens, prompt_tokens + max_tokens)
+        reservation.explain = account
         self._reserve(reservation, prompt_tokens, p, c)
         self._share(reservation, held(c.engine) if held is not None else ((), 0))
         return reservation
@@ -517,7 +556,8 @@ class PricedPlacement(Placement):
         reservation.on_release_decode = release
 
     def replication(
-        self, prompt_tokens: int, cached: Callable[[str], int], model: str | None = None
+        self, prompt_tokens: int, cached: Callable[[str], int], model: str | None = None,
+        owners: Sequence[str] | None = None,
     ) -> tuple[str, int, int] | None:
         """The producer to copy this prompt's cached prefix to, the prefix's length in
         tokens and how much of it that producer holds already; None when no copy is due.
@@ -529,6 +569,10 @@ class PricedPlacement(Placement):
         with k cached) within that share. The copy itself is not in that prediction: it
         runs behind the producer's queued prefills and before the ones placed after it,
         which are priced with it (:meth:`_start_copy` reserves it).
+
+        With a cache plan whose group of the prompt has ``owners``, an owner that
+        qualifies is taken first (the plan gives a group busier than one producer a
+        second owner).
         """
         target = self.slo.ttft_s
         if target is None:
@@ -539,21 +583,24 @@ class PricedPlacement(Placement):
         if k <= 0 or 2 * k < prompt_tokens:
             return None
         holders = [n for n in names if held[n] >= k]
+        if any(n in self.replicating for n in holders):
+            return None  # a holder may be computing it still (a copy's blocks are held from its start)
         busy = min(self.quote_producer(n, prompt_tokens, 0.0, k).predicted_s for n in holders)
         if busy < REPLICATE_AT * target:
             return None
-        best: tuple[float, str] | None = None
+        best: tuple[tuple[bool, float], str] | None = None
         for n in names:
             if held[n] >= k or n in self.replicating:
                 continue
             after = self.quote_producer(n, prompt_tokens, 0.0, k).predicted_s
-            if after < COPY_SERVES_WITHIN * target and (best is None or after < best[0]):
-                best = (after, n)
+            rank = (not (owners and n in owners), after)
+            if after < COPY_SERVES_WITHIN * target and (best is None or rank < best[0]):
+                best = (rank, n)
         return None if best is None else (best[1], k, held[best[1]])
 
     def warming(
         self, prompt_tokens: int, prompt_ids: Sequence[int], cached: Callable[[str], int], model: str | None,
-        handoff_s: float = 0.0,
+        handoff_s: float = 0.0, owners: Sequence[str] | None = None,
     ) -> tuple[str, int] | None:
         """The producer to compute a refused prompt on in the background, and how much of
         it that producer holds already; None when none is due.
@@ -567,7 +614,8 @@ class PricedPlacement(Placement):
         that would finish it first among those not busy (their queue under
         :data:`REPLICATE_AT` of the target) and copying nothing now, unless a prompt
         sharing at least half of it is being computed already; later requests of its
-        prefix are then priced with the hit there.
+        prefix are then priced with the hit there. With a cache plan, an owner of the
+        prompt's group that qualifies is taken first.
         """
         target = self.slo.ttft_s
         if target is None:
@@ -581,7 +629,7 @@ class PricedPlacement(Placement):
         half = prompt_tokens // 2
         if any(list(ids[:half]) == list(prompt_ids[:half]) for ids in self._warming.values()):
             return None
-        best: tuple[float, str] | None = None
+        best: tuple[tuple[bool, float], str] | None = None
         for n in names:
             if n in self.replicating:
                 continue
@@ -589,8 +637,9 @@ class PricedPlacement(Placement):
             if queue >= REPLICATE_AT * target:
                 continue
             done = queue + self.prefill_s(n, prompt_tokens, held[n]) * self.ttft_correction[n]
-            if best is None or done < best[0]:
-                best = (done, n)
+            rank = (not (owners and n in owners), done)
+            if best is None or rank < best[0]:
+                best = (rank, n)
         return None if best is None else (best[1], held[best[1]])
 
     def _start_copy(self, producer: str, ids: Sequence[int], held: int, model: str | None, warm: bool = False) -> None:
@@ -629,6 +678,7 @@ class PricedPlacement(Placement):
         reservation.on_release_prefill = lambda done: self._release_work(producer, key, done)
         reservation.on_release_decode = self._capacity_changed
         reservation.predicted_ttft_s = p.predicted_s if p is not None else None
+        reservation.predicted_work_s = work
         reservation.predicted_tpot_s = c.predicted_s if c is not None else None
         return reservation
 
@@ -641,10 +691,14 @@ class PricedPlacement(Placement):
         """Journal listener: the handoff of every request that got a first token, and
         its router TTFT against the prediction of the attempt that produced it."""
         consumer, ttft, first = record.get("consumer"), record.get("ttft_s"), record.get("first_byte_s")
-        if isinstance(consumer, str) and isinstance(ttft, float) and isinstance(first, float) and first >= ttft:
-            self.observe_handoff(consumer, first - ttft)
         attempts = record.get("attempts") or ()
         last = attempts[-1] if attempts else None
+        if isinstance(consumer, str) and isinstance(ttft, float) and isinstance(first, float) and first >= ttft:
+            self.observe_handoff(consumer, first - ttft)
+            # What it pulled: the prompt less what its own cache held (where predicted).
+            held, prompt = last.get("consumer_predicted_cached_tokens") if last else None, record.get("prompt_tokens")
+            if isinstance(held, int) and isinstance(prompt, int):
+                self.handoffs.observe(consumer, first - ttft, max(prompt - held, 0))
         if isinstance(ttft, float) and isinstance(last, Mapping) and last.get("outcome") == "ok":
             producer, predicted = last.get("producer"), last.get("predicted_ttft_s")
             if isinstance(producer, str) and isinstance(predicted, float):
@@ -690,6 +744,7 @@ class PricedPlacement(Placement):
         model: str | None = None,
         prompt_ids: Sequence[int] | None = None,
         held: Callable[[str], HeldChain] | None = None,
+        plan: PlanTicket | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` predicted to meet the SLO, waiting for capacity
         (admission ``wait``). Under ``refuse``, a request that would itself meet the
@@ -702,7 +757,7 @@ class PricedPlacement(Placement):
         while True:
             try:
                 return self.choose(prompt_tokens, max_tokens, avoid=avoid, elapsed_s=elapsed_s + self.clock() - start,
-                                   cached=cached, model=model, prompt_ids=prompt_ids, held=held)  # fmt: skip
+                                   cached=cached, model=model, prompt_ids=prompt_ids, held=held, plan=plan)  # fmt: skip
             except _NoCapacity as miss:
                 slo_deadline = deadline
                 deferred = self.admission == "refuse" and miss.deferrable
@@ -721,6 +776,7 @@ class PricedPlacement(Placement):
                         f"{f' (TTFT with {handoff * 1000:.1f} ms of handoff to it)' if handoff else ''}"
                         f"{f'; TTFT {(low + handoff) * 1000:.1f} ms at the low end of its prediction error' if self.admission_bound != 'point' and low < miss.producer.predicted_s else ''}"
                         f"{f'; it would make {miss.producer.delays} request(s) queued there miss the TTFT target (they share its next step)' if miss.producer.delays else ''}",
+                        placement=miss.account,
                     ) from None  # (retry in Refused's default second)
                 if not waited:
                     waited = True
@@ -753,40 +809,20 @@ class PricedPlacement(Placement):
         for table in (self.ttft_correction, self.tpot_correction, self.profiles, self.unbound, self.ttft_ratios,
                       self._observed_low, self.shared_kv):  # fmt: skip
             table.pop(name, None)
+        self.handoffs.forget(name)
         self.queues.remove_engine(name)
-
-
-#: Consumers whose predicted TPOT lies within this share of the best one's are equal
-#: for the choice: the decode fits are held to a few percent of error, so a smaller
-#: difference says nothing about which decodes faster.
-CONSUMER_TIE: Final = 0.01
-
-
-def best_consumer(quotes: Sequence[Quote]) -> Quote:
-    """The consumer to decode on: the most TPOT headroom; among consumers predicted
-    equal (within :data:`CONSUMER_TIE` of the best TPOT, and on the same side of the
-    target), the one whose own prefix cache holds most of the prompt, which pulls the
-    fewest blocks from the producer; then the most headroom.
-
-    The pull is not priced: the profile measures each engine alone, and a transfer's time
-    belongs to a (producer, consumer) pair and the network between them, which no sweep
-    measures per block (``narwhal check``'s transfer probe times one short handoff per
-    pair). Priced at zero, a consumer's cached blocks can only break a tie.
-    """
-    best = max(quotes, key=lambda q: q.headroom)
-    equal = [q for q in quotes
-             if q.predicted_s <= best.predicted_s * (1.0 + CONSUMER_TIE)
-             and (q.headroom >= 0) == (best.headroom >= 0)]  # fmt: skip
-    return max(equal, key=lambda q: (q.cached_tokens or 0, q.headroom))
 
 
 class _NoCapacity(Exception):
     """No pair meets the SLO; ``deferrable``: the request itself would, but would make
     the prompts waiting for the producer's next step late (it can wait for that step)."""
 
-    def __init__(self, producer: Quote, consumer: Quote, handoff_s: float = 0.0, *, deferrable: bool = False) -> None:
+    def __init__(self, producer: Quote, consumer: Quote, handoff_s: float = 0.0, *, deferrable: bool = False,
+                 account: Explanation | None = None) -> None:  # fmt: skip
         super().__init__("no placement meets the SLO")
         self.producer = producer
         self.consumer = consumer
         self.handoff_s = handoff_s
         self.deferrable = deferrable
+        #: The placement's explanation (:func:`narwhal.router.choice.explain`, when called).
+        self.account = account

@@ -43,7 +43,7 @@ from typing import Any
 import trio
 
 from narwhal.engines.client import TraceHeaders
-from narwhal.errors import NarwhalError
+from narwhal.errors import NarwhalError, RouterOverloaded
 from narwhal.router.state import RouterState
 
 __all__ = ["PROBE_TOKENS", "probe_at_start", "probe_engine", "readiness_problem", "run_probes"]
@@ -111,7 +111,10 @@ async def readiness_problem(state: RouterState, name: str) -> str | None:
         timeout = state.config.engine.connect_timeout_s
         why: str | None = f"no answer to GET /health within {timeout:g} s (engine.connect_timeout_s)"
         with trio.move_on_after(timeout):
-            why = await client.unhealthy()
+            try:
+                why = await client.unhealthy()
+            except RouterOverloaded as exc:
+                why = str(exc)  # not ready yet, as far as the router can tell: asked again
         return why
     try:
         await _check_lifecycle(state, name)
@@ -222,6 +225,12 @@ async def probe_engine(state: RouterState, name: str) -> bool | None:
             span.finish("inconclusive", str(exc))
         state.breaker.probe_inconclusive(name, str(exc))
         return None
+    except RouterOverloaded as exc:
+        # The router's own descriptors or memory ran out: nothing about the engine.
+        if span is not None:
+            span.finish("inconclusive", str(exc))
+        state.breaker.probe_inconclusive(name, str(exc))
+        return None
     except (NarwhalError, trio.TooSlowError) as exc:
         detail = str(exc) or "probe timed out (engine.first_token_timeout_s)"
         if span is not None:
@@ -279,7 +288,10 @@ async def probe_at_start(state: RouterState) -> dict[str, str]:
     async def one(name: str) -> None:
         why: str | None = f"no answer to GET /health within {timeout:g} s (engine.connect_timeout_s)"
         with trio.move_on_after(timeout):
-            why = await state.clients[name].unhealthy()
+            try:
+                why = await state.clients[name].unhealthy()
+            except RouterOverloaded as exc:
+                why = str(exc)  # unknown at start: probed again like an engine that is down
         if why is not None:
             down[name] = why
 

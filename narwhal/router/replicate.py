@@ -6,9 +6,9 @@ does the copy: a one-token request of the prefix's token ids alone, sent to that
 producer without any KV transfer (the same request as the prefill leg of a
 same-worker decode, ``max_tokens: 1``), which makes the engine compute the prefix and
 cache its blocks as it would for any prompt. The request is no client's: it is not
-journaled, and its failure is logged and forgets nothing (the producer's view learns
-the prefix only from a copy that completed; an exact view learns it from the
-engine's KV events in any case).
+journaled, and its failure is logged. The producer's approximate view holds the
+copy's blocks from its start, as the engine does from its scheduling (an exact view
+learns them from the engine's KV events).
 
 Each copy's predicted prefill stays reserved on the producer while it runs, so that
 the requests placed behind it are priced with it, and is released when it ends, done
@@ -72,6 +72,9 @@ class PrefixReplicator:
             body["model"] = model
         rid = f"narwhal-replicate-{next(self._ids)}"
         state.in_flight_by_engine[producer] = state.in_flight_by_engine.get(producer, 0) + 1
+        # The engine takes the copy's blocks when it schedules it (evicting what they
+        # displace) and caches them as it computes: the view holds them from now on.
+        hold = state.prefix.hold(producer, ids, 1)
         try:
             with trio.move_on_after(self.state.config.engine.first_token_timeout_s) as scope:
                 await state.clients[producer].prefill(body, request_id=rid, leg="replicate", transfer=False)
@@ -79,13 +82,14 @@ class PrefixReplicator:
                 self.counts["failed"] += 1
                 log.warning("copying a %d-token prefix to %s timed out", len(ids), producer)
                 return
-            state.prefix.placed(producer, ids)
             self.counts["done"] += 1
             log.info("copied a %d-token prefix to %s (%s)", len(ids), producer, rid)
         except EngineError as err:
             self.counts["failed"] += 1
             log.warning("copying a %d-token prefix to %s failed: %s", len(ids), producer, err.message)
         finally:
+            if hold is not None:
+                hold.release()
             if producer in state.in_flight_by_engine:
                 state.in_flight_by_engine[producer] -= 1
             self.placement.copied(producer, work_s)

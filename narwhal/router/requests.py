@@ -111,6 +111,36 @@ def _too_deep() -> BadRequest:
     return BadRequest(f"request body is nested more than {MAX_BODY_DEPTH} levels deep", code="invalid_json")
 
 
+#: A JSON escape of a UTF-16 surrogate (``\ud800``-``\udfff``): the only way a body in
+#: valid UTF-8 can carry one (a pair is one character once parsed; a lone one stays).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _lone_surrogate(body: dict[str, Any]) -> str | None:
+    """Which string of ``body`` (a value or a key) holds a lone surrogate, first in
+    document order: ``'messages[0].content'`` or ``a key of 'stream_options'``; None
+    when none does."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, dict):
+            items = []
+            for key, value in obj.items():
+                where = f"{path}.{key}" if path else str(key)
+                if _SURROGATE.search(key):
+                    return f"a key of '{path}'" if path else "a key of the body"
+                items.append((value, where))
+        elif isinstance(obj, list):
+            items = [(value, f"{path}[{i}]") for i, value in enumerate(obj)]
+        else:
+            if isinstance(obj, str) and _SURROGATE.search(obj):
+                return f"'{path}'"
+            continue
+        stack.extend(reversed(items))  # depth first, in document order
+    return None
+
+
 def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     """Parse and check a completions or chat body; raises :class:`BadRequest`."""
     try:
@@ -123,6 +153,17 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     if _deeper_than(body, MAX_BODY_DEPTH):
         raise _too_deep()
+    # The stdlib's parser keeps a lone surrogate escape ("\udc80") as a character that
+    # no UTF-8 encoder takes (orjson refuses the escape as it parses), so forwarding the
+    # body to an engine would fail: the client's error, said as such.
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise BadRequest(
+                f"{where} is not valid Unicode: it holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                "without its pair)",
+                code="invalid_value",
+            )
     if kind == "completions":
         prompt = body.get("prompt")
         if prompt is None:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
 import trio
 
-from narwhal.config import FleetConfig, parse_fleet
+from narwhal.config import FleetConfig, parse_fleet, parse_fleet_json
 from narwhal.errors import ConfigError
 from narwhal.http.server import HTTPServer, ServerLimits
 from narwhal.profile.store import Profiles
@@ -80,10 +80,8 @@ class Router:
         prepare = self.prepare
         try:
             if isinstance(document, bytes | bytearray | memoryview | str):
-                try:
-                    document = json.loads(bytes(document) if isinstance(document, memoryview) else document)
-                except ValueError as exc:  # UnicodeDecodeError is one
-                    raise ConfigError(f"the document is not JSON: {exc}") from None
+                # A body is a document: never None (re-read the file), never nested deeper than one.
+                document = parse_fleet_json(document if isinstance(document, str) else bytes(document))
             if prepare is None:
                 if document is None:
                     raise ConfigError("the router was not started from a fleet document file: nothing to re-read")
@@ -145,6 +143,8 @@ def server_limits(config: FleetConfig) -> ServerLimits:
         header_timeout_s=s.header_timeout_s,
         body_timeout_s=s.body_timeout_s,
         keepalive_timeout_s=s.keepalive_timeout_s,
+        send_timeout_s=s.send_timeout_s,
+        max_connections=s.max_connections,
     )
 
 
@@ -211,6 +211,15 @@ async def open_router(
                 state.journal.add_listener(state.placement.on_record)
             if prefix_watch is not None and isinstance(state.placement, PricedPlacement):
                 await nursery.start(PrefixReplicator(state, state.placement).run)
+            state.cache_cal.publish = events.publish
+            state.journal.add_listener(state.cache_cal.on_record)
+            plan, placement = state.cache_plan, state.placement
+            if plan is not None and isinstance(placement, PricedPlacement):
+
+                def planned() -> list[str]:
+                    return [n for n in placement.prefill_engines if n in placement.profiles and state.placeable(n)]
+
+                await nursery.start(partial(plan.run, planned, lambda: placement.slo.ttft_s, publish=events.publish))
             controller = None
             if config.controller.reactive.enabled and isinstance(state.placement, PricedPlacement):
                 controller = ReactiveController(

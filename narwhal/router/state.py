@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -10,7 +11,7 @@ import attrs
 import httpx
 import trio
 
-from narwhal.config import EngineConfig, FleetConfig
+from narwhal.config import INCARNATION, EngineConfig, FleetConfig
 from narwhal.engines.badinput import BadInput
 from narwhal.engines.client import EngineClient, EngineIdentity, Tokenized, start_date
 from narwhal.engines.connector import RequestKind
@@ -18,6 +19,9 @@ from narwhal.engines.kvevents import KVEventSubscriber
 from narwhal.errors import BadRequest, EngineError, NotFound
 from narwhal.profile.store import Profiles
 from narwhal.router.breaker import Breaker
+from narwhal.router.cachecal import CacheCalibration
+from narwhal.router.cacheplan import CachePlan
+from narwhal.router.cacheviews import EventView
 from narwhal.router.journal import Journal
 from narwhal.router.placement import Placement
 from narwhal.router.prefix import PrefixIndex
@@ -26,9 +30,16 @@ from narwhal.router.promptlen import PromptLengths, prompt_size
 from narwhal.router.retry import RetryBudget
 from narwhal.tracing import Tracing
 
-__all__ = ["PromptCount", "RouterState"]
+__all__ = ["PromptCount", "RouterState", "document_name"]
 
 log = logging.getLogger("narwhal.router")
+
+
+def document_name(name: str) -> str:
+    """The fleet document's name of engine ``name`` (``d0`` of ``d0#2``, a later
+    incarnation: an engine replaced at run time is started beside the one it replaces,
+    under a name of its own, so that both serve until the new one is ready)."""
+    return name.partition(INCARNATION)[0]
 
 
 @attrs.frozen
@@ -119,6 +130,11 @@ class RouterState:
         self.models: dict[str, int | None] = dict.fromkeys(self.placement.model_names())
         #: engine name -> {model: max_model_len} from the engine's last /v1/models answer.
         self._reported: dict[str, dict[str, int | None]] = {}
+        #: model -> how many engines reported each max_model_len for it (the smallest is
+        #: the model's), and what each engine's report counts there: kept per engine, so
+        #: that an engine joining or leaving costs its own models, not a walk of the fleet.
+        self._limits: dict[str, collections.Counter[int]] = {}
+        self._counted: dict[str, dict[str, int]] = {}
         self.in_flight = 0
         self.in_flight_by_engine: dict[str, int] = dict.fromkeys(self.engines, 0)
         mode = config.controller.prompt_tokens
@@ -131,6 +147,13 @@ class RouterState:
         self._prompt_lengths: dict[str, PromptLengths] = {}
         #: What each engine's prefix cache holds (kept by ``PrefixWatch``).
         self.prefix = PrefixIndex()
+        #: Whether the predicted hits materialize, per engine (:mod:`narwhal.router.cachecal`).
+        self.cache_cal = CacheCalibration()
+        #: Where prefixes and sessions live (:mod:`narwhal.router.cacheplan`); with priced
+        #: placement and the prefix index only.
+        self.cache_plan: CachePlan | None = None
+        if isinstance(self.placement, PricedPlacement) and config.controller.prefix_cache == "auto":
+            self.cache_plan = self.placement.cache_plan = CachePlan(self.prefix, self.placement.prefill_s, clock)
         self.kv_subscribers: dict[str, KVEventSubscriber] = {}
         #: Why an engine is still ``starting`` (its last readiness probe), for /health.
         self.phase_errors: dict[str, str] = {}
@@ -154,51 +177,95 @@ class RouterState:
     # ------------------------------------------------------------ a changing fleet
 
     def members(self) -> list[EngineConfig]:
-        """The engines placement may use: those serving, and a draining engine while no
-        serving engine has one of its roles (a role is never left empty by a change)."""
-        serving = [e for e in self.engines.values() if e.name not in self.phase]
+        """The engines placement may use: those serving, and a draining engine while a
+        role of it would be left empty: no serving engine has the role, or none of a
+        model it serves that the fleet still serves (the document declares it, or an
+        engine not draining serves it). Linear in the engines."""
+        phases = self.phase
+        if "draining" not in phases.values():  # (most of the time: nothing to hold)
+            return [e for e in self.engines.values() if e.name not in phases]
+        models = self.placement.models
+        covered: set[tuple[str, str]] = set()  # (role, model) some serving engine takes
+        roles: set[str] = set()  # roles some serving engine takes
+        unknown: set[str] = set()  # roles of serving engines whose model is not known yet
+        wanted = set(self.config.models)  # models the fleet still serves
+        for e in self.engines.values():
+            phase = self.phase.get(e.name)
+            served = models.get(e.name)
+            if phase != "draining" and served is not None:
+                wanted.update(served)
+            if phase is None:
+                roles.update(e.roles)
+                for role in e.roles:
+                    if served is None:
+                        unknown.add(role)
+                    else:
+                        covered.update((role, m) for m in served)
+        # An engine of an unknown model takes requests while the fleet serves one model.
+        anyone = set() if self.placement.several_models else unknown
+
+        def held(e: EngineConfig) -> bool:
+            if any(role not in roles for role in e.roles):
+                return True
+            served = models.get(e.name, ())
+            return any(
+                role not in anyone and (role, m) not in covered for role in e.roles for m in served if m in wanted
+            )
+
         out = []
         for e in self.engines.values():
             phase = self.phase.get(e.name)
-            if phase is None:
-                out.append(e)
-            elif phase == "draining" and any(
-                not any(role in o.roles for o in serving) for role in e.roles
-            ):
+            if phase is None or (phase == "draining" and held(e)):
                 out.append(e)
         return out
 
     def refresh_roles(self) -> None:
         """Recompute placement's engines of each role (and the breaker's) after a change."""
         members = self.members()
-        prefill, decode = self.assign_roles(members)
+        permitted_prefill, permitted_decode = permitted = _permitted_roles(members)
+        prefill, decode = permitted if self.assign_roles is _permitted_roles else self.assign_roles(members)
         self.placement.set_roles(prefill, decode)
-        permitted_prefill, permitted_decode = _permitted_roles(members)
         roles = {"prefill": permitted_prefill, "decode": permitted_decode}  # pragma: no mutate (equivalent: as in __init__)
         self.breaker.set_roles(roles)
         self.placement.notify_released()
 
-    def add_engine(self, engine: EngineConfig, *, phase: str | None = "starting") -> None:
+    def new_client(self, engine: EngineConfig) -> EngineClient:
+        """A client for ``engine`` (made before a change applies: what can fail, fails
+        before anything changed)."""
+        return self._client(engine)
+
+    def add_engine(
+        self, engine: EngineConfig, *, phase: str | None = "starting", client: EngineClient | None = None
+    ) -> None:
         """Know ``engine`` (its client, breaker state, load); ``phase`` ``starting`` keeps
-        it out of placement until :meth:`refresh_roles` follows a readiness probe."""
+        it out of placement until :meth:`refresh_roles` follows a readiness probe.
+
+        Args:
+            engine: the engine, under its name in the router.
+            phase: ``starting``, or None (it serves at once).
+            client: its client, made beforehand by :meth:`new_client` (default: made here,
+                before anything else changes).
+        """
         name = engine.name
         if name in self.engines:
             raise ValueError(f"engine {name} is already in the fleet")
+        client = client if client is not None else self._client(engine)
         self.engines[name] = engine
-        self.clients[name] = self._client(engine)
+        self.clients[name] = client
         self.breaker.add(name)
         self.placement.add_engine(name)
         self.in_flight_by_engine[name] = 0
         if phase is not None:
             self.phase[name] = phase
-        self._recompute_models()
+        self._recompute_models([name])
 
     def busy(self, name: str) -> bool:
         """Whether a request (reservation, leg, token count) still uses ``name``."""
         return not self.placement.idle(name) or self.in_flight_by_engine[name] > 0
 
     async def forget_engine(self, name: str) -> None:
-        """Drop a drained engine from every table and close its connections."""
+        """Drop a drained engine from every table (at once, before any checkpoint) and
+        close its connections."""
         self.phase.pop(name, None)
         self.engines.pop(name, None)
         client = self.clients.pop(name, None)
@@ -206,7 +273,7 @@ class RouterState:
         self.placement.remove_engine(name)
         self.in_flight_by_engine.pop(name, None)
         self._reported.pop(name, None)
-        self._recompute_models()
+        self._recompute_models([name])
         self.prefix.forget(name)
         if client is not None:
             await client.close_connections()
@@ -282,6 +349,28 @@ class RouterState:
         if len(self.models) > 1:  # the router is ready while any model is: say which are not
             body["models"] = {m: "ready" if r is None else r for m, r in self.model_readiness().items()}
         return body
+
+    def prefix_cache_status(self, name: str) -> dict[str, Any] | None:
+        """What the router knows of engine ``name``'s prefix cache (None: no view): its
+        view, blocks and capacity, whether its predicted hits materialize, and what the
+        cache plan gives it (``/fleet``)."""
+        index = self.prefix
+        view = index.view(name)
+        if view is None or not index.enabled(name):
+            return None
+        out: dict[str, Any] = {
+            "view": "events" if isinstance(view, EventView) else "placements",
+            "blocks": len(view),
+            "capacity_blocks": index.capacity_blocks.get(name),
+        }
+        if isinstance(view, EventView):
+            out["overflow_evicted"] = view.overflow_evicted
+        else:
+            out["held_blocks"] = view.held
+        out.update(self.cache_cal.status(name))
+        if self.cache_plan is not None and name in self.placement.prefill_engines:
+            out["plan"] = self.cache_plan.status(name)
+        return out
 
     def kv_events_status(self, name: str) -> dict[str, Any] | None:
         """How engine ``name``'s KV events arrive (None: they are not followed): ``live``,
@@ -360,7 +449,7 @@ class RouterState:
             except EngineError as err:
                 err.engine = name
                 err.leg = "prefill"
-                if not err.client_fault:  # a prompt the engine rejects is the client's fault
+                if err.engine_fault:  # a prompt the engine rejects is the client's fault
                     self.breaker.record_failure(name, f"tokenize: {err.message}")
                 if not err.transient or i == len(candidates) - 1:
                     raise
@@ -395,35 +484,70 @@ class RouterState:
             for name in self.engines if names is None else names:
                 if name in self.clients:
                     nursery.start_soon(one, name)
-        for name in self.engines if names is None else names:
+        asked = list(self.engines) if names is None else list(names)
+        for name in asked:
             declared = self.engines[name].model if name in self.engines else None
             listed = self._reported.get(name)
             if declared is not None and listed and declared not in listed:
                 log.warning(
                     "engine %s is declared to serve model %r but lists %s", name, declared, _listing(listed)
                 )
-        self._recompute_models()
+        self._recompute_models(None if names is None else asked)
 
-    def _recompute_models(self) -> None:
+    def _recompute_models(self, names: Iterable[str] | None = None) -> None:
         """Placement's engine-to-models index and ``models`` (with each one's smallest
-        ``max_model_len``) from the declared models and the engines' last listings."""
-        for name, engine in self.engines.items():
-            declared = engine.model
-            listed = self._reported.get(name, {})
-            self.placement.set_models(name, [*([declared] if declared else []), *listed])
-        lengths: dict[str, int | None] = dict.fromkeys(self.placement.model_names())
-        for name, listed in self._reported.items():
-            for model, mml in listed.items():
-                if model in lengths and self.placement.serves(name, model) and mml is not None:  # pragma: no mutate (equivalent: serves(name, None); a listed engine is in the fleet and serves what it lists, indexed just above; the statement's other mutants are killed)
-                    # A request may land on any engine of its model: the smallest limit holds.
-                    known = lengths[model]
-                    lengths[model] = mml if known is None else min(known, mml)
-        self.models = lengths
+        ``max_model_len``) from the declared models and the engines' last listings: of
+        every engine, or of ``names`` only (an engine added, asked or gone), in time
+        proportional to their models, and ``models`` rebuilt only when a model came or
+        went or its limit changed."""
+        if names is None:
+            self._limits.clear()
+            self._counted.clear()
+            names = [*self.engines, *self._reported]
+        changed = False
+        for name in names:
+            changed |= self._index_models(name)
+        if changed or self.placement.served_models != self.models.keys():
+            self.models = {
+                m: min(self._limits[m]) if m in self._limits else None for m in self.placement.model_names()
+            }
+
+    def _index_models(self, name: str) -> bool:
+        """Index engine ``name``'s models (declared and listed) and limits (none when it
+        left the fleet); whether a model's limit changed."""
+        engine = self.engines.get(name)
+        listed = self._reported.get(name, {}) if engine is not None else {}
+        declared = [engine.model] if engine is not None and engine.model else []
+        self.placement.set_models(name, [*declared, *listed])
+        before = self._counted.pop(name, {})
+        # A request may land on any engine of its model: the smallest limit holds.
+        counted = {model: mml for model, mml in listed.items() if mml is not None}
+        if counted == before:
+            if counted:
+                self._counted[name] = counted
+            return False
+        touched = before.keys() | counted.keys()
+        was = {m: min(self._limits[m]) for m in touched if m in self._limits}
+        for model, mml in before.items():
+            limits = self._limits[model]
+            limits[mml] -= 1
+            if not limits[mml]:
+                del limits[mml]
+            if not limits:
+                del self._limits[model]
+        for model, mml in counted.items():
+            self._limits.setdefault(model, collections.Counter())[mml] += 1
+        if counted:
+            self._counted[name] = counted
+        return any(was.get(m) != (min(self._limits[m]) if m in self._limits else None) for m in touched)
 
     async def bind_profiles(self, names: list[str] | None = None) -> dict[str, str]:
         """Price an engine only while its profile binds to the generation running now.
 
-        Returns the engines left unpriced, with the reason (also logged).
+        A later incarnation of an engine (``d0#2``, a replacement) is priced by its
+        document name's profile (``d0``) when that binds to the generation running there.
+
+        Returns the engines asked that were left unpriced, with the reason (also logged).
         """
         placement = self.placement
         if self.profiles is None or not isinstance(placement, PricedPlacement):
@@ -433,7 +557,7 @@ class RouterState:
         async def one(name: str) -> None:
             if name not in self.clients:  # it left the fleet meanwhile
                 return
-            profile = profiles.engines.get(name)
+            profile = profiles.engines.get(document_name(name))
             if profile is None:
                 placement.profiles.pop(name, None)
                 placement.unbound[name] = "no accepted profile"
@@ -456,12 +580,14 @@ class RouterState:
                 return
             placement.bind(name, profile)
 
+        asked = names if names is not None else list(self.engines)
         async with trio.open_nursery() as nursery:
-            for name in names if names is not None else list(self.engines):
+            for name in asked:
                 nursery.start_soon(one, name)
-        for name, reason in placement.unbound.items():
+        unbound = {name: placement.unbound[name] for name in asked if name in placement.unbound}
+        for name, reason in unbound.items():
             log.warning("engine %s is placed by load only: %s", name, reason)
-        return dict(placement.unbound)
+        return unbound
 
     async def aclose(self) -> None:
         for client in self.clients.values():

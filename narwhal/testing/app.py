@@ -24,6 +24,7 @@ from narwhal.config import EngineConfig, FaultSpec, converter
 from narwhal.http.messages import JSON_HEADERS
 from narwhal.testing.engine import EngineRestarted, GenerateParams, Generation, SimEngine, SimError
 from narwhal.testing.faults import Faults, leg_of, malform_descriptor
+from narwhal.testing.outputs import OutputText, chat_logprobs, completion_logprobs
 from narwhal.testing.tokenizer import (
     VOCAB_SIZE,
     ChatTemplateError,
@@ -109,6 +110,13 @@ class _Job:
     include_usage: bool
     return_token_ids: bool
     kv_transfer_params: Mapping[str, Any] | None
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    #: Logprobs asked for: completions' ``logprobs``, chat's ``top_logprobs`` (None: none).
+    logprobs: int | None = None
+
+    def output(self) -> OutputText:
+        return OutputText(self.stop, include_stop=self.include_stop)
 
 
 class SimApp:
@@ -281,6 +289,14 @@ class SimApp:
             )
         options = body.get("stream_options")
         kv = body.get("kv_transfer_params")
+        stop = body.get("stop")
+        stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str))
+        logprobs = body.get("logprobs")
+        if kind == "chat":
+            top = body.get("top_logprobs")
+            logprobs = (top if isinstance(top, int) else 0) if logprobs is True else None
+        elif not isinstance(logprobs, int) or isinstance(logprobs, bool):
+            logprobs = None
         base = request.header("x-request-id") or body.get("request_id")
         if not isinstance(base, str) or not base:
             base = self.engine.random_hex(16)
@@ -293,6 +309,9 @@ class SimApp:
             include_usage=isinstance(options, dict) and options.get("include_usage") is True,
             return_token_ids=body.get("return_token_ids") is True,
             kv_transfer_params=kv if isinstance(kv, Mapping) else None,
+            stop=stops,
+            include_stop=body.get("include_stop_str_in_output") is True,
+            logprobs=logprobs,
         )
 
     # ------------------------------------------------------------ generation
@@ -361,17 +380,24 @@ class SimApp:
             return None
         return {"cached_tokens": gen.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
 
-    def _token_chunk(self, job: _Job, token: int, finish: str | None, first: bool) -> dict[str, Any]:
+    def _token_chunk(
+        self, job: _Job, token: int, text: str, finish: str | None, out: OutputText, first: bool, offset: int
+    ) -> dict[str, Any]:
         ids = job.return_token_ids
+        stop_reason = out.stop_reason if finish == "stop" else None
         if job.kind == "completions":
-            choice: dict[str, Any] = {"index": 0, "text": token_text(token), "logprobs": None,
-                                      "finish_reason": finish, "stop_reason": None}  # fmt: skip
+            lp = None if job.logprobs is None else completion_logprobs(token, job.logprobs, offset)
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp,
+                                      "finish_reason": finish, "stop_reason": stop_reason}  # fmt: skip
             if ids:
                 choice["prompt_token_ids"] = list(job.prompt_ids) if first else None
                 choice["token_ids"] = [token]
         else:
-            choice = {"index": 0, "delta": {"content": token_text(token)}, "logprobs": None,
+            lp = None if job.logprobs is None else chat_logprobs(token, job.logprobs)
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": lp,
                       "finish_reason": finish}  # fmt: skip
+            if stop_reason is not None:
+                choice["stop_reason"] = stop_reason
             if ids:
                 choice["token_ids"] = [token]
         return {**self._envelope(job), "choices": [choice]}
@@ -387,12 +413,18 @@ class SimApp:
             await response.send(_event(role))
         sent = 0
         silenced = False
+        out = job.output()
         async for event in gen:
             silenced = await self._strike(job, faults, sent, silenced, response)
-            chunk = self._token_chunk(job, event.token_id, event.finish_reason,
-                                      first=sent == 0 and job.kind == "completions")  # fmt: skip
+            offset = out.sent
+            out.add(event.token_id)
+            finish = "stop" if out.stop_reason is not None else event.finish_reason
+            chunk = self._token_chunk(job, event.token_id, out.take(finish is not None), finish, out,
+                                      sent == 0 and job.kind == "completions", offset)  # fmt: skip
             await response.send(_event(chunk))
             sent += 1
+            if out.stop_reason is not None:
+                break  # (leaving the generation aborts the rest, as vLLM's stop does)
         await self._strike(job, faults, sent, silenced, response)
         if job.include_usage:
             usage = {**self._envelope(job), "choices": [], "usage": self._usage(job, sent)}
@@ -432,7 +464,13 @@ class SimApp:
         return silenced
 
     async def _complete(self, job: _Job, gen: Generation, faults: Faults, response: _Response) -> None:
-        tokens = [event.token_id async for event in gen]
+        tokens: list[int] = []
+        text_out = job.output()
+        async for event in gen:
+            tokens.append(event.token_id)
+            text_out.add(event.token_id)
+            if text_out.stop_reason is not None:
+                break
         if (spec := faults.get("silence_after")) is not None:
             if spec.delay_s > 0:
                 await trio.sleep(spec.delay_s)
@@ -440,13 +478,14 @@ class SimApp:
                 await trio.sleep_forever()
         if (spec := faults.get("error_in_stream")) is not None:
             raise SimError(spec.status, spec.message)
-        finish: str | None = gen.finish_reason
+        finish: str | None = "stop" if text_out.stop_reason is not None else gen.finish_reason
+        stop_reason = text_out.stop_reason
         kv = gen.kv_transfer_params
         if "done_before_token" in faults:
             tokens, finish, kv = [], "stop", None
         if kv is not None and (spec := faults.get("malformed_descriptor")) is not None:
             kv = malform_descriptor(kv, self.engine.faults.pick_variant(spec))
-        text = decode(tokens)
+        text = text_out.take(True) if tokens else ""
         ids = job.return_token_ids
         prompt_ids = list(job.prompt_ids) if ids else None
         usage = {**self._usage(job, len(tokens)), "prompt_tokens_details": self._prompt_details(gen)}
@@ -455,7 +494,7 @@ class SimApp:
             out |= {"object": "text_completion", "created": int(self.engine.wall_time()),
                     "model": self.engine.sim.model, "choices": [{
                         "index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                        "stop_reason": None, "token_ids": tokens if ids else None,
+                        "stop_reason": stop_reason, "token_ids": tokens if ids else None,
                         "prompt_logprobs": None, "prompt_token_ids": prompt_ids}],
                     "service_tier": None, "system_fingerprint": None, "usage": usage}  # fmt: skip
         else:
@@ -465,7 +504,7 @@ class SimApp:
             out |= {"object": "chat.completion", "created": int(self.engine.wall_time()),
                     "model": self.engine.sim.model, "choices": [{
                         "index": 0, "message": message, "logprobs": None,
-                        "finish_reason": finish, "stop_reason": None,
+                        "finish_reason": finish, "stop_reason": stop_reason,
                         "token_ids": tokens if ids else None}],
                     "service_tier": None, "system_fingerprint": None, "usage": usage,
                     "prompt_logprobs": None, "prompt_token_ids": prompt_ids}  # fmt: skip

@@ -375,8 +375,8 @@ class SimEngine:
             await trio.sleep(len(params.prompt_ids) * self.sim.frontend_s_per_token)
         sched = self.scheduler
         need = sched.blocks_for(len(params.prompt_ids) + params.max_tokens)
-        if need > sched.num_blocks:
-            raise SimError(400, f"request needs {need} KV blocks; the cache has {sched.num_blocks}")
+        if need > sched.pool.num_blocks:
+            raise SimError(400, f"request needs {need} KV blocks; the cache has {sched.pool.num_blocks}")
         kv = params.kv_transfer_params
         send, recv = open_seq_channel()
         seq = Seq(

@@ -43,7 +43,7 @@ from narwhal.engines.kvevents import KVEvent
 from narwhal.testing.blockpool import BlockPool, block_hashes, none_hash
 from narwhal.testing.kvfabric import Handoff, TransferError
 from narwhal.testing.metrics import EngineMetrics
-from narwhal.testing.tokenizer import generated_token, prompt_key
+from narwhal.testing.tokenizer import extend_key, generated_token, model_seed, prompt_key
 
 __all__ = ["EngineRestarted", "GenerateParams", "Generation", "Scheduler", "SimStats", "TokenEvent"]
 
@@ -130,6 +130,8 @@ class Seq:
     remote: bool
     want_descriptor: bool
     send: trio.MemorySendChannel[TokenEvent | _Broken]
+    #: The key of the token context (the prompt, then each token generated): the next
+    #: token is a function of it and the context's length (a greedy model's choice).
     key: int = 0
     state: State = "waiting"
     blocks: list[int] = attrs.field(factory=list)
@@ -230,6 +232,8 @@ class Scheduler:
         publish: Callable[[list[KVEvent]], None] | None = None,
     ) -> None:
         self.sim = sim
+        #: Generated tokens follow the model, not the engine: its engines agree.
+        self._model_seed = model_seed(sim.model)
         self.engine_id = engine_id
         self.clock = clock
         self.noise_rng = noise_rng
@@ -238,7 +242,8 @@ class Scheduler:
         self.metrics = EngineMetrics()
         self.num_blocks = sim.kv_capacity_tokens // sim.block_size
         self.held: dict[str, Handoff] = {}
-        self.pool = BlockPool(self.num_blocks, sim.block_size, caching=sim.prefix_caching)
+        # vLLM's pool sets one block aside (its null block): the rest hold requests.
+        self.pool = BlockPool(max(self.num_blocks - 1, 1), sim.block_size, caching=sim.prefix_caching)
         #: Receives the KV events of each step (vLLM's publisher); None drops them.
         self.publish = publish
         self._root = none_hash(sim.seed)
@@ -556,7 +561,8 @@ class Scheduler:
         seq.last_at = now
         self.metrics.generation_tokens += 1
         self.stats.generated_tokens += 1
-        token = generated_token(self.sim.seed, seq.key, index)
+        token = generated_token(self._model_seed, seq.key, seq.prompt_len + index)
+        seq.key = extend_key(seq.key, token)
         if self.sim.prefix_caching:
             # The token sampled last has no KV yet: computed are all tokens before it.
             seq.token_ids.append(token)

@@ -4,7 +4,11 @@ Not a real tokenizer, but one with the properties the router depends on: every
 whitespace-separated word of a prompt is one token (so a test controls the prompt
 length exactly), the same text always gives the same ids, a prompt given as a list of
 token ids passes through, chat messages are rendered through one fixed template, and
-generated tokens are deterministic in ``(seed, prompt, index)``. About one generated id
+each generated token is a function of the model and the whole token context before it
+(the prompt and the tokens generated so far), as a real model's greedy choice is: every
+engine of a model generates the same tokens for the same context, and a prompt that is
+another's prompt plus its first k generated tokens continues it token for token
+(:func:`greedy_tokens`). About one generated id
 in eight detokenizes to the empty string, like vLLM's events that end inside an
 incomplete UTF-8 sequence, so consumers must count token ids, not text chunks.
 """
@@ -23,7 +27,10 @@ __all__ = [
     "decode",
     "encode",
     "encode_chat",
+    "extend_key",
     "generated_token",
+    "greedy_tokens",
+    "model_seed",
     "prompt_key",
     "render_chat",
     "token_text",
@@ -92,17 +99,43 @@ def encode_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt:
 
 
 def prompt_key(ids: Iterable[int]) -> int:
-    """A stable 32-bit key of a prompt, used to seed its generated tokens."""
+    """A stable 32-bit key of a token sequence (a running checksum over its ids: the
+    key of ``a + b`` is ``a``'s key extended by ``b``, see :func:`extend_key`)."""
     crc = 0
     for token in ids:
-        crc = zlib.crc32(struct.pack("<I", token & 0xFFFFFFFF), crc)
+        crc = extend_key(crc, token)
     return crc
 
 
+def extend_key(key: int, token: int) -> int:
+    """The key of a sequence whose key is ``key``, with ``token`` appended."""
+    return zlib.crc32(struct.pack("<I", token & 0xFFFFFFFF), key)
+
+
+def model_seed(model: str) -> int:
+    """The seed of a model's generated tokens (its "weights"): engines of one model agree."""
+    return zlib.crc32(model.encode("utf-8"))
+
+
 def generated_token(seed: int, key: int, index: int) -> int:
-    """The ``index``-th generated token id of the prompt with ``key`` under ``seed``."""
+    """The token id generated after the context with ``key`` and length ``index``,
+    under ``seed`` (a model's: :func:`model_seed`)."""
     raw = struct.pack("<QIQ", seed & 0xFFFFFFFFFFFFFFFF, key & 0xFFFFFFFF, index)
     return FIRST_WORD_ID + zlib.crc32(raw) % (VOCAB_SIZE - FIRST_WORD_ID)
+
+
+def greedy_tokens(model: str, prompt_ids: Sequence[int], n: int) -> list[int]:
+    """The first ``n`` tokens an engine of ``model`` generates after ``prompt_ids``."""
+    seed = model_seed(model)
+    key = prompt_key(prompt_ids)
+    length = len(prompt_ids)
+    out: list[int] = []
+    for _ in range(n):
+        token = generated_token(seed, key, length)
+        out.append(token)
+        key = extend_key(key, token)
+        length += 1
+    return out
 
 
 def token_text(token_id: int) -> str:

@@ -31,13 +31,16 @@ _ORDER = (
     "test_transfer",
     "test_profile_check_bench",
     "test_prefix_pair",
+    "test_resume",
+    "test_cache_plan_pair",
     "test_faults",
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Serving, transfer, profile/check/bench, prefix placement, then the faults that
-    kill engines."""
+    """Serving, transfer, profile/check/bench, prefix placement, the cache plan, then
+    the tests that kill engines: resumes (which restart the consumer they kill), then
+    the faults."""
 
     def rank(item: pytest.Item) -> int:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
