@@ -321,7 +321,9 @@ class KVEventsConfig:
         probe_interval_s: Seconds between two replay probes: the router asks the
             replay endpoint for batches newer than the last it saw, replays any it
             missed, and falls back to the approximate view of the engine's cache when
-            two probes in a row find batches and none came live.
+            two probes in a row find batches and none came live. An engine that
+            publishes nothing is probed ever less often (each wait twice the one before,
+            up to eight intervals) until it publishes or the router sends it a request.
     """
 
     endpoint: str | None = attrs.field(default=None, validator=_opt(_zmq))

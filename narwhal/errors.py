@@ -49,7 +49,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 __all__ = [
     "RESOURCE_ERRNOS",
@@ -456,17 +456,3 @@ class SilenceTimeout(EngineTimeout):
 class HandoffExpired(EngineTimeout):
     terminal_class = "handoff_expired"
 
-
-_E = TypeVar("_E", bound=BaseException)
-
-
-def caused(exc: _E, cause: BaseException | None) -> _E:
-    """``exc`` chained to ``cause`` as ``raise exc from cause`` chains it.
-
-    The compiled build (setup.py) drops a raise statement's ``from`` clause (mypyc
-    compiles ``raise X from Y`` as ``raise X``), so the modules it compiles write
-    ``raise caused(X, Y)``: ``__cause__`` is ``Y`` and the context is suppressed (a
-    ``None`` cause is ``from None``) in both builds.
-    """
-    exc.__cause__ = cause  # the setter also sets __suppress_context__, as `from` does
-    return exc

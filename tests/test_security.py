@@ -264,10 +264,6 @@ async def test_a_router_bug_is_a_bare_500(
     async def broken(self: Placement, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("secret internal detail at /srv/narwhal/placement.py")
 
-    # Patched on placement, an interpreted class in both builds (setup.py: the compiled
-    # build binds calls to compiled functions and methods, such as the router state's,
-    # when it compiles them, so that a patch there does not reach the lifecycle).
-    assert narwhal.router.placement.__file__.endswith(".py")
     monkeypatch.setattr(Placement, "acquire", broken)
     async with open_stack() as stack:
         out = await post(stack, BODY)

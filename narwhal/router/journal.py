@@ -128,8 +128,7 @@ class AttemptRecord:
     placement: dict[str, Any] | Callable[[], dict[str, Any]] | None = None
 
 
-# A new empty list per record, typed Any: the compiled build checks a class-body value
-# against its annotation, and an attrs.Factory is not a list (setup.py).
+# A new empty list per record.
 _EMPTY_LIST: Any = attrs.Factory(list)
 
 

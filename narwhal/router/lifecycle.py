@@ -325,7 +325,7 @@ class RequestLifecycle:
                     # An engine's 400 for an over-long prompt reads as the router's own.
                     over = engine_context_length(err, parsed, record.prompt_tokens)
                     if over is not None:
-                        raise over  # (its context is the engine's error: the traceback shows both)
+                        raise over from err  # (the engine's error: the traceback shows both)
                     raise
 
     def _may_retry(self, err: EngineError, n: int, max_attempts: int) -> bool:
