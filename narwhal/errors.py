@@ -12,10 +12,12 @@ exc``), most specific first::
     │   ├── BadRequest (400)
     │   │   └── ContextLengthExceeded (400)  prompt + max_tokens > max_model_len
     │   ├── Unauthorized (401)
+    │   ├── Forbidden (403)                  no tenant, or a class the tenant may not ask for
     │   ├── NotFound (404)                   unknown route or model
     │   ├── MethodNotAllowed (405)
     │   ├── PayloadTooLarge (413)
     │   └── Unsupported (400)                a valid but unsupported option (n > 1, ...)
+    ├── RateLimited (429, rate_limited)      a tenant's limit; carries Retry-After
     ├── Refused (503, refused)               no capacity; carries Retry-After
     │   └── NoEngine (503, no_engine)         no engine of a role in placement (every one ejected)
     ├── DeadlineExceeded (504, deadline_exceeded)
@@ -59,6 +61,7 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "FirstTokenTimeout",
+    "Forbidden",
     "HandoffExpired",
     "InvalidDescriptor",
     "MethodNotAllowed",
@@ -66,6 +69,7 @@ __all__ = [
     "NoEngine",
     "NotFound",
     "PayloadTooLarge",
+    "RateLimited",
     "Refused",
     "SilenceTimeout",
     "StreamClosed",
@@ -145,6 +149,11 @@ class Unauthorized(ClientError):
     error_type = "authentication_error"
 
 
+class Forbidden(ClientError):
+    status = 403
+    error_type = "permission_error"
+
+
 class NotFound(ClientError):
     status = 404
     error_type = "not_found_error"
@@ -160,6 +169,19 @@ class PayloadTooLarge(ClientError):
 
 class Unsupported(BadRequest):
     pass
+
+
+class RateLimited(NarwhalError):
+    """A tenant's limit is reached (429 with ``Retry-After``: when the limit allows
+    another request)."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    terminal_class = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after_s = retry_after_s
 
 
 class Refused(NarwhalError):

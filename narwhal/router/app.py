@@ -7,17 +7,17 @@ decode), and ``GET /metrics`` when the router is asked to serve it here too. Err
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from narwhal.engines.connector import RequestKind
-from narwhal.errors import MethodNotAllowed, NotFound, Unauthorized
+from narwhal.errors import MethodNotAllowed, NotFound
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.lifecycle import RequestLifecycle
 from narwhal.router.state import RouterState
+from narwhal.router.tenants import Keyring
 
 __all__ = ["RouterApp"]
 
@@ -39,22 +39,13 @@ class RouterApp:
         #: :meth:`narwhal.router.metrics.RouterMetrics.render`), or None for the admin
         #: listener only.
         self.metrics: Callable[[str | None], tuple[bytes, str]] | None = None
-        self._keys = [k.encode() for k in state.config.server.api_keys]
+        self._keys = Keyring(state.config.server.api_keys)
         self._created = int(time.time())
 
-    def _authorize(self, request: Request) -> None:
-        if not self._keys:
-            return
-        # No header is no scheme; another scheme presents an empty value, which no key is
-        # (the statements' other mutants are killed by the key tests).
-        header = request.header(_AUTHORIZATION) or ""  # pragma: no mutate (equivalent: any text without a scheme presents no key)
-        scheme, _, token = header.partition(" ")
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""  # pragma: no mutate (equivalent: a key is non-empty text, never the mutant's literal)
-        ok = False
-        for key in self._keys:  # constant time per key, and every key is compared
-            ok |= hmac.compare_digest(presented, key)
-        if not ok:
-            raise Unauthorized("missing or invalid API key", code="invalid_api_key")
+    def _authorize(self, request: Request) -> str | None:
+        """The name of the key the request presents (None: unnamed, or no keys); raises
+        :class:`~narwhal.errors.Unauthorized` without a configured key."""
+        return self._keys.match(request.header(_AUTHORIZATION)) if self._keys else None
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
         path = request.path
@@ -62,8 +53,8 @@ class RouterApp:
         if kind is not None:
             if request.method != "POST":
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}")
-            self._authorize(request)
-            await RequestLifecycle(self.state, request, response, kind).run()
+            key_name = self._authorize(request)
+            await RequestLifecycle(self.state, request, response, kind, key_name).run()
             return
         if path == "/health":
             await self._health(response)

@@ -45,7 +45,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from narwhal.config import EngineConfig, FleetConfig, unstructure_fleet
+from narwhal.config import EngineConfig, FleetConfig, redact_setting, unstructure_fleet
 from narwhal.errors import ConfigError
 from narwhal.profile.store import Profiles
 from narwhal.router.controller import ReactiveController
@@ -66,6 +66,7 @@ RESTART_ONLY: Final = (
     "controller.prompt_tokens",
     "controller.prefix_cache",
     "controller.reactive.enabled",
+    "tenancy.store",  # the connections to it are made once, at start
 )
 
 #: Sections that are the fleet's engines, not settings.
@@ -267,6 +268,7 @@ class LiveFleet:
         state = self.state
         for path, old, new in changed_settings(state.config, config):
             if _restart_only(path):
+                old, new = redact_setting(path, old), redact_setting(path, new)  # (a key is never quoted)
                 raise ConfigError(
                     f"changes only with a restart (running with {old!r}, the document says {new!r})", path=f"$.{path}"
                 )
@@ -386,6 +388,7 @@ class LiveFleet:
         budget.ratio = rec.retry_budget.ratio
         budget.min_retries_per_s = rec.retry_budget.min_retries_per_s
         budget.window_s = rec.retry_budget.window_s
+        state.admission.configure(config)
         ctl = config.controller
         placement = state.placement
         if isinstance(placement, PricedPlacement):

@@ -94,6 +94,7 @@ class _Job:
     include_usage: bool
     return_token_ids: bool
     kv_transfer_params: Mapping[str, Any] | None
+    priority: int = 0
 
 
 class SimApp:
@@ -260,6 +261,11 @@ class SimApp:
                 "completion). Please reduce the length of the messages or completion.",
                 param="input_tokens",
             )
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise SimError(400, "priority must be an integer", param="priority")
+        if priority != 0 and self.engine.sim.scheduling_policy != "priority":
+            raise SimError(400, f"Got priority {priority} but Priority scheduling is not enabled.", param="priority")
         options = body.get("stream_options")
         kv = body.get("kv_transfer_params")
         base = request.header("x-request-id") or body.get("request_id")
@@ -274,6 +280,7 @@ class SimApp:
             include_usage=isinstance(options, dict) and options.get("include_usage") is True,
             return_token_ids=body.get("return_token_ids") is True,
             kv_transfer_params=kv if isinstance(kv, Mapping) else None,
+            priority=priority,
         )
 
     # ------------------------------------------------------------ generation
@@ -316,6 +323,7 @@ class SimApp:
             request_id=f"{job.response_id}-0-{engine.random_hex(8)}",
             kv_transfer_params=job.kv_transfer_params,
             extra_transfer_delay_s=slow.delay_s if slow is not None else 0.0,
+            priority=job.priority,
         )
         async with engine.generate(params) as gen:
             if not job.stream:
