@@ -527,7 +527,7 @@ class Admission:
         }  # fmt: skip
         tenants = {
             name: {"class": t.latency_class.name, "weight": t.weight, "served_tokens": self.served[name],
-                   "queued": sum(n for (_, tn), n in self.queued_by.items() if tn == name)}
+                   "queued": {c: n for (c, tn), n in self.queued_by.items() if tn == name and n}}
             for name, t in self.tenancy.tenants.items()
         }  # fmt: skip
         out: dict[str, Any] = {"classes": classes, "tenants": tenants, "processes": self.processes}
