@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
 from typing import Any, Literal, TypeVar, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import attrs
 import cattrs
@@ -766,16 +766,24 @@ class JournalConfig:
     fsync: bool = True
 
 
+def _split_url(v: Any) -> tuple[SplitResult, int | None] | None:
+    """``v``'s parts and port, or None when it is no URL (or its port is not a number)."""
+    if not isinstance(v, str):
+        return None
+    try:
+        parts = urlsplit(v)
+        return parts, parts.port
+    except ValueError:
+        return None
+
+
 def _collector_url(v: Any) -> bool:
     """An OTLP collector's base URL: http(s)://host:port, a path allowed (a collector behind a
     proxy), no query or fragment."""
-    if not isinstance(v, str):
+    split = _split_url(v)
+    if split is None:
         return False
-    try:
-        parts = urlsplit(v)
-        port = parts.port
-    except ValueError:
-        return False
+    parts, port = split
     return (
         parts.scheme in ("http", "https") and bool(parts.hostname) and port is not None
         and "@" not in parts.netloc and not parts.query and not parts.fragment
@@ -837,13 +845,10 @@ def _tenant_tuple(value: Iterable[TenantConfig]) -> tuple[TenantConfig, ...]:
 
 
 def _redis_url(v: Any) -> bool:
-    if not isinstance(v, str):
+    split = _split_url(v)
+    if split is None:
         return False
-    try:
-        parts = urlsplit(v)
-        port = parts.port
-    except ValueError:
-        return False
+    parts, port = split
     db = parts.path.lstrip("/")
     return (parts.scheme == "redis" and bool(parts.hostname) and "@" not in parts.netloc
             and (db == "" or db.isdigit()) and not parts.query and not parts.fragment

@@ -99,6 +99,7 @@ class _Waiter:
     place: Callable[[float], Reservation]
     t0: float
     tokens: int
+    since: float = 0.0
     done: trio.Event = attrs.Factory(trio.Event)
     reservation: Reservation | None = None
     error: NarwhalError | None = None
@@ -235,11 +236,13 @@ class Admission:
                 wait, which = await store.admit(tenant.name, tenant.limits, tokens, lease,
                                                 self.request_timeout_s + LEASE_MARGIN_S)  # fmt: skip
             except StoreUnavailable as exc:
+                if self.store_ok:  # (once an outage: the next answer of the store ends it)
+                    log.warning("limits store unreachable: tenants limited by %s: %s", "nobody: requests refused"
+                                if store.config.on_outage == "refuse" else "this process's share", exc)  # fmt: skip
                 self.store_ok = False
                 if store.config.on_outage == "refuse":
                     raise Refused(f"the limits store is unreachable (tenancy.store.on_outage: refuse): {exc}",
                                   retry_after_s=1.0) from None  # fmt: skip
-                log.warning("limits store unreachable: tenant %s limited by this process's share: %s", tenant.name, exc)
             else:
                 self.store_ok = True
                 if wait > 0:
@@ -355,9 +358,9 @@ class Admission:
                           f"{waiter.miss}")  # fmt: skip
         if ticket.queue_reason is None:
             ticket.queue_reason = waiter.miss
+        since = waiter.since = self.clock()
         self._enqueue(waiter)
         self.counters[(*labels, "queued")] += 1
-        since = self.clock()
         granted = False
         try:
             if self._ahead(klass.priority, waiter.model) > 1:
@@ -368,7 +371,10 @@ class Admission:
         finally:
             ticket.queued_s += self.clock() - since
             if not waiter.done.is_set():
+                head = self._is_head(waiter)
                 self._dequeue(waiter)
+                if head and self._waiting:  # what was behind it may be placeable
+                    self.dispatch()
             elif not granted and waiter.reservation is not None:  # granted, but the request is gone
                 waiter.reservation.release()
         if waiter.reservation is not None:  # (charged when the queue released it)
@@ -398,6 +404,12 @@ class Admission:
         self._waiting += 1
         if self._waiting == 1:
             self._nonempty.set()
+
+    def _is_head(self, waiter: _Waiter) -> bool:
+        ticket = waiter.ticket
+        assert ticket.tenant is not None
+        queue = self._levels[ticket.latency_class.priority][ticket.tenant.name]
+        return queue[0] is waiter
 
     def _dequeue(self, waiter: _Waiter) -> None:
         ticket = waiter.ticket
@@ -434,10 +446,18 @@ class Admission:
                 try:
                     reservation = waiter.place(self.clock())
                 except NoCapacity as miss:
-                    waiter.miss = _missed(waiter.ticket.latency_class, miss)
-                    failed.add(name)
-                    newly.add(waiter.model)
-                    continue
+                    klass = waiter.ticket.latency_class
+                    waiter.miss = _missed(klass, miss)
+                    if _hopeless(klass, miss):  # refused now: the next of its tenant's may go
+                        self.counters[(str(klass.name), name, "expired")] += 1
+                        waiter.error = Refused(
+                            f"can no longer meet the {klass.name} TTFT target after waiting "
+                            f"{self.clock() - waiter.since:.3g} s in its queue: {waiter.miss}"
+                        )
+                    else:
+                        failed.add(name)
+                        newly.add(waiter.model)
+                        continue
                 except NarwhalError as err:  # NoEngine: refused as it would be on arrival
                     waiter.error = err
                 else:
@@ -545,6 +565,13 @@ def _rebucket(bucket: _Bucket | None, rate: float | None, burst_s: float, now: f
     bucket.rate, bucket.depth = rate, rate * burst_s
     bucket.level = min(bucket.level, bucket.depth)
     return bucket
+
+
+def _hopeless(klass: ClassSpec, miss: NoCapacity) -> bool:
+    """Whether the request can no longer meet its class's TTFT target, were the producer
+    idle: the time it has spent and its own prefill are past it."""
+    p, target = miss.producer, klass.ttft_s
+    return target is not None and p.elapsed_s + p.own_s + miss.handoff_s > target
 
 
 def _missed(klass: ClassSpec, miss: NoCapacity) -> str:

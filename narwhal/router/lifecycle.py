@@ -99,7 +99,7 @@ def terminal_class_for(err: NarwhalError) -> str:
         return "prefill_failed" if err.leg == "prefill" else "decode_failed"
     if isinstance(err, DeadlineExceeded):
         return "deadline_exceeded"
-    if isinstance(err, Refused | RateLimited):
+    if isinstance(err, (Refused, RateLimited)):
         return err.terminal_class  # refused, no_engine, or rate_limited
     if isinstance(err, ClientError):
         return "invalid_request"
