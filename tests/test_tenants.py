@@ -237,3 +237,14 @@ async def test_keys_are_never_shown(autojump_clock: trio.abc.Clock, caplog: pyte
     assert "TOPSECRET" not in text
     # ... and yet the tenants are named where they are measured.
     assert '"tenant": "etl"' in text and 'tenant="etl"' in text
+
+
+def test_each_worker_of_workers_takes_its_share(tmp_path: Path) -> None:
+    from narwhal import cli
+
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps(doc(replicas=3)))
+    args = cli._parser().parse_args(["serve", "--fleet", str(fleet), "--workers", "4", "--worker-of", "4"])
+    config = cli._as_worker(args, cli._serve_config(args))
+    # Three replicas of four workers each: every worker enforces a twelfth of each limit.
+    assert config.tenancy is not None and config.tenancy.replicas == 12
