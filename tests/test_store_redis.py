@@ -204,3 +204,26 @@ async def test_a_silent_store_times_out() -> None:
     assert trio.current_time() - start == pytest.approx(0.2, abs=0.1)
     await client.aclose()
     listener.close()
+
+
+async def test_a_router_whose_store_is_down_fails_open_and_says_so(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    import httpx
+
+    caplog.set_level(logging.WARNING)
+    doc = fleet_doc(
+        server={"api_keys": [{"key": "sk-a", "name": "a"}]},
+        tenancy={"classes": [{"name": "batch", "wait": True, "slo": {"ttft_s": 5.0}}],
+                 "tenants": [{"name": "a", "latency_class": "batch", "limits": {"requests_per_s": 10.0}}],
+                 "store": {"url": _closed_port_url()}},
+    )  # fmt: skip
+    async with open_stack(doc, priced=True) as stack:
+        for _ in range(2):
+            out = await stack.complete({"prompt": "hi", "max_tokens": 2}, headers={"authorization": "Bearer sk-a"})
+            assert out.status_code == 200  # admitted by this router's own share of the limit
+        stack.net.listen("admin.test", 8001, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+            fleet = (await admin.get("/fleet")).json()
+    assert fleet["tenancy"]["store"] == "unreachable"
+    assert caplog.text.count("limits store unreachable") == 1  # when the outage starts, not per request

@@ -195,6 +195,11 @@ class Admission:
             st.requests = _rebucket(st.requests, lim.requests_per_s, lim.burst_s, now)
             st.tokens = _rebucket(st.tokens, lim.tokens_per_s, lim.burst_s, now)
 
+    def use_store(self, store: SharedLimits) -> None:
+        """Keep the tenants' limits and shares in ``store`` (``tenancy.store``) from now on."""
+        self.store = store
+        self.store_ok = True
+
     @property
     def enabled(self) -> bool:
         return self.tenancy.enabled

@@ -177,7 +177,7 @@ async def open_router(
     state = RouterState(config, transport=transport, journal=journal, profiles=profiles)
     state.tracing = tracing
     if config.tenancy is not None and config.tenancy.store is not None:
-        state.admission.store = SharedLimits(config.tenancy.store)
+        state.admission.use_store(SharedLimits(config.tenancy.store))
     limits = server_limits(config)
     app = RouterApp(state)
     server = HTTPServer(app, limits, server_name="narwhal")
