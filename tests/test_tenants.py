@@ -105,8 +105,12 @@ def test_the_key_names_the_tenant_and_the_tenant_its_class() -> None:
     assert chat.name == "chat" and chat.room is None
     _, batch = tenancy.identify(headers(x_narwhal_class="batch"), "web")  # a less urgent class: always
     assert batch.name == "batch"
-    with pytest.raises(Forbidden, match="names no tenant"):
+    with pytest.raises(Forbidden) as info:
         tenancy.identify(headers(), None)  # an unnamed key, and no default tenant
+    assert info.value.to_body()["error"] == {
+        "message": "this request names no tenant (a key with a tenant's name, or the gateway's header)",
+        "type": "permission_error", "code": "unknown_tenant",
+    }  # fmt: skip
 
 
 def test_a_tenant_may_not_ask_for_a_more_urgent_class_it_is_not_given() -> None:
@@ -121,14 +125,43 @@ def test_a_tenant_may_not_ask_for_a_more_urgent_class_it_is_not_given() -> None:
                                              "type": "permission_error", "code": "class_not_allowed"}  # fmt: skip
 
 
+def test_a_class_without_targets_takes_the_fleets_and_waits_until_its_ttft() -> None:
+    d = doc()
+    d["controller"] = {"slo": {"ttft_s": 2.0, "tpot_s": 0.1}}
+    d["tenancy"]["classes"] = [{"name": "fleet", "wait": True}, {"name": "same", "priority": 0},
+                               {"name": "lax", "priority": 5, "slo": {"tpot_s": 0.2}}]  # fmt: skip
+    d["tenancy"]["tenants"] = [{"name": "web", "latency_class": "fleet"}, {"name": "etl", "latency_class": "lax"}]
+    tenancy = Tenancy(parse_fleet(d))
+    fleet, lax = tenancy.classes["fleet"], tenancy.classes["lax"]
+    assert (fleet.slo, fleet.ttft_s, fleet.max_wait_s) == (parse_fleet(d).controller.slo, 2.0, 2.0)
+    # No TTFT target: it may wait until the request's own deadline; it leaves the classes
+    # above (the fleet's targets) their room.
+    assert lax.ttft_s is None and lax.max_wait_s == 600.0
+    assert lax.room is not None and (lax.room.ttft_s, lax.room.tpot_s, lax.room.hold) == (2.0, 0.1, False)
+    # A class of the same priority is no more urgent than one's own: any tenant may ask for it.
+    _, same = tenancy.identify(headers(x_narwhal_class="same"), "web")
+    assert same.name == "same"
+
+
+def test_an_unnamed_key_is_no_tenant_of_its_own() -> None:
+    config = parse_fleet(fleet_doc(server={"api_keys": ["sk-plain"]}))
+    assert Keyring(config.server.api_keys).match("Bearer sk-plain") is None
+    with pytest.raises(Unauthorized) as info:
+        Keyring(config.server.api_keys).match("Bearer sk-other")
+    assert info.value.to_body()["error"] == {"message": "missing or invalid API key", "type": "authentication_error",
+                                             "code": "invalid_api_key"}  # fmt: skip
+
+
 def test_a_trusted_gateway_header_names_the_tenant() -> None:
     tenancy = Tenancy(parse_fleet(doc(header="X-Tenant", default_tenant="web")))
     tenant, _ = tenancy.identify(headers(x_tenant="etl"), None)
     assert tenant is not None and tenant.name == "etl"
     tenant, _ = tenancy.identify(headers(), "etl")  # the header, not the key, says who
     assert tenant is not None and tenant.name == "web"
-    with pytest.raises(Forbidden, match="the x-tenant header names no tenant of this router"):
+    with pytest.raises(Forbidden) as info:
         tenancy.identify(headers(x_tenant="mallory"), None)
+    assert info.value.to_body()["error"] == {"message": "the x-tenant header names no tenant of this router",
+                                             "type": "permission_error", "code": "unknown_tenant"}  # fmt: skip
 
 
 def test_without_tenancy_every_request_is_the_one_class() -> None:

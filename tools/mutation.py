@@ -167,7 +167,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/discovery.py": ("tests/test_discovery.py",),
     # Who a request is (keys, the gateway's header, the class header), and admission: limits,
     # the queue's order, its deadlines (end to end on the simulated fleet).
-    "narwhal/router/tenants.py": ("tests/test_tenants.py", "tests/test_admission.py"),
+    "narwhal/router/tenants.py": ("tests/test_tenants.py", "tests/test_admission.py", "tests/test_security.py::test_api_keys"),
     "narwhal/router/admission.py": ("tests/test_admission.py", "tests/test_store_redis.py"),
     # The router's families fed from records and transitions, and the live gauges read at
     # scrape time, in direct tests; the admin surface's /metrics end to end.

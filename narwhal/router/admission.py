@@ -204,9 +204,6 @@ class Admission:
     def enabled(self) -> bool:
         return self.tenancy.enabled
 
-    def class_names(self) -> list[str]:
-        return list(self.tenancy.classes)
-
     # ------------------------------------------------------------------ per request
 
     def ticket(self, header: Callable[[str], str | None], key_name: str | None, body: dict[str, Any]) -> Ticket:

