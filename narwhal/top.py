@@ -13,6 +13,7 @@ transitions) over WebSocket.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import sys
@@ -200,7 +201,8 @@ async def _follow(
                 now = trio.current_time()
                 if once_after_s is None and now - last >= 1.0:
                     last = now
-                    if view.tenancy is not None:  # the queues now
-                        view.update_fleet(await _fleet(admin_url))
+                    if view.tenancy is not None:  # the queues now (the last known, if /fleet fails)
+                        with contextlib.suppress(CommandError):
+                            view.update_fleet(await _fleet(admin_url))
                     out.write(("\x1b[H\x1b[2J" if tty else "") + view.render())
                     out.flush()
