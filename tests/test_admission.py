@@ -373,3 +373,63 @@ async def test_metrics_per_class_and_tenant(autojump_clock: trio.abc.Clock) -> N
     assert lines['narwhal_admission_wait_seconds_count{latency_class="batch",tenant="a"}'] >= missed
     assert sum(v for k, v in lines.items() if k.startswith('narwhal_tenant_requests_total{latency_class="batch",tenant="b"')) == 1
     assert lines['narwhal_tenant_served_tokens{tenant="a"}'] > 0
+
+
+# ------------------------------------------------------------------ admission's own arithmetic
+
+
+def _admission(limits: dict[str, Any], *, replicas: int = 1, weight: float = 1.0) -> Any:
+    from narwhal.config import parse_fleet
+    from narwhal.router.admission import Admission
+    from narwhal.router.placement import Placement
+
+    doc = tenancy_doc([BATCH], [{"name": "a", "latency_class": "batch", "limits": limits, "weight": weight}],
+                      replicas=replicas)  # fmt: skip
+    return Admission(parse_fleet(doc), Placement(["p0"], ["d0"]))
+
+
+async def _limited(adm: Any, tokens: int = 1) -> float | None:
+    """The Retry-After of a request of ``tokens`` tokens (None: admitted)."""
+    from narwhal.errors import RateLimited
+
+    try:
+        await adm.admit(adm.ticket(lambda name: None, "a", {}), tokens, 0)
+    except RateLimited as err:
+        return err.retry_after_s
+    return None
+
+
+async def test_each_process_takes_its_share_of_every_limit(autojump_clock: trio.abc.Clock) -> None:
+    adm = _admission({"max_in_flight": 2, "tokens_per_s": 300.0, "requests_per_s": 600.0}, replicas=3)
+    # max_in_flight 2 over 3 processes: 1 here (never 0); tokens 300/s: 100/s, a bucket of 100.
+    assert await _limited(adm, 150) is None  # from a full bucket, into debt
+    assert await _limited(adm) == 1.0  # in flight: the one place is taken
+    adm._tenants["a"].in_flight = 0
+    assert await _limited(adm, 50) == pytest.approx(1.0)  # (50 - (-50)) / 100
+    assert adm._tenants["a"].requests.rate == 200.0 and adm._tenants["a"].requests.depth == 200.0
+
+
+async def test_a_reload_keeps_what_a_bucket_holds_at_its_new_rate(autojump_clock: trio.abc.Clock) -> None:
+    adm = _admission({"requests_per_s": 2.0, "burst_s": 2.0})
+    for _ in range(4):
+        assert await _limited(adm) is None
+    assert await _limited(adm) == pytest.approx(0.5)
+    await trio.sleep(0.25)  # half a request refilled at the old rate
+    faster = _admission({"requests_per_s": 4.0, "burst_s": 0.5}).config
+    adm.configure(faster)
+    bucket = adm._tenants["a"].requests
+    assert (bucket.rate, bucket.depth, bucket.level) == (4.0, 2.0, pytest.approx(0.5))
+    assert await _limited(adm) == pytest.approx(0.125)  # the other half at the new rate
+    await trio.sleep(10)
+    assert bucket.wait_s(trio.current_time(), 1) == 0 and bucket.level == 2.0  # never above the new depth
+
+
+async def test_unused_output_is_given_back_to_the_share(autojump_clock: trio.abc.Clock) -> None:
+    adm = _admission({}, weight=2.0)
+    ticket = adm.ticket(lambda name: None, "a", {})
+    adm._charge(ticket, 1000)  # 600 prompt tokens and an output limit of 400
+    assert adm.served["a"] == 500.0
+    await adm.release(ticket, 100, 400)  # 300 of the 400 never came
+    assert adm.served["a"] == 350.0 and ticket.charged == 0.0
+    await adm.release(ticket, 100, 400)  # (given back once)
+    assert adm.served["a"] == 350.0

@@ -78,7 +78,8 @@ class Ticket:
         latency_class: its class.
         queued_s: seconds it waited in the queue (all attempts).
         queue_reason: why it was queued (the first time).
-        charged: tokens per unit of weight charged to its tenant's share.
+        charged: tokens per unit of weight charged to its tenant's share, until the
+            request ends (:meth:`Admission.release` settles it).
         lease: its in-flight lease in the store (None: counted locally, or not at all).
         counted: whether it holds one of its tenant's local in-flight places.
     """
@@ -524,9 +525,8 @@ class Admission:
         if tenant is None:
             return
         if ticket.charged and requested_tokens > output_tokens:
-            refund = min(ticket.charged, (requested_tokens - output_tokens) / tenant.weight)
-            ticket.charged -= refund
-            self._add_served(tenant.name, -refund)
+            self._add_served(tenant.name, -min(ticket.charged, (requested_tokens - output_tokens) / tenant.weight))
+        ticket.charged = 0.0  # settled
         if ticket.counted:
             ticket.counted = False
             self._tenants[tenant.name].in_flight -= 1
