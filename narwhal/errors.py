@@ -12,11 +12,12 @@ exc``), most specific first::
     │   ├── BadRequest (400)
     │   │   └── ContextLengthExceeded (400)  prompt + max_tokens > max_model_len
     │   ├── Unauthorized (401)
-    │   ├── Forbidden (403)                  an admin operation turned off
+    │   ├── Forbidden (403)                  no tenant, a class the tenant may not ask for, an admin operation turned off
     │   ├── NotFound (404)                   unknown route or model
     │   ├── MethodNotAllowed (405)
     │   ├── PayloadTooLarge (413)
     │   └── Unsupported (400)                a valid but unsupported option (n > 1, ...)
+    ├── RateLimited (429, rate_limited)      a tenant's limit; carries Retry-After
     ├── Refused (503, refused)               no capacity; carries Retry-After
     │   └── NoEngine (503, no_engine)         no engine of a role in placement (every one ejected)
     ├── DeadlineExceeded (504, deadline_exceeded)
@@ -75,6 +76,7 @@ __all__ = [
     "NoEngine",
     "NotFound",
     "PayloadTooLarge",
+    "RateLimited",
     "Refused",
     "RouterOverloaded",
     "SilenceTimeout",
@@ -176,6 +178,19 @@ class PayloadTooLarge(ClientError):
 
 class Unsupported(BadRequest):
     pass
+
+
+class RateLimited(NarwhalError):
+    """A tenant's limit is reached (429 with ``Retry-After``: when the limit allows
+    another request)."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    terminal_class = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after_s = retry_after_s
 
 
 class Refused(NarwhalError):
