@@ -23,8 +23,8 @@ from narwhal.router.metrics import CONTENT_TYPE
 
 from .routerkit import Stack, engine, fleet_doc, open_stack
 
-ADMIN = ("admin.test", 8001)
-BARE = ("bare-admin.test", 8002)
+ADMIN = ("127.0.0.1", 8001)
+BARE = ("bare-127.0.0.1", 8002)
 
 
 @asynccontextmanager
@@ -200,7 +200,7 @@ async def test_events_are_compact_json_and_a_client_leaving_ends_its_subscriptio
         stream = await stack.net.connect(*ADMIN)
         with caplog.at_level(logging.WARNING):
             async with trio.open_nursery() as nursery:
-                ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events")  # type: ignore[arg-type]
+                ws = await trio_websocket.wrap_client_stream(nursery, stream, "127.0.0.1", "/events")  # type: ignore[arg-type]
                 await trio.testing.wait_all_tasks_blocked()
                 stack.router.events.publish({"type": "x", "n": [1, 2]})
                 assert await ws.get_message() == '{"type":"x","n":[1,2]}'
@@ -215,7 +215,7 @@ async def test_a_surface_stopping_closes_its_events_clients_in_order(autojump_cl
         stack.net.listen(*ADMIN, stack.router.admin)
         stream = await stack.net.connect(*ADMIN)
         async with trio.open_nursery() as nursery:
-            ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events")  # type: ignore[arg-type]
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, "127.0.0.1", "/events")  # type: ignore[arg-type]
             await trio.testing.wait_all_tasks_blocked()
             assert stack.router.events.subscribers == 1
             await stack.router.admin.shutdown(0)

@@ -347,8 +347,8 @@ async def test_without_tenancy_requests_carry_no_tenant(autojump_clock: trio.abc
     async with open_stack(priced=True) as stack:
         response = await stack.complete({"prompt": "hello", "max_tokens": 2})
         [record] = stack.records
-        stack.net.listen("admin.test", 8001, stack.router.admin)
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        stack.net.listen("127.0.0.1", 8001, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             fleet = (await admin.get("/fleet")).json()
     assert response.status_code == 200
     assert (record["tenant"], record["latency_class"], record["queued_s"], record["queue_reason"]) == (None, None, 0.0, None)

@@ -16,7 +16,7 @@ from narwhal.router import prefixwatch
 from .cachekit import issue_fleet, kv_events_in_memory, met, sessions, shared_prefixes
 from .routerkit import engine, fleet_doc, open_stack
 
-ADMIN = ("admin.test", 8001)
+ADMIN = ("127.0.0.1", 8001)
 
 
 async def test_named_sessions_are_split_by_capacity_from_their_first_turn(autojump_clock: trio.abc.Clock) -> None:

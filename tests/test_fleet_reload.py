@@ -36,7 +36,7 @@ from .routerkit import ROUTER_HOST, ROUTER_PORT, engine, fleet_doc, sim_profiles
 
 STEP_S = 0.05
 _SIM = {"decode": {"c0": STEP_S, "c1": 0.0, "c2": 0.0}, "max_num_seqs": 512}
-ADMIN = ("admin.test", 8001)
+ADMIN = ("127.0.0.1", 8001)
 
 
 def _engines() -> dict[str, dict[str, Any]]:

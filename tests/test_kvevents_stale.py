@@ -447,7 +447,7 @@ async def test_the_router_prices_a_stale_engine_approximately_and_says_so(caplog
     with trio.fail_after(GUARD_S), caplog.at_level(logging.INFO, logger="narwhal.router.prefix"):
         async with open_stack(prefix_fleet(kv), priced=True) as stack:
             state = stack.router.state
-            stack.net.listen("admin.test", 8001, stack.router.admin)
+            stack.net.listen("127.0.0.1", 8001, stack.router.admin)
             sub = state.kv_subscribers["p0"]
             publisher = stack.engine("p0").kv_publisher
             n = 0
@@ -474,7 +474,7 @@ async def test_the_router_prices_a_stale_engine_approximately_and_says_so(caplog
                 attempt = stack.records[-1]["attempts"][0]
                 assert attempt["predicted_cached_tokens"] == attempt["cached_tokens"] == 1024
 
-                async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+                async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
                     health = (await admin.get("/health")).json()["engines"]
                     fleet = {e["name"]: e for e in (await admin.get("/fleet")).json()["engines"]}
                     metrics = (await admin.get("/metrics")).text

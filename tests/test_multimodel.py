@@ -207,8 +207,8 @@ async def test_a_consumer_is_probed_through_a_producer_of_its_own_model(autojump
 
 async def test_the_admin_surface_shows_each_models_state_and_each_engines_model(autojump_clock: trio.abc.Clock) -> None:
     async with open_stack(two_models()) as stack:
-        stack.net.listen("admin.test", 8001, stack.router.admin)
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        stack.net.listen("127.0.0.1", 8001, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             body = (await admin.get("/health")).json()
             fleet = (await admin.get("/fleet")).json()
         assert body["models"] == {A: "ready", B: "ready"}

@@ -21,7 +21,7 @@ from narwhal.router.state import RouterState
 
 from .routerkit import engine, fleet_doc, open_stack
 
-ADMIN = ("admin.test", 8001)
+ADMIN = ("127.0.0.1", 8001)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -36,7 +36,7 @@ async def test_metrics_parse_and_counters_move(autojump_clock: trio.abc.Clock) -
     doc = fleet_doc(recovery={"eject_after": 1, "probe_interval_s": 1000.0})
     async with open_stack(doc) as stack:
         stack.net.listen(*ADMIN, stack.router.admin)
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             before = _samples((await admin.get("/metrics")).text)
             assert before[("narwhal_in_flight_requests", ())] == 0
             for _ in range(3):
@@ -66,7 +66,7 @@ async def test_events_deliver_a_record_and_a_breaker_transition(autojump_clock: 
         stack.net.listen(*ADMIN, stack.router.admin)
         stream = await stack.net.connect(*ADMIN)
         async with trio.open_nursery() as nursery:
-            ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events")
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, "127.0.0.1", "/events")
             await trio.testing.wait_all_tasks_blocked()
             assert stack.router.events.subscribers == 1
             resp = await stack.complete({"prompt": "a b", "max_tokens": 2}, headers={"x-request-id": "evt-1"})
@@ -89,7 +89,7 @@ async def test_events_deliver_a_record_and_a_breaker_transition(autojump_clock: 
 async def test_events_requires_websocket(autojump_clock: trio.abc.Clock) -> None:
     async with open_stack() as stack:
         stack.net.listen(*ADMIN, stack.router.admin)
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             assert (await admin.get("/events")).status_code == 400
             assert (await admin.post("/metrics")).status_code == 405
             assert (await admin.get("/health")).status_code == 200

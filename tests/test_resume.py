@@ -31,7 +31,7 @@ PROMPT = "one two three four five six"
 MESSAGES = [{"role": "user", "content": PROMPT}]
 MAX_TOKENS = 10
 SILENCE_S = EngineTimeouts().decode_read_timeout_s
-ADMIN = ("admin.test", 8001)
+ADMIN = ("127.0.0.1", 8001)
 
 
 def doc(*engines: dict[str, Any], **recovery: Any) -> dict[str, Any]:
@@ -501,7 +501,7 @@ async def test_metrics_count_resumes_by_cause(autojump_clock: trio.abc.Clock) ->
         stack.engine("d0").inject(FaultSpec(kind="error_in_stream", on="decode", after_tokens=1, times=1))
         stack.engine("d1").inject(FaultSpec(kind="error_in_stream", on="decode", after_tokens=1, times=1))
         await ask(stack, "completions", "stream")
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             text = (await admin.get("/metrics")).text
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(("narwhal_resumes_total", "narwhal_retries_total"))}  # fmt: skip

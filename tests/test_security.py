@@ -39,7 +39,7 @@ from .routerkit import ROUTER_HOST, ROUTER_PORT, Stack, engine, fleet_doc, open_
 
 BODY = {"prompt": "one two three four", "max_tokens": 4}
 CHAT = {"messages": [{"role": "user", "content": "one two three"}], "max_tokens": 4}
-ADMIN = ("admin.test", 8001)
+ADMIN = ("127.0.0.1", 8001)
 
 
 async def post(stack: Stack, body: dict[str, Any], *, path: str = "/v1/completions", rid: str = "sec",
@@ -239,7 +239,7 @@ async def test_engine_keys_are_sent_and_never_shown(
             shown.append(repr(await post(stack, {**BODY, "stream": True})))
             await trio.sleep(6.0)  # the probe readmits the ejected engine
         assert not any(st.ejected for st in stack.router.state.breaker.states.values())
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             for route in ("/metrics", "/fleet", "/health"):
                 shown.append((await admin.get(route)).text)
         for route in ("/health", "/v1/models"):
@@ -427,14 +427,16 @@ async def _fleet_records(stack: Stack) -> AsyncIterator[list[dict[str, Any]]]:
                 records.append(event)
 
 
-async def _handshake(stack: Stack, authorization: str | None) -> int:
+async def _handshake(stack: Stack, authorization: str | None, origin: str | None = None) -> int:
     """The ``/events`` WebSocket handshake's outcome: 101, or the status it was refused with."""
     stream = await stack.net.connect(*ADMIN)
     headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    if origin is not None:
+        headers.append((b"origin", origin.encode()))
     status = 101
     try:
         async with trio.open_nursery() as nursery:
-            ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events", extra_headers=headers)  # type: ignore[arg-type]
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, "127.0.0.1", "/events", extra_headers=headers)  # type: ignore[arg-type]
             await ws.aclose()
     except* trio_websocket.ConnectionRejected as group:
         [refused] = group.exceptions
@@ -465,7 +467,7 @@ async def test_admin_keys_guard_every_admin_request(
     async with open_stack(doc) as stack, _fleet_records(stack) as events:
         stack.net.listen(*ADMIN, stack.router.admin)
         headers = {} if authorization is None else {"authorization": authorization}
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             answers = {
                 (method, path): await admin.request(
                     method, path, headers=headers, content=json.dumps(reload).encode() if method == "PUT" else None
@@ -495,6 +497,70 @@ async def test_admin_keys_guard_every_admin_request(
     ]
 
 
+@pytest.mark.parametrize(
+    ("host", "origin", "refused"),
+    [
+        ("127.0.0.1:8001", None, None),
+        ("localhost:8001", None, None),
+        ("[::1]:8001", None, None),
+        ("app.localhost", None, None),
+        ("10.0.0.5:8001", None, None),  # an address: no name to rebind
+        (None, None, None),  # HTTP/1.0 without Host
+        ("127.0.0.1:8001", "http://localhost:3000", None),  # a page served from this machine
+        ("127.0.0.1:8001", "http://[::1]:8080", None),
+        ("rebound.example:8001", None, "Host 'rebound.example:8001' is a name"),
+        ("router.internal", None, "Host 'router.internal' is a name"),
+        ("127.0.0.1:8001", "https://attacker.example", "Origin 'https://attacker.example'"),
+        ("127.0.0.1:8001", "http://10.0.0.5", "Origin 'http://10.0.0.5'"),
+        ("127.0.0.1:8001", "null", "Origin 'null'"),
+        ("127.0.0.1:8001", "garbage", "Origin 'garbage'"),
+    ],
+)
+def test_a_keyless_admin_port_answers_no_web_page(host: str | None, origin: str | None, refused: str | None) -> None:
+    problem = narwhal.router.keys.browser_problem(host, origin)
+    if refused is None:
+        assert problem is None
+    else:
+        assert problem is not None and refused in problem, problem
+
+
+async def test_a_keyless_admin_port_refuses_a_rebound_or_cross_site_request(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    reload = fleet_doc(engine={"request_timeout_s": 300})
+    async with open_stack() as stack, _fleet_records(stack) as events:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
+            # A page on attacker.example that rebound its name to 127.0.0.1 reads /fleet
+            # (same origin: no Origin header), or a page elsewhere PUTs a fleet.
+            rebound = await admin.get("/fleet", headers={"host": "attacker.example:8001"})
+            cross = await admin.put("/fleet", content=json.dumps(reload).encode(),
+                                    headers={"origin": "https://attacker.example"})  # fmt: skip
+            local = await admin.get("/fleet")
+        handshake = await _handshake(stack, None, origin="https://attacker.example")
+        timeout = stack.router.state.config.engine.request_timeout_s
+    assert local.status_code == 200
+    assert (rebound.status_code, cross.status_code, handshake) == (403, 403, 403)
+    assert rebound.json()["error"] == {
+        "message": "admin request refused: Host 'attacker.example:8001' is a name, not this machine's address: "
+                   "without admin keys the admin port answers requests to 127.0.0.1, [::1] or localhost only",
+        "type": "permission_error", "code": "admin_browser_request"}  # fmt: skip
+    assert "Origin 'https://attacker.example'" in cross.json()["error"]["message"]
+    assert timeout != 300 and events == []  # nothing was reloaded
+    refusals = [r.getMessage() for r in caplog.records if r.name == "narwhal.router.admin"]
+    assert [m.split(":")[0] for m in refusals] == ["admin GET /fleet refused", "admin PUT /fleet refused",
+                                                   "admin GET /events refused"]  # fmt: skip
+
+
+async def test_admin_keys_lift_the_web_page_checks(autojump_clock: trio.abc.Clock) -> None:
+    async with open_stack(fleet_doc(server={"admin_api_keys": ADMIN_KEYS})) as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
+            named = await admin.get("/fleet", headers={"host": "router.internal:8001", "origin": "https://ops.example",
+                                                       "authorization": f"Bearer {ADMIN_KEYS[0]}"})  # fmt: skip
+    assert named.status_code == 200
+
+
 async def test_every_admin_key_is_compared_in_constant_time(
     autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -508,7 +574,7 @@ async def test_every_admin_key_is_compared_in_constant_time(
     monkeypatch.setattr(narwhal.router.keys.hmac, "compare_digest", counting)
     async with open_stack(fleet_doc(server={"admin_api_keys": ADMIN_KEYS})) as stack:
         stack.net.listen(*ADMIN, stack.router.admin)
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             for presented, status in [(ADMIN_KEYS[0], 200), (ADMIN_KEYS[1], 200), ("nope", 401)]:
                 calls.clear()
                 resp = await admin.get("/health", headers={"authorization": f"Bearer {presented}"})
@@ -584,7 +650,7 @@ async def test_put_fleet_can_be_turned_off(autojump_clock: trio.abc.Clock, caplo
         stack.net.listen(*ADMIN, stack.router.admin)
         config = stack.router.state.config
         changed = fleet_doc(server={"admin_fleet_writes": False}, engine={"request_timeout_s": 300})
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             resp = await admin.put("/fleet", content=json.dumps(changed).encode())
             view = await admin.get("/fleet")
         assert stack.router.state.config is config

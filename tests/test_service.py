@@ -218,10 +218,10 @@ async def test_a_reload_without_prepare_keeps_the_profiles_it_prices_by(autojump
 
 async def test_shutdown_closes_the_admin_surfaces_connections_at_once(autojump_clock: trio.abc.Clock) -> None:
     async with open_stack() as stack:
-        stack.net.listen("admin.test", 8001, stack.router.admin)
-        stream = await stack.net.connect("admin.test", 8001)
+        stack.net.listen("127.0.0.1", 8001, stack.router.admin)
+        stream = await stack.net.connect("127.0.0.1", 8001)
         async with trio.open_nursery() as nursery:
-            ws = await trio_websocket.wrap_client_stream(nursery, stream, "admin.test", "/events")  # type: ignore[arg-type]
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, "127.0.0.1", "/events")  # type: ignore[arg-type]
             await trio.testing.wait_all_tasks_blocked()
             t0 = trio.current_time()
             await stack.router.shutdown()  # no request in flight: nothing to drain

@@ -222,8 +222,8 @@ async def test_a_router_whose_store_is_down_fails_open_and_says_so(
         for _ in range(2):
             out = await stack.complete({"prompt": "hi", "max_tokens": 2}, headers={"authorization": "Bearer sk-a"})
             assert out.status_code == 200  # admitted by this router's own share of the limit
-        stack.net.listen("admin.test", 8001, stack.router.admin)
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        stack.net.listen("127.0.0.1", 8001, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             fleet = (await admin.get("/fleet")).json()
     assert fleet["tenancy"]["store"] == "unreachable"
     assert caplog.text.count("limits store unreachable") == 1  # when the outage starts, not per request

@@ -202,8 +202,8 @@ async def test_a_reload_that_would_change_the_keys_does_not_quote_them(autojump_
     old = fleet_doc(server={"api_keys": ["sk-old-TOPSECRET"]})
     new = fleet_doc(server={"api_keys": ["sk-new-TOPSECRET"]})
     async with open_stack(old, journal_path=tmp_path / "journal.jsonl") as stack:
-        stack.net.listen("admin.test", 8001, stack.router.admin)
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        stack.net.listen("127.0.0.1", 8001, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             answer = await admin.put("/fleet", content=json.dumps(new))
     assert answer.status_code == 400
     assert answer.json()["error"]["path"] == "$.server.api_keys"
@@ -223,9 +223,9 @@ async def test_keys_are_never_shown(autojump_clock: trio.abc.Clock, caplog: pyte
     d["tenancy"]["classes"][1]["max_wait_s"] = 0.05
     shown: list[str] = []
     async with open_stack(d, priced=True, journal_path=tmp_path / "journal.jsonl") as stack:
-        stack.net.listen("admin.test", 8001, stack.router.admin)
+        stack.net.listen("127.0.0.1", 8001, stack.router.admin)
         events: list[str] = []
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             async with trio.open_nursery() as nursery:
 
                 async def follow() -> None:

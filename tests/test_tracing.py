@@ -455,9 +455,9 @@ async def test_latency_histograms_carry_trace_ids_in_openmetrics(autojump_clock:
     import httpx
 
     async with open_stack(tracing=spans.tracing) as stack:
-        stack.net.listen("admin.test", 8001, stack.router.admin)
+        stack.net.listen("127.0.0.1", 8001, stack.router.admin)
         assert (await stack.complete(BODY, headers={"traceparent": TRACEPARENT})).status_code == 200
-        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://admin.test:8001") as admin:
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
             plain = await admin.get("/metrics")
             om = await admin.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
     assert plain.headers["content-type"].startswith("text/plain")

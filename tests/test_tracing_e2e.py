@@ -8,6 +8,7 @@ document's ``tracing`` section (OTLP/gRPC, with ``--workers 2``: each worker exp
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -130,7 +131,10 @@ def test_serve_exports_over_otlp_http_from_the_environment(tmp_path: Path) -> No
     journal = [json.loads(line) for line in (tmp_path / "runs" / "journal.jsonl").read_text().splitlines()]
     assert sorted(r["trace_id"] for r in journal) == sorted(traces)
     assert om.headers["content-type"].startswith("application/openmetrics-text")
-    assert f'trace_id="{CLIENT_TRACE}"' in om.text
+    # One exemplar a series (bucket): the later request's replaces the earlier's where
+    # both fall in one, so each shown is one of the two, and at least one is shown.
+    shown = set(re.findall(r'trace_id="([0-9a-f]{32})"', om.text))
+    assert shown and shown <= set(traces), (shown, sorted(traces))
 
 
 def test_each_worker_exports_over_otlp_grpc_from_the_fleet_document(tmp_path: Path) -> None:

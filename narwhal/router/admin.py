@@ -34,7 +34,7 @@ from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
 from narwhal.router.fleet import FleetChange
-from narwhal.router.keys import BearerKeys, bearer
+from narwhal.router.keys import BearerKeys, bearer, browser_problem
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
@@ -51,7 +51,16 @@ _CHALLENGE = (*JSON_HEADERS, ("www-authenticate", 'Bearer realm="narwhal-admin"'
 
 
 async def admitted(keys: BearerKeys, request: Request, response: ResponseWriter) -> bool:
-    """Whether ``request`` presents an admin key (or none is needed); else answers 401."""
+    """Whether ``request`` presents an admin key (or, without keys, comes from no web
+    page: :func:`~narwhal.router.keys.browser_problem`); else answers 401 (403)."""
+    if not keys:
+        problem = browser_problem(request.header("host"), request.header("origin"))
+        if problem is None:
+            return True
+        log.warning("admin %s %s refused: %s", request.method, request.path, problem)
+        refused = Forbidden(f"admin request refused: {problem}", code="admin_browser_request")
+        await response.respond(403, JSON_HEADERS, json.dumps(refused.to_body()).encode())
+        return False
     if keys.accepts(request.header("authorization")):
         return True
     log.warning("admin %s %s refused: missing or invalid admin key", request.method, request.path)

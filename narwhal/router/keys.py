@@ -7,7 +7,9 @@ line, an error, a ``repr``.
 
 The admin surface reads the live fleet and events and can reload the fleet: a listener
 that others can reach (an address other than loopback) needs admin keys
-(:func:`admin_listener_problem`).
+(:func:`admin_listener_problem`). A loopback listener without keys still answers no web
+page (:func:`browser_problem`): a page can make the operator's browser send requests to
+127.0.0.1, and by rebinding its own name to 127.0.0.1 (DNS rebinding) read the answers.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Iterable
 from narwhal.config import ApiKeyConfig, ServerConfig
 from narwhal.errors import ConfigError, Unauthorized
 
-__all__ = ["ADMIN_KEY_ENV", "BearerKeys", "admin_listener_problem", "bearer", "is_loopback"]
+__all__ = ["ADMIN_KEY_ENV", "BearerKeys", "admin_listener_problem", "bearer", "browser_problem", "is_loopback"]
 
 #: The environment variable that adds an admin key (``narwhal serve``) and presents
 #: one (``narwhal top``): other users cannot read a process's environment in ``ps``.
@@ -95,6 +97,52 @@ def is_loopback(host: str) -> bool:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _hostname(authority: str) -> str:
+    """The host of a ``Host`` header or of an origin's ``host[:port]`` (brackets off an
+    IPv6 address)."""
+    if authority.startswith("["):
+        return authority[1:].partition("]")[0]
+    return authority.rpartition(":")[0] if authority.count(":") == 1 else authority
+
+
+def _local_name(host: str) -> bool:
+    """Whether ``host`` names this machine without DNS: an IP address, or ``localhost``
+    (and its subdomains, which resolvers answer with loopback themselves, RFC 6761)."""
+    host = host.lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def browser_problem(host: str | None, origin: str | None) -> str | None:
+    """Why a request to an admin listener without keys must be refused (None: it may
+    pass): it came from a web page. ``host`` and ``origin``: its ``Host`` and ``Origin``
+    headers.
+
+    A browser sends ``Origin`` with a WebSocket handshake and with every request but a
+    plain ``GET``: one from a page that is not served from this machine is refused. A
+    page that rebinds its own name to 127.0.0.1 is same-origin and may send a ``GET``
+    without ``Origin``, but its ``Host`` is that name: a ``Host`` that is not an address
+    or ``localhost`` is refused (curl, Prometheus and ``narwhal top`` name the listener by
+    its address). Admin keys lift both checks (a page has no key).
+    """
+    if host is not None and not _local_name(_hostname(host.strip())):
+        return (f"Host {host!r} is a name, not this machine's address: without admin keys "
+                "the admin port answers requests to 127.0.0.1, [::1] or localhost only")  # fmt: skip
+    if origin is not None and origin.strip() != "null":
+        _, _, authority = origin.strip().partition("://")
+        if not authority or not is_loopback(_hostname(authority)):
+            return (f"a web page's request (Origin {origin!r}): without admin keys the admin "
+                    "port answers no page that is not served from this machine")  # fmt: skip
+    elif origin is not None:
+        return "a web page's request (Origin 'null'): without admin keys the admin port answers none"
+    return None
 
 
 def admin_listener_problem(server: ServerConfig, host: str | None = None) -> ConfigError | None:
