@@ -78,6 +78,8 @@ class EventView:
         self.ignored = 0
         #: Blocks evicted because the view passed the engine's capacity (lost removals).
         self.overflow_evicted = 0
+        #: Changes whenever the chain ids it holds may have (a counted hit is then stale).
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -91,6 +93,7 @@ class EventView:
         return cap + max(EVENT_SLACK_BLOCKS, int(cap * EVENT_SLACK))
 
     def clear(self) -> None:
+        self.version += 1
         for cid, count in self._held.items():
             for _ in range(count):
                 self.chains.release(cid)
@@ -101,6 +104,7 @@ class EventView:
 
     def apply(self, batch: EventBatch) -> None:
         """Apply one batch of events, in order; then evict past the bound, if any."""
+        self.version += 1
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(event)
@@ -247,6 +251,8 @@ class PlacementView:
         self._generation = 0
         #: Blocks taken while none was free (the engine would have made the request wait).
         self.overcommitted = 0
+        #: Changes whenever the chain ids it caches may have (a counted hit is then stale).
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._cached)
@@ -267,6 +273,7 @@ class PlacementView:
         return len(self._held) + self._anon_held
 
     def clear(self) -> None:
+        self.version += 1
         for cid in self._cached:
             self.chains.release(cid)
         self._cached.clear()
@@ -291,6 +298,7 @@ class PlacementView:
 
     def _trim(self) -> None:
         """Evict from the free queue's front while the view holds more than its capacity."""
+        self.version += 1
         free = self._free
         while free and self._blank + len(free) + len(self._held) + self._anon_held > self._capacity:
             key, _ = free.popitem(last=False)
@@ -301,6 +309,7 @@ class PlacementView:
     def seed(self, cids: Sequence[int]) -> None:
         """Cache the blocks ``cids`` (ids of this view's :class:`Chains`), free, least
         recent first, within the capacity."""
+        self.version += 1
         for cid in cids:
             if cid not in self._cached:
                 self._take()
@@ -314,17 +323,31 @@ class PlacementView:
         it hits the leading blocks cached here and takes new blocks for the rest; it
         holds them until :meth:`release`. ``chain``: the chain ids of its leading blocks,
         when known (their tokens are then not sliced again)."""
+        self.version += 1
         bs = self.block_size
         chains, cached, held, free = self.chains, self._cached, self._held, self._free
         alive = chains.ids()
         take = self._take
-        blocks: list[int] = []
         hits = max(len(ids) - 1, 0) // bs  # the last prompt token is always computed
         copies = 0
         full = len(ids) // bs
         known = min(len(chain), full)
-        parent = 0
-        for i in range(full):
+        # The leading hits, from the chain (a block cached here is alive: nothing to check
+        # but whether a request holds it already).
+        blocks: list[int] = []
+        for cid in chain[: min(known, hits)]:
+            if cid not in cached:
+                break
+            n = held.get(cid)
+            if n is None:
+                del free[cid]
+                held[cid] = 1
+            else:
+                held[cid] = n + 1
+            blocks.append(cid)
+        start = len(blocks)
+        parent = blocks[-1] if blocks else 0
+        for i in range(start, full):
             cid: int | None = None
             block: tuple[int, ...] | None = None
             if i < known:
