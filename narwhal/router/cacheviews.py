@@ -345,9 +345,9 @@ class PlacementView:
             else:
                 held[cid] = n + 1
             blocks.append(cid)
-        start = len(blocks)
         parent = blocks[-1] if blocks else 0
-        for i in range(start, full):
+        fresh = full  # where a block no view holds begins the prompt's own blocks
+        for i in range(len(blocks), full):
             cid: int | None = None
             block: tuple[int, ...] | None = None
             if i < known:
@@ -357,7 +357,10 @@ class PlacementView:
             if cid is None:
                 block = tuple(ids[i * bs : (i + 1) * bs])
                 cid = chains.find(parent, block)
-            if cid is not None and cid in cached:
+                if cid is None:
+                    fresh = i
+                    break
+            if cid in cached:
                 if i >= hits:
                     # Computed again past a miss (or as the last token's block): vLLM
                     # caches a copy, which no prompt hits while this one is cached.
@@ -372,13 +375,18 @@ class PlacementView:
             else:
                 hits = min(hits, i)  # a miss: every block after it is computed
                 take()
-                if block is not None:
-                    cid = chains.acquire(parent, block)
-                else:
-                    assert cid is not None  # (its id came from the chain)
-                    chains.hold(cid)
+                chains.hold(cid)
                 cached.add(cid)
                 held[cid] = 1
+            blocks.append(cid)
+            parent = cid
+        # From a block no view holds on, every block is new (nothing is interned under a
+        # new id): taken and interned without looking it up.
+        for block in zip(*[iter(ids[fresh * bs : full * bs])] * bs):
+            take()
+            cid = chains.acquire(parent, block)
+            cached.add(cid)
+            held[cid] = 1
             blocks.append(cid)
             parent = cid
         anon = -(-(len(ids) + extra_tokens) // bs) - full
@@ -398,11 +406,10 @@ class PlacementView:
         for _ in range(hold.anon):
             free[next(self._anon_keys)] = None
         for cid in reversed(hold.blocks):
-            n = held[cid] - 1
+            n = held.pop(cid) - 1
             if n:
                 held[cid] = n
             else:
-                del held[cid]
                 free[cid] = None
         self._trim()
 
