@@ -334,17 +334,14 @@ class PlacementView:
         known = min(len(chain), full)
         # The leading hits, from the chain (a block cached here is alive: nothing to check
         # but whether a request holds it already).
-        blocks: list[int] = []
-        for cid in chain[: min(known, hits)]:
-            if cid not in cached:
-                break
+        blocks = list(chain[: count_held(chain[: min(known, hits)], cached)])
+        for cid in blocks:
             n = held.get(cid)
             if n is None:
                 del free[cid]
                 held[cid] = 1
             else:
                 held[cid] = n + 1
-            blocks.append(cid)
         parent = blocks[-1] if blocks else 0
         fresh = full  # where a block no view holds begins the prompt's own blocks
         for i in range(len(blocks), full):
