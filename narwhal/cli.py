@@ -231,7 +231,10 @@ def _as_worker(args: argparse.Namespace, config: FleetConfig) -> FleetConfig:
     if not args.worker_of:
         return config
     server = attrs.evolve(config.server, engine_load_poll_s=config.server.engine_load_poll_s or 1.0)
-    return attrs.evolve(config, server=server)
+    config = attrs.evolve(config, server=server)
+    if config.tenancy is not None:  # each worker enforces its share of the tenants' limits (without a store)
+        config = attrs.evolve(config, tenancy=attrs.evolve(config.tenancy, replicas=config.tenancy.replicas * args.worker_of))
+    return config
 
 
 def _admin_port(args: argparse.Namespace, config: FleetConfig) -> int:

@@ -19,7 +19,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
 from typing import Any, Literal, TypeVar, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import attrs
 import cattrs
@@ -31,12 +31,13 @@ from cattrs.gen import make_dict_structure_fn
 from narwhal.errors import ConfigError
 
 __all__ = [
-    "FAULT_KINDS", "INCARNATION", "MAX_DOCUMENT_BYTES", "REDACTED", "ROLES", "ConnectorConfig", "ControllerConfig",
-    "EngineConfig", "EngineContract", "EngineGroupConfig", "EngineLimits", "EngineTimeouts", "FaultSpec", "FleetConfig",
-    "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig", "JournalConfig", "KVEventsConfig", "ProfilesConfig",
-    "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig", "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel",
-    "SimPrefillModel", "TracingConfig", "converter", "is_secret", "load_default_fleet", "load_fleet", "parse_as",
-    "parse_fleet", "parse_fleet_json", "read_document", "redacted", "secret_setting", "unstructure_fleet",
+    "FAULT_KINDS", "INCARNATION", "MAX_DOCUMENT_BYTES", "REDACTED", "ROLES", "ApiKeyConfig", "ClassConfig",
+    "ConnectorConfig", "ControllerConfig", "EngineConfig", "EngineContract", "EngineGroupConfig", "EngineLimits",
+    "EngineTimeouts", "FaultSpec", "FleetConfig", "GroupConnectorConfig", "GroupKVEventsConfig", "HandoffConfig",
+    "JournalConfig", "KVEventsConfig", "ProfilesConfig", "ReactiveConfig", "RecoveryConfig", "RetryBudgetConfig",
+    "SLOConfig", "ServerConfig", "SimConfig", "SimDecodeModel", "SimPrefillModel", "StoreConfig", "TenancyConfig",
+    "TenantConfig", "TenantLimits", "TracingConfig", "converter", "is_secret", "load_default_fleet", "load_fleet",
+    "parse_as", "parse_fleet", "parse_fleet_json", "read_document", "redacted", "secret_setting", "unstructure_fleet",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -193,6 +194,10 @@ def _group_tuple(value: Iterable[EngineGroupConfig]) -> tuple[EngineGroupConfig,
     return tuple(value)
 
 
+def _key_tuple(value: Iterable[str | ApiKeyConfig]) -> tuple[ApiKeyConfig, ...]:
+    return tuple(ApiKeyConfig(key=k) if isinstance(k, str) else k for k in value)
+
+
 def _strip_slash(url: str) -> str:
     return url.rstrip("/") if isinstance(url, str) else url
 
@@ -200,7 +205,7 @@ def _strip_slash(url: str) -> str:
 # ------------------------------------------------------------------ server and engines
 
 
-def _hidden(keys: tuple[str, ...]) -> str:
+def _hidden(keys: tuple[Any, ...]) -> str:
     """A key list's ``repr``: how many, never the keys."""
     return f"<{len(keys)} keys>"
 
@@ -208,9 +213,27 @@ def _hidden(keys: tuple[str, ...]) -> str:
 def _admin_keys(inst: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     _texts(inst, attribute, value)
     for i, key in enumerate(value):
-        if key in inst.api_keys:
+        if any(key == k.key for k in inst.api_keys):
             raise ConfigError("an admin key must not also be a client key (server.api_keys): "
                               "a client could reload the fleet with it", path=f"$.{attribute.name}[{i}]")  # fmt: skip
+
+@attrs.frozen(kw_only=True)
+class ApiKeyConfig:
+    """A bearer key clients present (an item of ``server.api_keys``): the key as a string,
+    or an object that also names who holds it.
+
+    Attributes:
+        key: The key itself. Secret: the router never logs, records or echoes it (a reload
+            that would change it is refused without quoting it), and compares a presented
+            key with every configured one in constant time.
+        name: The tenant the key belongs to (a ``tenancy.tenants[].name``; several keys may
+            name one tenant); null: an unnamed key, whose requests are
+            ``tenancy.default_tenant``'s.
+    """
+
+    key: str = attrs.field(validator=_text, repr=False)
+    name: str | None = attrs.field(default=None, validator=_opt(_name))
+
 
 
 @attrs.frozen(kw_only=True)
@@ -237,7 +260,9 @@ class ServerConfig:
             client counts as gone: its request ends as ``client_cancelled``, its engine
             legs are cancelled and its connection is closed.
         shutdown_grace_s: Seconds in-flight requests get to finish on shutdown.
-        api_keys: Bearer keys clients must present; empty means no authentication.
+        api_keys: Bearer keys clients must present; empty means no authentication. Each is a
+            string, or ``{"key": ..., "name": ...}`` naming the tenant it belongs to
+            (``tenancy``).
         admin_host: Address the admin endpoints (metrics, events) bind; loopback by default.
             An address other than loopback needs ``admin_api_keys``: the router refuses
             to start without them.
@@ -275,7 +300,7 @@ class ServerConfig:
     max_connections: int | None = attrs.field(default=None, validator=_opt(_positive_int))
     send_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     shutdown_grace_s: float = attrs.field(default=30.0, validator=_non_negative)
-    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_texts, repr=_hidden)
+    api_keys: tuple[ApiKeyConfig, ...] = attrs.field(default=(), converter=_key_tuple, repr=_hidden)
     admin_host: str = attrs.field(default="127.0.0.1", validator=_text)
     admin_port: int = attrs.field(default=8001, validator=_bind_port)
     admin_api_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_admin_keys, repr=_hidden)
@@ -321,7 +346,9 @@ class KVEventsConfig:
         probe_interval_s: Seconds between two replay probes: the router asks the
             replay endpoint for batches newer than the last it saw, replays any it
             missed, and falls back to the approximate view of the engine's cache when
-            two probes in a row find batches and none came live.
+            two probes in a row find batches and none came live. An engine that
+            publishes nothing is probed ever less often (each wait twice the one before,
+            up to eight intervals) until it publishes or the router sends it a request.
     """
 
     endpoint: str | None = attrs.field(default=None, validator=_opt(_zmq))
@@ -442,6 +469,9 @@ class SimConfig:
             ``kv_events.endpoint`` instead of binding it, as vLLM's does for an endpoint
             that is not a wildcard: a router connecting there gets no live batch while
             the replay endpoint answers (a misconfigured engine, to test against).
+        scheduling_policy: vLLM's ``--scheduling-policy``: ``fcfs`` admits waiting requests
+            in arrival order and answers a request whose ``priority`` is not 0 with 400, as
+            vLLM does; ``priority`` admits them by ``priority`` (lower first), then arrival.
         noise: Relative gaussian jitter (standard deviation) on every prefill and step.
         faults: Faults scripted from the start.
     """
@@ -462,6 +492,7 @@ class SimConfig:
     prefix_caching: bool = False
     prompt_tokens_details: bool = False
     kv_events_connect: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = attrs.field(default="fcfs", validator=_member(("fcfs", "priority")))
     noise: float = attrs.field(default=0.0, validator=_non_negative)
     faults: tuple[FaultSpec, ...] = attrs.field(default=(), converter=_fault_tuple)
 
@@ -820,7 +851,8 @@ class ControllerConfig:
             reports ``enable_prefix_caching`` (exact from its ``kv_events``, else from
             the prompts placed on it) and prices each producer's hit; ``off`` prices
             every prefill as if nothing were cached and reads no KV events.
-        cache_plan: ``auto`` (with ``prefix_cache: auto`` and profiles) plans where
+        cache_plan: ``auto`` (with ``prefix_cache: auto``, profiles and a TTFT target
+            in ``slo.ttft_s``; without one each request is placed by headroom) plans where
             prefixes and sessions live: each reused prefix or session has an owner among
             the producers, by their speed and their caches' capacity, that takes its
             requests while it meets the TTFT target within 0.8 of it (a miss included),
@@ -861,16 +893,24 @@ class JournalConfig:
     fsync: bool = True
 
 
+def _split_url(v: Any) -> tuple[SplitResult, int | None] | None:
+    """``v``'s parts and port, or None when it is no URL (or its port is not a number)."""
+    if not isinstance(v, str):
+        return None
+    try:
+        parts = urlsplit(v)
+        return parts, parts.port
+    except ValueError:
+        return None
+
+
 def _collector_url(v: Any) -> bool:
     """An OTLP collector's base URL: http(s)://host:port, a path allowed (a collector behind a
     proxy), no query or fragment."""
-    if not isinstance(v, str):
+    split = _split_url(v)
+    if split is None:
         return False
-    try:
-        parts = urlsplit(v)
-        port = parts.port
-    except ValueError:
-        return False
+    parts, port = split
     return (
         parts.scheme in ("http", "https") and bool(parts.hostname) and port is not None
         and "@" not in parts.netloc and not parts.query and not parts.fragment
@@ -916,6 +956,201 @@ class TracingConfig:
     service_name: str | None = attrs.field(default=None, validator=_opt(_text))
 
 
+# ------------------------------------------------------------------ tenants and classes
+
+_ON_OUTAGE = ("local", "refuse")
+_HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110)
+_header = _rule(lambda v: isinstance(v, str) and _HEADER.fullmatch(v) is not None, "expected an HTTP header name")
+
+
+def _class_tuple(value: Iterable[ClassConfig]) -> tuple[ClassConfig, ...]:
+    return tuple(value)
+
+
+def _tenant_tuple(value: Iterable[TenantConfig]) -> tuple[TenantConfig, ...]:
+    return tuple(value)
+
+
+def _redis_url(v: Any) -> bool:
+    split = _split_url(v)
+    if split is None:
+        return False
+    parts, port = split
+    db = parts.path.lstrip("/")
+    return (parts.scheme == "redis" and bool(parts.hostname) and "@" not in parts.netloc
+            and (db == "" or db.isdigit()) and not parts.query and not parts.fragment
+            and (port is None or 1 <= port <= 65535))  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class ClassConfig:
+    """A latency class (an item of ``tenancy.classes``): its targets, its priority, and
+    whether its requests may wait in the router for capacity.
+
+    Attributes:
+        name: Unique class name (journal, metrics, the ``x-narwhal-class`` header).
+        priority: Lower is more urgent (vLLM's convention): queued requests are released in
+            this order, and a class places requests only where the classes more urgent than
+            it keep their targets (docs/operations.md). Passed to the engines as the request's
+            ``priority`` with ``tenancy.engine_priority``.
+        slo: The class's latency targets; placement prices its requests against them.
+            null: ``controller.slo``.
+        wait: Whether a request that no placement serves within the targets now waits in the
+            router's queue (bounded, released in priority order and fairly between tenants)
+            instead of an immediate 503.
+        max_wait_s: How long a request may wait in the queue from its arrival before a 503;
+            null: the class's TTFT target (waiting longer cannot meet it), else
+            ``engine.request_timeout_s``.
+        max_queued: Most requests of the class waiting at once (per router process); more
+            are refused with 503 at once.
+    """
+
+    name: str = attrs.field(validator=_name)
+    priority: int = 0
+    slo: SLOConfig | None = None
+    wait: bool = False
+    max_wait_s: float | None = attrs.field(default=None, validator=_opt(_positive))
+    max_queued: int = attrs.field(default=1000, validator=_positive_int)
+
+
+@attrs.frozen(kw_only=True)
+class TenantLimits:
+    """What one tenant may ask of the fleet (``tenancy.tenants[].limits``); past a limit a
+    request is answered 429 with ``Retry-After``. null: no limit. Without
+    ``tenancy.store`` each router process enforces its share (``tenancy.replicas``).
+
+    Attributes:
+        max_in_flight: Requests of the tenant admitted and not yet ended.
+        requests_per_s: Requests admitted per second (a token bucket ``burst_s`` deep).
+        tokens_per_s: Tokens admitted per second, each request counted at admission as its
+            prompt tokens plus its output limit (``max_tokens``).
+        burst_s: Depth of the rate buckets in seconds of their rate: a tenant idle that long
+            may send that many seconds' worth at once.
+    """
+
+    max_in_flight: int | None = attrs.field(default=None, validator=_opt(_positive_int))
+    requests_per_s: float | None = attrs.field(default=None, validator=_opt(_positive))
+    tokens_per_s: float | None = attrs.field(default=None, validator=_opt(_positive))
+    burst_s: float = attrs.field(default=1.0, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class TenantConfig:
+    """One tenant (an item of ``tenancy.tenants``): named by its API keys' ``name`` (or the
+    gateway's ``tenancy.header``).
+
+    Attributes:
+        name: Unique tenant name.
+        latency_class: The class its requests belong to (a ``tenancy.classes[].name``).
+        classes: Other classes its requests may ask for with the ``x-narwhal-class`` header
+            (``tenancy.class_header``) that are more urgent than its own; a class less
+            urgent than its own may always be asked for.
+        weight: Its share of the fleet against the other tenants of the same priority:
+            queued requests are released to the tenant with the fewest tokens served per
+            unit of weight.
+        limits: Its limits.
+    """
+
+    name: str = attrs.field(validator=_name)
+    latency_class: str = attrs.field(validator=_name)
+    classes: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    weight: float = attrs.field(default=1.0, validator=_positive)
+    limits: TenantLimits = attrs.field(factory=TenantLimits)
+
+
+@attrs.frozen(kw_only=True)
+class StoreConfig:
+    """The shared store that makes tenants' limits and shares hold fleet-wide
+    (``tenancy.store``): a Redis server every router process reaches.
+
+    Attributes:
+        url: ``redis://host:port/db`` (port 6379, db 0 when left out).
+        password_env: The environment variable holding the server's password (``AUTH``);
+            null: none.
+        timeout_s: Longest the router waits for one answer of the store on a request's path;
+            past it the store counts as unreachable for that request.
+        sync_s: Seconds between two exchanges of the tenants' served tokens (the fair
+            shares) with the store.
+        key_prefix: Prefix of every key the router writes in the store.
+        on_outage: What a request of a tenant with limits gets while the store is
+            unreachable: ``local`` (fail open to this process's share, as without a
+            store) or ``refuse`` (fail closed: 503 with ``Retry-After``).
+    """
+
+    url: str = attrs.field(validator=_rule(_redis_url, "expected a redis://host:port/db URL (no password in it: use password_env)"))
+    password_env: str | None = attrs.field(default=None, validator=_opt(_text))
+    timeout_s: float = attrs.field(default=0.05, validator=_positive)
+    sync_s: float = attrs.field(default=0.5, validator=_positive)
+    key_prefix: str = attrs.field(default="narwhal", validator=_text)
+    on_outage: Literal["local", "refuse"] = attrs.field(default="local", validator=_member(_ON_OUTAGE))
+
+
+@attrs.frozen(kw_only=True)
+class TenancyConfig:
+    """Tenants, latency classes, limits and the router's wait queue (the ``tenancy``
+    section; docs/operations.md). Without it the fleet has one class: ``controller.slo``
+    and ``controller.admission``.
+
+    Attributes:
+        classes: The latency classes; names unique.
+        tenants: The tenants; names unique.
+        default_tenant: The tenant of a request that names none (an unnamed key, no key,
+            no gateway header); null: such a request is refused with 403.
+        header: A header that names the request's tenant, set by a trusted gateway in front
+            of the router (which must drop any the client sent); null: tenants are named
+            by their API keys (``server.api_keys``).
+        class_header: The header with which a request asks for another class of its tenant's
+            (``tenancy.tenants[].classes``).
+        engine_priority: Send each request's class priority to the engines (the request
+            body's ``priority``). Only for engines that run ``--scheduling-policy priority``:
+            vLLM refuses a non-zero priority with 400 otherwise.
+        replicas: Router processes sharing the limits when there is no store: replicas
+            behind the load balancer (``narwhal serve --workers N`` multiplies it by N);
+            each enforces its share of every limit (rates divided by it, ``max_in_flight``
+            divided and rounded down, at least 1).
+        store: The shared store of limits and fair shares; null: each process keeps its own.
+    """
+
+    classes: tuple[ClassConfig, ...] = attrs.field(converter=_class_tuple)
+    tenants: tuple[TenantConfig, ...] = attrs.field(converter=_tenant_tuple)
+    default_tenant: str | None = attrs.field(default=None, validator=_opt(_name))
+    header: str | None = attrs.field(default=None, validator=_opt(_header))
+    class_header: str = attrs.field(default="x-narwhal-class", validator=_header)
+    engine_priority: bool = False
+    replicas: int = attrs.field(default=1, validator=_positive_int)
+    store: StoreConfig | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.classes:
+            raise ConfigError("expected at least one class", path="$.classes")
+        if not self.tenants:
+            raise ConfigError("expected at least one tenant", path="$.tenants")
+        names: set[str] = set()
+        for i, c in enumerate(self.classes):
+            if c.name in names:
+                raise ConfigError(f"duplicate class name {c.name!r}", path=f"$.classes[{i}].name")
+            names.add(c.name)
+        known = ", ".join(repr(c.name) for c in self.classes)
+        tenants: set[str] = set()
+        for i, t in enumerate(self.tenants):
+            if t.name in tenants:
+                raise ConfigError(f"duplicate tenant name {t.name!r}", path=f"$.tenants[{i}].name")
+            tenants.add(t.name)
+            if t.latency_class not in names:
+                raise ConfigError(f"no class {t.latency_class!r} (classes: {known})", path=f"$.tenants[{i}].latency_class")
+            for j, other in enumerate(t.classes):
+                if other not in names:
+                    raise ConfigError(f"no class {other!r} (classes: {known})", path=f"$.tenants[{i}].classes[{j}]")
+        if self.default_tenant is not None and self.default_tenant not in tenants:
+            raise ConfigError(f"no tenant {self.default_tenant!r}", path="$.default_tenant")
+        if self.header is not None and self.header.lower() == self.class_header.lower():
+            raise ConfigError("expected another header than class_header", path="$.header")
+
+    def class_named(self, name: str) -> ClassConfig:
+        """The class called ``name`` (the document guarantees tenants name known ones)."""
+        return next(c for c in self.classes if c.name == name)
+
+
 @attrs.frozen(kw_only=True)
 class FleetConfig:
     """The whole fleet document.
@@ -936,6 +1171,8 @@ class FleetConfig:
         journal: The router journal.
         engine_groups: Engines found in DNS (a Kubernetes headless Service per role).
         tracing: OpenTelemetry tracing (off unless configured here or by the environment).
+        tenancy: Tenants, latency classes, limits and the wait queue; null: one class
+            (``controller.slo``, ``controller.admission``) for every request.
     """
 
     server: ServerConfig = attrs.field(factory=ServerConfig)
@@ -950,6 +1187,7 @@ class FleetConfig:
     journal: JournalConfig = attrs.field(factory=JournalConfig)
     engine_groups: tuple[EngineGroupConfig, ...] = attrs.field(default=(), converter=_group_tuple)
     tracing: TracingConfig = attrs.field(factory=TracingConfig)
+    tenancy: TenancyConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.engines and not self.engine_groups:
@@ -1026,6 +1264,25 @@ class FleetConfig:
             # an engine of one model to relieve another's.
             message = f"reactive role movement supports a fleet of one model (this one serves {_names(self.models)})"
             raise ConfigError(message, path="$.controller.reactive.enabled")
+        self._check_tenancy()
+
+    def _check_tenancy(self) -> None:
+        """Every key name is a tenant's, and some request can name a tenant."""
+        tenancy = self.tenancy
+        named = [(i, k.name) for i, k in enumerate(self.server.api_keys) if k.name is not None]
+        if tenancy is None:
+            if named:
+                message = "a key names a tenant, but the document has no tenancy section"
+                raise ConfigError(message, path=f"$.server.api_keys[{named[0][0]}].name")
+            return
+        tenants = {t.name for t in tenancy.tenants}
+        for i, name in named:
+            if name not in tenants:
+                raise ConfigError(f"no tenant {name!r} in tenancy.tenants", path=f"$.server.api_keys[{i}].name")
+        if tenancy.default_tenant is None and tenancy.header is None and not named:
+            message = ("no request can name a tenant: give a key a tenant's name (server.api_keys), "
+                       "a gateway header (tenancy.header) or a default_tenant")  # fmt: skip
+            raise ConfigError(message, path="$.tenancy.default_tenant")
 
     def _check_model_pools(self) -> None:
         """Every declared model has a producer and a consumer (engines and engine groups
@@ -1154,6 +1411,26 @@ converter.register_structure_hook(
 converter.register_structure_hook_func(lambda t: get_origin(t) is _LITERAL, _structure_literal)
 converter.register_structure_hook_func(_is_list_type, _structure_list)
 converter.register_structure_hook_factory(attrs.has, _attrs_hook)
+_api_key_object = make_dict_structure_fn(ApiKeyConfig, converter)
+
+
+def _structure_api_key(obj: Any, _: Any) -> ApiKeyConfig:
+    """A key as a string, or ``{"key", "name"}``."""
+    if isinstance(obj, str):
+        if not obj:
+            raise ConfigError("expected a non-empty string")
+        return ApiKeyConfig(key=obj)
+    if not isinstance(obj, Mapping):
+        raise ConfigError("expected a string or an object")
+    return _api_key_object(obj, ApiKeyConfig)
+
+
+def _unstructure_api_key(key: ApiKeyConfig) -> Any:
+    return key.key if key.name is None else {"key": key.key, "name": key.name}
+
+
+converter.register_structure_hook(ApiKeyConfig, _structure_api_key)
+converter.register_unstructure_hook(ApiKeyConfig, _unstructure_api_key)
 
 
 def _errors(exc: BaseException, path: str) -> list[tuple[str, str]]:

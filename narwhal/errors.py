@@ -12,11 +12,12 @@ exc``), most specific first::
     │   ├── BadRequest (400)
     │   │   └── ContextLengthExceeded (400)  prompt + max_tokens > max_model_len
     │   ├── Unauthorized (401)
-    │   ├── Forbidden (403)                  an admin operation turned off
+    │   ├── Forbidden (403)                  no tenant, a class the tenant may not ask for, an admin operation turned off
     │   ├── NotFound (404)                   unknown route or model
     │   ├── MethodNotAllowed (405)
     │   ├── PayloadTooLarge (413)
     │   └── Unsupported (400)                a valid but unsupported option (n > 1, ...)
+    ├── RateLimited (429, rate_limited)      a tenant's limit; carries Retry-After
     ├── Refused (503, refused)               no capacity; carries Retry-After
     │   └── NoEngine (503, no_engine)         no engine of a role in placement (every one ejected)
     ├── DeadlineExceeded (504, deadline_exceeded)
@@ -49,7 +50,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 __all__ = [
     "RESOURCE_ERRNOS",
@@ -75,6 +76,7 @@ __all__ = [
     "NoEngine",
     "NotFound",
     "PayloadTooLarge",
+    "RateLimited",
     "Refused",
     "RouterOverloaded",
     "SilenceTimeout",
@@ -176,6 +178,19 @@ class PayloadTooLarge(ClientError):
 
 class Unsupported(BadRequest):
     pass
+
+
+class RateLimited(NarwhalError):
+    """A tenant's limit is reached (429 with ``Retry-After``: when the limit allows
+    another request)."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    terminal_class = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after_s = retry_after_s
 
 
 class Refused(NarwhalError):
@@ -456,17 +471,3 @@ class SilenceTimeout(EngineTimeout):
 class HandoffExpired(EngineTimeout):
     terminal_class = "handoff_expired"
 
-
-_E = TypeVar("_E", bound=BaseException)
-
-
-def caused(exc: _E, cause: BaseException | None) -> _E:
-    """``exc`` chained to ``cause`` as ``raise exc from cause`` chains it.
-
-    The compiled build (setup.py) drops a raise statement's ``from`` clause (mypyc
-    compiles ``raise X from Y`` as ``raise X``), so the modules it compiles write
-    ``raise caused(X, Y)``: ``__cause__`` is ``Y`` and the context is suppressed (a
-    ``None`` cause is ``from None``) in both builds.
-    """
-    exc.__cause__ = cause  # the setter also sets __suppress_context__, as `from` does
-    return exc

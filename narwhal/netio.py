@@ -36,8 +36,6 @@ from typing import Final
 
 import trio
 
-from narwhal.errors import caused
-
 __all__ = ["YIELD_EVERY", "StreamIO"]
 
 #: Calls that complete without waiting before one yields to the scheduler anyway.
@@ -131,7 +129,7 @@ class StreamIO:
                 try:
                     await trio.lowlevel.wait_writable(sock)
                 except trio.ClosedResourceError:
-                    raise caused(trio.ClosedResourceError("the connection was closed while writing"), None)
+                    raise trio.ClosedResourceError("the connection was closed while writing") from None
             if scope.cancelled_caught:
                 raise trio.TooSlowError(f"the peer read nothing for {wait_s:g} s")
             rest = rest[_write(sock, rest) :]
@@ -156,7 +154,7 @@ class StreamIO:
                 await self._wait_readable(sock)
                 continue
             except OSError as exc:
-                raise caused(_translate(exc), exc)
+                raise _translate(exc) from exc
             self._drained = 0 < len(data) < max_bytes
             await self._tick()
             return data
@@ -166,7 +164,7 @@ class StreamIO:
         try:
             await trio.lowlevel.wait_readable(sock)
         except trio.ClosedResourceError:
-            raise caused(trio.ClosedResourceError("the connection was closed while reading"), None)
+            raise trio.ClosedResourceError("the connection was closed while reading") from None
 
     async def _tick(self) -> None:
         self._unyielded += 1
@@ -186,7 +184,7 @@ def _write(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview) -
     except BlockingIOError:
         return 0
     except OSError as exc:
-        raise caused(_translate(exc), exc)
+        raise _translate(exc) from exc
 
 
 def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:

@@ -1,8 +1,12 @@
 """``narwhal top``: a terminal view of a running router, built on its admin surface.
 
 Per engine: roles, load (legs in flight), breaker state, and rolling TTFT / TPOT of
-the requests it served over the last window, against the fleet's SLO. The view reads
-``GET /fleet`` once and then follows ``/events`` (journal records and breaker
+the requests it served over the last window, against the fleet's SLO. With tenants and
+latency classes (the fleet's ``tenancy``), per class and tenant: the requests of the
+window, the share that met the class's targets (first byte within its TTFT target, TPOT
+within its TPOT target), what waits in the router's queue now, the wait of the queued
+ones, and the 429s and 503s. The view reads ``GET /fleet`` (again at each redraw while
+there are classes: their queues) and follows ``/events`` (journal records and breaker
 transitions) over WebSocket. With admin keys on the router, it presents ``key``
 (``narwhal top --admin-key``, or the ``NARWHAL_ADMIN_KEY`` environment variable).
 """
@@ -10,6 +14,7 @@ transitions) over WebSocket. With admin keys on the router, it presents ``key``
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import sys
@@ -51,12 +56,42 @@ class TopView:
         self.tpot: dict[str, collections.deque[float]] = collections.defaultdict(lambda: collections.deque(maxlen=window))
         self.classes: collections.Counter[str] = collections.Counter()
         self.requests = 0
+        self.window = window
+        #: The classes and tenants (GET /fleet's ``tenancy``; None: the fleet has none).
+        self.tenancy: dict[str, Any] | None = fleet.get("tenancy")
+        #: Per (class, tenant): whether each of its latest requests met the class's targets,
+        #: the waits of its latest queued ones, and its 429s and 503s.
+        self.met: dict[tuple[str, str], collections.deque[bool]] = {}
+        self.waits: dict[tuple[str, str], collections.deque[float]] = {}
+        self.refusals: dict[tuple[str, str], collections.Counter[int]] = {}
+
+    def update_fleet(self, fleet: dict[str, Any]) -> None:
+        """A fresh ``GET /fleet``: the queues of the classes now."""
+        self.tenancy = fleet.get("tenancy")
+
+    def _tenant_record(self, record: dict[str, Any]) -> None:
+        key = (str(record.get("latency_class")), str(record["tenant"]))
+        klass = record["terminal_class"]
+        if klass == "client_cancelled":
+            return
+        spec = ((self.tenancy or {}).get("classes") or {}).get(key[0]) or {}
+        ttft, tpot = spec.get("ttft_s"), spec.get("tpot_s")
+        first, step = record.get("first_byte_s"), record.get("tpot_s")
+        met = klass == "ok" and (ttft is None or (first is not None and first <= ttft)) and (
+            tpot is None or step is None or step <= tpot)  # fmt: skip
+        self.met.setdefault(key, collections.deque(maxlen=self.window)).append(met)
+        if record.get("queued_s"):
+            self.waits.setdefault(key, collections.deque(maxlen=self.window)).append(record["queued_s"])
+        if record.get("status") in (429, 503):
+            self.refusals.setdefault(key, collections.Counter())[record["status"]] += 1
 
     def apply(self, event: dict[str, Any]) -> None:
         if event.get("type") == "request":
             record = event["record"]
             self.requests += 1
             self.classes[record["terminal_class"]] += 1
+            if record.get("tenant") is not None:
+                self._tenant_record(record)
             if record.get("ttft_s") is not None and record.get("producer") in self.engines:
                 self.ttft[record["producer"]].append(record["ttft_s"])
             if record.get("tpot_s") is not None and record.get("consumer") in self.engines:
@@ -92,7 +127,30 @@ class TopView:
                 f"{name:<16}{'+'.join(e.get('roles', [])):<16}{e.get('breaker', '?'):<13}{e.get('in_flight', 0):>6}"
                 f"{_ms(_p(ttft, 0.5)):>10}{_ms(t90):>10}{_ms(_p(tpot, 0.5)):>10}{_ms(p90):>10}  {verdict}"
             )
-        return head + "\n".join(rows) + "\n"
+        return head + "\n".join(rows) + "\n" + self._render_tenancy()
+
+    def _render_tenancy(self) -> str:
+        tenancy = self.tenancy
+        if tenancy is None:
+            return ""
+        classes, tenants = tenancy.get("classes") or {}, tenancy.get("tenants") or {}
+        cols = (f"{'class':<14}{'tenant':<16}{'n':>6}{'attain':>9}{'queued':>8}{'wait p50':>10}{'wait p90':>10}"
+                f"{'429':>6}{'503':>6}  targets")  # fmt: skip
+        rows = ["", cols, "-" * len(cols)]
+        keys = {(t.get("class"), name) for name, t in tenants.items()} | set(self.met)
+        for klass, tenant in sorted(keys, key=lambda k: (classes.get(k[0], {}).get("priority", 0), str(k[0]), k[1])):
+            key = (str(klass), tenant)
+            met, waits = list(self.met.get(key, ())), list(self.waits.get(key, ()))
+            refused = self.refusals.get(key, collections.Counter())
+            spec = classes.get(klass) or {}
+            queued = ((tenants.get(tenant) or {}).get("queued") or {}).get(str(klass), 0)
+            attain = f"{100 * sum(met) / len(met):.1f}%" if met else "-"
+            targets = f"ttft {_ms(spec.get('ttft_s'))} ms, tpot {_ms(spec.get('tpot_s'))} ms"
+            rows.append(
+                f"{klass!s:<14}{tenant:<16}{len(met):>6}{attain:>9}{queued:>8}{_ms(_p(waits, 0.5)):>10}"
+                f"{_ms(_p(waits, 0.9)):>10}{refused[429]:>6}{refused[503]:>6}  {targets}"
+            )
+        return "\n".join(rows) + "\n"
 
 
 async def run_top(
@@ -113,6 +171,8 @@ async def run_top(
             raise
         raise CommandError(f"lost the router's event stream at {ws_url} ({found[0]!r}): has the router stopped?") from exc
     if once_after_s is not None:
+        if view.tenancy is not None:
+            view.update_fleet(await _fleet(base))
         out.write(view.render())
         out.flush()
 
@@ -152,5 +212,8 @@ async def _follow(
                 now = trio.current_time()
                 if once_after_s is None and now - last >= 1.0:
                     last = now
+                    if view.tenancy is not None:  # the queues now (the last known, if /fleet fails)
+                        with contextlib.suppress(CommandError):
+                            view.update_fleet(await _fleet(admin_url))
                     out.write(("\x1b[H\x1b[2J" if tty else "") + view.render())
                     out.flush()

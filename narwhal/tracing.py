@@ -375,6 +375,11 @@ class RequestTrace:
         self._handoff: Span | None = None
         self._handoff_started_at = 0.0
 
+    def admitted(self, tenant: str, latency_class: str | None) -> None:
+        """The request's tenant and latency class are known."""
+        if self.recording:
+            _set(self.span, (("narwhal.tenant", tenant), ("narwhal.latency_class", latency_class)))
+
     # ---------------------------------------------------------------- attempts
 
     def attempt(self, record: AttemptRecord) -> None:
@@ -570,6 +575,7 @@ class RequestTrace:
             ("narwhal.producer", record.producer),
             ("narwhal.consumer", record.consumer),
             ("narwhal.attempts", len(record.attempts)),
+            ("narwhal.queued_s", record.queued_s or None),
         ))  # fmt: skip
         if is_error:
             _error(span, None, record.error or klass)

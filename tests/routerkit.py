@@ -6,6 +6,7 @@ import copy
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -171,14 +172,16 @@ async def open_stack(
     wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
     profile: Callable[[FleetConfig, SimFleet], Awaitable[Profiles]] | None = None,
     tracing: Tracing | None = None,
+    journal_path: Path | None = None,
 ) -> AsyncIterator[Stack]:
     """A router in front of simulated engines, in memory; ``priced`` gives it profiles
     that state the simulated latency models exactly, ``profile`` those it returns for
     the running engines (a profiling run); ``wrap`` wraps the router's transport to the
-    engines (to answer some requests otherwise); ``tracing`` is the router's tracer."""
+    engines (to answer some requests otherwise); ``tracing`` is the router's tracer;
+    ``journal_path`` the journal's file (None: records go to ``Stack.records`` only)."""
     config = parse_fleet(doc if doc is not None else fleet_doc())
     records: list[dict[str, Any]] = []
-    journal = Journal(None)
+    journal = Journal(journal_path)
     journal.add_listener(records.append)
     async with open_memory_network() as net:
         async with open_sim_fleet(config, network=net) as fleet:

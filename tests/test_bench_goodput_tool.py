@@ -6,30 +6,19 @@ The script is loaded by its path (it imports ``proctools`` from ``tools/``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from .toolkit import load_tool
 
 
 @pytest.fixture(scope="module")
-def tool() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(TOOLS))
-    try:
-        spec = importlib.util.spec_from_file_location("_bench_goodput", TOOLS / "bench_goodput.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(TOOLS))
+def tool() -> ModuleType:
+    return load_tool("bench_goodput.py")
 
 
 def test_warmup_counts_the_requests_scheduled_before_the_cutoff(tool: ModuleType, tmp_path: Path) -> None:

@@ -94,7 +94,7 @@ BAD_DOCUMENTS: list[tuple[str, Any, str]] = [
      "expected a boolean @ $.controller.reactive.enabled"),
     ("string-for-boolean", fleet(journal={"fsync": "yes"}), "expected a boolean @ $.journal.fsync"),
     ("list-item-type", fleet(server={"api_keys": ["k", 3]}),
-     "expected a string @ $.server.api_keys[1]"),
+     "expected a string or an object @ $.server.api_keys[1]"),
     ("nested-object-type", fleet(recovery={"retry_budget": []}),
      "expected an object @ $.recovery.retry_budget"),
     # --- unknown and missing keys
@@ -387,11 +387,13 @@ def _full_document() -> dict[str, Any]:
         prefill(model="m", api_key="secret", sim={"faults": faults, "model": "m"},
                 kv_events={"endpoint": "tcp://127.0.0.1:5557"}),
         decode(),
-        server={"api_keys": ["k"]},
+        server={"api_keys": ["k", {"key": "k2", "name": "chat"}]},
         engine_contract={"version": "0.32.0"},
         controller={"slo": {"ttft_s": 0.5, "tpot_s": 0.05}},
         engine_groups=[{"name": "g", "host": "decode.svc", "port": 8000, "roles": ["decode"],
                         "connector": {"kv_port": 15000}, "kv_events": {"port": 5557}}],
+        tenancy={"classes": [{"name": "chat"}], "store": {"url": "redis://127.0.0.1:6379/0"},
+                 "tenants": [{"name": "chat", "latency_class": "chat", "limits": {"max_in_flight": 2}}]},
     )  # fmt: skip
     return unstructure_fleet(parse_fleet(doc))
 
@@ -508,7 +510,7 @@ def test_defaults_match_the_plan() -> None:
         "kv_capacity_tokens": 262144, "block_size": 16, "max_num_seqs": 256, "max_num_batched_tokens": None,
         "transfer_s_per_token": 2e-07, "frontend_s_per_token": 0.0, "handoff_ttl_s": 480.0,
         "prefix_caching": False,
-        "prompt_tokens_details": False, "kv_events_connect": False, "noise": 0.0, "faults": [],
+        "prompt_tokens_details": False, "kv_events_connect": False, "scheduling_policy": "fcfs", "noise": 0.0, "faults": [],
     }  # fmt: skip
     assert unstructure_fleet(parse_fleet(with_faults({"kind": "restart"})))["engines"][1]["sim"][
         "faults"

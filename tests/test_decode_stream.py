@@ -353,8 +353,7 @@ async def test_a_malformed_event() -> None:
 
 async def test_an_unusable_event_stream() -> None:
     stream = open_stream(Reply([token([1]), b"data: " + b"x" * 100, DONE]), leg="probe")
-    # A small bound on the stream's own decoder (a module-level patch would not reach
-    # the compiled build, where stream.py binds SSEDecoder at compile time).
+    # A small bound on the stream's own decoder.
     stream._decoder = SSEDecoder(max_event_bytes=64)
     err = await fails(stream)
     assert type(err) is EngineProtocolError

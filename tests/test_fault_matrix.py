@@ -27,7 +27,6 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-import narwhal.engines.stream
 from narwhal.config import EngineTimeouts, FaultSpec, HandoffConfig
 from narwhal.engines.stream import SILENCE_SLACK
 from narwhal.router.breaker import Breaker
@@ -420,10 +419,6 @@ async def test_fault_during_readmission_probe(autojump_clock: trio.abc.Clock, ca
 # ---------------------------------------------------------------- a token at its deadline
 
 
-@pytest.mark.skipif(
-    not narwhal.engines.stream.__file__.endswith(".py"),
-    reason="patches DecodeStream.__anext__, which the compiled build cannot patch (a compiled class)",
-)
 @pytest.mark.parametrize("mode", ["stream", "plain"])
 async def test_first_token_arriving_as_its_deadline_passes(
     autojump_clock: trio.abc.Clock, mode: str, monkeypatch: pytest.MonkeyPatch

@@ -11,11 +11,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
-import pytest
 import trio
 import trio.testing
 
-import narwhal.router.state
 from narwhal.config import FleetConfig, parse_fleet
 from narwhal.router.fleet import LiveFleet
 from narwhal.router.journal import Journal
@@ -57,12 +55,6 @@ class Parts:
         state.bind_profiles = bind_profiles  # type: ignore[method-assign]
 
 
-#: The stand-in spies on the state's methods, which a compiled state does not allow.
-spies = pytest.mark.skipif(
-    not narwhal.router.state.__file__.endswith(".py"),
-    reason="spies on RouterState's methods, which the compiled build cannot patch (a compiled class)",
-)
-
 THREE = fleet_doc(engine("p0", 8101, ["prefill"]), engine("d0", 8102, ["decode"]), engine("d1", 8103, ["decode"]))
 
 
@@ -87,7 +79,6 @@ async def running(doc: dict[str, Any], *, spy: bool = True) -> AsyncIterator[tup
             await state.aclose()
 
 
-@spies
 async def test_an_added_engine_is_listed_bound_and_watched_alone_once_ready(autojump_clock: trio.abc.Clock) -> None:
     async with running(THREE) as (fleet, state, parts):
         fleet._add(parse_fleet(THREE).engines[2])
@@ -95,7 +86,6 @@ async def test_an_added_engine_is_listed_bound_and_watched_alone_once_ready(auto
     assert parts.calls == [("state.refresh_models", ["d1"]), ("state.bind_profiles", ["d1"]), ("watch.add", "d1")]
 
 
-@spies
 async def test_an_engine_leaving_leaves_the_prefix_watch(autojump_clock: trio.abc.Clock) -> None:
     async with running(THREE) as (fleet, state, parts):
         fleet._add(parse_fleet(THREE).engines[2])
@@ -108,7 +98,6 @@ async def test_an_engine_leaving_leaves_the_prefix_watch(autojump_clock: trio.ab
     assert parts.calls == [("watch.remove", "d0")]
 
 
-@spies
 async def test_new_settings_reach_the_controller_and_new_profiles_bind_the_engines_serving(
     autojump_clock: trio.abc.Clock,
 ) -> None:

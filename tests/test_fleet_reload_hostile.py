@@ -25,7 +25,6 @@ import httpx
 import pytest
 import trio
 
-import narwhal.router.state
 from narwhal.config import (
     MAX_DOCUMENT_BYTES,
     FleetConfig,
@@ -100,7 +99,7 @@ async def test_a_refused_reload_shows_no_secret_anywhere(
             answer = await admin.put("/fleet", content=json.dumps(changed).encode())
         with pytest.raises(ConfigError) as err:
             await live.router.reload(changed, source="SIGHUP")
-        assert live.router.state.config.server.api_keys == (SECRET,)  # nothing changed
+        assert [k.key for k in live.router.state.config.server.api_keys] == [SECRET]  # nothing changed
     assert answer.status_code == 400
     assert answer.json()["error"] == {
         "message": "changes only with a restart (running with ['<redacted>'], the document says ['<redacted>'])",
@@ -138,10 +137,6 @@ async def test_an_engine_key_that_cannot_be_a_header_is_refused_before_anything_
         assert (await live.request("r0", 2)).ok
 
 
-@pytest.mark.skipif(
-    not narwhal.router.state.__file__.endswith(".py"),
-    reason="patches RouterState's method, which the compiled build cannot patch (a compiled class)",
-)
 async def test_a_failure_while_a_change_is_made_ready_changes_nothing(
     autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

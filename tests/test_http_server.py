@@ -582,7 +582,6 @@ class _WatchSpawns(trio.abc.Instrument):
         self.count = 0
 
     def task_spawned(self, task: trio.lowlevel.Task) -> None:
-        # (A compiled build names the task after the bound method's repr.)
         if "Connection.watch" in task.name:
             self.count += 1
 

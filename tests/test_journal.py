@@ -39,7 +39,7 @@ async def _written(journal: Journal, n: int) -> int:
 def test_the_closed_set_of_terminal_classes() -> None:
     # The measurement contract's classes: a record carries one of these and nothing else.
     assert TERMINAL_CLASSES == {
-        "ok", "refused", "no_engine", "invalid_request", "client_cancelled", "prefill_failed", "decode_failed",
+        "ok", "refused", "rate_limited", "no_engine", "invalid_request", "client_cancelled", "prefill_failed", "decode_failed",
         "first_token_timeout", "silence_timeout", "handoff_expired", "invalid_descriptor",
         "deadline_exceeded", "shutdown", "router_overloaded", "internal_error",
     }  # fmt: skip
@@ -77,6 +77,7 @@ def test_a_record_line_carries_every_field_and_every_attempt() -> None:
         "prompt_tokens": None, "requested_output_len": None, "output_len": 0, "ttft_s": None,
         "first_byte_s": None, "tpot_s": None, "latency_s": None, "status": 0, "terminal_class": "internal_error",
         "producer": None, "consumer": None, "attempts": [], "error": None, "trace_id": None,
+        "tenant": None, "latency_class": None, "queued_s": 0.0, "queue_reason": None,
     }  # fmt: skip
     assert bare.attempts is not RequestRecord(request_id="s", arrival=0.0, route="completions").attempts
 

@@ -10,7 +10,7 @@ publisher that connects) over loopback ZeroMQ on the real clock, each bounded by
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -161,28 +161,54 @@ async def test_a_probe_sees_a_restarted_engine_whose_live_stream_is_silent() -> 
     assert len(got.resets) == 3 and got.seqs[-4:] == [0, 1, 2, 3]
 
 
-async def test_probes_run_every_interval_in_virtual_time(autojump_clock: trio.abc.Clock) -> None:
-    replay, got, stale, sub = scripted(probe_interval_s=5.0)
-    sub.endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody publishes there
+def probed(sub: ScriptedSubscriber, before: Callable[[], None] = lambda: None) -> tuple[list[float], RecordingContext]:
+    """Subscribe ``sub`` where nobody publishes (batches come by its probes only); the
+    times of its probes (relative to now; ``before`` runs first at each) and its context."""
+    sub.endpoint = f"tcp://127.0.0.1:{free_port()}"
     ctx = RecordingContext()
     sub._ctx = ctx
     times: list[float] = []
     probe = sub._probe
+    start = trio.current_time()
 
-    async def timed() -> None:
-        times.append(trio.current_time())
-        replay.publish()
-        await probe()
+    async def timed() -> bool:
+        times.append(trio.current_time() - start)
+        before()
+        return await probe()
 
     sub._probe = timed  # type: ignore[method-assign]
-    start = trio.current_time()
+    return times, ctx
+
+
+async def test_probes_run_every_interval_in_virtual_time(autojump_clock: trio.abc.Clock) -> None:
+    replay, got, stale, sub = scripted(probe_interval_s=5.0)
+    times, ctx = probed(sub, replay.publish)
     async with trio.open_nursery() as nursery:
         await nursery.start(sub.run)
         await trio.sleep(12.5)
-        assert [t - start for t in times] == [5.0, 10.0]
+        assert times == [5.0, 10.0]
         assert stale and stale[0] is not None and sub.probes == 2
         nursery.cancel_scope.cancel()
     assert got.seqs == [0, 1] and not ctx.open()
+    ctx.term()
+
+
+async def test_an_idle_engine_is_probed_ever_less_often_until_it_is_active(autojump_clock: trio.abc.Clock) -> None:
+    replay, got, _stale, sub = scripted(probe_interval_s=5.0)
+    times, ctx = probed(sub)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sub.run)
+        await trio.sleep(160.0)
+        # Nothing published: each wait twice the one before, up to eight intervals.
+        assert times == [5.0, 15.0, 35.0, 75.0, 115.0, 155.0]
+        replay.publish()  # the next probe finds it: the interval again, then twice, ...
+        await trio.sleep(52.0)
+        assert times[6:] == [195.0, 200.0, 210.0] and got.seqs == [0]
+        sub.nudge()  # the router sends the engine requests: within an interval
+        await trio.sleep(6.0)
+        assert times[9:] == [217.0]
+        nursery.cancel_scope.cancel()
+    assert not ctx.open()
     ctx.term()
 
 

@@ -19,7 +19,6 @@ import pytest
 import trio
 import trio.testing
 
-import narwhal.engines.stream
 from narwhal.config import FaultSpec
 from narwhal.errors import (
     BadRequest,
@@ -964,8 +963,6 @@ async def test_a_router_bug_is_a_500_journaled_by_its_type(
     async def broken(self: Placement, *args: Any, **kwargs: Any) -> Any:
         raise KeyError("secret detail")
 
-    # Patched on placement, a class both builds leave interpreted: the compiled build
-    # binds the lifecycle's calls into the router state, so a patch there is not seen.
     monkeypatch.setattr(Placement, "acquire", broken)
     async with open_stack() as stack:
         resp = await stack.complete(BODY, headers={"x-request-id": "bug-1"})
@@ -1053,10 +1050,6 @@ class _LateFirstChunk:
         return chunk
 
 
-@pytest.mark.skipif(
-    not narwhal.engines.stream.__file__.endswith(".py"),
-    reason="stands a wrapper in for DecodeStream, which the compiled lifecycle refuses (a compiled class)",
-)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_first_token_read_as_its_deadline_expires_is_too_late(
     autojump_clock: trio.testing.MockClock, stream: bool
@@ -1072,10 +1065,6 @@ async def test_a_first_token_read_as_its_deadline_expires_is_too_late(
     assert (rec["terminal_class"], rec["first_byte_s"]) == ("first_token_timeout", None)
 
 
-@pytest.mark.skipif(
-    not narwhal.engines.stream.__file__.endswith(".py"),
-    reason="patches DecodeStream.__anext__, which the compiled build cannot patch (a compiled class)",
-)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_stream_that_ended_as_its_silence_deadline_expired_is_complete(
     autojump_clock: trio.abc.Clock, stream: bool, monkeypatch: pytest.MonkeyPatch

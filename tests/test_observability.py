@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 
@@ -103,6 +104,7 @@ class _ReferenceMetrics:
 
         from narwhal.router import metrics as m
 
+        self.m = m
         self.registry = r = CollectorRegistry(auto_describe=True)
         lat, tpot, err = m._LATENCY_BUCKETS, m._TPOT_BUCKETS, m._ERROR_BUCKETS
         self.requests = Counter("narwhal_requests", "Client requests by route and terminal class.",
@@ -142,10 +144,30 @@ class _ReferenceMetrics:
             "Prompt tokens consumers held in their prefix caches and so did not pull, as the router "
             "predicted them (compare the consumer's vllm:prompt_tokens_by_source{source=\"local_cache_hit\"}).",
             ["engine"], registry=r)
+        self.tenant_requests = Counter("narwhal_tenant_requests",
+                                       "Client requests by latency class, tenant and terminal class.",
+                                       ["latency_class", "tenant", "terminal_class"], registry=r)
+        self.tenant_slo = Counter(
+            "narwhal_tenant_slo", "Requests that met (ok, first byte within the class's TTFT target, TPOT within "
+            "its TPOT target) or missed their class's targets, by class and tenant; refused and failed ones miss.",
+            ["latency_class", "tenant", "outcome"], registry=r)
+        self.queue_wait = Histogram(
+            "narwhal_admission_wait_seconds", "Time queued requests waited in the router for capacity, by class "
+            "and tenant.", ["latency_class", "tenant"], buckets=m._WAIT_BUCKETS, registry=r)
+        self.windows: dict[tuple[str, str], collections.deque[bool]] = {}
+        r.register(m._Attainment(self.windows))
         r.register(m._LiveState(state, None))
 
     def on_record(self, record: dict) -> None:
         route, klass = record["route"], record["terminal_class"]
+        if record.get("tenant") is not None:  # (a fleet without tenancy: each class meets it by succeeding)
+            labels = (record["latency_class"], record["tenant"])
+            self.tenant_requests.labels(*labels, klass).inc()
+            if record.get("queued_s"):
+                self.queue_wait.labels(*labels).observe(record["queued_s"])
+            if klass != "client_cancelled":
+                self.tenant_slo.labels(*labels, "met" if klass == "ok" else "missed").inc()
+                self.windows.setdefault(labels, collections.deque(maxlen=self.m.ATTAINMENT_WINDOW)).append(klass == "ok")
         self.requests.labels(route, klass).inc()
         if record.get("model"):
             self.model_requests.labels(record["model"], klass).inc()
@@ -237,6 +259,13 @@ async def test_metrics_exposition_is_prometheus_clients(
             # No producer (an attempt cut before placement) has nothing to compare.
             {"route": "chat", "terminal_class": "deadline_exceeded", "latency_s": 2.0,
              "attempts": [_attempt(producer=None, predicted_ttft_s=0.03, predicted_cached_tokens=8)]},
+            # Tenants and classes: a queued success, a refusal at the queue's deadline, one cancelled.
+            {"route": "chat", "terminal_class": "ok", "latency_s": 0.3, "tenant": "t1", "latency_class": "c1",
+             "queued_s": 0.25, "attempts": []},
+            {"route": "chat", "terminal_class": "refused", "latency_s": 1.0, "tenant": "t1", "latency_class": "c1",
+             "queued_s": 1.0, "attempts": []},
+            {"route": "chat", "terminal_class": "client_cancelled", "latency_s": 0.1, "tenant": "t2",
+             "latency_class": "c1", "queued_s": 0.0, "attempts": []},
         ]
         for record in records:
             ours.on_record(record)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import httpx
 import pytest
 import trio
 
@@ -12,7 +13,7 @@ from narwhal.config import parse_fleet
 from narwhal.router.prefixwatch import PrefixWatch
 from narwhal.testing.ports import free_port
 
-from .routerkit import engine, fleet_doc
+from .routerkit import engine, fleet_doc, open_stack
 from .test_kvevents import live_tasks, until
 from .test_router_state import open_state
 
@@ -74,3 +75,33 @@ async def test_an_engine_added_at_run_time_is_followed_and_one_removed_is_let_go
                 assert not [r for r in caplog.records if "new generation" in r.getMessage()]
                 nursery.cancel_scope.cancel()
         assert not state.kv_subscribers and not followers()
+
+
+async def test_an_idle_engine_is_read_ever_less_often_and_a_request_brings_it_back(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    reads: dict[str, list[float]] = {"p0": [], "d0": []}
+
+    def counting(inner: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport:
+        class Counting(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                if request.url.path == "/metrics":
+                    reads[request.url.host.removesuffix(".test")].append(trio.current_time())
+                return await inner.handle_async_request(request)
+
+        return Counting()
+
+    doc = fleet_doc(engine("p0", 8101, ["prefill"], **CACHING), engine("d0", 8102, ["decode"], **CACHING))
+    async with open_stack(doc, wrap=counting) as stack:
+        start = reads["p0"][0]
+        await trio.sleep(240.0)
+        # No request: 10 s after the first read, then each wait twice the one before, up to 80 s.
+        for name in ("p0", "d0"):
+            assert [t - start for t in reads[name]] == [0.0, 10.0, 30.0, 70.0, 150.0, 230.0]
+        assert (await stack.complete({"prompt": "a request", "max_tokens": 2})).status_code == 200
+        sent = trio.current_time()
+        await trio.sleep(45.0)
+        # Both engines served it: read again within 10 s, 10 s after that (it had served a
+        # request since the read before), then after twice as long.
+        for name in ("p0", "d0"):
+            assert [t - sent for t in reads[name] if t > sent] == [10.0, 20.0, 40.0]

@@ -9,6 +9,7 @@ test_fault_matrix.py (no host names or exception text in any fault's error body)
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -200,7 +201,7 @@ async def test_every_key_is_compared_in_constant_time(
             assert out.status == status
             # A match on the first key still compares the others: the time taken does not
             # say which key (or how much of one) matched.
-            assert [k for _, k in calls] == [k.encode() for k in keys]
+            assert [k for _, k in calls] == [hashlib.sha256(k.encode()).digest() for k in keys]
 
 
 # ------------------------------------------------------------------ engine credentials
@@ -264,10 +265,6 @@ async def test_a_router_bug_is_a_bare_500(
     async def broken(self: Placement, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("secret internal detail at /srv/narwhal/placement.py")
 
-    # Patched on placement, an interpreted class in both builds (setup.py: the compiled
-    # build binds calls to compiled functions and methods, such as the router state's,
-    # when it compiles them, so that a patch there does not reach the lifecycle).
-    assert narwhal.router.placement.__file__.endswith(".py")
     monkeypatch.setattr(Placement, "acquire", broken)
     async with open_stack() as stack:
         out = await post(stack, BODY)
@@ -516,7 +513,7 @@ async def test_every_admin_key_is_compared_in_constant_time(
                 calls.clear()
                 resp = await admin.get("/health", headers={"authorization": f"Bearer {presented}"})
                 assert resp.status_code == status
-                assert calls == [k.encode() for k in ADMIN_KEYS]
+                assert calls == [hashlib.sha256(k.encode()).digest() for k in ADMIN_KEYS]
 
 
 def test_an_admin_key_is_never_a_client_key_and_no_key_is_in_a_repr() -> None:

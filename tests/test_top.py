@@ -113,3 +113,37 @@ async def test_top_presents_the_admin_key_and_names_a_missing_or_wrong_one(tmp_p
         "pass --admin-key or set NARWHAL_ADMIN_KEY",
     ]
     assert out.getvalue().startswith("narwhal top — 0 requests") and "\np0 " in out.getvalue()
+TENANCY = {
+    "classes": {"chat": {"priority": 0, "ttft_s": 0.5, "tpot_s": 0.05, "wait": False, "queued": 0},
+                "batch": {"priority": 10, "ttft_s": 10.0, "tpot_s": None, "wait": True, "queued": 3}},
+    "tenants": {"web": {"class": "chat", "weight": 1.0, "served_tokens": 10.0, "queued": {}},
+                "etl": {"class": "batch", "weight": 1.0, "served_tokens": 20.0, "queued": {"batch": 3}}},
+}  # fmt: skip
+
+
+def _tenant_record(tenant: str, klass: str, first: float | None, *, status: int = 200,
+                   terminal: str = "ok", queued: float = 0.0) -> dict:  # fmt: skip
+    return {"type": "request", "record": {
+        "terminal_class": terminal, "status": status, "tenant": tenant, "latency_class": klass,
+        "ttft_s": first, "first_byte_s": first, "tpot_s": 0.01, "producer": "p0", "consumer": "d0", "queued_s": queued,
+    }}  # fmt: skip
+
+
+def test_view_shows_each_class_and_tenant_against_its_own_targets() -> None:
+    view = TopView({**FLEET, "tenancy": TENANCY})
+    for first in (0.1, 0.2, 0.6, 0.3):  # one over chat's 0.5 s
+        view.apply(_tenant_record("web", "chat", first))
+    view.apply(_tenant_record("web", "chat", None, status=429, terminal="rate_limited"))
+    for first in (3.0, 9.0):  # within batch's 10 s, after waiting in the router's queue
+        view.apply(_tenant_record("etl", "batch", first, queued=first - 0.1))
+    view.apply(_tenant_record("etl", "batch", None, status=503, terminal="refused", queued=10.0))
+    rows = {tuple(line.split()[:2]): line.split() for line in view.render().splitlines()
+            if line.startswith(("chat", "batch"))}  # fmt: skip
+    # class tenant n attain queued wait-p50 wait-p90 429 503 ...
+    assert rows[("chat", "web")][2:9] == ["5", "60.0%", "0", "-", "-", "1", "0"]
+    assert rows[("batch", "etl")][2:9] == ["3", "66.7%", "3", "8900.0", "10000.0", "0", "1"]
+    assert list(rows) == [("chat", "web"), ("batch", "etl")]  # the most urgent class first
+    view.update_fleet({**FLEET, "tenancy": {**TENANCY, "tenants": {**TENANCY["tenants"], "etl": {
+        "class": "batch", "queued": {}}}}})  # fmt: skip
+    assert next(line for line in view.render().splitlines() if line.startswith("batch")).split()[4] == "0"
+

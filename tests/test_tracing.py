@@ -8,6 +8,7 @@ recorded on), the context the engines received, and the journal's trace id.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -469,3 +470,25 @@ async def test_latency_histograms_carry_trace_ids_in_openmetrics(autojump_clock:
     assert om.text.rstrip().endswith("# EOF")
 
 
+
+
+async def test_the_request_span_names_its_tenant_and_class(autojump_clock: trio.abc.Clock) -> None:
+    spans = Spans()
+    doc = fleet_doc(
+        server={"api_keys": [{"key": "sk-etl", "name": "etl"}]},
+        tenancy={"classes": [{"name": "batch", "wait": True, "slo": {"ttft_s": 5.0}}],
+                 "tenants": [{"name": "etl", "latency_class": "batch"}]},
+    )  # fmt: skip
+    async with open_stack(doc, priced=True, tracing=spans.tracing) as stack:
+        long = {"prompt": " ".join(["w"] * 3000), "max_tokens": 2}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(stack.complete, long, headers={"authorization": "Bearer sk-etl"}))
+            await trio.sleep(0.01)
+            out = await stack.complete(BODY, headers={"authorization": "Bearer sk-etl"})
+        queued = next(r for r in stack.records if r["queued_s"])
+    assert out.status_code == 200
+    roots = [s for s in spans.all if s.kind == SpanKind.SERVER]
+    assert {attr(s, "narwhal.tenant") for s in roots} == {"etl"}
+    assert {attr(s, "narwhal.latency_class") for s in roots} == {"batch"}
+    [waited] = [s for s in roots if attr(s, "narwhal.queued_s")]
+    assert attr(waited, "narwhal.queued_s") == queued["queued_s"] and attr(waited, "narwhal.request_id") == queued["request_id"]

@@ -121,3 +121,10 @@ def test_engines_trace_only_when_asked(pair_py: ModuleType, tmp_path: Path) -> N
     # vLLM's exporter speaks gRPC unless told otherwise; the test's receiver is OTLP/HTTP.
     assert spec["env"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
     assert spec["env"]["OTEL_SERVICE_NAME"] == "vllm-consumer"
+
+
+def test_render_endpoints_only_when_asked(pair_py: ModuleType) -> None:
+    # vllm-router's kv_aware calls /v1/completions/render, which answers 403 without it.
+    assert "--enable-scale-out" not in _specs(pair_py, [])["producer"]["argv"]
+    specs = _specs(pair_py, ["--enable-scale-out"])
+    assert all("--enable-scale-out" in spec["argv"] for spec in specs.values())

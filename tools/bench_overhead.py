@@ -81,8 +81,8 @@ def _stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds of ``pid`` and its live descendants (``narwhal serve --workers N``)."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (``narwhal serve --workers N``)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -90,16 +90,47 @@ def cpu_seconds(pid: int) -> float:
                 children.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
             except (OSError, IndexError):
                 continue  # gone meanwhile
-    total, todo = 0.0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live descendants, in clock ticks (exited threads included)."""
+    total = 0.0
+    for p in process_tree(pid):
         try:
             fields = _stat(p)
         except OSError:
             continue
         total += (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
-        todo += children.get(p, [])
     return total
+
+
+def thread_cpu(pid: int) -> dict[int, int]:
+    """CPU nanoseconds of every live thread of ``pid`` and its descendants, by thread id
+    (``/proc/<pid>/task/<tid>/schedstat``): fine enough for a block of a few requests."""
+    out: dict[int, int] = {}
+    for p in process_tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                out[int(tid)] = int(Path(f"/proc/{p}/task/{tid}/schedstat").read_text().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return out
+
+
+def cpu_between(before: dict[int, int], after: dict[int, int]) -> float:
+    """CPU seconds the threads of ``after`` used since ``before`` (a thread new since then
+    counts from its start; one that ended meanwhile took its time with it)."""
+    return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
 
 
 def loadgen(url: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
@@ -153,6 +184,62 @@ def measure(name: str, url: str, pid: int | None, concurrency: int, requests: in
     }
 
 
+def start_narwhal(
+    name: str, tree: str | None, workers: int, doc: dict[str, Any], tmp: Path, *, new_session: bool = True
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    """``narwhal serve`` of the fleet document ``doc`` from checkout ``tree`` (None: the
+    package this interpreter imports), once it answers /health: (process, URL, build).
+
+    ``doc``'s server ports and journal path are set here (free ports, a journal in
+    ``tmp``); the build is "compiled" when the tree's hot path loads from ``.so`` files.
+    ``new_session``: as :func:`proctools.start`.
+    """
+    port = free_port()
+    server = {**doc.get("server", {}), "host": "127.0.0.1", "port": port, "admin_port": free_port()}
+    journal = {**doc.get("journal", {}), "path": str(tmp / f"{name}.journal.jsonl")}
+    (tmp / f"{name}.json").write_text(json.dumps({**doc, "server": server, "journal": journal}))
+    serve_cmd = [sys.executable, "-m", "narwhal", "--log-level", "WARNING", "serve", "--fleet", str(tmp / f"{name}.json")]
+    if workers > 1:
+        serve_cmd += ["--workers", str(workers)]
+    env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
+    # Run from tmp: `python -m` puts the working directory ahead of PYTHONPATH,
+    # and a checkout there would be imported instead of TREE.
+    cwd = None if tree is None else tmp
+    loaded = subprocess.run([sys.executable, "-c", "import narwhal.engines.wire as m; print(m.__file__)"],
+                            env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+    if tree is not None and not loaded.startswith(tree):
+        raise SystemExit(f"--narwhal {name}: imports {loaded}, not from {tree}")
+    build = "compiled" if loaded.endswith(".so") else "pure Python"
+    print(f"  {name}: {build} ({loaded}), {workers} worker(s)", file=sys.stderr, flush=True)
+    proc = start(serve_cmd, tmp / f"{name}.log", env=env, cwd=cwd, new_session=new_session)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health")
+    except RuntimeError:
+        stop(proc)
+        raise SystemExit(f"{name} did not come up; its log:\n{(tmp / f'{name}.log').read_text()[-3000:]}") from None
+    return proc, f"http://127.0.0.1:{port}", build
+
+
+def start_vllm_router(
+    path: str, policy: str, prefill: str, decode: str, log: Path, extra: list[str] | None = None,
+    *, new_session: bool = True,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """vllm-router in PD mode with ``policy`` in front of ``prefill`` and ``decode``, once it
+    answers /health: (process, URL). ``extra``: more of its options; ``new_session``: as
+    :func:`proctools.start`."""
+    port = free_port()
+    proc = start([path, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
+                  "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+                  # its metrics listener defaults to a fixed port: one of our own
+                  "--prometheus-port", str(free_port()), *(extra or [])], log, new_session=new_session)  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health")
+    except RuntimeError:
+        stop(proc)
+        raise SystemExit(f"vllm-router ({policy}) did not come up; its log:\n{log.read_text()[-3000:]}") from None
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_overhead.json")
@@ -174,7 +261,7 @@ def main() -> int:
     vr = args.vllm_router or shutil.which("vllm-router")
 
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-bench-"))
-    ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "vr", "floor")}
+    ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "floor")}
     engines = pd_engines(ports)
     builds = [parse_build(spec) for spec in args.narwhal] or [("narwhal", None, args.workers)]
     procs: list[subprocess.Popen[bytes]] = []
@@ -184,41 +271,19 @@ def main() -> int:
         procs.append(start_sims(engines, tmp))
         targets: list[tuple[str, str, int | None]] = [("engines", f"http://127.0.0.1:{ports['d']}", None)]
         for name, tree, workers in builds:
-            port = free_port()
             router_doc = {
-                "server": {"host": "127.0.0.1", "port": port, "admin_port": free_port(),
-                           "max_concurrent_requests": 100000},
+                "server": {"host": "127.0.0.1", "max_concurrent_requests": 100000},
                 "engines": engines,
-                "journal": {"path": str(tmp / f"{name}.journal.jsonl"), "fsync": False},
+                "journal": {"fsync": False},
             }
-            (tmp / f"{name}.json").write_text(json.dumps(router_doc))
-            serve_cmd = [sys.executable, "-m", "narwhal", "--log-level", "WARNING", "serve",
-                         "--fleet", str(tmp / f"{name}.json")]
-            if workers > 1:
-                serve_cmd += ["--workers", str(workers)]
-            env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
-            # Run from tmp: `python -m` puts the working directory ahead of PYTHONPATH,
-            # and a checkout there would be imported instead of TREE.
-            cwd = None if tree is None else tmp
-            loaded = subprocess.run([sys.executable, "-c", "import narwhal.engines.wire as m; print(m.__file__)"],
-                                    env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
-            if tree is not None and not loaded.startswith(tree):
-                raise SystemExit(f"--narwhal {name}: imports {loaded}, not from {tree}")
-            build_of[name] = "compiled" if loaded.endswith(".so") else "pure Python"
-            print(f"  {name}: {build_of[name]} ({loaded}), {workers} worker(s)", file=sys.stderr, flush=True)
-            narwhal = start(serve_cmd, tmp / f"{name}.log", env=env, cwd=cwd)
+            narwhal, url, build_of[name] = start_narwhal(name, tree, workers, router_doc, tmp)
             procs.append(narwhal)
-            wait_http(f"http://127.0.0.1:{port}/health")
-            targets.append((name, f"http://127.0.0.1:{port}", narwhal.pid))
+            targets.append((name, url, narwhal.pid))
         if vr:
-            vrp = start([vr, "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{ports['p']}",
-                         "--decode", f"http://127.0.0.1:{ports['d']}", "--policy", "round_robin",
-                         "--host", "127.0.0.1", "--port", str(ports["vr"]),
-                         # its metrics listener defaults to a fixed port: one of our own
-                         "--prometheus-port", str(free_port())], tmp / "vllm-router.log")
+            vrp, url = start_vllm_router(vr, "round_robin", f"http://127.0.0.1:{ports['p']}",
+                                         f"http://127.0.0.1:{ports['d']}", tmp / "vllm-router.log")
             procs.append(vrp)
-            wait_http(f"http://127.0.0.1:{ports['vr']}/health")
-            targets.append(("vllm-router", f"http://127.0.0.1:{ports['vr']}", vrp.pid))
+            targets.append(("vllm-router", url, vrp.pid))
         if not args.no_floor:
             floor = start([sys.executable, str(HERE / "floor_relay.py"), "--port", str(ports["floor"]),
                            "--prefill", f"http://127.0.0.1:{ports['p']}",

@@ -54,8 +54,13 @@ class Upstream:
         self.idle: list[trio.SocketStream] = []
 
     async def connect(self) -> trio.SocketStream:
-        if self.idle:
-            return self.idle.pop()
+        while self.idle:
+            stream = self.idle.pop()
+            # An idle connection with something to read was closed by the engine (a
+            # vLLM engine closes one after 5 s): what any pooling client checks.
+            if not stream.socket.is_readable():
+                return stream
+            await trio.aclose_forcefully(stream)
         stream = await trio.open_tcp_stream(self.host, self.port)
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return stream

@@ -2,9 +2,18 @@
 
 It keeps one keep-alive HTTP/1.1 connection per worker and speaks just enough HTTP
 to stream a completion (hand-written request, chunked body scanned for the first
-token event and ``data: [DONE]``), so that the load generator costs far less than
-what it measures. It prints one JSON object on stdout:
-``{"requests", "errors", "elapsed_s", "ttft_s": [...], "total_s": [...]}``.
+token event, the last one (its ``finish_reason``) and ``data: [DONE]``), so that the
+load generator costs far less than what it measures. It prints one JSON object on
+stdout: ``{"requests", "errors", "elapsed_s", "ttft_s": [...], "total_s": [...],
+"tpot_s": [...]}`` (TPOT: first to last token event over ``max_tokens`` - 1, from
+streams whose last event came apart from the first).
+
+``--unique-prompts`` starts every prompt with a random nonce and fills it with random
+words (no two prompts share a prefix an engine could have cached); ``--model`` names
+the served model. ``--prefill-url`` makes the generator its own router, the direct
+handoff a disaggregating client would do: each request's prefill goes to that engine
+(``max_tokens: 1``, ``stream: false``, the NixlConnector request block), and its
+decode, carrying the producer's descriptor, streams from ``--url``.
 
     python tools/loadgen.py --url http://127.0.0.1:8000 --concurrency 16 --requests 800
 """
@@ -13,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import socket
 import sys
 import time
+from functools import partial
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
@@ -28,15 +40,45 @@ def _request(host: str, port: int, path: str, body: bytes, extra_headers: str) -
     ).encode() + body
 
 
-async def _read_response(stream: trio.SocketStream, buf: bytearray, t0: float) -> tuple[float | None, float, int]:
-    """Read one chunked SSE response; (ttft, total, status). Raises on protocol errors."""
+#: What marks a stream's last token event (its finish_reason is set), with or without a space.
+_FINISHED = (b'"finish_reason":"', b'"finish_reason": "')
+
+#: The prefill's request block for vLLM's NixlConnector (what vLLM's own proxies send).
+_PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+
+
+class Timing:
+    """When one response's first and last token events and its end arrived."""
+
+    __slots__ = ("body", "first", "last", "status", "total")
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+        self.status = 0
+        self.total = 0.0
+        self.body = b""
+
+
+def _scan(data: bytes | bytearray, timing: Timing, now: float) -> None:
+    if timing.first is None and (b"token_ids" in data or b'"text"' in data):
+        timing.first = now
+    if timing.last is None and any(mark in data for mark in _FINISHED):
+        timing.last = now
+
+
+async def _read_response(stream: trio.SocketStream, buf: bytearray, t0: float) -> Timing:
+    """Read one response (a chunked SSE stream, or a body of ``content-length``);
+    raises on protocol errors."""
+    timing = Timing()
     while b"\r\n\r\n" not in buf:
         data = await stream.receive_some(65536)
         if not data:
             raise ConnectionError("closed before the response head")
         buf += data
     head_end = buf.index(b"\r\n\r\n") + 4
-    status = int(bytes(buf[9:12]))
+    timing.status = int(bytes(buf[9:12]))
     head = bytes(buf[:head_end]).lower()
     del buf[:head_end]
     if b"content-length:" in head:
@@ -46,76 +88,126 @@ async def _read_response(stream: trio.SocketStream, buf: bytearray, t0: float) -
             if not data:
                 raise ConnectionError("closed mid-body")
             buf += data
+        timing.body = bytes(buf[:length])
         del buf[:length]
-        return None, time.perf_counter() - t0, status
-    ttft: float | None = None
-    # Scan the raw chunked stream: the first token event, then the terminating chunk.
+        timing.total = time.perf_counter() - t0
+        return timing
+    # Scan the raw chunked stream: the first and last token events, then the terminating chunk.
+    _scan(buf, timing, time.perf_counter())
     while True:
-        if (ttft is None and b"token_ids" in buf) or (ttft is None and b'"text"' in buf):
-            ttft = time.perf_counter() - t0
         end = buf.find(b"\r\n0\r\n\r\n")
         if end >= 0 and b"[DONE]" in buf[:end]:
             del buf[: end + 7]
-            return ttft, time.perf_counter() - t0, status
+            timing.total = time.perf_counter() - t0
+            return timing
         data = await stream.receive_some(65536)
         if not data:
             raise ConnectionError("closed mid-stream")
-        if ttft is None and (b"token_ids" in data or b'"text"' in data):
-            ttft = time.perf_counter() - t0
+        _scan(data, timing, time.perf_counter())
         buf += data
         if len(buf) > 1 << 20 and b"[DONE]" not in buf:
             # Keep only the tail: the body is only scanned for its end.
             del buf[: len(buf) - 4096]
 
 
-async def run(url: str, concurrency: int, requests: int, max_tokens: int, path: str, prompt_words: int) -> dict[str, object]:
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+class _Conn:
+    """One keep-alive connection to ``url``, opened on first use and again after an error."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.stream: trio.SocketStream | None = None
+        self.buf = bytearray()
+
+    async def post(self, path: str, body: bytes, t0: float) -> Timing:
+        if self.stream is None:
+            self.stream = await trio.open_tcp_stream(self.host, self.port)
+            self.stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.buf.clear()
+        try:
+            await self.stream.send_all(_request(self.host, self.port, path, body, ""))
+            return await _read_response(self.stream, self.buf, t0)
+        except BaseException:
+            await self.aclose(forcefully=True)
+            raise
+
+    async def aclose(self, *, forcefully: bool = False) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            if forcefully:
+                await trio.aclose_forcefully(stream)
+            else:
+                await stream.aclose()
+
+
+def unique_prompt(words: int) -> str:
+    """A prompt no other shares a prefix with: a random nonce, then ``words`` random words."""
+    return secrets.token_hex(8) + " " + " ".join(f"w{secrets.randbelow(100_000)}" for _ in range(words))
+
+
+async def run(
+    url: str,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    path: str,
+    prompt_words: int,
+    *,
+    model: str = "sim-llama",
+    unique: bool = False,
+    prefill_url: str | None = None,
+) -> dict[str, Any]:
     ttfts: list[float] = []
     totals: list[float] = []
+    tpots: list[float] = []
     errors = 0
     remaining = requests
     prompt = " ".join(f"w{i}" for i in range(prompt_words))
 
     async def worker(wid: int) -> None:
         nonlocal remaining, errors
-        stream: trio.SocketStream | None = None
-        buf = bytearray()
+        conn = _Conn(url)
+        prefill = _Conn(prefill_url) if prefill_url is not None else None
         n = 0
         while remaining > 0:
             remaining -= 1
             n += 1
-            body = json.dumps(
-                {"model": "sim-llama", "prompt": f"{prompt} {wid} {n}", "max_tokens": max_tokens,
-                 "stream": True, "return_token_ids": True, "ignore_eos": True}
-            ).encode()
+            request: dict[str, Any] = {
+                "model": model, "prompt": unique_prompt(prompt_words) if unique else f"{prompt} {wid} {n}",
+                "max_tokens": max_tokens, "stream": True, "return_token_ids": True, "ignore_eos": True,
+            }  # fmt: skip
             try:
-                if stream is None:
-                    stream = await trio.open_tcp_stream(host, port)
-                    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    buf.clear()
                 t0 = time.perf_counter()
-                await stream.send_all(_request(host, port, path, body, ""))
-                ttft, total, status = await _read_response(stream, buf, t0)
-                if status != 200 or ttft is None:
+                if prefill is not None:  # the direct handoff: prefill here, decode with its descriptor
+                    answer = await prefill.post(path, json.dumps({
+                        **request, "max_tokens": 1, "stream": False, "kv_transfer_params": _PREFILL_KV,
+                    }).encode(), t0)  # fmt: skip
+                    desc = json.loads(answer.body).get("kv_transfer_params") if answer.status == 200 else None
+                    if not isinstance(desc, dict):
+                        errors += 1
+                        continue
+                    request["kv_transfer_params"] = desc
+                timing = await conn.post(path, json.dumps(request).encode(), t0)
+                if timing.status != 200 or timing.first is None:
                     errors += 1
                     continue
-                ttfts.append(ttft)
-                totals.append(total)
+                ttfts.append(timing.first - t0)
+                totals.append(timing.total)
+                if timing.last is not None and timing.last > timing.first and max_tokens > 1:
+                    tpots.append((timing.last - timing.first) / (max_tokens - 1))
             except (OSError, ConnectionError, trio.BrokenResourceError, ValueError):
                 errors += 1
-                if stream is not None:
-                    await trio.aclose_forcefully(stream)
-                stream = None
-        if stream is not None:
-            await stream.aclose()
+        await conn.aclose()
+        if prefill is not None:
+            await prefill.aclose()
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for wid in range(concurrency):
             nursery.start_soon(worker, wid)
     elapsed = time.perf_counter() - start
-    return {"requests": len(totals), "errors": errors, "elapsed_s": elapsed, "ttft_s": ttfts, "total_s": totals}
+    return {"requests": len(totals), "errors": errors, "elapsed_s": elapsed, "ttft_s": ttfts, "total_s": totals,
+            "tpot_s": tpots}  # fmt: skip
 
 
 def main() -> None:
@@ -126,8 +218,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--model", default="sim-llama")
+    parser.add_argument("--unique-prompts", action="store_true",
+                        help="a random nonce and random words in every prompt (no shared prefixes)")
+    parser.add_argument("--prefill-url", help="do the handoff here: prefill on this engine, decode from --url")
     args = parser.parse_args()
-    result = trio.run(run, args.url, args.concurrency, args.requests, args.max_tokens, args.path, args.prompt_words)
+    result = trio.run(partial(run, args.url, args.concurrency, args.requests, args.max_tokens, args.path,
+                              args.prompt_words, model=args.model, unique=args.unique_prompts,
+                              prefill_url=args.prefill_url))  # fmt: skip
     json.dump(result, sys.stdout)
 
 

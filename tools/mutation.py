@@ -59,7 +59,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "narwhal/router/placement.py": ("tests/test_breaker.py", "tests/test_router_basic.py", "tests/test_router_recovery.py"),
     "narwhal/router/retry.py": ("tests/test_breaker.py", "tests/test_router_recovery.py"),
     # Client and admin keys, the admin listener's loopback rule.
-    "narwhal/router/keys.py": ("tests/test_security.py",),
+    "narwhal/router/keys.py": ("tests/test_security.py", "tests/test_tenants.py"),
     # Resuming a broken stream: what is resumed, the continuation, the rewritten events.
     "narwhal/router/resume.py": ("tests/test_resume_ledger.py", "tests/test_resume.py"),
     # Its 600-odd mutants each rerun the router tests that reach them: these files keep
@@ -191,6 +191,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     # What a document changes (settings diff with secrets redacted, restart-only paths).
     "narwhal/router/fleetdiff.py": ("tests/test_fleet_settings.py", "tests/test_fleet_reload_hostile.py"),
+    # Who a request is (keys, the gateway's header, the class header), and admission: limits,
+    # the queue's order, its deadlines (end to end on the simulated fleet).
+    "narwhal/router/tenants.py": ("tests/test_tenants.py", "tests/test_admission.py"),
+    "narwhal/router/admission.py": ("tests/test_admission.py", "tests/test_store_redis.py"),
     # The router's families fed from records and transitions, and the live gauges read at
     # scrape time, in direct tests; the admin surface's /metrics end to end.
     "narwhal/router/metrics.py": ("tests/test_observability.py",),

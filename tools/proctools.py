@@ -40,12 +40,27 @@ def wait_port(port: int, timeout: float = 60.0) -> None:
 
 
 def start(
-    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    cmd: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    *,
+    new_session: bool = True,
 ) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` in its own session with its output in ``log`` (``env``, ``cwd``: its own)."""
-    return subprocess.Popen(
-        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
-    )
+    """Start ``cmd`` with its output in ``log`` (``env``, ``cwd``: its own), in a session of
+    its own, or with ``new_session=False`` in a process group of its own in the caller's
+    session.
+
+    Beside engines pinned to the cores (the vLLM pair), a process in a session of its own
+    is a scheduler autogroup of its own (``kernel.sched_autogroup_enabled``), which
+    shares each core with the other sessions as a group, not per task: a router
+    measured there waits behind the engines' group at each wake-up (docs/real-engines.md).
+    """
+    if new_session:
+        return subprocess.Popen(
+            cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
+        )
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0, env=env, cwd=cwd)
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:

@@ -5,6 +5,7 @@
     narwhal bench --url http://127.0.0.1:8000 --out runs/a --rate 20 --num-requests 500 \\
         --input-len uniform:100:500 --output-len 128 --slo-ttft 500ms --slo-tpot 50ms
     narwhal bench --url ... --out runs/t --trace trace.jsonl
+    narwhal bench --url ... --out runs/m --mix tenants.json --duration 60
     narwhal bench compare runs/a runs/b
     narwhal bench join --results runs/a --journal runs/journal.jsonl
 
@@ -31,6 +32,7 @@ import trio
 from narwhal.bench.client import BenchError, BenchOptions, BenchRun, BenchRunner
 from narwhal.bench.compare import compare_summaries, load_summary, render_comparison
 from narwhal.bench.journal import join_journal, render_join
+from narwhal.bench.mix import Stream, load_mix, mix_schedule
 from narwhal.bench.progress import Progress
 from narwhal.bench.records import RESULTS_FILE, SUMMARY_FILE, read_results, write_results
 from narwhal.bench.report import SLO, render_summary, summarize
@@ -103,6 +105,8 @@ def run_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len", type=_length, help="output tokens, same forms (default 128)")
     w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompts (default 0)")
     w.add_argument("--trace", help="JSON-lines schedule: offset_s, prompt_len or prompt, output_len")
+    w.add_argument("--mix", help="JSON streams of requests, each its tenant, class, rate, lengths and SLO "
+                   "(docs/bench.md); --duration overrides the file's")  # fmt: skip
     r = p.add_argument_group("requests")
     r.add_argument("--api", choices=("completions", "chat"), default="completions", help="endpoint (default completions)")
     r.add_argument("--model", help="model name (default: the first of GET /v1/models)")
@@ -143,8 +147,23 @@ def _join_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _schedule(args: argparse.Namespace) -> tuple[list[ScheduledRequest], dict[str, Any]]:
+def _schedule(args: argparse.Namespace) -> tuple[list[ScheduledRequest], dict[str, Any], tuple[Stream, ...]]:
     generated = ("rate", "arrival", "burstiness", "duration", "input_len", "output_len")
+    if args.mix is not None:
+        given = [f"--{name.replace('_', '-')}" for name in ("rate", "arrival", "burstiness", "input_len", "output_len")
+                 if getattr(args, name) is not None]  # fmt: skip
+        if args.trace is not None:
+            given.append("--trace")
+        if given:
+            raise UsageError(f"--mix sets each stream's workload; drop {', '.join(given)}")
+        try:
+            streams = tuple(load_mix(args.mix, seed=args.seed, duration_s=args.duration))
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        schedule = mix_schedule(streams)
+        if args.num_requests is not None:
+            schedule = schedule[: args.num_requests]
+        return schedule, {"kind": "mix", "path": args.mix, "num_requests": len(schedule), "streams": len(streams)}, streams
     if args.trace is not None:
         given = [f"--{name.replace('_', '-')}" for name in generated if getattr(args, name) is not None]
         if given:
@@ -156,7 +175,7 @@ def _schedule(args: argparse.Namespace) -> tuple[list[ScheduledRequest], dict[st
         if args.num_requests is not None:
             schedule = schedule[: args.num_requests]
         digest = hashlib.sha256(Path(args.trace).read_bytes()).hexdigest()
-        return schedule, {"kind": "trace", "path": args.trace, "sha256": digest, "num_requests": len(schedule)}
+        return schedule, {"kind": "trace", "path": args.trace, "sha256": digest, "num_requests": len(schedule)}, ()
     if args.rate is None:
         raise UsageError("give --rate (requests/s) or --trace")
     if args.burstiness is not None and args.arrival != "gamma":
@@ -177,10 +196,10 @@ def _schedule(args: argparse.Namespace) -> tuple[list[ScheduledRequest], dict[st
         if "request count" in msg or "duration" in msg:
             msg += " (--duration, --num-requests)"
         raise UsageError(msg) from None
-    return build_schedule(workload), workload.to_json()
+    return build_schedule(workload), workload.to_json(), ()
 
 
-def _options(args: argparse.Namespace) -> BenchOptions:
+def _options(args: argparse.Namespace, streams: tuple[Stream, ...] = ()) -> BenchOptions:
     try:
         return BenchOptions(
             url=args.url[0].rstrip("/"),
@@ -194,6 +213,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
             prompt_format=args.prompt_format,
             ignore_eos=args.ignore_eos,
             api_key=args.api_key,
+            streams=streams,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -230,8 +250,8 @@ async def _bench(
     err: TextIO,
     signals: bool,
 ) -> int:
-    schedule, workload = _schedule(args)
-    options = _options(args)
+    schedule, workload, streams = _schedule(args)
+    options = _options(args, streams)
     directory = _out_dir(args)
     slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot, attainment=args.slo_attainment)
     progress = Progress(len(schedule), stream=err, enabled=None if args.progress else False)
@@ -276,7 +296,8 @@ async def _bench(
         },
     }
     summary = summarize(
-        run.records, slo=slo, duration_s=run.duration_s, run=run_info, workload=workload, late_after_s=args.late_after
+        run.records, slo=slo, duration_s=run.duration_s, run=run_info, workload=workload, late_after_s=args.late_after,
+        streams=streams,
     )
     write_results(directory / RESULTS_FILE, run.records)
     (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

@@ -31,6 +31,7 @@ import attrs
 import httpx
 import trio
 
+from narwhal.bench.mix import Stream
 from narwhal.bench.records import RequestResult
 from narwhal.bench.workload import ScheduledRequest, prompt_ids, prompt_text
 from narwhal.engines.sse import Chunk, MalformedEvent, SSEDecoder, SSEError, json_loads, parse_chunk
@@ -80,6 +81,8 @@ class BenchOptions:
         ignore_eos: ask the engine to generate the full requested length.
         api_key: sent as ``Authorization: Bearer``.
         run_id: prefix of the request ids (random when None).
+        streams: the streams of a mix (a scheduled request's ``stream`` indexes them):
+            each request carries its stream's headers (its key's included) and labels.
     """
 
     url: str
@@ -95,6 +98,7 @@ class BenchOptions:
     ignore_eos: bool = True
     api_key: str | None = None
     run_id: str | None = None
+    streams: tuple[Stream, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if self.concurrency is not None and self.concurrency < 1:
@@ -219,6 +223,10 @@ class BenchRunner:
             )
             for req in self.schedule
         ]
+        for req, rec in zip(self.schedule, records, strict=True):
+            if req.stream is not None:
+                stream = opts.streams[req.stream]
+                rec.stream, rec.tenant, rec.latency_class = stream.name, stream.tenant, stream.latency_class
         started_unix = time.time()
         async with AsyncExitStack() as stack:
             clients = [
@@ -260,9 +268,12 @@ class BenchRunner:
         )
 
     async def _discover_model(self, client: httpx.AsyncClient) -> str:
+        streams = self.options.streams
+        # A mix's keys are its streams': the first stream's asks (the client's key, if any, wins).
+        headers = dict(streams[0].headers) if streams and not self.options.api_key else None
         try:
             with trio.fail_after(self.options.request_timeout_s):
-                response = await client.get("/v1/models")
+                response = await client.get("/v1/models", headers=headers)
         except trio.TooSlowError:
             raise BenchError(f"{self.options.url}/v1/models did not answer in time") from None
         except httpx.HTTPError as exc:
@@ -301,16 +312,17 @@ class BenchRunner:
 
     async def _one(self, client: httpx.AsyncClient, req: ScheduledRequest, rec: RequestResult) -> None:
         body = self._body(req)
+        extra = self.options.streams[req.stream].headers if req.stream is not None else ()
         clock = trio.current_time
         try:
             if self._limit is not None:
                 waited_from = clock()
                 async with self._limit:
                     rec.cap_wait_s = clock() - waited_from
-                    await self._exchange(client, body, rec)
+                    await self._exchange(client, body, rec, extra)
             else:
                 rec.cap_wait_s = 0.0
-                await self._exchange(client, body, rec)
+                await self._exchange(client, body, rec, extra)
         except trio.Cancelled:
             if not rec.done and rec.error is None:  # not already at its outcome
                 rec.terminal_class = "client_cancelled"
@@ -321,7 +333,10 @@ class BenchRunner:
             if self.progress is not None and rec.actual_s is not None:
                 self.progress.request_finished(rec)
 
-    async def _exchange(self, client: httpx.AsyncClient, body: dict[str, Any], rec: RequestResult) -> None:
+    async def _exchange(
+        self, client: httpx.AsyncClient, body: dict[str, Any], rec: RequestResult,
+        extra: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         clock = trio.current_time
         start = clock()
         rec.actual_s = start - self._t0
@@ -331,7 +346,7 @@ class BenchRunner:
             self.progress.request_started(rec)
         try:
             with trio.move_on_after(self.options.request_timeout_s) as deadline:
-                await self._stream(client, body, rec, start)
+                await self._stream(client, body, rec, start, extra)
         finally:
             rec.latency_s = clock() - start
         if deadline.cancelled_caught and not rec.done and rec.error is None:
@@ -344,9 +359,10 @@ class BenchRunner:
             }
 
     async def _stream(
-        self, client: httpx.AsyncClient, body: dict[str, Any], rec: RequestResult, start: float
+        self, client: httpx.AsyncClient, body: dict[str, Any], rec: RequestResult, start: float,
+        extra: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        headers = {"x-request-id": rec.request_id, "accept": "text/event-stream"}
+        headers = {**dict(extra), "x-request-id": rec.request_id, "accept": "text/event-stream"}
         path = _PATHS[rec.route]
         try:
             async with client.stream("POST", path, json=body, headers=headers) as response:

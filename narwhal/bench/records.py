@@ -107,6 +107,9 @@ class RequestResult:
         latency_s: request start to the terminal outcome.
         finish_reason: the finish reason the server reported.
         done: whether ``data: [DONE]`` arrived.
+        stream: the stream of a mix the request belongs to (None: no mix).
+        tenant: its stream's tenant (a label of the mix).
+        latency_class: its stream's class (a label of the mix).
     """
 
     index: int
@@ -132,6 +135,9 @@ class RequestResult:
     latency_s: float | None = None
     finish_reason: str | None = None
     done: bool = False
+    stream: str | None = None
+    tenant: str | None = None
+    latency_class: str | None = None
 
     @property
     def scored(self) -> bool:

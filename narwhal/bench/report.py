@@ -21,6 +21,7 @@ from typing import Any, Final
 import attrs
 
 from narwhal import __version__
+from narwhal.bench.mix import Stream
 from narwhal.bench.records import ACCOUNTING, SCORED_CLASSES, TERMINAL_CLASSES, RequestResult
 
 __all__ = [
@@ -113,8 +114,11 @@ def summarize(
     run: Mapping[str, Any],
     workload: Mapping[str, Any],
     late_after_s: float = 0.05,
+    streams: Sequence[Stream] = (),
 ) -> dict[str, Any]:
-    """The summary JSON of a result set (see the module docstring)."""
+    """The summary JSON of a result set (see the module docstring); with the ``streams``
+    of a mix, each request is scored against its stream's targets, and ``groups`` gives
+    the attainment of every stream, tenant and class."""
     scored = [r for r in records if r.scored]
     ok = [r for r in scored if r.ok]
     failed = len(scored) - len(ok)
@@ -140,7 +144,7 @@ def summarize(
     output_tokens = sum(r.output_len for r in scored)
     per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: None)
 
-    return {
+    out: dict[str, Any] = {
         "schema": SUMMARY_SCHEMA,
         "narwhal_version": __version__,
         "run": dict(run),
@@ -181,6 +185,38 @@ def summarize(
             "events_without_ids": sum(r.events_without_ids for r in scored),
         },
     }
+    if streams:
+        out["streams"] = [s.to_json() for s in streams]
+        out["groups"] = _groups(scored, streams, slo.attainment)
+    return out
+
+
+def _groups(scored: Sequence[RequestResult], streams: Sequence[Stream], target: float) -> dict[str, Any]:
+    """Attainment per stream, tenant and class, each request against its stream's targets."""
+    slos = {s.name: SLO(ttft_s=s.slo_ttft_s, tpot_s=s.slo_tpot_s, attainment=target) for s in streams}
+    out: dict[str, Any] = {}
+    for key in ("stream", "tenant", "latency_class"):
+        members: dict[str, list[RequestResult]] = {}
+        for r in scored:
+            label = getattr(r, key)
+            if label is not None:
+                members.setdefault(label, []).append(r)
+        out[key] = {label: _group(rows, slos) for label, rows in members.items()}
+    return out
+
+
+def _group(rows: Sequence[RequestResult], slos: Mapping[str, SLO]) -> dict[str, Any]:
+    none = SLO()
+    met = sum(slos.get(r.stream or "", none).meets(r) for r in rows)
+    ok = [r for r in rows if r.ok]
+    ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    tpots = sorted(r.tpot_s for r in ok if r.tpot_s is not None)
+    return {
+        "denominator": len(rows), "met": met, "attainment": met / len(rows) if rows else None, "ok": len(ok),
+        "by_class": dict(sorted(Counter(r.terminal_class for r in rows).items())),
+        "ttft_s": {"p50": percentile(ttfts, 50), "p90": percentile(ttfts, 90)},
+        "tpot_s": {"p50": percentile(tpots, 50), "p90": percentile(tpots, 90)},
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the table
@@ -205,6 +241,8 @@ def _rate(value: float | None, unit: str) -> str:
 
 
 def _workload_line(w: Mapping[str, Any]) -> str:
+    if w.get("kind") == "mix":
+        return f"mix {w.get('path')} ({w.get('num_requests')} requests in {w.get('streams')} streams)"
     if w.get("kind") == "trace":
         return f"trace {w.get('path')} ({w.get('num_requests')} requests)"
     rate = w.get("rate")
@@ -284,6 +322,16 @@ def render_summary(summary: Mapping[str, Any]) -> str:
             f"  WARNING      {lag['late']} requests started more than {format_seconds(lag['late_after_s'])} "
             "after their scheduled time: the client did not offer the scheduled load"
         )
+    groups = summary.get("groups")
+    if groups:
+        lines += ["", f"  {'':<24}{'n':>7}{'met':>7}{'attainment':>12}{'ttft p50':>11}{'ttft p90':>11}  classes"]
+        for key, title in (("stream", "stream"), ("tenant", "tenant"), ("latency_class", "class")):
+            for label, g in groups[key].items():
+                classes = ", ".join(f"{k} {v}" for k, v in g["by_class"].items())
+                lines.append(
+                    f"  {f'{title} {label}':<24}{g['denominator']:>7}{g['met']:>7}{_pct(g['attainment']):>12}"
+                    f"{format_seconds(g['ttft_s']['p50']):>11}{format_seconds(g['ttft_s']['p90']):>11}  {classes}"
+                )
     tokens = summary["tokens"]
     if tokens["events_without_ids"]:
         lines.append(

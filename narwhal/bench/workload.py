@@ -151,6 +151,7 @@ class ScheduledRequest:
         output_len: output tokens to ask for.
         prompt_len: prompt tokens to generate (None when ``prompt`` is given).
         prompt: the prompt text a trace gave, if any.
+        stream: the stream of a mix it belongs to (:mod:`narwhal.bench.mix`), by index.
     """
 
     index: int
@@ -158,6 +159,7 @@ class ScheduledRequest:
     output_len: int
     prompt_len: int | None = None
     prompt: str | None = None
+    stream: int | None = None
 
 
 @attrs.frozen

@@ -21,8 +21,6 @@ from typing import Any, Final, Literal, NamedTuple
 
 import attrs
 
-from narwhal.errors import caused
-
 __all__ = [
     "Chunk",
     "ChunkKind",
@@ -52,7 +50,7 @@ def _stdlib_loads(data: bytes | str) -> Any:
     try:
         return json.loads(data)
     except RecursionError:  # nesting deeper than the interpreter's stack: a ValueError as orjson's
-        raise caused(ValueError("JSON nested too deeply"), None)
+        raise ValueError("JSON nested too deeply") from None
 
 
 json_loads: Callable[[bytes | str], Any]
@@ -472,7 +470,7 @@ def parse_data(data: bytes, raw: bytes | None = None, *, lazy: bool = False) -> 
     try:
         obj = json_loads(data)
     except ValueError as exc:  # orjson.JSONDecodeError and json's are ValueErrors
-        raise caused(MalformedEvent(f"stream event is not JSON: {exc}"), None)
+        raise MalformedEvent(f"stream event is not JSON: {exc}") from None
     if type(obj) is not dict:
         raise MalformedEvent("stream event is not a JSON object")
     if raw is None:

@@ -44,7 +44,6 @@ from narwhal.errors import (
     EngineProtocolError,
     EngineStreamError,
     StreamClosed,
-    caused,
 )
 
 __all__ = [
@@ -394,8 +393,8 @@ class DecodeStream:
                     self._finished = True
                     if self._eof:
                         # The body ended in the middle of an event.
-                        raise caused(self._closed_error(), None)
-                    raise caused(self._protocol_error("a malformed stream event", exc), None)
+                        raise self._closed_error() from None
+                    raise self._protocol_error("a malformed stream event", exc) from None
                 kind = chunk.kind
                 if kind == "token":
                     now = self.last_activity_at  # when its bytes arrived
@@ -438,7 +437,7 @@ class DecodeStream:
             return
         except httpx.HTTPError as exc:
             self._finished = True
-            raise caused(self._owner.map_error(exc, self.leg), exc)
+            raise self._owner.map_error(exc, self.leg) from exc
         except BaseException:
             # A read the caller cancels unwinds httpx's body iterator, which cannot
             # resume; remember that so the next call reports it instead of a clean end.
@@ -464,7 +463,7 @@ class DecodeStream:
             self._events.extend(self._decoder.feed(data))
         except SSEError as exc:
             self._finished = True
-            raise caused(self._protocol_error("an unusable event stream", exc), None)
+            raise self._protocol_error("an unusable event stream", exc) from None
 
     def _protocol_error(self, what: str, exc: Exception) -> EngineProtocolError:
         """The engine sent ``what`` (its detail for the log; the client sees no detail)."""

@@ -37,7 +37,7 @@ from typing import Final
 import httpx
 import trio
 
-from narwhal.errors import RouterOverloaded, caused, resource_exhaustion
+from narwhal.errors import RouterOverloaded, resource_exhaustion
 from narwhal.netio import StreamIO
 
 __all__ = ["Connector", "WireResponse", "WireTransport", "tcp_connector"]
@@ -78,7 +78,7 @@ class _Conn:
         try:
             data = await self.io.receive_some(_RECV)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise caused(httpx.ReadError(f"connection to the engine broke: {exc}"), exc)
+            raise httpx.ReadError(f"connection to the engine broke: {exc}") from exc
         if not data:
             return False
         self.buf += data
@@ -215,7 +215,7 @@ class _Body(httpx.AsyncByteStream):
                 try:
                     size = int(line if semi < 0 else line[:semi], 16)
                 except ValueError:
-                    raise caused(httpx.RemoteProtocolError("malformed chunk size line"), None)
+                    raise httpx.RemoteProtocolError("malformed chunk size line") from None
                 if size < 0:
                     raise httpx.RemoteProtocolError("malformed chunk size line")
                 if size == 0:
@@ -367,12 +367,12 @@ class WireTransport(httpx.AsyncBaseTransport):
                 with trio.fail_after(self._connect_timeout):
                     stream = await self._connect(host, port)
         except trio.TooSlowError:
-            raise caused(httpx.ConnectTimeout(f"connecting to {host}:{port} timed out"), None)
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
             lack = resource_exhaustion(exc)
             if lack is not None:
-                raise caused(RouterOverloaded.opening(f"{host}:{port}", lack), exc)
-            raise caused(httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}"), exc)
+                raise RouterOverloaded.opening(f"{host}:{port}", lack) from exc
+            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
         self.connections_opened += 1
         return _Conn(stream, origin)
 
@@ -427,14 +427,14 @@ class WireTransport(httpx.AsyncBaseTransport):
                     if conn.reused and attempt == 0:
                         await trio.aclose_forcefully(conn.stream)
                         continue
-                    raise caused(httpx.WriteError(f"sending to {host}:{port} failed: {exc}"), exc)
+                    raise httpx.WriteError(f"sending to {host}:{port} failed: {exc}") from exc
                 try:
                     return await self._response(method, conn)
                 except _StaleConnection:
                     if conn.reused and attempt == 0:
                         await trio.aclose_forcefully(conn.stream)
                         continue
-                    raise caused(httpx.RemoteProtocolError("engine closed the connection without a response"), None)
+                    raise httpx.RemoteProtocolError("engine closed the connection without a response") from None
             except BaseException:
                 await trio.aclose_forcefully(conn.stream)
                 raise
@@ -487,7 +487,7 @@ class WireTransport(httpx.AsyncBaseTransport):
                 got = await conn.receive()
             except httpx.ReadError:
                 if not received_any:
-                    raise caused(_StaleConnection(), None)
+                    raise _StaleConnection() from None
                 raise
             if not got:
                 if not received_any:
@@ -503,7 +503,7 @@ class WireTransport(httpx.AsyncBaseTransport):
         try:
             status = int(parts[1])
         except ValueError:
-            raise caused(httpx.RemoteProtocolError(f"malformed status line {status_line[:80]!r}"), None)
+            raise httpx.RemoteProtocolError(f"malformed status line {status_line[:80]!r}") from None
         if 100 <= status < 200:
             # Interim responses (100 Continue): skip and read the final one.
             return await self._response(method, conn)
@@ -522,7 +522,7 @@ class WireTransport(httpx.AsyncBaseTransport):
                 try:
                     length = int(value)
                 except ValueError:
-                    raise caused(httpx.RemoteProtocolError("malformed content-length"), None)
+                    raise httpx.RemoteProtocolError("malformed content-length") from None
             elif lname == "transfer-encoding":
                 chunked = value.lower().endswith("chunked")
             elif lname == "connection":

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from narwhal.errors import NarwhalError, Refused, caused
+from narwhal.errors import NarwhalError, Refused
 from narwhal.http.messages import BODYLESS_STATUSES, JSON_HEADERS, Request, ResponseWriter
 from narwhal.http.parser import ProtocolError, RequestHead, RequestParser
 from narwhal.netio import StreamIO
@@ -222,7 +222,7 @@ class Connection:
             reason = f"client read nothing for {self.limits.send_timeout_s:g} s (send timeout)"
             self.client_gone(reason)
             await trio.lowlevel.checkpoint()
-            raise caused(trio.BrokenResourceError(reason), exc)
+            raise trio.BrokenResourceError(reason) from exc
 
     def client_gone(self, reason: str = "client disconnected") -> None:
         """The client went away (or stopped reading: ``reason``): cancel its request."""
@@ -329,7 +329,7 @@ class Connection:
             try:
                 head = parser.head()
             except ProtocolError as exc:
-                raise caused(_Reject.of(exc), exc)
+                raise _Reject.of(exc) from exc
             if head is not None:
                 return head
             if parser.closed:
@@ -369,7 +369,7 @@ class Connection:
             try:
                 chunk = parser.body()
             except ProtocolError as exc:
-                raise caused(_Reject.of(exc), exc)
+                raise _Reject.of(exc) from exc
             if chunk:
                 size += len(chunk)
                 if size > limit:
@@ -438,8 +438,7 @@ class Connection:
 
     def _forget_watcher(self) -> None:
         # A method, not `self.watcher = None` inline: mypy would narrow the attribute
-        # to None for the rest of `serve`, and the compiled build checks reads against
-        # the narrowed type (start_watcher sets it meanwhile).
+        # to None for the rest of `serve` (start_watcher sets it meanwhile).
         self.watcher = None
 
     def start_watcher(self, request: Request) -> None:

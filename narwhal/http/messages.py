@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from narwhal.errors import BadRequest, caused
+from narwhal.errors import BadRequest
 
 if TYPE_CHECKING:
     from narwhal.http.connection import Connection
@@ -69,8 +69,6 @@ class ServerLimits:
     max_connections: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        # Checked here, not by field validators: in the compiled build a class body
-        # cannot give an int or float field an ``attrs.field(...)`` (setup.py).
         _positive("max_header_bytes", self.max_header_bytes)
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("header_timeout_s", self.header_timeout_s)
@@ -121,16 +119,13 @@ class Request:
         try:
             return json.loads(self.body)
         except json.JSONDecodeError as exc:
-            raise caused(
-                BadRequest(
-                    f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
-                ),
-                exc,
-            )
+            raise BadRequest(
+                f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
+            ) from exc
         except UnicodeDecodeError as exc:
-            raise caused(BadRequest("request body is not valid UTF-8"), exc)
+            raise BadRequest("request body is not valid UTF-8") from exc
         except RecursionError as exc:
-            raise caused(BadRequest("request body is nested too deeply"), exc)
+            raise BadRequest("request body is nested too deeply") from exc
 
 
 class ResponseWriter:

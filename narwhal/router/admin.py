@@ -152,6 +152,8 @@ class AdminApp:
         body: dict[str, object] = {
             "engines": engines, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "in_flight": state.in_flight,
         }  # fmt: skip
+        if state.admission.enabled:  # classes, tenants (never their keys) and the queue
+            body["tenancy"] = state.admission.view()
         if state.config.engine_groups and self.discovery is not None:
             found = self.discovery
             body["engine_groups"] = {

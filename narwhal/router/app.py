@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from narwhal.engines.connector import RequestKind
-from narwhal.errors import MethodNotAllowed, NotFound, Unauthorized
+from narwhal.errors import MethodNotAllowed, NotFound
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
 from narwhal.router.keys import BearerKeys
 from narwhal.router.lifecycle import RequestLifecycle
@@ -42,9 +42,10 @@ class RouterApp:
         self._keys = BearerKeys(state.config.server.api_keys)
         self._created = int(time.time())
 
-    def _authorize(self, request: Request) -> None:
-        if not self._keys.accepts(request.header(_AUTHORIZATION)):
-            raise Unauthorized("missing or invalid API key", code="invalid_api_key")
+    def _authorize(self, request: Request) -> str | None:
+        """The name of the key the request presents (None: unnamed, or no keys); raises
+        :class:`~narwhal.errors.Unauthorized` without a configured key."""
+        return self._keys.match(request.header(_AUTHORIZATION)) if self._keys else None
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
         path = request.path
@@ -52,8 +53,8 @@ class RouterApp:
         if kind is not None:
             if request.method != "POST":
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}")
-            self._authorize(request)
-            await RequestLifecycle(self.state, request, response, kind).run()
+            key_name = self._authorize(request)
+            await RequestLifecycle(self.state, request, response, kind, key_name).run()
             return
         if path == "/health":
             await self._health(response)

@@ -443,6 +443,7 @@ class LiveFleet:
         budget.ratio = rec.retry_budget.ratio
         budget.min_retries_per_s = rec.retry_budget.min_retries_per_s
         budget.window_s = rec.retry_budget.window_s
+        state.admission.configure(config)
         ctl = config.controller
         placement = state.placement
         if isinstance(placement, PricedPlacement):

@@ -24,6 +24,7 @@ RESTART_ONLY: Final = (
     "controller.prompt_tokens",
     "controller.prefix_cache",
     "controller.reactive.enabled",
+    "tenancy.store",  # the connections to it are made once, at start
 )
 
 #: Sections that are the fleet's engines, not settings.

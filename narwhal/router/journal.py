@@ -28,6 +28,7 @@ TERMINAL_CLASSES = frozenset(
     {
         "ok",
         "refused",
+        "rate_limited",
         "no_engine",
         "invalid_request",
         "client_cancelled",
@@ -128,8 +129,7 @@ class AttemptRecord:
     placement: dict[str, Any] | Callable[[], dict[str, Any]] | None = None
 
 
-# A new empty list per record, typed Any: the compiled build checks a class-body value
-# against its annotation, and an attrs.Factory is not a list (setup.py).
+# A new empty list per record.
 _EMPTY_LIST: Any = attrs.Factory(list)
 
 
@@ -158,6 +158,12 @@ class RequestRecord:
         error: error detail for a failed request.
         trace_id: the OpenTelemetry trace id (32 hex digits) of a request whose trace is
             sampled; None when tracing is off or the sampler dropped it.
+        tenant: the request's tenant (None: the fleet has no ``tenancy`` section, or the
+            request ended before it was known).
+        latency_class: the request's latency class (None likewise).
+        queued_s: seconds it waited in the router's queue for capacity (0: none).
+        queue_reason: why it was queued: the placement its class's targets missed when it
+            came, or the requests queued ahead of it (None: it was never queued).
     """
 
     request_id: str
@@ -179,6 +185,10 @@ class RequestRecord:
     attempts: list[AttemptRecord] = _EMPTY_LIST
     error: str | None = None
     trace_id: str | None = None
+    tenant: str | None = None
+    latency_class: str | None = None
+    queued_s: float = 0.0
+    queue_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # attrs.asdict, written out: it runs once per request on the router's hot path.

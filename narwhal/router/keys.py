@@ -2,7 +2,7 @@
 
 A request presents a key as ``Authorization: Bearer <key>`` (the scheme in any case).
 Every configured key is compared, each in constant time, so that the time taken says
-neither which key matched nor how much of one. A key is never shown: not in a log
+neither which key matched nor how much of one; a client key may name its tenant. A key is never shown: not in a log
 line, an error, a ``repr``.
 
 The admin surface reads the live fleet and events and can reload the fleet: a listener
@@ -12,12 +12,13 @@ that others can reach (an address other than loopback) needs admin keys
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 from collections.abc import Iterable
 
-from narwhal.config import ServerConfig
-from narwhal.errors import ConfigError
+from narwhal.config import ApiKeyConfig, ServerConfig
+from narwhal.errors import ConfigError, Unauthorized
 
 __all__ = ["ADMIN_KEY_ENV", "BearerKeys", "admin_listener_problem", "bearer", "is_loopback"]
 
@@ -27,25 +28,55 @@ ADMIN_KEY_ENV = "NARWHAL_ADMIN_KEY"
 
 
 class BearerKeys:
-    """The keys a listener accepts; none configured accepts every request."""
+    """The keys a listener accepts, each named or not (a client key's ``name`` is its
+    tenant's); none configured accepts every request.
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = [k.encode() for k in keys]
+    Each comparison is of SHA-256 digests, in constant time, so that neither a key's
+    content nor its length shows in the time taken; every key is compared."""
+
+    __slots__ = ("_digests",)
+
+    def __init__(self, keys: Iterable[str | ApiKeyConfig]) -> None:
+        self._digests = [
+            (hashlib.sha256(k.encode()).digest(), None) if isinstance(k, str)
+            else (hashlib.sha256(k.key.encode()).digest(), k.name)
+            for k in keys
+        ]  # fmt: skip
 
     def __repr__(self) -> str:
-        return f"BearerKeys(<{len(self._keys)} keys>)"
+        return f"BearerKeys(<{len(self._digests)} keys>)"
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def _find(self, authorization: str | None) -> tuple[bool, str | None]:
+        # No header is no scheme; another scheme presents an empty value, which no key is.
+        scheme, _, token = (authorization or "").partition(" ")  # pragma: no mutate (equivalent: any text without a scheme presents no key)
+        presented = hashlib.sha256(token.strip().encode() if scheme.lower() == "bearer" else b"").digest()  # pragma: no mutate (equivalent: a key is non-empty text, never the mutant's literal)
+        ok = False
+        name: str | None = None  # pragma: no mutate (equivalent: read only after a match sets it)
+        for digest, key_name in self._digests:  # every key is compared, each in constant time
+            hit = hmac.compare_digest(presented, digest)
+            ok |= hit
+            if hit:
+                name = key_name
+        return ok, name
 
     def accepts(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header value presents one of the keys."""
-        if not self._keys:
-            return True
-        # No header is no scheme; another scheme presents an empty value, which no key is.
-        scheme, _, token = (authorization or "").partition(" ")  # pragma: no mutate (equivalent: any text without a scheme presents no key)
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""  # pragma: no mutate (equivalent: a key is non-empty text, never the mutant's literal)
-        ok = False
-        for key in self._keys:  # constant time per key, and every key is compared
-            ok |= hmac.compare_digest(presented, key)
-        return ok
+        return not self._digests or self._find(authorization)[0]
+
+    def match(self, authorization: str | None) -> str | None:
+        """The name of the key an ``Authorization: Bearer`` header presents (None: an
+        unnamed key).
+
+        Raises:
+            Unauthorized: no header, another scheme, or a key that is not configured.
+        """
+        ok, name = self._find(authorization)
+        if not ok:
+            raise Unauthorized("missing or invalid API key", code="invalid_api_key")
+        return name
 
 
 def bearer(key: str | None) -> dict[str, str]:

@@ -52,11 +52,13 @@ from narwhal.errors import (
     HandoffExpired,
     InvalidDescriptor,
     NarwhalError,
+    RateLimited,
     Refused,
     RouterOverloaded,
     SilenceTimeout,
 )
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
+from narwhal.router.admission import Ticket
 from narwhal.router.cacheplan import PlanTicket
 from narwhal.router.cacheviews import Hold
 from narwhal.router.journal import AttemptRecord, RequestRecord
@@ -108,8 +110,8 @@ def terminal_class_for(err: NarwhalError) -> str:
         return "prefill_failed" if err.leg == "prefill" else "decode_failed"
     if isinstance(err, DeadlineExceeded):
         return "deadline_exceeded"
-    if isinstance(err, Refused):
-        return err.terminal_class  # refused, or no_engine
+    if isinstance(err, (Refused, RateLimited)):
+        return err.terminal_class  # refused, no_engine, or rate_limited
     if isinstance(err, ClientError):
         return "invalid_request"
     return "internal_error"
@@ -137,7 +139,11 @@ def _new_request_id() -> str:
 class RequestLifecycle:
     """Runs one ``/v1/completions`` or ``/v1/chat/completions`` request."""
 
-    def __init__(self, state: RouterState, request: Request, response: ResponseWriter, kind: RequestKind) -> None:
+    def __init__(
+        self, state: RouterState, request: Request, response: ResponseWriter, kind: RequestKind,
+        key_name: str | None = None,
+    ) -> None:
+        """``key_name``: the name of the API key the request presented (its tenant's)."""
         self.state = state
         self.request = request
         self.response = response
@@ -162,6 +168,9 @@ class RequestLifecycle:
         # (Both set by _serve before any read.)
         self.parsed: ParsedRequest | None = None  # pragma: no mutate (equivalent: set before read)
         self.prompt: PromptCount | None = None  # pragma: no mutate (equivalent: set before read)
+        self.key_name = key_name
+        #: Its tenant and class (set by _serve; None until then).
+        self.ticket: Ticket | None = None
         self.committed = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
         self.visible = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
         #: Streamed events received but not yet written (sent before a terminal event).
@@ -233,6 +242,11 @@ class RequestLifecycle:
             state.in_flight -= 1
             record.latency_s = state.clock() - self.arrival
             record.output_len = self.tokens
+            ticket = self.ticket
+            if ticket is not None and ticket.tenant is not None:
+                record.queued_s = ticket.queued_s
+                record.queue_reason = ticket.queue_reason
+                await state.admission.release(ticket, self.tokens, self.max_tokens)
             if self.trace is not None:
                 self.trace.finish(record)
             state.journal.record(record)
@@ -278,6 +292,13 @@ class RequestLifecycle:
             raise Refused("too many concurrent requests (server.max_concurrent_requests)")
         parsed = self.parsed = parse_request(self.request.body, self.kind)
         record = self.record
+        admission = state.admission
+        ticket = self.ticket = admission.ticket(self.request.header, self.key_name, parsed.body)
+        if ticket.tenant is not None:
+            record.tenant = ticket.tenant.name
+            record.latency_class = ticket.latency_class.name
+            if self.trace is not None:
+                self.trace.admitted(ticket.tenant.name, ticket.latency_class.name)
         record.stream = parsed.stream
         model = record.model = state.model_of(parsed.model)
         tok = self.prompt = await state.count_prompt(parsed.body, self.kind)
@@ -289,6 +310,8 @@ class RequestLifecycle:
         # An estimate is not grounds for refusing: the engines check the exact length.
         if tok.exact and max_model_len is not None and tok.count + self.max_tokens > max_model_len:
             raise context_length_exceeded(max_model_len, tok.count, self.max_tokens)
+        if ticket.tenant is not None:
+            await admission.admit(ticket, tok.count, self.max_tokens)
         state.retry_budget.note_request()
         if self.config.recovery.resume_streams:
             self.ledger = open_ledger(parsed, self.request_id)
@@ -325,7 +348,7 @@ class RequestLifecycle:
                     # An engine's 400 for an over-long prompt reads as the router's own.
                     over = engine_context_length(err, parsed, record.prompt_tokens)
                     if over is not None:
-                        raise over  # (its context is the engine's error: the traceback shows both)
+                        raise over from err  # (the engine's error: the traceback shows both)
                     raise
 
     def _may_retry(self, err: EngineError, n: int, max_attempts: int) -> bool:
@@ -342,7 +365,9 @@ class RequestLifecycle:
     async def _attempt(self, attempt: AttemptRecord, avoid: frozenset[str]) -> None:
         state = self.state
         self._holder = None  # placement's wait is no engine's time
-        slo_ttft = self.config.controller.slo.ttft_s
+        admitted = self.ticket
+        assert admitted is not None  # (set by _serve before the first attempt)
+        slo_ttft = admitted.latency_class.ttft_s  # its class's (controller.slo's without tenancy)
         deadline = self.arrival + self.config.engine.request_timeout_s
         placed_at = state.clock()
         attempt.started_s = placed_at - self.arrival
@@ -378,8 +403,9 @@ class RequestLifecycle:
         if trace is not None:
             trace.placing(state.placement, self.record.model, avoid)
         try:
-            reservation = await state.placement.acquire(
-                prompt_tokens, max_tokens, avoid=avoid, deadline=deadline,
+            # Placement against the request's class's targets (its TTFT bounds the wait).
+            reservation = await state.admission.acquire(
+                admitted, prompt_tokens, max_tokens, arrival=self.arrival, deadline=deadline, avoid=avoid,
                 elapsed_s=elapsed, cached=cached, model=self.record.model, prompt_ids=ids,
                 held=lookup.held_chain if lookup is not None else None, plan=ticket,
             )  # fmt: skip

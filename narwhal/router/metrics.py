@@ -17,6 +17,7 @@ and in the classic text format otherwise.
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import os
 import time
@@ -51,6 +52,9 @@ BREAKER_CODES = {"ok": 0, "quarantined": 1, "ejected": 2, "trial": 4}
 _ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 #: ``_created`` samples, unless switched off as prometheus_client switches them off.
 _USE_CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: ``narwhal_slo_attainment_ratio`` is over each (class, tenant)'s latest this many requests.
+ATTAINMENT_WINDOW = 200
 
 
 class _LiveState(Collector):
@@ -170,6 +174,30 @@ class _LiveState(Collector):
         for (engine, source), count in list(state.bad_input.counts.items()):
             bad.add_metric([engine, source], count)
         yield bad
+        admission = state.admission
+        if admission.enabled:
+            queued = GaugeMetricFamily(
+                "narwhal_admission_queued", "Requests waiting in the router's queue for capacity, by class and tenant.",
+                labels=["latency_class", "tenant"],
+            )
+            for (klass, tenant), n in admission.queued_by.items():
+                queued.add_metric([klass, tenant], n)
+            yield queued
+            outcomes = CounterMetricFamily(
+                "narwhal_admission", "Admission outcomes by class and tenant: queued, released (placed from the "
+                "queue), expired (refused at the class's deadline), full (refused: queue full), limited (429).",
+                labels=["latency_class", "tenant", "outcome"],
+            )
+            for (klass, tenant, outcome), n in admission.counters.items():
+                outcomes.add_metric([klass, tenant, outcome], n)
+            yield outcomes
+            shares = GaugeMetricFamily(
+                "narwhal_tenant_served_tokens", "Tokens served per unit of weight, by tenant (the fair share's count; "
+                "the fleet's with tenancy.store).", labels=["tenant"],
+            )
+            for tenant in admission.tenancy.tenants:
+                shares.add_metric([tenant], admission.served[tenant])
+            yield shares
         ready = GaugeMetricFamily("narwhal_ready", "1 when an engine can prefill and one can decode.")
         ready.add_metric([], 1 if state.ready() else 0)
         yield ready
@@ -357,6 +385,25 @@ class _Families(Collector):
             yield family.metric()
 
 
+class _Attainment(Collector):
+    """Each (class, tenant)'s share of its latest requests that met its class's targets."""
+
+    def __init__(self, windows: dict[tuple[str, str], collections.deque[bool]]) -> None:
+        self.windows = windows
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.windows:
+            return
+        gauge = GaugeMetricFamily(
+            "narwhal_slo_attainment_ratio",
+            f"Share of each class and tenant's latest {ATTAINMENT_WINDOW} requests that met the class's targets "
+            "(narwhal_tenant_slo_total counts them all).", labels=["latency_class", "tenant"],
+        )
+        for labels, window in self.windows.items():
+            gauge.add_metric(list(labels), sum(window) / len(window))
+        yield gauge
+
+
 class RouterMetrics:
     """The router's metric families, fed by journal records and breaker transitions.
 
@@ -423,11 +470,29 @@ class RouterMetrics:
             "predicted them (compare the consumer's vllm:prompt_tokens_by_source{source=\"local_cache_hit\"}).",
             ("engine",),
         )
+        self.tenant_requests = _Counter(
+            "narwhal_tenant_requests", "Client requests by latency class, tenant and terminal class.",
+            ("latency_class", "tenant", "terminal_class"),
+        )
+        self.tenant_slo = _Counter(
+            "narwhal_tenant_slo", "Requests that met (ok, first byte within the class's TTFT target, TPOT within "
+            "its TPOT target) or missed their class's targets, by class and tenant; refused and failed ones miss.",
+            ("latency_class", "tenant", "outcome"),
+        )
+        self.queue_wait = _Histogram(
+            "narwhal_admission_wait_seconds", "Time queued requests waited in the router for capacity, by class "
+            "and tenant.", ("latency_class", "tenant"), _WAIT_BUCKETS,
+        )
+        #: (class, tenant) -> whether each of its latest requests met its targets.
+        self.attainment: dict[tuple[str, str], collections.deque[bool]] = {}
         self.registry.register(_Families([
             self.requests, self.model_requests, self.ttft, self.first_byte, self.tpot, self.duration,
             self.output_tokens, self.retries, self.resumes, self.placements, self.refusals, self.attempt_outcomes,
             self.breaker_transitions, self.ttft_error, self.cached_tokens, self.consumer_cached_tokens,
+            self.tenant_requests, self.tenant_slo, self.queue_wait,
         ]))  # fmt: skip
+        self.registry.register(_Attainment(self.attainment))
+        self.state = state
         self.registry.register(_LiveState(state, events))
         state.journal.add_listener(self.on_record)
         state.breaker.add_listener(self.on_transition)
@@ -435,6 +500,9 @@ class RouterMetrics:
     def on_record(self, record: dict[str, Any]) -> None:
         route = record["route"]
         klass = record["terminal_class"]
+        tenant = record.get("tenant")
+        if tenant is not None:
+            self._on_tenant_record(record, tenant, klass)
         self.requests.inc((route, klass))
         model = record.get("model")
         if model:  # set once the model is known to be served (bounded labels)
@@ -481,6 +549,26 @@ class RouterMetrics:
                 self.cached_tokens.inc((producer, "reported"), attempt.get("cached_tokens") or 0)
             if consumer and attempt.get("consumer_predicted_cached_tokens") is not None:
                 self.consumer_cached_tokens.inc((consumer,), attempt["consumer_predicted_cached_tokens"])
+
+    def _on_tenant_record(self, record: dict[str, Any], tenant: str, terminal: str) -> None:
+        latency_class = record.get("latency_class") or ""
+        labels = (latency_class, tenant)
+        self.tenant_requests.inc((*labels, terminal))
+        if record.get("queued_s"):
+            self.queue_wait.observe(labels, record["queued_s"])
+        if terminal == "client_cancelled":
+            return  # not the router's outcome: in no attainment
+        spec = self.state.admission.tenancy.classes.get(latency_class)
+        slo = spec.slo if spec is not None else None
+        first, tpot = record.get("first_byte_s"), record.get("tpot_s")
+        met = terminal == "ok" and (slo is None or (
+            (slo.ttft_s is None or (first is not None and first <= slo.ttft_s))
+            and (slo.tpot_s is None or tpot is None or tpot <= slo.tpot_s)))  # fmt: skip
+        self.tenant_slo.inc((*labels, "met" if met else "missed"))
+        window = self.attainment.get(labels)
+        if window is None:
+            window = self.attainment[labels] = collections.deque(maxlen=ATTAINMENT_WINDOW)
+        window.append(met)
 
     def on_transition(self, transition: Transition) -> None:
         self.breaker_transitions.inc((transition.engine, transition.event))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -41,10 +41,34 @@ from narwhal.errors import NoEngine
 from narwhal.router.cacheplan import PlanTicket
 from narwhal.router.sharedkv import HeldChain
 
-__all__ = ["MEAN_WEIGHT", "EngineLoad", "Placement", "Reservation"]
+if TYPE_CHECKING:
+    from narwhal.config import SLOConfig
+
+__all__ = ["MEAN_WEIGHT", "EngineLoad", "Placement", "Reservation", "Room"]
 
 #: Weight of the newest request in the moving means of request sizes.
 MEAN_WEIGHT = 0.05
+
+
+@attrs.frozen
+class Room:
+    """What placing a request must leave for others: its latency class's rule (priced
+    placement keeps it, :meth:`narwhal.router.pricing.PricedPlacement.choose_for`).
+
+    Attributes:
+        ttft_s: the strictest TTFT target of the classes more urgent than its own: the
+            producer's queue with it stays within
+            :data:`~narwhal.router.pricing.YIELD_SHARE` of it (None: no class is).
+        tpot_s: their strictest TPOT target: the consumer's TPOT with it stays within it.
+        hold: the request may wait in the router: it is placed only where its prefill
+            starts within about one prefill (the producer's queue ahead of it no longer
+            than its own prefill), so that the engines' queues stay short and the router's
+            queue, in priority and fair order, holds the rest.
+    """
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    hold: bool = False
 
 
 @attrs.define
@@ -386,15 +410,36 @@ class Placement:
         prompt_ids: Sequence[int] | None = None,
         held: Callable[[str], HeldChain] | None = None,
         plan: PlanTicket | None = None,
+        slo: SLOConfig | None = None,
+        room: Room | None = None,
+        admission: str | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` (least-loaded placement never waits; it ignores
-        ``cached``, ``prompt_ids``, ``held`` and ``plan``).
+        ``cached``, ``prompt_ids``, ``held`` and ``plan``, and prices no latency class:
+        ``slo``, ``room`` and ``admission``).
 
         Cancellation is honoured here, but it does not yield to the scheduler: the
         request's next step is engine I/O, which does (a pass of the run loop per
         request saved).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        return self._least_loaded(prompt_tokens, max_tokens, avoid=avoid, model=model)
+
+    def _least_loaded(
+        self, prompt_tokens: int, max_tokens: int, *, avoid: frozenset[str], model: str | None
+    ) -> Reservation:
         reservation = self.choose(prompt_tokens, max_tokens, avoid=avoid, model=model)
         reservation.explain = {"rule": "least_loaded"}
         return reservation
+
+    def choose_for(
+        self, slo: SLOConfig | None, room: Room | None, prompt_tokens: int, max_tokens: int, **kwargs: Any
+    ) -> Reservation:
+        """:meth:`choose` for a latency class; least-loaded placement prices none (see
+        :meth:`narwhal.router.pricing.PricedPlacement.choose_for`)."""
+        return self._least_loaded(prompt_tokens, max_tokens, avoid=kwargs.get("avoid", frozenset()),
+                                  model=kwargs.get("model"))  # fmt: skip
+
+    async def wait_capacity(self) -> None:
+        """Wait until capacity may have changed (here: a reservation ended)."""
+        await self.wait_released()

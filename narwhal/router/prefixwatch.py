@@ -1,11 +1,14 @@
 """Keeping the router's prefix index (:mod:`narwhal.router.prefix`) in step with the engines.
 
-For every engine, every ``PREFIX_REFRESH_S`` seconds, the engine's ``/metrics`` says
-whether prefix caching is on (``cache_config_info``'s ``enable_prefix_caching``), its
-block size and its capacity (``num_gpu_blocks`` less vLLM's null block, else
-``kv_cache_size_tokens`` over the block size), its ``process_start_time_seconds``, and
-its ``vllm:prefix_cache_hits`` and ``_queries`` counters (what the router's predicted
-hits are checked against, :mod:`narwhal.router.cachecal`):
+For every engine, every ``PREFIX_REFRESH_S`` seconds while the router sends it requests
+(an engine it sent none since the last read is read twice as long after, up to
+``PREFIX_REFRESH_MAX_S``; a request brings it back within ``PREFIX_REFRESH_S``), the
+engine's ``/metrics`` says whether prefix caching is on (``cache_config_info``'s
+``enable_prefix_caching``), its block size and its capacity (``num_gpu_blocks`` less
+vLLM's null block, else ``kv_cache_size_tokens`` over the block size), its
+``process_start_time_seconds``, and its ``vllm:prefix_cache_hits`` and ``_queries``
+counters (what the router's predicted hits are checked against,
+:mod:`narwhal.router.cachecal`):
 
 - prefix caching on: the engine gets a view, exact when the fleet document names its
   ``kv_events`` endpoint, else approximate (from the prompts placed on it). No flag is
@@ -31,6 +34,7 @@ events, and ``/health`` and ``/fleet`` show it (``kv_events`` per engine).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Final
@@ -42,12 +46,16 @@ from narwhal.engines.metrics import EngineMetrics
 from narwhal.errors import EngineError, EngineProtocolError
 from narwhal.router.state import RouterState
 
-__all__ = ["PREFIX_COUNTERS", "PREFIX_REFRESH_S", "PrefixWatch", "capacity_blocks"]
+__all__ = ["PREFIX_COUNTERS", "PREFIX_REFRESH_MAX_S", "PREFIX_REFRESH_S", "PrefixWatch", "capacity_blocks"]
 
 log = logging.getLogger("narwhal.router.prefix")
 
-#: Seconds between two reads of an engine's cache configuration.
+#: Seconds between two reads of an engine's cache configuration while the router sends
+#: it requests.
 PREFIX_REFRESH_S: Final = 10.0
+#: The longest wait between two reads of an engine the router sends nothing (an idle
+#: router reads each engine's ~60 KB page once in this long, not every 10 s).
+PREFIX_REFRESH_MAX_S: Final = 80.0
 
 #: The counters of an engine's prefix cache, read with its configuration.
 PREFIX_COUNTERS: Final = frozenset({"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"})
@@ -82,28 +90,44 @@ class PrefixWatch:
         state: RouterState,
         *,
         refresh_s: float = PREFIX_REFRESH_S,
+        max_refresh_s: float = PREFIX_REFRESH_MAX_S,
         publish: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.state = state
         self.refresh_s = refresh_s
+        self.max_refresh_s = max(max_refresh_s, refresh_s)
         self.publish = publish
         self._starts: dict[str, float | None] = {}
         self._scopes: dict[str, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
+        #: Per engine: when its next read is due, and the wait before it.
+        self._due: dict[str, float] = {}
+        self._wait: dict[str, float] = {}
+        #: Engines a request went to since their last read.
+        self._used: set[str] = set()
+        self._wake = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; reports started once every engine has been asked once."""
+        journal = self.state.journal
+        journal.add_listener(self._on_record)
         try:
             async with trio.open_nursery() as nursery:
                 for name in list(self.state.engines):
                     await self._subscribe(nursery, name)
-                await self._refresh_all()
+                await self._read_all(list(self.state.engines))
                 self._nursery = nursery
                 task_status.started()
                 while True:
-                    await trio.sleep(self.refresh_s)
-                    await self._refresh_all()
+                    with trio.move_on_at(min(self._due.values(), default=math.inf)):
+                        await self._wake.wait()
+                    self._wake = trio.Event()
+                    now = trio.current_time()
+                    for name in self.state.engines:  # (one that joined without add(): read now)
+                        self._due.setdefault(name, now)
+                    await self._read_all([name for name, due in self._due.items() if due <= now])
         finally:
+            journal.remove_listener(self._on_record)
             # The subscribers' tasks and sockets ended with the nursery; so does their listing.
             self._nursery = None
             self._scopes.clear()
@@ -114,7 +138,7 @@ class PrefixWatch:
         if self._nursery is None or name in self._scopes:
             return
         await self._subscribe(self._nursery, name)
-        await self._refresh(name)
+        await self._read(name)
 
     def remove(self, name: str) -> None:
         """Stop following engine ``name`` (it left the fleet)."""
@@ -124,6 +148,24 @@ class PrefixWatch:
         self.state.kv_subscribers.pop(name, None)
         self.state.prefix.unfollow(name)
         self._starts.pop(name, None)
+        self._due.pop(name, None)
+        self._wait.pop(name, None)
+        self._used.discard(name)
+
+    def _on_record(self, record: dict[str, Any]) -> None:
+        """A request went to its producer and consumer: read them (and probe their KV
+        events) at the usual interval again."""
+        for name in (record.get("producer"), record.get("consumer")):
+            if name is None or name not in self._due:
+                continue
+            self._used.add(name)
+            due = trio.current_time() + self.refresh_s
+            if self._due[name] > due:
+                self._due[name] = due
+                self._wake.set()
+            sub = self.state.kv_subscribers.get(name)
+            if sub is not None:
+                sub.nudge()
 
     async def _subscribe(self, nursery: trio.Nursery, name: str) -> None:
         state, index = self.state, self.state.prefix
@@ -205,8 +247,23 @@ class PrefixWatch:
         except EngineError as exc:
             log.debug("engine %s: cache configuration unavailable: %s", name, exc)
 
-    async def _refresh_all(self) -> None:
+    async def _read(self, name: str) -> None:
+        """Refresh ``name`` and set when it is read next: after ``refresh_s`` if a request
+        went to it since the last read, else after twice the last wait (up to
+        ``max_refresh_s``)."""
+        used = name in self._used or name not in self._wait
+        self._used.discard(name)
+        await self._refresh(name)
+        if name not in self.state.engines:  # it left the fleet meanwhile
+            self._due.pop(name, None)
+            self._wait.pop(name, None)
+            return
+        wait = self.refresh_s if used else min(2 * self._wait[name], self.max_refresh_s)
+        self._wait[name] = wait
+        self._due[name] = trio.current_time() + wait
+
+    async def _read_all(self, names: list[str]) -> None:
         async with trio.open_nursery() as nursery:
-            for name in list(self.state.engines):
-                nursery.start_soon(self._refresh, name)
+            for name in names:
+                nursery.start_soon(self._read, name)
 

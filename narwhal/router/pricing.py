@@ -108,12 +108,12 @@ from narwhal.profile.store import EngineProfile
 from narwhal.router.cacheplan import CachePlan, PlanTicket
 from narwhal.router.choice import ProducerChoice, choose_producer, explain
 from narwhal.router.handoff import HandoffModel
-from narwhal.router.placement import MEAN_WEIGHT, Explanation, Placement, Reservation
+from narwhal.router.placement import MEAN_WEIGHT, Explanation, Placement, Reservation, Room
 from narwhal.router.prefillqueue import PrefillQueues
 from narwhal.router.quotes import CONSUMER_TIE, Quote, best_consumer
 from narwhal.router.sharedkv import HeldChain, SharedBlocks
 
-__all__ = ["CONSUMER_TIE", "REPLICATE_AT", "PricedPlacement", "Quote", "Replicate", "best_consumer"]
+__all__ = ["CONSUMER_TIE", "REPLICATE_AT", "YIELD_SHARE", "NoCapacity", "PricedPlacement", "Quote", "Replicate", "best_consumer"]
 
 log = logging.getLogger("narwhal.router.placement")
 
@@ -175,6 +175,9 @@ class PricedPlacement(Placement):
         #: :data:`ERROR_MIN`: set where a ratio comes in (once a request), not per quote.
         self._observed_low: dict[str, float] = {}
         self.slo = slo
+        #: What the request being priced must leave for others (None: nothing;
+        #: :meth:`choose_for`).
+        self.room: Room | None = None
         self.admission = admission
         self.clock = clock
         #: Multiplicative corrections of the predictions, kept by reactive control.
@@ -516,6 +519,8 @@ class PricedPlacement(Placement):
             transfer_s_per_token={q.engine: per_token[q.engine] for q in (c, runner_up)
                                   if q is not None and q.engine in per_token} if per_token else None,
         )  # fmt: skip
+        if self.room is not None and self._crowds(self.room, p, c, handoff):
+            decode_miss = True  # (not deferrable: it is the room left for others that is missing)
         if own_late or delays or decode_miss:
             self.counters["refused"] += 1
             if own_late and prompt_ids is not None and cached is not None and self.replicate is not None:
@@ -745,26 +750,35 @@ class PricedPlacement(Placement):
         prompt_ids: Sequence[int] | None = None,
         held: Callable[[str], HeldChain] | None = None,
         plan: PlanTicket | None = None,
+        slo: SLOConfig | None = None,
+        room: Room | None = None,
+        admission: str | None = None,
     ) -> Reservation:
         """Reserve a pair serving ``model`` predicted to meet the SLO, waiting for capacity
         (admission ``wait``). Under ``refuse``, a request that would itself meet the
         targets but would make the prompts waiting for a producer's next step late is not
         refused: it waits for the next reservation to end (that step under way, the
         prompts no longer waiting) and is priced again, its wait counted against its own
-        TTFT target, until it is placed or would itself miss."""
+        TTFT target, until it is placed or would itself miss.
+
+        ``slo`` and ``room`` price the request for its latency class (:meth:`choose_for`);
+        ``admission`` overrides ``controller.admission`` for it."""
+        slo = slo if slo is not None else self.slo
+        mode = admission if admission is not None else self.admission
         waited = False  # pragma: no mutate (equivalent: falsy alike)
         start = self.clock()
         while True:
             try:
-                return self.choose(prompt_tokens, max_tokens, avoid=avoid, elapsed_s=elapsed_s + self.clock() - start,
-                                   cached=cached, model=model, prompt_ids=prompt_ids, held=held, plan=plan)  # fmt: skip
+                return self.choose_for(slo, room, prompt_tokens, max_tokens, avoid=avoid,
+                                       elapsed_s=elapsed_s + self.clock() - start, cached=cached, model=model,
+                                       prompt_ids=prompt_ids, held=held, plan=plan)  # fmt: skip
             except _NoCapacity as miss:
                 slo_deadline = deadline
-                deferred = self.admission == "refuse" and miss.deferrable
+                deferred = mode == "refuse" and miss.deferrable
                 if deferred:  # no later than its own target (it has one: it delays others')
-                    assert self.slo.ttft_s is not None
-                    slo_deadline = min(deadline, start - elapsed_s + self.slo.ttft_s)
-                if (self.admission == "refuse" and not deferred) or self.clock() >= slo_deadline:
+                    assert slo.ttft_s is not None
+                    slo_deadline = min(deadline, start - elapsed_s + slo.ttft_s)
+                if (mode == "refuse" and not deferred) or self.clock() >= slo_deadline:
                     hit = miss.producer.cached_tokens
                     handoff = miss.handoff_s
                     low = miss.producer.low
@@ -783,6 +797,45 @@ class PricedPlacement(Placement):
                     self.counters["deferred" if deferred else "waited"] += 1
                 with trio.move_on_at(slo_deadline):
                     await self._capacity.wait()
+
+    def choose_for(
+        self, slo: SLOConfig | None, room: Room | None, prompt_tokens: int, max_tokens: int, **kwargs: Any
+    ) -> Reservation:
+        """:meth:`choose`, priced against ``slo`` (None: ``controller.slo``), and placed only
+        where it leaves ``room`` (:class:`~narwhal.router.placement.Room`; None: anywhere).
+
+        Raises:
+            NoCapacity: no pair meets the targets (or leaves that room).
+            NoEngine: no engine of a role is left.
+        """
+        if slo is None and room is None:
+            return self.choose(prompt_tokens, max_tokens, **kwargs)
+        saved = self.slo
+        self.slo = slo if slo is not None else saved
+        self.room = room
+        try:  # (synchronous: no other request is priced meanwhile)
+            return self.choose(prompt_tokens, max_tokens, **kwargs)
+        finally:
+            self.slo = saved
+            self.room = None
+
+    def _crowds(self, room: Room, producer: Quote, consumer: Quote, handoff_s: float) -> bool:
+        """Whether placing the request on this pair would not leave ``room``: the producer's
+        queue with it past :data:`YIELD_SHARE` of the TTFT target of the classes above, or
+        (``hold``) more than its own prefill queued ahead of it; the consumer's TPOT with it
+        past their TPOT target."""
+        own = producer.own_s * self.ttft_correction[producer.engine]
+        queued = producer.predicted_s - producer.elapsed_s  # its queue and its own prefill
+        if room.ttft_s is not None and queued + handoff_s > YIELD_SHARE * room.ttft_s:
+            return True
+        if room.hold and queued - own > own:
+            return True
+        return room.tpot_s is not None and consumer.predicted_s > room.tpot_s
+
+    async def wait_capacity(self) -> None:
+        """Wait until capacity may have changed (a reservation ended, the fleet or the
+        others' load changed)."""
+        await self._capacity.wait()
 
     def bind(self, name: str, profile: EngineProfile) -> None:
         """Price engine ``name`` by ``profile`` (bound to the generation running now).
@@ -813,6 +866,12 @@ class PricedPlacement(Placement):
         self.queues.remove_engine(name)
 
 
+#: The share of the TTFT target of the classes above that a request of a lower class may
+#: leave queued on a producer (:meth:`PricedPlacement._crowds`): an arrival of those
+#: classes still finds room for its own prefill within its target.
+YIELD_SHARE: Final = 0.5
+
+
 class _NoCapacity(Exception):
     """No pair meets the SLO; ``deferrable``: the request itself would, but would make
     the prompts waiting for the producer's next step late (it can wait for that step)."""
@@ -826,3 +885,7 @@ class _NoCapacity(Exception):
         self.deferrable = deferrable
         #: The placement's explanation (:func:`narwhal.router.choice.explain`, when called).
         self.account = account
+
+
+#: No pair meets a request's targets now (raised by :meth:`PricedPlacement.choose_for`).
+NoCapacity = _NoCapacity

@@ -24,7 +24,6 @@ from narwhal.errors import (
     EngineHTTPError,
     NarwhalError,
     Unsupported,
-    caused,
 )
 
 __all__ = [
@@ -147,9 +146,9 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise caused(BadRequest("request body is not valid JSON", code="invalid_json"), None)
+        raise BadRequest("request body is not valid JSON", code="invalid_json") from None
     except RecursionError:
-        raise caused(_too_deep(), None)
+        raise _too_deep() from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     if _deeper_than(body, MAX_BODY_DEPTH):

@@ -30,6 +30,7 @@ from narwhal.router.pricing import PricedPlacement
 from narwhal.router.probe import probe_at_start, run_probes
 from narwhal.router.replicate import PrefixReplicator
 from narwhal.router.state import RouterState
+from narwhal.router.store import SharedLimits
 from narwhal.tracing import Tracing, open_tracing
 
 __all__ = ["Prepare", "Router", "open_router"]
@@ -183,6 +184,8 @@ async def open_router(
         tracing = open_tracing(config.tracing)
     state = RouterState(config, transport=transport, journal=journal, profiles=profiles)
     state.tracing = tracing
+    if config.tenancy is not None and config.tenancy.store is not None:
+        state.admission.use_store(SharedLimits(config.tenancy.store))
     limits = server_limits(config)
     app = RouterApp(state)
     server = HTTPServer(app, limits, server_name="narwhal")
@@ -197,6 +200,7 @@ async def open_router(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(state.journal.run)
+            await nursery.start(state.admission.run)
             await nursery.start(run_probes, state)
             await probe_at_start(state)
             if config.server.engine_load_poll_s > 0:
@@ -254,6 +258,8 @@ async def open_router(
     finally:
         try:
             await state.aclose()
+            if state.admission.store is not None:
+                await state.admission.store.aclose()
         finally:
             if tracing is not None:
                 await tracing.aclose()

@@ -18,6 +18,7 @@ from narwhal.engines.connector import RequestKind
 from narwhal.engines.kvevents import KVEventSubscriber
 from narwhal.errors import BadRequest, EngineError, NotFound
 from narwhal.profile.store import Profiles
+from narwhal.router.admission import Admission
 from narwhal.router.breaker import Breaker
 from narwhal.router.cachecal import CacheCalibration
 from narwhal.router.cacheplan import CachePlan
@@ -159,6 +160,8 @@ class RouterState:
         self.phase_errors: dict[str, str] = {}
         #: Spans of requests and probes (None: tracing is off); set by the router.
         self.tracing: Tracing | None = None
+        #: Tenants, classes, limits and the wait queue (the router sets its store).
+        self.admission = Admission(config, self.placement, clock=clock)
 
     def _client(self, e: EngineConfig) -> EngineClient:
         return EngineClient(

@@ -117,6 +117,7 @@ class _Job:
 
     def output(self) -> OutputText:
         return OutputText(self.stop, include_stop=self.include_stop)
+    priority: int = 0
 
 
 class SimApp:
@@ -287,6 +288,11 @@ class SimApp:
                 "completion). Please reduce the length of the messages or completion.",
                 param="input_tokens",
             )
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise SimError(400, "priority must be an integer", param="priority")
+        if priority != 0 and self.engine.sim.scheduling_policy != "priority":
+            raise SimError(400, f"Got priority {priority} but Priority scheduling is not enabled.", param="priority")
         options = body.get("stream_options")
         kv = body.get("kv_transfer_params")
         stop = body.get("stop")
@@ -312,6 +318,7 @@ class SimApp:
             stop=stops,
             include_stop=body.get("include_stop_str_in_output") is True,
             logprobs=logprobs,
+            priority=priority,
         )
 
     # ------------------------------------------------------------ generation
@@ -354,6 +361,7 @@ class SimApp:
             request_id=f"{job.response_id}-0-{engine.random_hex(8)}",
             kv_transfer_params=job.kv_transfer_params,
             extra_transfer_delay_s=slow.delay_s if slow is not None else 0.0,
+            priority=job.priority,
         )
         async with engine.generate(params) as gen:
             if not job.stream:

@@ -62,6 +62,7 @@ class GenerateParams:
         request_id: The engine's internal request id (a descriptor's ``remote_request_id``).
         kv_transfer_params: The request's ``kv_transfer_params``, if any.
         extra_transfer_delay_s: Added to a consumer's KV transfer (``slow_transfer``).
+        priority: The request's ``priority`` (lower first under the ``priority`` policy).
     """
 
     prompt_ids: tuple[int, ...]
@@ -69,6 +70,7 @@ class GenerateParams:
     request_id: str
     kv_transfer_params: Mapping[str, Any] | None = None
     extra_transfer_delay_s: float = 0.0
+    priority: int = 0
 
 
 @attrs.frozen
@@ -316,7 +318,13 @@ class Scheduler:
             seq.token_ids = list(seq.params.prompt_ids)
             seq.hashes = block_hashes(seq.token_ids, self.sim.block_size, self._root)
         self._live.add(seq)
-        self._waiting.append(seq)
+        waiting = self._waiting
+        if self.sim.scheduling_policy == "priority" and waiting and waiting[-1].params.priority > seq.params.priority:
+            # vLLM's priority queue: lower priority first, then arrival.
+            at = next(i for i, other in enumerate(waiting) if other.params.priority > seq.params.priority)
+            waiting.insert(at, seq)
+        else:
+            waiting.append(seq)
         self.refresh()
         self._wake.set()
 

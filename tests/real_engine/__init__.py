@@ -8,8 +8,7 @@ with a pair from ``tools/vllm-cpu/`` (see ``docs/real-engines.md``)::
     NARWHAL_VLLM_PAIR=<run dir> python3 -m pytest -m real_engine tests/real_engine
     bash tools/vllm-cpu/stop_pair.sh
 
-Modules run in this order: serving, transfer, then faults (which kill engines and
-restart them); ``conftest.py`` enforces it. The real-engine parts of ``narwhal
-profile``, ``narwhal check`` and ``narwhal bench`` belong here too, as
-``test_profile.py``, ``test_check.py`` and ``test_bench.py``, once those commands exist.
+Modules run in the order ``conftest.py`` sets: serving, transfer, profile/check/bench,
+prefix placement and tracing first; then resumes (which kill the consumer and restart
+it), the cache plan, and last the faults (which kill engines).
 """

@@ -31,6 +31,7 @@ _ORDER = (
     "test_transfer",
     "test_profile_check_bench",
     "test_prefix_pair",
+    "test_tracing",
     "test_resume",
     "test_cache_plan_pair",
     "test_faults",
@@ -38,9 +39,10 @@ _ORDER = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Serving, transfer, profile/check/bench, prefix placement, the cache plan, then
-    the tests that kill engines: resumes (which restart the consumer they kill), then
-    the faults."""
+    """Serving, transfer, profile/check/bench, prefix placement, tracing, then the
+    tests that kill engines: resumes (which restart the consumer they kill), the cache
+    plan (which needs both engines up again), then the faults. A module not named here
+    runs last, after the faults: name every module that needs both engines alive."""
 
     def rank(item: pytest.Item) -> int:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""

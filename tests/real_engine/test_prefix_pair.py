@@ -282,10 +282,21 @@ def _profile(fleet: dict[str, Any], work: Path, block_size: int) -> Path:
 
 @pytest.fixture(scope="module")
 def rig(pair: RealPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    yield from open_rig(pair, tmp_path_factory)
+
+
+def open_rig(
+    pair: RealPair, tmp_path_factory: pytest.TempPathFactory, controller: dict[str, Any] | None = None
+) -> Iterator[Rig]:
+    """The rig of a module: the pair profiled, a router on it with both engines'
+    views followed from their events; ``controller`` is merged into the fleet
+    document's ``controller`` section (what the module is about)."""
     if not all(e.get("kv_events") for e in pair.fleet["engines"]):
         pytest.skip("the pair publishes no KV events (started with pair.py --no-kv-events)")
     work = tmp_path_factory.mktemp("prefix-pair")
     doc = copy.deepcopy(pair.fleet)
+    if controller:
+        doc["controller"] = {**doc.get("controller", {}), **controller}
     doc["journal"] = {"path": str(work / "profile-journal.jsonl"), "fsync": False}
     for engine in doc["engines"]:
         if engine["name"] == "consumer":

@@ -435,6 +435,9 @@ def engine_spec(
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
         *kv_events_args(events),
         *tracing_args(role, traces)[0],
+        # vLLM's render endpoints (/v1/completions/render, ...): vllm-router's kv_aware
+        # and cache_aware policies call them on every request.
+        *(["--enable-scale-out"] if args.enable_scale_out else []),
     ]  # fmt: skip
     env = {
         # NIXL's UCX progress thread sleeps on its event descriptors instead of polling
@@ -734,6 +737,13 @@ def build_parser() -> argparse.ArgumentParser:
         "over OTLP/HTTP to URL (its full /v1/traces URL); auto: to a free loopback port, "
         "recorded in pair.json, when the venv has OpenTelemetry (the real-engine tracing "
         "test listens there); default off",
+    )
+    start.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="register vLLM's scale-out endpoints (/v1/completions/render and the others) "
+        "on both engines: vllm-router's kv_aware and cache_aware policies call them "
+        "(tools/bench_overhead_real.py compares against kv_aware)",
     )
     for role in ROLES:
         start.add_argument(
