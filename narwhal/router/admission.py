@@ -190,8 +190,9 @@ class Admission:
         self.processes = tenancy.replicas if tenancy is not None else 1
         self.request_timeout_s = config.engine.request_timeout_s
         self._default = Ticket(None, self.tenancy.default_class)
-        now = self.clock()
-        for name, spec in self.tenancy.tenants.items():
+        tenants = self.tenancy.tenants
+        now = self.clock() if tenants else 0.0  # (a router without tenants is built outside trio too)
+        for name, spec in tenants.items():
             st = self._tenants.setdefault(name, _TenantState())
             lim = _share(spec.limits, self.processes)
             st.requests = _rebucket(st.requests, lim.requests_per_s, lim.burst_s, now)
