@@ -335,18 +335,17 @@ class PlacementView:
         # The leading hits, from the chain (a block cached here is alive: nothing to check
         # but whether a request holds it already).
         blocks = list(chain[: count_held(chain[: min(known, hits)], cached)])
-        for cid in blocks:
-            n = held.get(cid)
+        for lead in blocks:
+            n = held.get(lead)
             if n is None:
-                del free[cid]
-                held[cid] = 1
+                del free[lead]
+                held[lead] = 1
             else:
-                held[cid] = n + 1
+                held[lead] = n + 1
         parent = blocks[-1] if blocks else 0
         fresh = full  # where a block no view holds begins the prompt's own blocks
         for i in range(len(blocks), full):
             cid: int | None = None
-            block: tuple[int, ...] | None = None
             if i < known:
                 cid = chain[i]  # looked up already: not sliced again
                 if cid not in alive:
@@ -379,13 +378,13 @@ class PlacementView:
             parent = cid
         # From a block no view holds on, every block is new (nothing is interned under a
         # new id): taken and interned without looking it up.
-        for block in zip(*[iter(ids[fresh * bs : full * bs])] * bs):
+        for own in zip(*[iter(ids[fresh * bs : full * bs])] * bs, strict=False):  # (whole blocks: a multiple of bs)
             take()
-            cid = chains.acquire(parent, block)
-            cached.add(cid)
-            held[cid] = 1
-            blocks.append(cid)
-            parent = cid
+            new = chains.acquire(parent, own)
+            cached.add(new)
+            held[new] = 1
+            blocks.append(new)
+            parent = new
         anon = -(-(len(ids) + extra_tokens) // bs) - full
         for _ in range(anon):
             self._take()

@@ -180,7 +180,7 @@ class Chains:
         parent = 0
         get = self._ids.get
         tokens = iter(ids[: limit * block_size])
-        for block in zip(*[tokens] * block_size):  # the blocks' tuples, made in C
+        for block in zip(*[tokens] * block_size, strict=False):  # the blocks' tuples, made in C
             cid = get((parent, block))
             if cid is None:
                 break
