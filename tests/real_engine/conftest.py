@@ -30,6 +30,7 @@ _ORDER = (
     "test_serving",
     "test_transfer",
     "test_profile_check_bench",
+    "test_prefix_cache",
     "test_prefix_pair",
     "test_tracing",
     "test_resume",
@@ -39,7 +40,7 @@ _ORDER = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Serving, transfer, profile/check/bench, prefix placement, tracing, then the
+    """Serving, transfer, profile/check/bench, the prefix view and placement, tracing, then the
     tests that kill engines: resumes (which restart the consumer they kill), the cache
     plan (which needs both engines up again), then the faults. A module not named here
     runs last, after the faults: name every module that needs both engines alive."""
