@@ -184,10 +184,8 @@ class Groups:
         tails = self._tails
         found: Group | _NewSession | None = None
         key_of = self.chains.tail_key
-        at = self._tail_at
-        for j in range(len(chain) - 1, max(len(chain) - TAIL_WINDOW, 0) - 1, -1):
-            if j not in at:
-                continue
+        window = range(len(chain) - 1, max(len(chain) - TAIL_WINDOW, 0) - 1, -1)
+        for j in filter(self._tail_at.__contains__, window):  # only where an earlier prompt ended
             entry = tails.get((j, key_of(chain[j])))
             if entry is not None:
                 found = entry[0]

@@ -204,9 +204,10 @@ class CachePlan:
             self.grouping.touch(group)
             decay = math.exp(-(now - group.last) / RATE_S)
             group.count = group.count * decay + 1.0
-            for p, n in list(group.placed_on.items()):
-                group.placed_on[p] = n * decay
-            group.placed_on[producer] = group.placed_on.get(producer, 0.0) + 1.0
+            placed_on = group.placed_on
+            for p in placed_on:
+                placed_on[p] *= decay
+            placed_on[producer] = placed_on.get(producer, 0.0) + 1.0
             group.last = now
             group.turns += 1
             group.tokens = prompt_tokens if group.count <= 1.0 else group.tokens + 0.2 * (prompt_tokens - group.tokens)

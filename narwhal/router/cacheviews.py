@@ -78,6 +78,8 @@ class EventView:
         self.ignored = 0
         #: Blocks evicted because the view passed the engine's capacity (lost removals).
         self.overflow_evicted = 0
+        #: Changes whenever the chain ids it holds may have (a counted hit is then stale).
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -91,6 +93,7 @@ class EventView:
         return cap + max(EVENT_SLACK_BLOCKS, int(cap * EVENT_SLACK))
 
     def clear(self) -> None:
+        self.version += 1
         for cid, count in self._held.items():
             for _ in range(count):
                 self.chains.release(cid)
@@ -101,6 +104,7 @@ class EventView:
 
     def apply(self, batch: EventBatch) -> None:
         """Apply one batch of events, in order; then evict past the bound, if any."""
+        self.version += 1
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(event)
@@ -247,6 +251,8 @@ class PlacementView:
         self._generation = 0
         #: Blocks taken while none was free (the engine would have made the request wait).
         self.overcommitted = 0
+        #: Changes whenever the chain ids it caches may have (a counted hit is then stale).
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._cached)
@@ -267,6 +273,7 @@ class PlacementView:
         return len(self._held) + self._anon_held
 
     def clear(self) -> None:
+        self.version += 1
         for cid in self._cached:
             self.chains.release(cid)
         self._cached.clear()
@@ -291,6 +298,7 @@ class PlacementView:
 
     def _trim(self) -> None:
         """Evict from the free queue's front while the view holds more than its capacity."""
+        self.version += 1
         free = self._free
         while free and self._blank + len(free) + len(self._held) + self._anon_held > self._capacity:
             key, _ = free.popitem(last=False)
@@ -301,6 +309,7 @@ class PlacementView:
     def seed(self, cids: Sequence[int]) -> None:
         """Cache the blocks ``cids`` (ids of this view's :class:`Chains`), free, least
         recent first, within the capacity."""
+        self.version += 1
         for cid in cids:
             if cid not in self._cached:
                 self._take()
@@ -314,19 +323,29 @@ class PlacementView:
         it hits the leading blocks cached here and takes new blocks for the rest; it
         holds them until :meth:`release`. ``chain``: the chain ids of its leading blocks,
         when known (their tokens are then not sliced again)."""
+        self.version += 1
         bs = self.block_size
         chains, cached, held, free = self.chains, self._cached, self._held, self._free
         alive = chains.ids()
         take = self._take
-        blocks: list[int] = []
         hits = max(len(ids) - 1, 0) // bs  # the last prompt token is always computed
         copies = 0
         full = len(ids) // bs
         known = min(len(chain), full)
-        parent = 0
-        for i in range(full):
+        # The leading hits, from the chain (a block cached here is alive: nothing to check
+        # but whether a request holds it already).
+        blocks = list(chain[: count_held(chain[: min(known, hits)], cached)])
+        for lead in blocks:
+            n = held.get(lead)
+            if n is None:
+                del free[lead]
+                held[lead] = 1
+            else:
+                held[lead] = n + 1
+        parent = blocks[-1] if blocks else 0
+        fresh = full  # where a block no view holds begins the prompt's own blocks
+        for i in range(len(blocks), full):
             cid: int | None = None
-            block: tuple[int, ...] | None = None
             if i < known:
                 cid = chain[i]  # looked up already: not sliced again
                 if cid not in alive:
@@ -334,7 +353,10 @@ class PlacementView:
             if cid is None:
                 block = tuple(ids[i * bs : (i + 1) * bs])
                 cid = chains.find(parent, block)
-            if cid is not None and cid in cached:
+                if cid is None:
+                    fresh = i
+                    break
+            if cid in cached:
                 if i >= hits:
                     # Computed again past a miss (or as the last token's block): vLLM
                     # caches a copy, which no prompt hits while this one is cached.
@@ -349,15 +371,20 @@ class PlacementView:
             else:
                 hits = min(hits, i)  # a miss: every block after it is computed
                 take()
-                if block is not None:
-                    cid = chains.acquire(parent, block)
-                else:
-                    assert cid is not None  # (its id came from the chain)
-                    chains.hold(cid)
+                chains.hold(cid)
                 cached.add(cid)
                 held[cid] = 1
             blocks.append(cid)
             parent = cid
+        # From a block no view holds on, every block is new (nothing is interned under a
+        # new id): taken and interned without looking it up.
+        for own in zip(*[iter(ids[fresh * bs : full * bs])] * bs, strict=False):  # (whole blocks: a multiple of bs)
+            take()
+            new = chains.acquire(parent, own)
+            cached.add(new)
+            held[new] = 1
+            blocks.append(new)
+            parent = new
         anon = -(-(len(ids) + extra_tokens) // bs) - full
         for _ in range(anon):
             self._take()
@@ -375,11 +402,10 @@ class PlacementView:
         for _ in range(hold.anon):
             free[next(self._anon_keys)] = None
         for cid in reversed(hold.blocks):
-            n = held[cid] - 1
+            n = held.pop(cid) - 1
             if n:
                 held[cid] = n
             else:
-                del held[cid]
                 free[cid] = None
         self._trim()
 

@@ -33,13 +33,9 @@ def tail_key(parent: tuple[int, ...], block: tuple[int, ...]) -> int:
 
 
 def count_held(chain: Sequence[int], held: Container[int]) -> int:
-    """How many leading ids of ``chain`` are in ``held``."""
-    n = 0
-    for cid in chain:
-        if cid not in held:
-            break
-        n += 1
-    return n
+    """How many leading ids of ``chain`` are in ``held`` (the walk runs in C: every
+    engine's hit is one, on every placement)."""
+    return len(list(itertools.takewhile(held.__contains__, chain)))
 
 
 class Chains:
@@ -60,6 +56,8 @@ class Chains:
         self._refs: dict[int, int] = {}
         #: Per id (0: the root), how many ids are interned directly under it.
         self._children: dict[int, int] = {}
+        #: The ids (0: the root) with two children or more: where prompts part.
+        self._branches: set[int] = set()
         #: Per id, its :meth:`tail_key` once asked for.
         self._tail_keys: dict[int, int] = {}
         self._next = itertools.count(1)
@@ -82,7 +80,9 @@ class Chains:
             self.version += 1
             self._links[cid] = link
             self._refs[cid] = 0
-            self._children[parent] = self._children.get(parent, 0) + 1
+            children = self._children[parent] = self._children.get(parent, 0) + 1
+            if children == 2:
+                self._branches.add(parent)
             if parent:
                 self._refs[parent] += 1
         self._refs[cid] += 1
@@ -107,6 +107,8 @@ class Chains:
             left = self._children[parent] - 1
             if left:
                 self._children[parent] = left
+                if left == 1:
+                    self._branches.discard(parent)
             else:
                 del self._children[parent]
             cid = parent
@@ -153,14 +155,12 @@ class Chains:
         """
         if not chain:
             return 0
-        children = self._children
-        root = chain[0]
-        parent = root
-        for cid in chain[1:]:
-            if children.get(parent, 0) > 1:
-                root = cid
-            parent = cid
-        return root
+        branches = self._branches
+        if not branches.isdisjoint(chain[:-1]):  # (a test in C: most chains part at the root only)
+            for i in range(len(chain) - 2, -1, -1):
+                if chain[i] in branches:
+                    return chain[i + 1]
+        return chain[0]
 
     def content_key(self, cid: int) -> int:
         """A key for block ``cid`` that stays the same when its id is made again (its
@@ -179,8 +179,9 @@ class Chains:
         out: list[int] = []
         parent = 0
         get = self._ids.get
-        for i in range(0, limit * block_size, block_size):
-            cid = get((parent, tuple(ids[i : i + block_size])))
+        tokens = iter(ids[: limit * block_size])
+        for block in zip(*[tokens] * block_size, strict=False):  # the blocks' tuples, made in C
+            cid = get((parent, block))
             if cid is None:
                 break
             out.append(cid)

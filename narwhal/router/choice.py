@@ -48,6 +48,10 @@ from narwhal.router.quotes import Quote, quote_fields
 __all__ = ["ProducerChoice", "choose_producer", "explain"]
 
 
+def _no_hits(engine: str) -> int:
+    return 0
+
+
 @attrs.define
 class ProducerChoice:
     """The producer chosen for a request, the runner-up and why the others were not
@@ -112,8 +116,7 @@ def choose_producer(
                               target_s=target_s, handoff_s=handoff_s, bound=bound)  # fmt: skip
     target = target_s
 
-    names = [q.engine for q in quotes]
-    owners = plan.owners(ticket, names, cached or (lambda n: 0), prompt_tokens, target)
+    owners = plan.owners(ticket, [q.engine for q in quotes], cached or _no_hits, prompt_tokens, target)
     future = {q.engine: plan.future_s(ticket, q.engine, q.cached_tokens or 0) for q in quotes}
 
     def price(q: Quote) -> float:
@@ -123,11 +126,11 @@ def choose_producer(
         return not q.delays and bound(q) + handoff_s <= target and q.predicted_s + handoff_s <= within * target
 
     group = ticket.group
-    most = max((q.cached_tokens or 0 for q in quotes), default=0)
-    owner_quotes = [q for q in quotes if q.engine in owners]
     chosen: Quote | None = None
     rule = ""
+    owner_quotes = [q for q in quotes if q.engine in owners] if owners else []
     if group is not None and owner_quotes:
+        most = max([q.cached_tokens or 0 for q in quotes])
         if group.young() or ticket.new_session:  # placed where it should live while it is short and new
             taking = [q for q in owner_quotes if feasible(q, OWNER_WITHIN)]
             if taking:
@@ -140,7 +143,7 @@ def choose_producer(
                       if (q.cached_tokens or 0) >= SESSION_BEHIND * most and feasible(q, OWNER_WITHIN)]  # fmt: skip
             if taking:
                 chosen, rule = min(taking, key=price), "owner"
-        if chosen is None and all((q.cached_tokens or 0) < most for q in owner_quotes) and plan.remaining_turns(
+        if chosen is None and max([q.cached_tokens or 0 for q in owner_quotes]) < most and plan.remaining_turns(
                 group) >= 1.0:  # fmt: skip
             # It lives elsewhere: it moves home at low load, while a miss still meets the target.
             taking = [q for q in owner_quotes

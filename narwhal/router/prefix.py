@@ -80,8 +80,10 @@ class PromptLookup:
 
     The prompt's blocks are looked up in the index's :class:`Chains` once per block
     size (on the first engine asked), then each engine's answer is a walk over those
-    ids in a set. When the index has made or forgotten a chain id since (a placement
-    that waited for capacity asks again later), the chain is looked up again.
+    ids in a set, kept until the engine's view changes (pricing, the consumer's shared
+    blocks and the journal's predictions ask again). When the index has made or
+    forgotten a chain id since (a placement that waited for capacity asks again later),
+    the chain is looked up again.
     """
 
     def __init__(self, index: PrefixIndex, ids: Sequence[int]) -> None:
@@ -89,33 +91,40 @@ class PromptLookup:
         self.ids = ids
         self._chains: dict[int, list[int]] = {}
         self._version = index.chains.version
+        #: Per engine: its view and the view's version when counted, and the blocks held.
+        self._held: dict[str, tuple[EventView | PlacementView, int, int]] = {}
         self.lookups = 0
 
     def cached_tokens(self, engine: str) -> int:
         """Leading tokens of the prompt that ``engine`` would serve from its cache."""
-        priced = self._priced_view(engine)
-        if priced is None:
-            return 0
-        view, bs = priced
-        return view.held_blocks(self._chain(bs)) * bs
+        held = self._held_blocks(engine)
+        return 0 if held is None else held[1] * held[2]
 
     def held_chain(self, engine: str) -> tuple[Sequence[int], int]:
         """The chain ids of the prompt's leading blocks that ``engine``'s cache holds (as
         many as :meth:`cached_tokens` counts), and its block size (no ids and 0: its
         hits are not priced)."""
-        priced = self._priced_view(engine)
-        if priced is None:
+        held = self._held_blocks(engine)
+        if held is None:
             return (), 0
-        view, bs = priced
-        chain = self._chain(bs)
-        return chain[: view.held_blocks(chain)], bs
+        chain, n, bs = held
+        return chain[:n], bs
 
-    def _priced_view(self, engine: str) -> tuple[EventView | PlacementView, int] | None:
-        """``engine``'s view and block size, when its hits are priced and the size is known."""
-        view = self._index.view(engine)
-        if view is None or view.block_size is None or engine not in self._index.active:
+    def _held_blocks(self, engine: str) -> tuple[list[int], int, int] | None:
+        """The prompt's chain in ``engine``'s block size, how many of its leading blocks
+        ``engine``'s cache holds, and the size; None when its hits are not priced."""
+        index = self._index
+        view = index.view(engine)
+        if view is None or view.block_size is None or engine not in index.active:
             return None
-        return view, view.block_size
+        bs = view.block_size
+        chain = self._chain(bs)
+        known = self._held.get(engine)
+        if known is not None and known[0] is view and known[1] == view.version:
+            return chain, known[2], bs
+        n = view.held_blocks(chain)
+        self._held[engine] = (view, view.version, n)
+        return chain, n, bs
 
     def chain(self, bs: int) -> list[int]:
         """The prompt's leading chain ids in blocks of ``bs`` that some view holds (up to
@@ -127,6 +136,7 @@ class PromptLookup:
         chains = self._index.chains
         if chains.version != self._version:
             self._chains.clear()
+            self._held.clear()
             self._version = chains.version
         chain = self._chains.get(bs)
         if chain is None:

@@ -16,7 +16,7 @@ import attrs
 __all__ = ["CONSUMER_TIE", "Quote", "best_consumer", "quote_fields"]
 
 
-@attrs.frozen
+@attrs.define
 class Quote:
     """A candidate's price for one request.
 
@@ -24,6 +24,9 @@ class Quote:
     index was asked): on a producer quote what it need not compute, on a consumer quote
     what it need not pull. ``own_s`` (a producer's own prefill time) is set on producer
     quotes.
+
+    A value, never changed once made; not frozen only because every placement makes one
+    per candidate, and a frozen class's ``__init__`` costs several times as much.
     """
 
     engine: str
