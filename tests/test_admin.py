@@ -24,7 +24,7 @@ from narwhal.router.metrics import CONTENT_TYPE
 from .routerkit import Stack, engine, fleet_doc, open_stack
 
 ADMIN = ("127.0.0.1", 8001)
-BARE = ("bare-127.0.0.1", 8002)
+BARE = ("127.0.0.2", 8002)  # (a second admin surface: another loopback address)
 
 
 @asynccontextmanager
