@@ -90,8 +90,9 @@ with workers is measured against it on the same arrivals.
         --rates 24,32,40 --requests 600 --warmup-s 10 --routers narwhal-hit-aware,narwhal-priced-2-workers
 
 ``--quick`` is the CI form of any of these: one rate (4 requests/s unless ``--rates`` names
-others: the first of them), 30 requests a router; seconds. It exits 1 when a request fails (anything but a success or a refusal), a router
-serves no request, or a journal cannot be joined; never on a figure.
+others: the first of them), 30 requests a router; seconds. It exits 1 when a request
+fails (anything but a success or a refusal), a router serves no request, or a journal
+cannot be joined; never on a figure.
 
     python tools/bench_goodput.py --quick
     python tools/bench_goodput.py --quick --workload shared-prefix
@@ -447,7 +448,7 @@ def targets_met(routers: dict[str, Any], errors: dict[str, dict[str, dict[str, A
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="4,8,12,16,20")
+    parser.add_argument("--rates", help="offered request rates, comma-separated (default 4,8,12,16,20)")
     parser.add_argument("--requests", type=int, default=200, help="requests per rate and router")
     parser.add_argument("--out", default="runs/goodput.json")
     parser.add_argument("--vllm-router", help="path of the vllm-router executable")
@@ -488,9 +489,8 @@ def main() -> int:
                         help="the CI form: one rate (4/s, or the first of --rates), 30 requests")
     args = parser.parse_args()
     if args.quick:
-        given = [a for a in sys.argv[1:] if a == "--rates" or a.startswith("--rates=")]
-        args.rates = args.rates.split(",")[0] if given else "4"
-        args.requests = 30
+        args.rates, args.requests = (args.rates or "4").split(",")[0], 30
+    args.rates = args.rates or "4,8,12,16,20"
     if args.warmup_s < 0 or (args.warmup_s and args.workload == "uniform"):
         parser.error("--warmup-s takes S >= 0 seconds, with the shared-prefix or sessions workload")
     if args.chunked_prefill is not None and args.chunked_prefill < 1:

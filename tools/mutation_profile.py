@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out, "mutation-profile.json").write_text(json.dumps(rows, indent=1) + "\n")
     failed = [f"{r['module']}: mutmut run exited {r['mutmut_rc']}" for r in rows if r["mutmut_rc"]]
     failed += [f"{r['module']}: no mutant checked" for r in rows
-               if not r["mutmut_rc"] and not int(r["killed"]) + int(r["survived"])]  # type: ignore[call-overload]  # fmt: skip
+               if not r["mutmut_rc"] and not int(r["killed"]) + int(r["survived"]) + int(r["no_tests"])]  # type: ignore[call-overload]  # fmt: skip
     for line in failed:
         print(f"FAILED: {line}", file=sys.stderr)
     return 1 if failed else 0
