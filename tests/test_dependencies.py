@@ -18,7 +18,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The tools that run the suite and CI's checks: their releases change what passes.
-BOUNDED = ("pytest", "pytest-trio", "hypothesis", "mypy", "ruff")
+BOUNDED = ("pytest", "pytest-trio", "hypothesis", "mypy", "ruff", "mutmut")
 
 
 def _test_extra() -> dict[str, Requirement]:

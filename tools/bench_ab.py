@@ -22,6 +22,11 @@ the cost of tracing on against off, in one run (docs/benchmarks.md, "Tracing")::
 
     python tools/bench_ab.py --a . --otlp-sink --env-b OTEL_TRACES_EXPORTER=otlp \
         --env-b OTEL_EXPORTER_OTLP_ENDPOINT={otlp_sink}
+
+``--quick`` is the CI form (concurrency 1 and 16, 16 and 64 tokens, two rounds of 40
+requests; seconds). A request that fails makes the exit status 1, in any form (after the
+figures are printed), and so does a sink named in ``--env-a`` / ``--env-b`` that received
+no export; a figure never does.
 """
 
 from __future__ import annotations
@@ -94,7 +99,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", default="16",
                         help="output tokens per request (256 weighs the per-token path); two values, "
                              "e.g. 16,256, also give per-token CPU")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI form: concurrency 1,16, 16 and 64 tokens, 2 rounds of 40 requests")
     args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.max_tokens, args.rounds, args.requests = "1,16", "16,64", 2, 40
     token_counts = [int(x) for x in args.max_tokens.split(",")]
     if len(token_counts) > 2:
         raise SystemExit("--max-tokens takes one or two values")
@@ -108,6 +117,7 @@ def main() -> int:
         url = f"http://127.0.0.1:{sink.server_address[1]}"
         envs = {side: {k: v.replace("{otlp_sink}", url) for k, v in env.items()} for side, env in envs.items()}
 
+    failed: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-ab-"))
     ports = {k: free_port() for k in ("p", "d", "pkv", "dkv", "A", "A-admin", "B", "B-admin")}
     engines = pd_engines(ports)
@@ -132,7 +142,10 @@ def main() -> int:
             )  # fmt: skip
             procs.append(proc)
             pids[side] = proc.pid
-            wait_http(f"http://127.0.0.1:{ports[side]}/health")
+            try:
+                wait_http(f"http://127.0.0.1:{ports[side]}/health", proc=proc)
+            except RuntimeError as exc:
+                raise SystemExit(f"router {side}: {exc}; its log:\n{(tmp / f'{side}.log').read_text()[-3000:]}") from None
         print(f"A: {checkouts['A']} {envs['A'] or ''}\nB: {checkouts['B']} {envs['B'] or ''}")
         for c in (int(x) for x in args.concurrency.split(",")):
             medians: dict[str, list[float]] = {"A": [], "B": []}
@@ -145,6 +158,9 @@ def main() -> int:
                     for side in "AB" if r % 2 == 0 else "BA":
                         before = cpu_seconds(pids[side])
                         out = loadgen(f"http://127.0.0.1:{ports[side]}", c, args.requests, tokens)
+                        if out["errors"] or not out["requests"]:
+                            failed.append(f"{side} at c={c}, {tokens} tokens, round {r + 1}: {out['errors']} of "
+                                          f"{out['errors'] + out['requests']} requests failed")  # fmt: skip
                         cpu[side].append((cpu_seconds(pids[side]) - before) / max(out["requests"], 1) * 1e3)
                         ttft[side].append(pct(out["ttft_s"], 0.5) * 1e3)
                 a, b = statistics.median(cpu["A"]), statistics.median(cpu["B"])
@@ -166,7 +182,11 @@ def main() -> int:
         if sink is not None:
             sink.shutdown()
             print(f"OTLP sink: {_Sink.exports} exports, {_Sink.received} bytes", flush=True)
-    return 0
+            if not _Sink.exports and any("{otlp_sink}" in v for v in [*args.env_a, *args.env_b]):
+                failed.append("a router was told to export to the OTLP sink, and it received nothing")
+    for line in failed:
+        print(f"FAILED: {line} (logs in {tmp})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

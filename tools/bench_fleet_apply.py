@@ -33,8 +33,11 @@ Figures are wall-clock and follow the host; the ratios within one run are the fi
 to read.
 
     python tools/bench_fleet_apply.py                    # N = 100, 1000, 5000, put and dns
-    python tools/bench_fleet_apply.py --quick            # N = 100, 1000, put: seconds; exits 1
-                                                         # when per-engine cost grows 4x or more
+    python tools/bench_fleet_apply.py --quick            # N = 100, 1000, put: seconds (CI)
+
+Any form exits 1 when a request failed, or the N engines were not all in placement (or
+had not all left) within ``--limit-s``; never on a time or a ratio (a loaded machine
+moves them: how the work grows with N is counted in tests/test_fleet_scale.py).
 """
 
 from __future__ import annotations
@@ -315,12 +318,14 @@ async def main(args: argparse.Namespace) -> int:
           "time against the smallest N (1.0: linear). p50_x/max_x: request latency during the change over "
           "before it; after_x: p50 with the N in placement over before. stall_ms: the event loop's longest "
           "pause while adding (leave_stall: while removing).")  # fmt: skip
-    worst = max((r["ready_s"] / r["engines"] for r in results), default=0.0)
-    best = min((r["ready_s"] / r["engines"] for r in results), default=1.0)
-    if args.quick and (worst / best >= 4.0 or any(r["failed"] for r in results)):
-        print(f"FAIL: per-engine apply cost grew {worst / best:.1f}x over the sizes (or requests failed)")
-        return 1
-    return 0
+    failed = [f"{r['how']} {r['engines']}: {r['failed']} requests failed" for r in results if r["failed"]]
+    failed += [f"{r['how']} {r['engines']}: {what} not within {args.limit_s:g} s"
+               for r in results for key, what in (("ready_s", "the engines in placement"),
+                                                 ("gone_s", "the engines gone after the change back"))
+               if math.isinf(r[key])]  # fmt: skip
+    for line in failed:
+        print(f"FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -329,7 +334,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--how", default="put,dns", help="put, dns or both (default: %(default)s)")
     parser.add_argument("--limit-s", type=float, default=300.0, help="give up on a size after this long")
     parser.add_argument("--base-s", type=float, default=1.0, help="seconds of traffic measured before and after")
-    parser.add_argument("--quick", action="store_true", help="N = 100 and 1000, put only: seconds (for CI)")
+    parser.add_argument("--quick", action="store_true", help="N = 100 and 1000, put only: seconds (CI)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.quick:

@@ -88,6 +88,14 @@ with workers is measured against it on the same arrivals.
     python tools/bench_goodput.py --workers 2 --rates 4,8,12,16 --requests 120
     python tools/bench_goodput.py --workers 2 --workload shared-prefix --chunked-prefill 2048 \
         --rates 24,32,40 --requests 600 --warmup-s 10 --routers narwhal-hit-aware,narwhal-priced-2-workers
+
+``--quick`` is the CI form of any of these: one rate (4 requests/s unless ``--rates`` names
+others: the first of them), 30 requests a router; seconds. It exits 1 when a request
+fails (anything but a success or a refusal), a router serves no request, or a journal
+cannot be joined; never on a figure.
+
+    python tools/bench_goodput.py --quick
+    python tools/bench_goodput.py --quick --workload shared-prefix
 """
 
 from __future__ import annotations
@@ -440,7 +448,7 @@ def targets_met(routers: dict[str, Any], errors: dict[str, dict[str, dict[str, A
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="4,8,12,16,20")
+    parser.add_argument("--rates", help="offered request rates, comma-separated (default 4,8,12,16,20)")
     parser.add_argument("--requests", type=int, default=200, help="requests per rate and router")
     parser.add_argument("--out", default="runs/goodput.json")
     parser.add_argument("--vllm-router", help="path of the vllm-router executable")
@@ -477,7 +485,12 @@ def main() -> int:
     parser.add_argument("--warmup-s", type=float, default=0.0,
                         help="leave the requests of each run's first S seconds unscored, every router alike "
                              "(shared-prefix, sessions); both figures are reported")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI form: one rate (4/s, or the first of --rates), 30 requests")
     args = parser.parse_args()
+    if args.quick:
+        args.rates, args.requests = (args.rates or "4").split(",")[0], 30
+    args.rates = args.rates or "4,8,12,16,20"
     if args.warmup_s < 0 or (args.warmup_s and args.workload == "uniform"):
         parser.error("--warmup-s takes S >= 0 seconds, with the shared-prefix or sessions workload")
     if args.chunked_prefill is not None and args.chunked_prefill < 1:
@@ -531,7 +544,7 @@ def main() -> int:
     try:
         procs.append(start(narwhal("sim", "--fleet", str(tmp / "sim.json")), tmp / "sim.log"))
         for e in engines:
-            wait_http(e["url"] + "/health")
+            wait_http(e["url"] + "/health", proc=procs[0])
         profiles = tmp / "profiles.json"
         print("profiling the fleet (narwhal profile) ...", file=sys.stderr, flush=True)
         profiled = subprocess.run(
@@ -604,7 +617,7 @@ def main() -> int:
                 if name == "narwhal-today":  # the other tree's narwhal, in a fresh interpreter
                     serve = ["env", f"PYTHONPATH={Path(args.baseline).resolve()}", *serve]
                 procs.append(start(serve, tmp / f"{name}-{i}.log"))
-                wait_http(f"http://127.0.0.1:{port}/health")
+                wait_http(f"http://127.0.0.1:{port}/health", proc=procs[-1])
         urls = {name: [f"http://127.0.0.1:{port}" for _, port in processes] for name, processes in targets.items()}
         policies = {"vllm-router": ("round_robin", "vr")}
         if shared:
@@ -623,7 +636,7 @@ def main() -> int:
             for d in consumer_engines:
                 cmd += ["--decode", d["url"]]
             procs.append(start(cmd, tmp / f"{label}.log"))
-            wait_http(f"http://127.0.0.1:{ports[key]}/health")
+            wait_http(f"http://127.0.0.1:{ports[key]}/health", proc=procs[-1])
             urls[label] = [f"http://127.0.0.1:{ports[key]}"]
         producers = [e["url"] for e in producer_engines]
         capacity = {e["name"]: e["sim"].get("kv_capacity_tokens", 262144) for e in producer_engines}
@@ -684,6 +697,7 @@ def main() -> int:
     # journals are complete once the routers stopped).
     errors: dict[str, dict[str, dict[str, Any]]] = {}
     ratios: dict[str, list[float]] = {}
+    unjoined: list[str] = []
     for name, points in results.items():
         journal = journals.get(name)
         if journal is None or not journal.exists():
@@ -696,6 +710,9 @@ def main() -> int:
             if joined.returncode == 0 and path.exists():
                 lines = path.read_text().splitlines()
                 rows += [r for r in map(json.loads, lines) if r["client_class"] == "ok" and r["router_class"] == "ok"]
+            else:
+                unjoined.append(f"{name} at {point['rate']:g}/s: narwhal bench join failed ({joined.returncode}): "
+                                f"{joined.stderr.decode(errors='replace')[-500:]}")  # fmt: skip
         errors[name] = prediction_by_producer(rows)
         ratios[name] = [r["router_ttft_s"] / r["predicted_ttft_s"] for r in rows
                         if r.get("predicted_ttft_s") and r.get("router_ttft_s")]  # fmt: skip
@@ -808,7 +825,15 @@ def main() -> int:
     except ImportError:
         pass
     print(f"written to {out}")
-    return 0
+    if not args.quick:
+        return 0
+    # The CI form: at its low rate every request succeeds or is refused by the policy.
+    failed = [f"{name} at {p['rate']:g}/s: " + ", ".join(f"{k} {v}" for k, v in p["by_class"].items())
+              for name, data in routers.items() for p in data["points"]
+              if set(p["by_class"]) - {"ok", "refused"} or not p["by_class"].get("ok")]  # fmt: skip
+    for line in failed + unjoined:
+        print(f"FAILED: {line}", file=sys.stderr)
+    return 1 if failed or unjoined else 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ machine's load touches all targets alike. It prints ratios against (a) and (c), 
 and vllm-router's CPU against the floor's, a verdict for each of the performance targets, and writes everything as JSON.
 
     python tools/bench_overhead.py --out runs/bench_overhead.json
+
+``--quick`` is the CI form (concurrency 1 and 16, one round of 40 requests, 64 tokens for
+the per-token run; seconds): every target and the floor on the same path, and the exit
+status 1 when a target's requests fail, never on a figure. Outside ``--quick`` too a
+request that fails makes the exit status 1 (the figures are written first).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ def start_sims(engines: list[dict[str, Any]], tmp: Path) -> subprocess.Popen[byt
     sims = start([sys.executable, "-m", "narwhal", "--log-level", "WARNING", "sim", "--fleet", str(tmp / "sim.json")],
                  tmp / "sim.log")  # fmt: skip
     for engine in engines:
-        wait_http(f"{engine['url']}/health")
+        wait_http(f"{engine['url']}/health", proc=sims)
     return sims
 
 
@@ -213,7 +218,7 @@ def start_narwhal(
     print(f"  {name}: {build} ({loaded}), {workers} worker(s)", file=sys.stderr, flush=True)
     proc = start(serve_cmd, tmp / f"{name}.log", env=env, cwd=cwd, new_session=new_session)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health")
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
     except RuntimeError:
         stop(proc)
         raise SystemExit(f"{name} did not come up; its log:\n{(tmp / f'{name}.log').read_text()[-3000:]}") from None
@@ -233,7 +238,7 @@ def start_vllm_router(
                   # its metrics listener defaults to a fixed port: one of our own
                   "--prometheus-port", str(free_port()), *(extra or [])], log, new_session=new_session)  # fmt: skip
     try:
-        wait_http(f"http://127.0.0.1:{port}/health")
+        wait_http(f"http://127.0.0.1:{port}/health", proc=proc)
     except RuntimeError:
         stop(proc)
         raise SystemExit(f"vllm-router ({policy}) did not come up; its log:\n{log.read_text()[-3000:]}") from None
@@ -256,7 +261,11 @@ def main() -> int:
                         help="leave out (d), the floor: tools/floor_relay.py")
     parser.add_argument("--rounds", type=int, default=3,
                         help="measurements per target and level, interleaved; figures are their medians")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI form: concurrency 1,16, one round of 40 requests, 64-token per-token run")
     args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.requests, args.rounds, args.long_tokens = "1,16", 40, 1, 64
     levels = [int(c) for c in args.concurrency.split(",")]
     vr = args.vllm_router or shutil.which("vllm-router")
 
@@ -266,6 +275,7 @@ def main() -> int:
     builds = [parse_build(spec) for spec in args.narwhal] or [("narwhal", None, args.workers)]
     procs: list[subprocess.Popen[bytes]] = []
     rows: list[dict[str, Any]] = []
+    token_rows: list[dict[str, Any]] = []  # the per-token runs' (not in the table)
     build_of: dict[str, str] = {}
     try:
         procs.append(start_sims(engines, tmp))
@@ -309,6 +319,7 @@ def main() -> int:
                     continue
                 short = measure(name, url, pid, 16, args.requests // 2, args.max_tokens)
                 long = measure(name, url, pid, 16, args.requests // 2, args.long_tokens)
+                token_rows += [short, long]
                 samples[name].append((long["router_cpu_ms_per_request"] - short["router_cpu_ms_per_request"])
                                      * 1e3 / (args.long_tokens - args.max_tokens))
         per_token = {name: statistics.median(values) for name, values in samples.items()}
@@ -324,7 +335,12 @@ def main() -> int:
                                                      for name, tree, workers in builds}}, indent=2))
     print_table(rows, per_token, report)
     print(f"\nwritten to {args.out}")
-    return 0
+    failed = [f"{r['target']} at c={r['concurrency']}: {r['errors']} of {r['errors'] + r['requests']} requests failed"
+              for r in rows if r["errors"] or not r["requests"]]  # fmt: skip
+    failed += [f"{r['target']} per-token run: {r['errors']} requests failed" for r in token_rows if r["errors"]]
+    for line in failed:
+        print(f"FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def parse_build(spec: str) -> tuple[str, str | None, int]:

@@ -18,6 +18,10 @@ over the rounds, so a change in the machine's load touches both alike; the ratio
 ``index / baseline`` is the figure to read (absolute microseconds follow the host).
 
     nice -n 19 python tools/bench_prefix_lookup.py --engines 1,2,4,8 --out runs/prefix_lookup.json
+
+``--quick`` is the CI form (1 and 4 engines, 50 unrelated prompts an engine, three rounds
+of 50 prompts; under a second): the answers are checked equal as in any run, and a
+difference makes the exit status 1; the figures never do.
 """
 
 from __future__ import annotations
@@ -103,7 +107,9 @@ def measure(engines: int, *, block_size: int, prefix_len: int, tail: int, histor
     asked = _prompts(rng, prefix, requests, tail)
     for ids in asked:  # both answer the same
         lookup = index.lookup(ids)
-        assert [lookup.cached_tokens(n) for n in names] == [baseline[n].cached_tokens(ids) for n in names]
+        got, want = [lookup.cached_tokens(n) for n in names], [baseline[n].cached_tokens(ids) for n in names]
+        if got != want:
+            raise SystemExit(f"the index answers {got} cached tokens, the baseline's walk {want} (engines {names})")
     hit = index.lookup(asked[0]).cached_tokens(names[0])
 
     def run_baseline() -> float:
@@ -143,7 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--quick", action="store_true",
+                   help="the CI form: 1 and 4 engines, 50 prompts of history, 3 rounds of 50 prompts")
     args = p.parse_args(argv)
+    if args.quick:
+        args.engines, args.history, args.requests, args.rounds = "1,4", 50, 50, 3
     rows = [measure(int(e), block_size=args.block_size, prefix_len=args.prefix, tail=args.tail,
                     history=args.history, requests=args.requests, rounds=args.rounds, seed=args.seed)
             for e in args.engines.split(",")]  # fmt: skip

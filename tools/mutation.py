@@ -27,6 +27,12 @@ keeps mutmut from generating any mutant of that statement: keep such a statement
 equivalent part where the code allows (where it does not, the comment says so and that
 the statement's other mutants were killed in a run without the pragma).
 ``grep -rn "pragma: no mutate" narwhal`` lists every one with its argument.
+
+The exit status is 1 when mutmut fails (its statistics run or the clean run of the tests
+failed: its output is printed) or a module has no mutant checked; a score never decides
+it. CI runs one small module's mutants, seconds::
+
+    python3 tools/mutation.py narwhal/router/promptlen.py
 """
 
 from __future__ import annotations
@@ -322,9 +328,10 @@ def _diffs(tree: Path, module: str, names: list[str]) -> dict[str, str]:
 def run_module(
     source: Path, module: str, children: int, survivors: bool, only: tuple[str, ...] = (),
     tests: tuple[str, ...] = (),
-) -> tuple[int, int, float]:
+) -> tuple[int, int, float, str | None]:
     """Mutate one module (only the mutants whose names match a glob of ``only``, when
-    given) with its tests (or ``tests``, when given); (killed, total, seconds)."""
+    given) with its tests (or ``tests``, when given); (killed, total, seconds, why the
+    run failed or None)."""
     with tempfile.TemporaryDirectory(prefix="narwhal-mutation-") as scratch:
         tree = Path(scratch)
         _copy_tree(source, tree)
@@ -332,9 +339,9 @@ def run_module(
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["PYTHONPATH"] = str(tree)
         t0 = time.monotonic()
-        subprocess.run(
+        run = subprocess.run(
             [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *only],
-            cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+            cwd=tree, env=env, capture_output=True, text=True, check=False,
         )  # fmt: skip
         elapsed = time.monotonic() - t0
         statuses = {
@@ -344,6 +351,11 @@ def run_module(
     counts = Counter(statuses.values())
     killed = sum(counts[s] for s in KILLED)
     total = sum(counts[s] for s in counts if s not in ("skipped", "not checked"))
+    failure = None
+    if run.returncode != 0:
+        failure = f"mutmut run exited {run.returncode}:\n{(run.stdout + run.stderr)[-3000:]}"
+    elif not total:
+        failure = f"no mutant checked ({len(statuses)} generated{', matching --only' if only else ''})"
     detail = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     print(f"{module}: {killed}/{total} killed ({100 * killed / max(total, 1):.1f}%) in {elapsed:.0f} s [{detail}]", flush=True)
     by_function: dict[str, list[int]] = {}
@@ -360,7 +372,7 @@ def run_module(
                 print(f"    {status}: {name}")
                 for line in diffs.get(name, "").splitlines():
                     print(f"        {line}")
-    return killed, total, elapsed
+    return killed, total, elapsed, failure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,14 +396,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"no test selection for {', '.join(unknown)} (known: {', '.join(MODULES)})")
     killed = total = 0
+    failed: list[str] = []
     for module in modules:
-        k, t, _ = run_module(args.tree.resolve(), module, args.children, args.survivors, tuple(args.only),
-                             tuple(args.tests))
+        k, t, _, failure = run_module(args.tree.resolve(), module, args.children, args.survivors, tuple(args.only),
+                                      tuple(args.tests))  # fmt: skip
         killed += k
         total += t
+        if failure is not None:
+            failed.append(f"{module}: {failure}")
     if len(modules) > 1:
         print(f"all: {killed}/{total} killed ({100 * killed / max(total, 1):.1f}%)")
-    return 0
+    for line in failed:
+        print(f"FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

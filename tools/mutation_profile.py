@@ -27,6 +27,12 @@ Several ``--only`` globs in one run share mutmut's start-up; the counts are then
 printed per function. The run writes ``mutation-profile.json`` (scores, per-function
 counts and surviving mutant names) into
 ``--out`` (default: the current directory).
+
+The exit status is 1 when mutmut fails (its statistics run or the clean run of the tests
+failed: its output is printed) or a module has no mutant checked; a score never decides
+it. CI runs one small module's mutants, seconds::
+
+    python3 tools/mutation_profile.py narwhal/profile/progress.py --out /tmp
 """
 
 from __future__ import annotations
@@ -260,7 +266,7 @@ def run_module(
         "untested": untested,
         "survivor_diffs": diffs,
         "mutmut_rc": proc.returncode,
-        "mutmut_tail": proc.stdout[-400:] + proc.stderr[-400:] if not by_status else "",
+        "mutmut_tail": (proc.stdout[-1500:] + proc.stderr[-1500:]) if proc.returncode or not by_status else "",
     }
 
 
@@ -316,7 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"total: score {killed / (killed + survived):.1%} (killed {killed}, "
               f"survived {survived})")  # fmt: skip
     Path(args.out, "mutation-profile.json").write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    failed = [f"{r['module']}: mutmut run exited {r['mutmut_rc']}" for r in rows if r["mutmut_rc"]]
+    failed += [f"{r['module']}: no mutant checked" for r in rows
+               if not r["mutmut_rc"] and not int(r["killed"]) + int(r["survived"]) + int(r["no_tests"])]  # type: ignore[call-overload]  # fmt: skip
+    for line in failed:
+        print(f"FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ from narwhal.testing.ports import free_port
 __all__ = ["free_port", "start", "stop", "wait_http", "wait_port"]
 
 
-def wait_http(url: str, timeout: float = 60.0) -> None:
-    """Until ``url`` answers below 500, or RuntimeError after ``timeout`` seconds."""
+def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Until ``url`` answers below 500, or RuntimeError after ``timeout`` seconds, or as
+    soon as ``proc`` (the process that is to serve it) has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url} did not come up: its process exited (rc {proc.returncode})")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status < 500:
