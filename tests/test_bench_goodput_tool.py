@@ -80,3 +80,38 @@ def test_the_slow_prefix_fleet_matches_the_figures_it_is_derived_from(tool: Modu
     # The default fleet is unchanged.
     default = {e["name"]: e["sim"]["prefill"] for e in tool.fleet(ports, caching=True)}
     assert default == {n: p for n, (_, p) in tool.PREFIX_FLEET.items()}
+
+
+def test_an_engine_whose_fit_was_rejected_is_profiled_again_alone(tool: ModuleType, tmp_path: Path) -> None:
+    profiles = tmp_path / "profiles.json"
+    calls: list[list[str]] = []
+    # The first sweep writes p0 and d0 and rejects d1 for noise (exit 1); the second, of
+    # d1 alone, merges it.
+    written = [{"p0": {}, "d0": {}}, {"p0": {}, "d0": {}, "d1": {}}]
+
+    def run(argv: list[str]) -> Any:
+        calls.append(argv)
+        profiles.write_text(json.dumps({"engines": written[len(calls) - 1]}))
+        return tool.subprocess.CompletedProcess(argv, 1 if len(calls) == 1 else 0, "d1: rejected\n", "")
+
+    assert tool.profile_fleet(["profile", "--out", str(profiles)], profiles, ["p0", "d0", "d1"], run) is None
+    assert [argv[-2:] for argv in calls] == [[str(profiles), "--overwrite"], ["--engines", "d1"]]
+
+
+def test_profiling_gives_up_after_its_attempts_and_says_why(tool: ModuleType, tmp_path: Path) -> None:
+    profiles = tmp_path / "profiles.json"
+    profiles.write_text(json.dumps({"engines": {"p0": {}}}))
+    calls: list[list[str]] = []
+
+    def run(argv: list[str]) -> Any:
+        calls.append(argv)
+        return tool.subprocess.CompletedProcess(argv, 1, "d0: rejected: noisy samples\n", "")
+
+    failure = tool.profile_fleet(["profile"], profiles, ["p0", "d0"], run)
+    assert failure is not None and "d0: rejected: noisy samples" in failure
+    assert len(calls) == tool.PROFILE_ATTEMPTS
+    # A usage error (exit 2) is not retried.
+    calls.clear()
+    failure = tool.profile_fleet(["profile"], profiles, ["p0", "d0"],
+                                 lambda argv: calls.append(argv) or tool.subprocess.CompletedProcess(argv, 2, "", "bad"))  # fmt: skip
+    assert failure is not None and len(calls) == 1
