@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["LEVELS", "JSONFormatter", "configure_logging"]
+__all__ = ["LEVELS", "JSONFormatter", "SparseLog", "configure_logging"]
 
 #: The levels ``--log-level`` accepts.
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -51,3 +52,38 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = False) -> None:
     # top and the router poll engines): only at DEBUG do they speak below WARNING.
     for name in _CHATTY:
         logging.getLogger(name).setLevel(logging.NOTSET if numeric <= logging.DEBUG else logging.WARNING)
+
+
+class SparseLog:
+    """Warnings of one kind per key, the first at once and the next at most once per
+    ``interval_s``, each saying how many went unlogged since the one before: a source
+    that misbehaves on every poll, or a client that fails on every request, does not
+    flood the log.
+
+    Args:
+        logger: where the warnings go.
+        interval_s: at most one warning per key in this many seconds.
+        clock: the clock the interval is measured on.
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.logger = logger
+        self.interval_s = interval_s
+        self._clock = clock
+        self._quiet_until: dict[Hashable, float] = {}
+        self._unlogged: dict[Hashable, int] = {}
+
+    def warning(self, key: Hashable, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` for ``key`` unless one was logged less than ``interval_s``
+        ago (then count it); returns whether it was logged."""
+        now = self._clock()
+        quiet_until = self._quiet_until.get(key)
+        if quiet_until is not None and now < quiet_until:
+            self._unlogged[key] = self._unlogged.get(key, 0) + 1
+            return False
+        self._quiet_until[key] = now + self.interval_s
+        unlogged = self._unlogged.pop(key, None)
+        more = f" ({unlogged} more since the last warning)" if unlogged is not None else ""
+        self.logger.warning(msg + "%s", *args, more)
+        return True

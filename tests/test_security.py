@@ -561,6 +561,29 @@ async def test_admin_keys_lift_the_web_page_checks(autojump_clock: trio.abc.Cloc
     assert named.status_code == 200
 
 
+async def test_refused_admin_requests_are_logged_sparingly(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    from narwhal.router.admin import REFUSAL_LOG_INTERVAL_S
+
+    async with open_stack(fleet_doc(server={"admin_api_keys": ADMIN_KEYS})) as stack:
+        stack.net.listen(*ADMIN, stack.router.admin)
+        async with httpx.AsyncClient(transport=stack.net.transport(), base_url="http://127.0.0.1:8001") as admin:
+            wrong = {"authorization": "Bearer guess"}
+            # A client guessing keys in a loop: one warning, then the rest counted.
+            statuses = [(await admin.get("/fleet", headers=wrong)).status_code for _ in range(50)]
+            await admin.get("/metrics", headers=wrong)  # another route: a warning of its own
+            await trio.sleep(REFUSAL_LOG_INTERVAL_S)
+            statuses.append((await admin.get("/fleet", headers=wrong)).status_code)
+    assert statuses == [401] * 51  # every one refused, logged or not
+    logged = [r.getMessage() for r in caplog.records if r.name == "narwhal.router.admin"]
+    assert logged == [
+        "admin GET /fleet refused: missing or invalid admin key",
+        "admin GET /metrics refused: missing or invalid admin key",
+        "admin GET /fleet refused: missing or invalid admin key (49 more since the last warning)",
+    ]
+
+
 async def test_every_admin_key_is_compared_in_constant_time(
     autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

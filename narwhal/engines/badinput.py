@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+from narwhal.logs import SparseLog
+
 __all__ = ["LOG_INTERVAL_S", "BadInput"]
 
 #: Seconds between two warnings about one engine's bad input from one source.
@@ -44,27 +46,16 @@ class BadInput:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.interval_s = interval_s
-        self._logger = logger
-        self._clock = clock
         #: ``(engine, source)`` -> faults reported (never reset: a counter).
         self.counts: dict[tuple[str, str], int] = {}
-        self._quiet_until: dict[tuple[str, str], float] = {}
-        self._unlogged: dict[tuple[str, str], int] = {}
+        self._log = SparseLog(logger, interval_s, clock)
 
     def report(self, engine: str, source: str, reason: str) -> None:
         """Count one fault of ``engine``'s ``source`` (``metrics``, ``kv_events``, ...) and
         log it unless one was logged less than ``interval_s`` ago."""
         key = (engine, source)
         self.counts[key] = self.counts.get(key, 0) + 1
-        now = self._clock()
-        quiet_until = self._quiet_until.get(key)
-        if quiet_until is not None and now < quiet_until:
-            self._unlogged[key] = self._unlogged.get(key, 0) + 1
-            return
-        self._quiet_until[key] = now + self.interval_s
-        unlogged = self._unlogged.pop(key, None)
-        more = f" ({unlogged} more since the last warning)" if unlogged is not None else ""
-        self._logger.warning("engine %s: unusable %s: %s%s", engine, source, reason, more)
+        self._log.warning(key, "engine %s: unusable %s: %s", engine, source, reason)
 
     def total(self, engine: str | None = None, source: str | None = None) -> int:
         """Faults reported, of one engine and/or source (all by default)."""

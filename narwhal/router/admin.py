@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Final
 
 import trio
 import trio_websocket
@@ -31,6 +32,7 @@ from narwhal.errors import (
     Unauthorized,
 )
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
+from narwhal.logs import SparseLog
 from narwhal.router.discovery import Discovery
 from narwhal.router.events import EventHub
 from narwhal.router.fleet import FleetChange
@@ -39,7 +41,7 @@ from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.state import RouterState
 
-__all__ = ["CLOSE_TIMEOUT_S", "AdminApp", "admitted", "open_events", "refuse_fleet_writes"]
+__all__ = ["CLOSE_TIMEOUT_S", "REFUSAL_LOG_INTERVAL_S", "AdminApp", "admitted", "open_events", "refusal_log", "refuse_fleet_writes"]
 
 log = logging.getLogger("narwhal.router.admin")
 
@@ -50,20 +52,34 @@ _UNAUTHORIZED = Unauthorized("missing or invalid admin key", code="invalid_admin
 _CHALLENGE = (*JSON_HEADERS, ("www-authenticate", 'Bearer realm="narwhal-admin"'))
 
 
-async def admitted(keys: BearerKeys, request: Request, response: ResponseWriter) -> bool:
+#: Seconds between two warnings of refused admin requests of one route and cause: a
+#: client that retries a wrong key in a loop does not flood the log.
+REFUSAL_LOG_INTERVAL_S: Final = 60.0
+
+
+def refusal_log() -> SparseLog:
+    """An admin listener's log of refused requests (:func:`admitted`)."""
+    return SparseLog(log, REFUSAL_LOG_INTERVAL_S, trio.current_time)
+
+
+async def admitted(keys: BearerKeys, request: Request, response: ResponseWriter, refusals: SparseLog) -> bool:
     """Whether ``request`` presents an admin key (or, without keys, comes from no web
-    page: :func:`~narwhal.router.keys.browser_problem`); else answers 401 (403)."""
+    page: :func:`~narwhal.router.keys.browser_problem`); else answers 401 (403), and
+    logs the refusal (the first of a route and cause at once, then one a minute with how
+    many more)."""
     if not keys:
         problem = browser_problem(request.header("host"), request.header("origin"))
         if problem is None:
             return True
-        log.warning("admin %s %s refused: %s", request.method, request.path, problem)
+        refusals.warning((request.method, request.path, "browser"), "admin %s %s refused: %s",
+                          request.method, request.path, problem)  # fmt: skip
         refused = Forbidden(f"admin request refused: {problem}", code="admin_browser_request")
         await response.respond(403, JSON_HEADERS, json.dumps(refused.to_body()).encode())
         return False
     if keys.accepts(request.header("authorization")):
         return True
-    log.warning("admin %s %s refused: missing or invalid admin key", request.method, request.path)
+    refusals.warning((request.method, request.path, "key"), "admin %s %s refused: missing or invalid admin key",
+                      request.method, request.path)  # fmt: skip
     await response.respond(401, _CHALLENGE, json.dumps(_UNAUTHORIZED.to_body()).encode())
     return False
 
@@ -88,10 +104,11 @@ class AdminApp:
         #: The engine groups' DNS resolution, for ``/fleet``; set by the router.
         self.discovery: Discovery | None = None
         self.keys = BearerKeys(state.config.server.admin_api_keys)
+        self.refusals = refusal_log()
         self.fleet_writes = state.config.server.admin_fleet_writes
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
-        if not await admitted(self.keys, request, response):
+        if not await admitted(self.keys, request, response, self.refusals):
             return
         if request.method == "PUT" and request.path == "/fleet":
             if not self.fleet_writes:

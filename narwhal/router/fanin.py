@@ -46,7 +46,13 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from narwhal.errors import BadRequest, MethodNotAllowed, NotFound
 from narwhal.http.server import JSON_HEADERS, Request, ResponseWriter
-from narwhal.router.admin import CLOSE_TIMEOUT_S, admitted, open_events, refuse_fleet_writes
+from narwhal.router.admin import (
+    CLOSE_TIMEOUT_S,
+    admitted,
+    open_events,
+    refusal_log,
+    refuse_fleet_writes,
+)
 from narwhal.router.keys import BearerKeys, bearer
 from narwhal.router.metrics import BREAKER_CODES, EXPOSITION_HEADERS
 
@@ -167,6 +173,7 @@ class WorkersAdminApp:
         self.urls = list(urls)
         self.timeout_s = timeout_s
         self.keys = BearerKeys(keys)
+        self.refusals = refusal_log()
         #: The admin key presented to the workers.
         self.key = keys[0] if keys else None
         self.fleet_writes = fleet_writes
@@ -195,7 +202,7 @@ class WorkersAdminApp:
         return answers
 
     async def __call__(self, request: Request, response: ResponseWriter) -> None:
-        if not await admitted(self.keys, request, response):
+        if not await admitted(self.keys, request, response, self.refusals):
             return
         if request.method == "PUT" and request.path == "/fleet":
             if not self.fleet_writes:
