@@ -60,8 +60,9 @@ def counters(client: httpx.Client, url: str) -> dict[str, float]:
 
 
 async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
+    # The token ids of each event count its tokens (vLLM sends them when asked).
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}  # fmt: skip
     sent = time.perf_counter()
     times: list[float] = []
     prompt_tokens = None
@@ -76,6 +77,8 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[s
                 times.extend([time.perf_counter()] * n)
             if event.get("usage"):
                 prompt_tokens = event["usage"]["prompt_tokens"]
+    if not times:
+        raise RuntimeError(f"a stream of {max_tokens} tokens carried no token ids")
     return {
         "prompt_tokens": prompt_tokens,
         "tokens": len(times),
