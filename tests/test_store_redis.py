@@ -227,3 +227,66 @@ async def test_a_router_whose_store_is_down_fails_open_and_says_so(
             fleet = (await admin.get("/fleet")).json()
     assert fleet["tenancy"]["store"] == "unreachable"
     assert caplog.text.count("limits store unreachable") == 1  # when the outage starts, not per request
+
+
+# ------------------------------------------------------------------ a store that answers nonsense
+
+
+async def _answering(replies: list[bytes], task_status: trio.TaskStatus[int]) -> None:
+    """A fake store on loopback: each command read is answered with the next of ``replies``."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    task_status.started(listener.getsockname()[1])
+    sock, _ = await listener.accept()
+    stream = trio.SocketStream(sock)
+    with listener:
+        async with stream:
+            for reply in replies:
+                await stream.receive_some(65536)
+                await stream.send_all(reply)
+            await trio.sleep_forever()
+
+
+@pytest.mark.parametrize(
+    ("reply", "why"),
+    [
+        (b"*1\r\n" * 5000 + b":1\r\n", "too large or nested too deep"),  # past any reply of the router's scripts
+        (b"*100000000\r\n" + b":1\r\n" * 100_001, "too large or nested too deep"),  # more values than any holds
+        (b"$99999999\r\n", "reply from the store too large"),
+        (b":twelve\r\n", "invalid literal"),
+        (b"?\r\n", "unexpected reply from the store"),
+        (b"+\xff\xfe\r\n", "can't decode"),
+    ],
+    ids=["nested", "endless-array", "huge-bulk", "not-a-number", "unknown-type", "not-utf8"],
+)
+async def test_a_store_that_answers_nonsense_costs_the_request_its_store_not_the_process(reply: bytes, why: str) -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_answering, [reply])
+        client = RedisClient(f"redis://127.0.0.1:{port}/0", timeout_s=5.0)
+        with pytest.raises(StoreUnavailable, match=why):
+            await client.call("PING")
+        await client.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_limits_and_shares_take_only_finite_numbers_from_the_store() -> None:
+    cfg = config("redis://127.0.0.1:1/0", {"requests_per_s": 1.0})
+    limits = cfg.tenancy.tenants[0].limits if cfg.tenancy is not None else None
+    assert limits is not None
+    replies = [
+        b"*3\r\n:0\r\n*0\r\n$14\r\nrequests_per_s\r\n",  # a wait that is no number
+        b"*3\r\n:0\r\n$3\r\ninf\r\n$1\r\nx\r\n",  # an infinite wait
+        b"*3\r\n:0\r\n$5\r\n1e300\r\n$1\r\nx\r\n",  # an endless one
+        b"*6\r\n$1\r\na\r\n$3\r\nnan\r\n$1\r\nb\r\n$2\r\n-1\r\n$1\r\nc\r\n$3\r\n2.5\r\n",  # served totals
+    ]
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_answering, replies)
+        shared = SharedLimits(cfg.tenancy.store if cfg.tenancy is not None and cfg.tenancy.store else None,  # type: ignore[arg-type]
+                              client=RedisClient(f"redis://127.0.0.1:{port}/0", timeout_s=5.0))
+        waits = [await shared.admit("a", limits, 10, "lease", 30.0) for _ in range(3)]
+        served = await shared.exchange_served({"a": 1.0})
+        await shared.aclose()
+        nursery.cancel_scope.cancel()
+    assert [w for w, _ in waits] == [1.0, 1.0, 3600.0]
+    assert served == {"c": 2.5}

@@ -41,6 +41,10 @@ __all__ = ["ADMIT_SCRIPT", "SERVED_SCRIPT", "RedisClient", "RespError", "SharedL
 POOL_SIZE: Final = 8
 #: Largest reply accepted from the store (a bulk string or the served-tokens hash).
 _MAX_REPLY: Final = 1 << 20
+#: Most values one reply may hold (arrays' items at every depth), and its deepest
+#: nesting: what the router's scripts return is a short flat list.
+_MAX_ITEMS: Final = 100_000
+_MAX_DEPTH: Final = 4
 
 
 class StoreUnavailable(Exception):
@@ -65,6 +69,7 @@ class _Connection:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.buf = bytearray()
+        self._items = 0
 
     async def _fill(self) -> None:
         data = await self.stream.receive_some(65536)
@@ -84,6 +89,15 @@ class _Connection:
             await self._fill()
 
     async def reply(self) -> Any:
+        """One whole reply (raises :class:`StoreUnavailable` for one the router would not
+        send for: too large, too many values, nested too deep, or malformed)."""
+        self._items = 0
+        return await self._value(0)
+
+    async def _value(self, depth: int) -> Any:
+        self._items += 1
+        if self._items > _MAX_ITEMS or depth > _MAX_DEPTH:
+            raise StoreUnavailable("reply from the store too large or nested too deep")
         line = await self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
@@ -105,7 +119,7 @@ class _Connection:
             return data.decode()
         if kind == b"*":
             n = int(rest)
-            return None if n < 0 else [await self.reply() for _ in range(n)]
+            return None if n < 0 else [await self._value(depth + 1) for _ in range(n)]
         raise StoreUnavailable(f"unexpected reply from the store: {line[:40]!r}")
 
     async def call(self, args: Sequence[str | bytes | int | float]) -> Any:
@@ -250,6 +264,15 @@ return redis.call('HGETALL', KEYS[1])
 """
 
 
+def _number(value: Any) -> float | None:
+    """A finite number from a store's reply value (None: it is not one)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _arg(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
@@ -287,8 +310,8 @@ class SharedLimits:
             raise StoreUnavailable(f"unexpected answer of the limits script: {reply!r}"[:200])
         if reply[0] == 1:
             return 0.0, ""
-        wait = float(reply[1]) if len(reply) > 1 else 1.0
-        return (wait if math.isfinite(wait) and wait > 0 else 1.0), str(reply[2]) if len(reply) > 2 else ""
+        wait = _number(reply[1]) if len(reply) > 1 else None
+        return (min(wait, 3600.0) if wait is not None and wait > 0 else 1.0), str(reply[2])[:64] if len(reply) > 2 else ""
 
     async def release(self, tenant: str, lease: str) -> None:
         """End ``tenant``'s in-flight lease ``lease``."""
@@ -305,10 +328,9 @@ class SharedLimits:
             raise StoreUnavailable("unexpected answer of the served-tokens script")
         out: dict[str, float] = {}
         for name, value in zip(reply[::2], reply[1::2], strict=True):
-            try:
-                out[str(name)] = float(value)
-            except (TypeError, ValueError):
-                continue
+            number = _number(value)
+            if isinstance(name, str) and number is not None and number >= 0:
+                out[name] = number
         return out
 
     async def aclose(self) -> None:
