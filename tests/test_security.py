@@ -504,6 +504,8 @@ async def test_admin_keys_guard_every_admin_request(
         ("localhost:8001", None, None),
         ("[::1]:8001", None, None),
         ("app.localhost", None, None),
+        ("localhost.:8001", None, None),  # the fully qualified form
+        ("LocalHost:8001", None, None),
         ("10.0.0.5:8001", None, None),  # an address: no name to rebind
         (None, None, None),  # HTTP/1.0 without Host
         ("127.0.0.1:8001", "http://localhost:3000", None),  # a page served from this machine
@@ -522,6 +524,9 @@ def test_a_keyless_admin_port_answers_no_web_page(host: str | None, origin: str 
         assert problem is None
     else:
         assert problem is not None and refused in problem, problem
+    if origin == "null":
+        assert problem == ("a web page's request (Origin 'null'): without admin keys the admin port answers no "
+                           "page that is not served from this machine")  # fmt: skip
 
 
 async def test_a_keyless_admin_port_refuses_a_rebound_or_cross_site_request(
