@@ -253,7 +253,7 @@ async def _answering(replies: list[bytes], task_status: trio.TaskStatus[int]) ->
     [
         (b"*1\r\n" * 5000 + b":1\r\n", "too large or nested too deep"),  # past any reply of the router's scripts
         (b"*100000000\r\n" + b":1\r\n" * 100_001, "too large or nested too deep"),  # more values than any holds
-        (b"$99999999\r\n", "reply from the store too large"),
+        (b"$99999999\r\n", "^reply from the store too large$"),
         (b":twelve\r\n", "invalid literal"),
         (b"?\r\n", "unexpected reply from the store"),
         (b"+\xff\xfe\r\n", "can't decode"),
@@ -290,3 +290,39 @@ async def test_the_limits_and_shares_take_only_finite_numbers_from_the_store() -
         nursery.cancel_scope.cancel()
     assert [w for w, _ in waits] == [1.0, 1.0, 3600.0]
     assert served == {"c": 2.5}
+
+
+async def test_the_store_client_reads_each_kind_of_reply_to_its_bounds() -> None:
+    from narwhal.router import store as module
+
+    deepest = b"*1\r\n" * module._MAX_DEPTH + b":7\r\n"
+    most = b"*%d\r\n" % (module._MAX_ITEMS - 1) + b":1\r\n" * (module._MAX_ITEMS - 1)
+    cases: list[tuple[bytes, Any]] = [
+        (b"$0\r\n\r\n", ""),
+        (b"$-1\r\n", None),
+        (b"*0\r\n", []),
+        (b"*-1\r\n", None),
+        (b"$5\r\nhello\r\n", "hello"),
+        (b"*2\r\n+OK\r\n:-3\r\n", ["OK", -3]),
+        (deepest, [[[[7]]]]),
+        (most, [1] * (module._MAX_ITEMS - 1)),
+    ]
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_answering, [reply for reply, _ in cases] + [b"-ERR bad \xff\r\n"])
+        client = RedisClient(f"redis://127.0.0.1:{port}/0", timeout_s=5.0)
+        answers = [await client.call("PING") for _ in cases]
+        with pytest.raises(module.RespError) as info:
+            await client.call("PING")
+        await client.aclose()
+        nursery.cancel_scope.cancel()
+    assert answers == [want for _, want in cases]
+    assert str(info.value) == "ERR bad \ufffd"
+    # One value more, or one level deeper, is refused.
+    for reply in (b"*1\r\n" + deepest, b"*%d\r\n" % module._MAX_ITEMS + b":1\r\n" * module._MAX_ITEMS):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(_answering, [reply])
+            client = RedisClient(f"redis://127.0.0.1:{port}/0", timeout_s=5.0)
+            with pytest.raises(StoreUnavailable, match="^reply from the store too large or nested too deep$"):
+                await client.call("PING")
+            await client.aclose()
+            nursery.cancel_scope.cancel()

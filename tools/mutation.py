@@ -201,6 +201,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     # the queue's order, its deadlines (end to end on the simulated fleet).
     "narwhal/router/tenants.py": ("tests/test_tenants.py", "tests/test_admission.py"),
     "narwhal/router/admission.py": ("tests/test_admission.py", "tests/test_store_redis.py"),
+    # The limits store's client: RESP replies read bounded, numbers only finite ones.
+    "narwhal/router/store.py": ("tests/test_store_redis.py",),
     # The router's families fed from records and transitions, and the live gauges read at
     # scrape time, in direct tests; the admin surface's /metrics end to end.
     "narwhal/router/metrics.py": ("tests/test_observability.py",),
