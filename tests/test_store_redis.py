@@ -253,7 +253,7 @@ async def _answering(replies: list[bytes], task_status: trio.TaskStatus[int]) ->
     [
         (b"*1\r\n" * 5000 + b":1\r\n", "too large or nested too deep"),  # past any reply of the router's scripts
         (b"*100000000\r\n" + b":1\r\n" * 100_001, "too large or nested too deep"),  # more values than any holds
-        (b"$99999999\r\n", "^reply from the store too large$"),
+        (b"$99999999\r\n", r"^reply from the store too large$"),
         (b":twelve\r\n", "invalid literal"),
         (b"?\r\n", "unexpected reply from the store"),
         (b"+\xff\xfe\r\n", "can't decode"),
@@ -322,7 +322,7 @@ async def test_the_store_client_reads_each_kind_of_reply_to_its_bounds() -> None
         async with trio.open_nursery() as nursery:
             port = await nursery.start(_answering, [reply])
             client = RedisClient(f"redis://127.0.0.1:{port}/0", timeout_s=5.0)
-            with pytest.raises(StoreUnavailable, match="^reply from the store too large or nested too deep$"):
+            with pytest.raises(StoreUnavailable, match=r"^reply from the store too large or nested too deep$"):
                 await client.call("PING")
             await client.aclose()
             nursery.cancel_scope.cancel()
