@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["LEVELS", "JSONFormatter", "SparseLog", "configure_logging"]
+__all__ = ["LEVELS", "MAX_KEYS", "JSONFormatter", "SparseLog", "configure_logging"]
 
 #: The levels ``--log-level`` accepts.
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -54,6 +54,10 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.NOTSET if numeric <= logging.DEBUG else logging.WARNING)
 
 
+#: Keys a :class:`SparseLog` remembers at most.
+MAX_KEYS = 1024
+
+
 class SparseLog:
     """Warnings of one kind per key, the first at once and the next at most once per
     ``interval_s``, each saying how many went unlogged since the one before: a source
@@ -82,7 +86,12 @@ class SparseLog:
         if quiet_until is not None and now < quiet_until:
             self._unlogged[key] = self._unlogged.get(key, 0) + 1
             return False
-        self._quiet_until[key] = now + self.interval_s
+        if len(self._quiet_until) >= MAX_KEYS:  # keys a peer can vary: forget the oldest
+            oldest = next(iter(self._quiet_until))
+            del self._quiet_until[oldest]
+            self._unlogged.pop(oldest, None)
+        self._quiet_until.pop(key, None)
+        self._quiet_until[key] = now + self.interval_s  # (insertion order: the oldest first)
         unlogged = self._unlogged.pop(key, None)
         more = f" ({unlogged} more since the last warning)" if unlogged is not None else ""
         self.logger.warning(msg + "%s", *args, more)

@@ -288,6 +288,20 @@ def test_bad_input_is_counted_every_time_and_logged_once_a_minute(caplog: pytest
     ]
 
 
+def test_a_sparse_log_remembers_a_bounded_number_of_keys(caplog: pytest.LogCaptureFixture) -> None:
+    from narwhal.logs import MAX_KEYS, SparseLog
+
+    log = SparseLog(logging.getLogger("narwhal.test.sparse"), 60.0, clock=lambda: 0.0)
+    with caplog.at_level(logging.WARNING, logger="narwhal.test.sparse"):
+        assert log.warning("first", "k %s", "first") and not log.warning("first", "k %s", "again")
+        for i in range(3 * MAX_KEYS):  # keys a peer makes up
+            log.warning(i, "k %s", i)
+        assert len(log._quiet_until) <= MAX_KEYS and len(log._unlogged) <= MAX_KEYS
+        # The oldest key was forgotten: it logs again at once, without its count.
+        assert log.warning("first", "k %s", "back")
+    assert caplog.records[-1].getMessage() == "k back"
+
+
 def test_without_orjson_json_nested_too_deeply_is_a_value_error() -> None:
     """The stdlib fallback raises RecursionError for deep nesting: every reader of engine
     JSON catches ValueError, as orjson raises it."""

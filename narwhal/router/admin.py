@@ -57,6 +57,15 @@ _CHALLENGE = (*JSON_HEADERS, ("www-authenticate", 'Bearer realm="narwhal-admin"'
 REFUSAL_LOG_INTERVAL_S: Final = 60.0
 
 
+#: The admin routes (a refusal of any other path is logged as one route: the paths a
+#: client makes up are not kept).
+_ROUTES: Final = frozenset({"/metrics", "/events", "/fleet", "/health"})
+
+
+def _route(request: Request) -> str:
+    return f"{request.method} {request.path}" if request.path in _ROUTES else "other"
+
+
 def refusal_log() -> SparseLog:
     """An admin listener's log of refused requests (:func:`admitted`)."""
     return SparseLog(log, REFUSAL_LOG_INTERVAL_S, trio.current_time)
@@ -71,14 +80,14 @@ async def admitted(keys: BearerKeys, request: Request, response: ResponseWriter,
         problem = browser_problem(request.header("host"), request.header("origin"))
         if problem is None:
             return True
-        refusals.warning((request.method, request.path, "browser"), "admin %s %s refused: %s",
+        refusals.warning((_route(request), "browser"), "admin %s %s refused: %s",
                           request.method, request.path, problem)  # fmt: skip
         refused = Forbidden(f"admin request refused: {problem}", code="admin_browser_request")
         await response.respond(403, JSON_HEADERS, json.dumps(refused.to_body()).encode())
         return False
     if keys.accepts(request.header("authorization")):
         return True
-    refusals.warning((request.method, request.path, "key"), "admin %s %s refused: missing or invalid admin key",
+    refusals.warning((_route(request), "key"), "admin %s %s refused: missing or invalid admin key",
                       request.method, request.path)  # fmt: skip
     await response.respond(401, _CHALLENGE, json.dumps(_UNAUTHORIZED.to_body()).encode())
     return False
