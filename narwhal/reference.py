@@ -21,10 +21,15 @@ from narwhal.config import FleetConfig
 from narwhal.engines.badinput import LOG_INTERVAL_S
 from narwhal.engines.client import ERROR_BODY_LIMIT, TEMPLATE_TOKENS
 from narwhal.engines.metrics import MAX_CAPACITY, MAX_REQUESTS
+from narwhal.router.admin import REFUSAL_LOG_INTERVAL_S
+from narwhal.router.lifecycle import SESSION_HINT_MAX
+from narwhal.router.store import MAX_DEPTH as STORE_MAX_DEPTH
+from narwhal.router.store import MAX_ITEMS as STORE_MAX_ITEMS
+from narwhal.router.store import MAX_REPLY as STORE_MAX_REPLY
 
 __all__ = ["LIMITS", "document_fields", "fleet_reference_markdown"]
 
-#: Every limit on what clients and engines can make the router hold or wait for, in the
+#: Every limit on what clients, engines and the limits store can make the router hold or wait for, in the
 #: order the reference lists them: a fleet-document path (its default and meaning come
 #: from the document's classes), or a fixed limit as ``(name, value, meaning)``.
 LIMITS: tuple[str | tuple[str, str, str], ...] = (
@@ -35,6 +40,16 @@ LIMITS: tuple[str | tuple[str, str, str], ...] = (
     "$.server.body_timeout_s",
     "$.server.keepalive_timeout_s",
     "$.server.max_concurrent_requests",
+    "$.server.max_connections",
+    "$.server.send_timeout_s",
+    ("session name", f"{SESSION_HINT_MAX} characters", "Of a request's ``x-session-id`` header (or its ``user`` field) "
+     "the cache plan keeps this much as the session's name."),
+    ("refused-admin warnings", f"1 per route and cause per {REFUSAL_LOG_INTERVAL_S:g} s",
+     "Refusals past the first are summed into the next warning; a path that is no admin route counts as one."),
+    # What the limits store (tenancy.store) sends.
+    ("limits store reply", f"{STORE_MAX_REPLY // 1024} KiB, {STORE_MAX_ITEMS:,} values, {STORE_MAX_DEPTH} deep",
+     "A larger, longer or deeper reply, or one that is not RESP, counts as the store unreachable for that request "
+     "(``tenancy.store.on_outage``); a wait or a served total that is no finite number is not taken."),
     # What engines send.
     "$.engine_limits.max_response_bytes",
     "$.engine_limits.max_metrics_bytes",
@@ -177,7 +192,7 @@ def _limits_markdown() -> list[str]:
     lines = [
         "## Limits",
         "",
-        "Every bound on what a client or an engine can make the router hold or wait for. Past a client",
+        "Every bound on what a client, an engine or the limits store can make the router hold or wait for. Past a client",
         "limit the request is refused (4xx); past an engine limit the answer is that engine's fault (an",
         "engine protocol error, counted in `narwhal_engine_bad_input_total{engine,source}`), never the",
         "router's.",

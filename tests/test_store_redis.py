@@ -295,8 +295,8 @@ async def test_the_limits_and_shares_take_only_finite_numbers_from_the_store() -
 async def test_the_store_client_reads_each_kind_of_reply_to_its_bounds() -> None:
     from narwhal.router import store as module
 
-    deepest = b"*1\r\n" * module._MAX_DEPTH + b":7\r\n"
-    most = b"*%d\r\n" % (module._MAX_ITEMS - 1) + b":1\r\n" * (module._MAX_ITEMS - 1)
+    deepest = b"*1\r\n" * module.MAX_DEPTH + b":7\r\n"
+    most = b"*%d\r\n" % (module.MAX_ITEMS - 1) + b":1\r\n" * (module.MAX_ITEMS - 1)
     cases: list[tuple[bytes, Any]] = [
         (b"$0\r\n\r\n", ""),
         (b"$-1\r\n", None),
@@ -305,7 +305,7 @@ async def test_the_store_client_reads_each_kind_of_reply_to_its_bounds() -> None
         (b"$5\r\nhello\r\n", "hello"),
         (b"*2\r\n+OK\r\n:-3\r\n", ["OK", -3]),
         (deepest, [[[[7]]]]),
-        (most, [1] * (module._MAX_ITEMS - 1)),
+        (most, [1] * (module.MAX_ITEMS - 1)),
     ]
     async with trio.open_nursery() as nursery:
         port = await nursery.start(_answering, [reply for reply, _ in cases] + [b"-ERR bad \xff\r\n"])
@@ -318,7 +318,7 @@ async def test_the_store_client_reads_each_kind_of_reply_to_its_bounds() -> None
     assert answers == [want for _, want in cases]
     assert str(info.value) == "ERR bad \ufffd"
     # One value more, or one level deeper, is refused.
-    for reply in (b"*1\r\n" + deepest, b"*%d\r\n" % module._MAX_ITEMS + b":1\r\n" * module._MAX_ITEMS):
+    for reply in (b"*1\r\n" + deepest, b"*%d\r\n" % module.MAX_ITEMS + b":1\r\n" * module.MAX_ITEMS):
         async with trio.open_nursery() as nursery:
             port = await nursery.start(_answering, [reply])
             client = RedisClient(f"redis://127.0.0.1:{port}/0", timeout_s=5.0)

@@ -91,7 +91,7 @@ _RETRY_AFTER = "retry-after"
 #: The header naming a request's session (a hint for the cache plan), and the most of
 #: it (or of the request's ``user`` field) kept.
 _SESSION_ID = "x-session-id"
-_HINT_MAX = 200
+SESSION_HINT_MAX = 200
 #: The most time a failure answer may take to write (a client that stopped reading).
 _ANSWER_WRITE_S = 5.0
 
@@ -460,13 +460,13 @@ class RequestLifecycle:
 
     def _session_hint(self) -> str | None:
         """The session the client names, if any: its ``x-session-id`` header, else the
-        request's ``user`` field (at most :data:`_HINT_MAX` characters of either)."""
+        request's ``user`` field (at most :data:`SESSION_HINT_MAX` characters of either)."""
         hint = self.request.header(_SESSION_ID)
         if not hint:
             parsed = self.parsed
             user = parsed.body.get("user") if parsed is not None else None
             hint = user if isinstance(user, str) else None
-        return hint[:_HINT_MAX] if hint else None
+        return hint[:SESSION_HINT_MAX] if hint else None
 
     def _hold(self, role: str, engine: str, ids: tuple[int, ...], extra_tokens: int) -> None:
         """The attempt's request holds its blocks on ``engine`` (approximate views)."""

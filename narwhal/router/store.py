@@ -40,11 +40,11 @@ __all__ = ["ADMIT_SCRIPT", "SERVED_SCRIPT", "RedisClient", "RespError", "SharedL
 #: Connections a process keeps to the store at most (requests beyond wait for one).
 POOL_SIZE: Final = 8
 #: Largest reply accepted from the store (a bulk string or the served-tokens hash).
-_MAX_REPLY: Final = 1 << 20
+MAX_REPLY: Final = 1 << 20
 #: Most values one reply may hold (arrays' items at every depth), and its deepest
 #: nesting: what the router's scripts return is a short flat list.
-_MAX_ITEMS: Final = 100_000
-_MAX_DEPTH: Final = 4
+MAX_ITEMS: Final = 100_000
+MAX_DEPTH: Final = 4
 
 
 class StoreUnavailable(Exception):
@@ -76,7 +76,7 @@ class _Connection:
         if not data:
             raise StoreUnavailable("the store closed the connection")
         self.buf += data
-        if len(self.buf) > _MAX_REPLY:
+        if len(self.buf) > MAX_REPLY:
             raise StoreUnavailable("reply from the store too large")
 
     async def _line(self) -> bytes:
@@ -96,7 +96,7 @@ class _Connection:
 
     async def _value(self, depth: int) -> Any:
         self._items += 1
-        if self._items > _MAX_ITEMS or depth > _MAX_DEPTH:
+        if self._items > MAX_ITEMS or depth > MAX_DEPTH:
             raise StoreUnavailable("reply from the store too large or nested too deep")
         line = await self._line()
         kind, rest = line[:1], line[1:]
@@ -110,7 +110,7 @@ class _Connection:
             n = int(rest)
             if n < 0:
                 return None
-            if n > _MAX_REPLY:
+            if n > MAX_REPLY:
                 raise StoreUnavailable("reply from the store too large")
             while len(self.buf) < n + 2:
                 await self._fill()
