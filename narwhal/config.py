@@ -287,6 +287,12 @@ class ServerConfig:
             its name (``engine d0 at http://10.0.0.5:8000 unreachable``). Off by default: an
             engine's address is the operator's, not the client's; turn it on where the clients
             are the operators (a development router; the embedded simulated fleet does).
+        token_relay: Where the tokens of a started streamed response are forwarded.
+            ``thread``: a relay thread of the router reads each engine socket and writes
+            the client's, and gives the stream back to the event loop for anything but
+            plain token events (the end, usage, errors, a client that does not keep up,
+            an engine gone silent). ``loop``: every token through the event loop, which
+            costs more CPU per token (docs/benchmarks.md, "The token relay").
     """
 
     host: str = attrs.field(default="127.0.0.1", validator=_text)
@@ -307,6 +313,7 @@ class ServerConfig:
     admin_fleet_writes: bool = True
     engine_load_poll_s: float = attrs.field(default=0.0, validator=_non_negative)
     engine_urls_in_errors: bool = False
+    token_relay: Literal["thread", "loop"] = attrs.field(default="thread", validator=_member(("thread", "loop")))
 
 
 @attrs.frozen(kw_only=True)

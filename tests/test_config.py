@@ -480,6 +480,7 @@ def test_defaults_match_the_plan() -> None:
         "max_connections": None, "send_timeout_s": 60.0,
         "shutdown_grace_s": 30.0, "api_keys": [], "admin_host": "127.0.0.1", "admin_port": 8001,
         "admin_api_keys": [], "admin_fleet_writes": True, "engine_load_poll_s": 0.0, "engine_urls_in_errors": False,
+            "token_relay": "thread",
     }  # fmt: skip
     data = unstructure_fleet(cfg)
     assert data["engine"] == {"first_token_timeout_s": 30.0, "decode_read_timeout_s": 30.0,

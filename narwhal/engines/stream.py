@@ -38,6 +38,7 @@ from narwhal.engines.sse import (
     json_loads,
     parse_chunk,
 )
+from narwhal.engines.wire import WireResponse
 from narwhal.errors import (
     EmptyStream,
     EngineError,
@@ -336,6 +337,8 @@ class DecodeStream:
         self.usage: dict[str, Any] | None = None
         self.done = False
         self.closed = False
+        # An unusable event stream met by bytes read off the event loop (:meth:`take`).
+        self._deferred: SSEError | None = None
         self._silence_scope: trio.CancelScope | None = None
         self._silence_s = 0.0  # pragma: no mutate (equivalent: set before use)
         self._silence_slack_s = 0.0  # pragma: no mutate (equivalent: set before use)
@@ -383,6 +386,9 @@ class DecodeStream:
                 engine=self.engine,
                 leg=self.leg,
             )
+        if self._deferred is not None:
+            self._finished = True
+            raise self._protocol_error("an unusable event stream", self._deferred)
         events = self._events
         while True:
             while events:
@@ -464,6 +470,55 @@ class DecodeStream:
         except SSEError as exc:
             self._finished = True
             raise self._protocol_error("an unusable event stream", exc) from None
+
+    def relay_fd(self) -> int:
+        """The engine socket's descriptor when a relay may read this stream off the event
+        loop (:meth:`take` what it reads), or -1: a lazy stream over the router's own
+        transport, chunked, with nothing read and not yet taken."""
+        response = self._response
+        if not self._lazy or self._events or self._finished or self._eof or not isinstance(response, WireResponse):
+            return -1
+        return response.body.relay_fd()
+
+    def take(self, data: bytes, at: float) -> tuple[int, bytes]:
+        """Account bytes a relay read from :meth:`relay_fd`'s socket at ``at`` (the event
+        loop's clock): ``(count, run)`` when they end a run of ``count`` token events of the
+        usual shape (``run`` their bytes, to forward), ``(0, b"")`` when nothing is whole
+        yet, and ``(-1, b"")`` when the stream needs iterating (events other than tokens,
+        the body's end or an error: the next ``__anext__`` has them).
+
+        Only a relay that owns the stream calls it (no ``__anext__`` meanwhile).
+        """
+        response = self._response
+        assert isinstance(response, WireResponse)
+        body = response.body
+        self.last_activity_at = at
+        piece = body.feed(data)
+        if piece:
+            count, run, rest = self._decoder.feed_tokens(piece)
+            if count and not rest:
+                self.tokens += count
+                self.last_token_at = at
+                return count, run
+            if count:
+                self._events.append(Chunk("token", run, None, (), count))
+                self._events.extend(rest)
+            else:
+                try:
+                    self._events.extend(self._decoder.feed(piece))
+                except SSEError as exc:
+                    self._deferred = exc
+                    return -1, b""
+        if self._events or body.ended:
+            return -1, b""
+        return 0, b""
+
+    def read_failed(self, exc: OSError) -> None:
+        """A relay's read of :meth:`relay_fd`'s socket failed: the next ``__anext__``
+        raises it as the engine's error."""
+        response = self._response
+        assert isinstance(response, WireResponse)
+        response.body.fail(exc)
 
     def _protocol_error(self, what: str, exc: Exception) -> EngineProtocolError:
         """The engine sent ``what`` (its detail for the log; the client sees no detail)."""

@@ -109,12 +109,17 @@ class _Body(httpx.AsyncByteStream):
         self._complete = length == 0 and not chunked
         self._state = "size"  # chunked: a "size" line, chunk "data", the "crlf" after it
         self._need = 0  # chunked: bytes left of the current chunk's data
+        # What bytes read off the event loop (feed) met: raised by the next __anext__.
+        self._error: httpx.HTTPError | None = None
 
     def __aiter__(self) -> _Body:
         return self
 
     async def __anext__(self) -> bytes:
         conn = self._conn
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         if conn is None or self._complete:
             raise StopAsyncIteration
         if self._chunked:
@@ -233,6 +238,41 @@ class _Body(httpx.AsyncByteStream):
         finally:
             if pos:
                 del buf[:pos]
+
+    def relay_fd(self) -> int:
+        """The descriptor of a chunked body's socket that a relay may read off the event
+        loop (:meth:`feed` what it reads), or -1."""
+        conn = self._conn
+        if conn is None or self._complete or not self._chunked or self._error is not None:
+            return -1
+        sock = conn.io.socket
+        return -1 if sock is None else sock.fileno()
+
+    def feed(self, data: bytes) -> bytes:
+        """The body bytes in ``data`` read from :meth:`relay_fd`'s socket: what has arrived
+        de-chunked (b"" when no chunk is whole yet). Never raises: a malformed body is
+        raised by the next ``__anext__``; :attr:`ended` says that one will not wait."""
+        conn = self._conn
+        assert conn is not None
+        buf = conn.buf
+        buf += data
+        out = bytearray()
+        try:
+            if self._parse_chunks(buf, out):
+                self._complete = True
+        except httpx.RemoteProtocolError as exc:
+            self._error = exc
+            return b""
+        return bytes(out)
+
+    def fail(self, exc: OSError) -> None:
+        """A read from :meth:`relay_fd`'s socket failed: the next ``__anext__`` raises it."""
+        self._error = httpx.ReadError(f"connection to the engine broke: {exc}")
+
+    @property
+    def ended(self) -> bool:
+        """Whether the next ``__anext__`` returns or raises without reading."""
+        return self._complete or self._error is not None
 
     def finish_buffered(self) -> bool:
         """Consume what has already arrived; whether that completes the body (never waits).

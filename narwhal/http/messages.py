@@ -177,6 +177,28 @@ class ResponseWriter:
     def _frame(self, data: bytes) -> bytes:
         return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
 
+    def relay_fd(self) -> int:
+        """The client socket's descriptor when a relay may write this streamed response
+        off the event loop (each piece :meth:`frame` d, what the socket does not take
+        then :meth:`send_framed`), or -1."""
+        conn = self._conn
+        sock = conn.io.socket
+        if not self.started or self.finished or self._head_only or conn.gone or sock is None:
+            return -1
+        return -1 if sock.did_shutdown_SHUT_WR else sock.fileno()
+
+    def frame(self, data: bytes) -> bytes:
+        """``data`` framed as one piece of the streamed body (a chunk for HTTP/1.1)."""
+        return self._frame(data)
+
+    async def send_framed(self, data: bytes, *, on_wait: Callable[[], None] | None = None) -> None:
+        """Send bytes :meth:`frame` made (as :meth:`send`; the rest of a piece a relay
+        wrote in part)."""
+        if not self.started or self.finished:
+            raise RuntimeError("send_framed() needs a started, unfinished streamed response")
+        if data:
+            await self._conn.write(data, on_wait)
+
     async def send(self, data: bytes, *, on_wait: Callable[[], None] | None = None) -> None:
         """Send one chunk of a streamed response (one write; empty data is skipped).
 

@@ -626,6 +626,8 @@ class RequestLifecycle:
             armed = False  # pragma: no mutate (equivalent: None is falsy alike; True is killed)
             scope.deadline = math.inf
 
+        # Streamed tokens are carried off the event loop where they can be.
+        relay = state.relay if acc is None and ledger is None else None
         trace = self.trace
         headers = () if trace is None else trace.decode(name, attempt.decode_request_id)
         state.in_flight_by_engine[name] += 1
@@ -697,6 +699,28 @@ class RequestLifecycle:
                             if not armed:
                                 scope.deadline = now + silence
                                 armed = True  # pragma: no mutate (equivalent: re-armed at each burst, the deadline is the one the read set; only slower)
+                        if relay is not None and self.committed and tokens > base:
+                            # The plain middle of the stream, off the event loop: the relay
+                            # gives it back for anything else (relay.py).
+                            carried = relay.prepare(stream, respond, shape, silence)
+                            if carried is None:
+                                relay = None  # this stream's ends cannot be carried
+                                continue
+                            scope.deadline = math.inf  # the relay keeps the silence bound
+                            try:
+                                await relay.carry(carried)
+                            finally:  # (a cancelled task counts what was carried, too)
+                                if carried.tokens:
+                                    tokens += carried.tokens
+                                    self.tokens = tokens
+                                    last_token_at = carried.last_token_at
+                            if carried.failure is not None:
+                                raise carried.failure
+                            # From the stream's last bytes (past already when it went silent).
+                            scope.deadline = stream.last_activity_at + silence
+                            armed = True  # pragma: no mutate (equivalent: the deadline is set here either way)
+                            if carried.unsent:
+                                await respond.send_framed(carried.unsent, on_wait=disarm)
                     if burst_tokens:  # [DONE] came in the burst of the last tokens
                         last_token_at = clock()
                     attempt.consumer_cached_tokens = stream.cached_tokens

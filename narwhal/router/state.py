@@ -28,6 +28,7 @@ from narwhal.router.placement import Placement
 from narwhal.router.prefix import PrefixIndex
 from narwhal.router.pricing import PricedPlacement
 from narwhal.router.promptlen import PromptLengths, prompt_size
+from narwhal.router.relay import TokenRelay
 from narwhal.router.retry import RetryBudget
 from narwhal.tracing import Tracing
 
@@ -136,6 +137,8 @@ class RouterState:
         #: that an engine joining or leaving costs its own models, not a walk of the fleet.
         self._limits: dict[str, collections.Counter[int]] = {}
         self._counted: dict[str, dict[str, int]] = {}
+        #: Carries streamed tokens off the event loop (None: ``server.token_relay: "loop"``).
+        self.relay = TokenRelay() if config.server.token_relay == "thread" else None
         self.in_flight = 0
         self.in_flight_by_engine: dict[str, int] = dict.fromkeys(self.engines, 0)
         mode = config.controller.prompt_tokens
@@ -593,6 +596,8 @@ class RouterState:
         return unbound
 
     async def aclose(self) -> None:
+        if self.relay is not None:
+            await self.relay.aclose()
         for client in self.clients.values():
             with trio.move_on_after(5, shield=True):
                 await client.aclose()
