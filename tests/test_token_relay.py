@@ -23,13 +23,15 @@ import trio
 from narwhal.config import FaultSpec, parse_fleet
 from narwhal.errors import ConfigError
 from narwhal.router.journal import Journal
+from narwhal.router.relay import TokenRelay
 from narwhal.router.service import Router, open_router
 from narwhal.testing import SimFleet, open_sim_fleet
 from narwhal.testing.ports import free_port
 
 from .routerkit import SIM
 
-MODES = ("thread", "loop")
+#: The relay's C loop (where it was built), its Python loop, and no relay.
+MODES = ("thread", "python", "loop")
 
 
 def _engine(name: str, roles: list[str]) -> dict[str, Any]:
@@ -44,7 +46,10 @@ def _engine(name: str, roles: list[str]) -> dict[str, Any]:
 async def _router(mode: str, **engine: Any) -> AsyncIterator[tuple[Router, SimFleet, int, list[dict[str, Any]]]]:
     """Simulated engines and a router with ``server.token_relay: mode`` on loopback."""
     config = parse_fleet({
-        "server": {"host": "127.0.0.1", "port": free_port(), "admin_port": 0, "token_relay": mode},
+        "server": {
+            "host": "127.0.0.1", "port": free_port(), "admin_port": 0,
+            "token_relay": "loop" if mode == "loop" else "thread",
+        },
         "engine": engine,
         "engines": [_engine("p0", ["prefill"]), _engine("d0", ["decode"])],
     })  # fmt: skip
@@ -52,6 +57,8 @@ async def _router(mode: str, **engine: Any) -> AsyncIterator[tuple[Router, SimFl
     journal = Journal(None)
     journal.add_listener(records.append)
     async with open_sim_fleet(config, sockets=True) as fleet, open_router(config, journal=journal) as router:
+        if mode == "python":
+            router.state.relay = TokenRelay(compiled=False)
         async with trio.open_nursery() as nursery:
             [(_, port)] = await nursery.start(router.serve_tcp)
             yield router, fleet, port, records
@@ -144,18 +151,20 @@ async def _both(body: dict[str, Any], *, faults: tuple[FaultSpec, ...] = (), **o
                 "in_flight": (router.state.in_flight, router.state.in_flight_by_engine["d0"]),
             }
             if relay is not None:
-                assert not relay._jobs, "a stream was left with the relay"
+                assert not relay.active, "a stream was left with the relay"
     return seen
 
 
 async def test_streams_through_the_relay_are_the_loops() -> None:
     seen = await _both({"prompt": "carried off the loop", "max_tokens": 300, "stream": True})
-    thread, loop = seen["thread"], seen["loop"]
-    assert thread["carried"] >= 3 and loop["carried"] is None
-    assert thread["records"] == loop["records"] == [("ok", 200, 300)] * 3
-    assert thread["events"] == loop["events"]
-    assert all(len(_texts(e)) > 0 and e[-1] == "[DONE]" for e in thread["events"])
-    assert thread["in_flight"] == (0, 0)
+    loop = seen["loop"]
+    assert loop["carried"] is None and loop["records"] == [("ok", 200, 300)] * 3
+    for mode in ("thread", "python"):
+        assert seen[mode]["carried"] >= 3
+        assert seen[mode]["records"] == loop["records"]
+        assert seen[mode]["events"] == loop["events"]
+        assert seen[mode]["in_flight"] == (0, 0)
+    assert all(len(_texts(e)) > 0 and e[-1] == "[DONE]" for e in loop["events"])
 
 
 async def test_chat_with_usage_through_the_relay_is_the_loops() -> None:
@@ -164,8 +173,8 @@ async def test_chat_with_usage_through_the_relay_is_the_loops() -> None:
         "stream_options": {"include_usage": True},
     }  # fmt: skip
     seen = await _both(body)
-    assert seen["thread"]["events"] == seen["loop"]["events"]
-    assert seen["thread"]["records"] == seen["loop"]["records"] == [("ok", 200, 120)] * 3
+    assert seen["thread"]["events"] == seen["python"]["events"] == seen["loop"]["events"]
+    assert seen["thread"]["records"] == seen["python"]["records"] == seen["loop"]["records"] == [("ok", 200, 120)] * 3
     [usage] = [e for e in seen["thread"]["events"][0] if isinstance(e, dict) and e.get("usage")]
     assert usage["usage"]["completion_tokens"] == 120
 
@@ -185,12 +194,14 @@ async def test_a_stream_fault_while_carried_ends_as_on_the_loop(fault: FaultSpec
         faults=(fault,),
         engine={"decode_read_timeout_s": 0.5},
     )
-    thread, loop = seen["thread"], seen["loop"]
-    assert thread["carried"] >= 3
-    assert thread["records"] == loop["records"]
-    assert {r[0] for r in thread["records"]} != {"ok"}
-    assert thread["events"] == loop["events"]
-    assert thread["in_flight"] == loop["in_flight"] == (0, 0)
+    loop = seen["loop"]
+    assert {r[0] for r in loop["records"]} != {"ok"}
+    assert loop["in_flight"] == (0, 0)
+    for mode in ("thread", "python"):
+        assert seen[mode]["carried"] >= 3
+        assert seen[mode]["records"] == loop["records"]
+        assert seen[mode]["events"] == loop["events"]
+        assert seen[mode]["in_flight"] == (0, 0)
 
 
 async def test_a_client_that_reads_slowly_gets_every_byte_in_order() -> None:
@@ -199,12 +210,13 @@ async def test_a_client_that_reads_slowly_gets_every_byte_in_order() -> None:
     seen = await _both(
         {"prompt": "a slow reader", "max_tokens": 400, "stream": True}, rcvbuf=2048, read_pause_s=0.002
     )
-    assert seen["thread"]["events"] == seen["loop"]["events"]
-    assert seen["thread"]["records"] == [("ok", 200, 400)] * 3
+    assert seen["thread"]["events"] == seen["python"]["events"] == seen["loop"]["events"]
+    assert seen["thread"]["records"] == seen["python"]["records"] == [("ok", 200, 400)] * 3
 
 
-async def test_a_client_that_hangs_up_mid_stream_ends_its_request_at_once() -> None:
-    async with _router("thread") as (router, fleet, port, records):
+@pytest.mark.parametrize("mode", ["thread", "python"])
+async def test_a_client_that_hangs_up_mid_stream_ends_its_request_at_once(mode: str) -> None:
+    async with _router(mode) as (router, fleet, port, records):
         relay = router.state.relay
         assert relay is not None
         sock = trio.socket.socket()
@@ -217,21 +229,22 @@ async def test_a_client_that_hangs_up_mid_stream_ends_its_request_at_once() -> N
         received = b""
         while len(received) < 20_000:  # well into the stream: carried by now
             received += await sock.recv(65536)
-        assert relay.carried >= 1 and relay._jobs
+        assert relay.carried >= 1 and relay.active
         sock.close()
         seen = received.count(b'"finish_reason":null')  # the token events the client read
         await _until(lambda: bool(records))
         assert [(r["terminal_class"], r["status"]) for r in records] == [("client_cancelled", 200)]
         # Every token forwarded counts, those the relay carried too.
         assert seen > 50 and seen <= records[0]["output_len"] < 5000
-        assert not relay._jobs
+        assert not relay.active
         assert router.state.in_flight == 0 and router.state.in_flight_by_engine["d0"] == 0
         # The engine saw its decode connection closed (no stream left running there).
         await _until(lambda: not fleet.engines["d0"].running)
 
 
-async def test_the_relay_thread_stops_with_the_router() -> None:
-    async with _router("thread") as (router, _, port, _records):
+@pytest.mark.parametrize("mode", ["thread", "python"])
+async def test_the_relay_thread_stops_with_the_router(mode: str) -> None:
+    async with _router(mode) as (router, _, port, _records):
         relay = router.state.relay
         assert relay is not None
         await _ask(port, {"prompt": "one", "max_tokens": 50, "stream": True})
@@ -241,9 +254,12 @@ async def test_the_relay_thread_stops_with_the_router() -> None:
 
 
 async def test_the_relay_needs_the_system_clock(autojump_clock: trio.testing.MockClock) -> None:
-    from narwhal.router.relay import TokenRelay
-
     assert not TokenRelay().usable
+
+
+def test_the_c_loop_is_the_default_where_it_was_built() -> None:
+    pytest.importorskip("narwhal._crelay")
+    assert TokenRelay().compiled and not TokenRelay(compiled=False).compiled
 
 
 def test_token_relay_loop_turns_it_off() -> None:

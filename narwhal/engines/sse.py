@@ -167,6 +167,11 @@ class SSEDecoder:
         #: The last valid ``retry`` (milliseconds) the stream set.
         self.retry: int | None = None
 
+    @property
+    def max_event_bytes(self) -> int:
+        """The longest line or event the decoder takes."""
+        return self._max
+
     def _simple_parts(self, chunk: bytes) -> list[bytes] | None:
         """The events of ``chunk`` when it is whole ``data: ...\\n\\n`` events with one
         data line each and the decoder holds nothing (what engines send); else None."""

@@ -513,6 +513,19 @@ class DecodeStream:
             return -1, b""
         return 0, b""
 
+    @property
+    def max_event_bytes(self) -> int:
+        """The longest event the stream takes (longer ones end it)."""
+        return self._decoder.max_event_bytes
+
+    def carried(self, tokens: int, last_token_at: float, last_activity_at: float) -> None:
+        """Account token events a relay forwarded without :meth:`take` (it read them from
+        :meth:`relay_fd`'s socket: whole events, nothing left over)."""
+        if tokens:
+            self.tokens += tokens
+            self.last_token_at = last_token_at
+        self.last_activity_at = max(self.last_activity_at, last_activity_at)
+
     def read_failed(self, exc: OSError) -> None:
         """A relay's read of :meth:`relay_fd`'s socket failed: the next ``__anext__``
         raises it as the engine's error."""

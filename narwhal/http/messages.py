@@ -187,6 +187,11 @@ class ResponseWriter:
             return -1
         return -1 if sock.did_shutdown_SHUT_WR else sock.fileno()
 
+    @property
+    def chunked(self) -> bool:
+        """Whether the streamed body is framed in chunks (an HTTP/1.1 client)."""
+        return self._chunked
+
     def frame(self, data: bytes) -> bytes:
         """``data`` framed as one piece of the streamed body (a chunk for HTTP/1.1)."""
         return self._frame(data)

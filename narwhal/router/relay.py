@@ -29,13 +29,18 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
 from typing import Final
 
 import trio
 
 from narwhal.engines.stream import DecodeStream
 from narwhal.http.messages import ResponseWriter
+from narwhal.router.requests import StreamShaper
+
+try:
+    from narwhal import _crelay
+except ImportError:  # pragma: no cover (built where a compiler was found)
+    _crelay = None  # type: ignore[assignment]
 
 __all__ = ["Carried", "TokenRelay"]
 
@@ -59,8 +64,8 @@ class Carried:
     """
 
     __slots__ = (
-        "done", "dst", "event", "failure", "frame", "last_token_at", "released", "shape",
-        "silence_s", "silent", "src", "stream", "tokens", "unsent",
+        "compiled", "done", "dst", "event", "failure", "last_token_at", "released", "shape",
+        "silence_s", "silent", "src", "stream", "tokens", "unsent", "writer",
     )  # fmt: skip
 
     def __init__(
@@ -68,15 +73,16 @@ class Carried:
         stream: DecodeStream,
         src: int,
         dst: int,
-        frame: Callable[[bytes], bytes],
-        shape: Callable[[bytes], bytes],
+        writer: ResponseWriter,
+        shape: StreamShaper,
         silence_s: float,
     ) -> None:
         self.stream = stream
         self.src = src
         self.dst = dst
-        self.frame = frame
+        self.writer = writer
         self.shape = shape
+        self.compiled: _crelay.Job | None = None  # the C loop's job
         self.silence_s = silence_s
         self.tokens = 0
         self.last_token_at = 0.0
@@ -92,10 +98,20 @@ class TokenRelay:
     """The relay thread of one router (see the module docstring); started at its first
     stream, stopped by :meth:`aclose`.
 
-    Must be created inside the trio run whose tasks use it.
+    Args:
+        compiled: run the C loop (None: where it was built and ``time.perf_counter`` is
+            ``CLOCK_MONOTONIC``, the clock it reads); False runs the Python loop.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, compiled: bool | None = None) -> None:
+        if compiled is None:
+            clock = time.get_clock_info("perf_counter").implementation
+            compiled = _crelay is not None and clock == "clock_gettime(CLOCK_MONOTONIC)"
+        elif compiled and _crelay is None:
+            raise RuntimeError("narwhal._crelay was not built (no C compiler at install)")
+        #: Whether the loop is C (narwhal._crelay).
+        self.compiled = compiled
+        self._c: _crelay.Relay | None = None
         self._offset: float | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._lock = threading.Lock()
@@ -107,8 +123,9 @@ class TokenRelay:
         self._wake_r = self._wake_w = -1
         self._closed = False
         self._broken = False
-        #: Streams carried so far (each stretch of one counts).
+        #: Streams carried so far (each stretch of one counts), and now.
         self.carried = 0
+        self.active = 0
 
     @property
     def usable(self) -> bool:
@@ -130,7 +147,7 @@ class TokenRelay:
         self,
         stream: DecodeStream,
         writer: ResponseWriter,
-        shape: Callable[[bytes], bytes],
+        shape: StreamShaper,
         silence_s: float,
     ) -> Carried | None:
         """What :meth:`carry` takes to carry ``stream`` to ``writer``, or None when its
@@ -146,35 +163,91 @@ class TokenRelay:
         dst = writer.relay_fd()
         if src < 0 or dst < 0:
             return None
-        return Carried(stream, src, dst, writer.frame, shape, silence_s)
+        return Carried(stream, src, dst, writer, shape, silence_s)
 
     async def carry(self, job: Carried) -> None:
         """Carry a stream until it needs its task (see the module docstring); what
         happened is in ``job``. The task must not touch the stream or the response
         meanwhile."""
         self._start()
-        with self._lock:
-            self._adopt.append(job)
-        self._wake()
+        if self._c is not None:
+            stream = job.stream
+            job.compiled = self._c.adopt(
+                job.src, job.dst, job.shape.id_prefix, job.shape.strip_ids, job.writer.chunked,
+                stream.max_event_bytes, job.silence_s, stream.last_activity_at - (self._offset or 0.0),
+                lambda: self._handed_back(job),
+            )  # fmt: skip
+        else:
+            with self._lock:
+                self._adopt.append(job)
+            self._wake()
         self.carried += 1
+        self.active += 1
         try:
             await job.event.wait()
         except BaseException:
             if not job.done:
-                with self._lock:
-                    self._release.append(job)
-                self._wake()
+                if self._c is not None and job.compiled is not None:
+                    self._c.release(job.compiled)
+                else:
+                    with self._lock:
+                        self._release.append(job)
+                    self._wake()
                 with trio.CancelScope(shield=True), trio.move_on_after(_RELEASE_WAIT_S):
                     await job.event.wait()
                 if not job.done:  # pragma: no cover (a relay that stopped answering)
                     self._broken = True
                     log.error("the token relay did not give a stream back; relaying on the event loop from now on")
             raise
+        finally:
+            self.active -= 1
+            if job.done and job.compiled is not None:
+                self._settle(job)
+
+    def _handed_back(self, job: Carried) -> None:
+        """The C loop gave ``job`` back (its thread, holding the GIL)."""
+        job.done = True
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(job.event.set)
+        except trio.RunFinishedError:  # pragma: no cover (the run ended first)
+            pass
+
+    def _settle(self, job: Carried) -> None:
+        """What the C loop did, as the Python loop reports it (the task's thread)."""
+        c = job.compiled
+        assert c is not None
+        offset = self._offset or 0.0
+        stream = job.stream
+        job.tokens = c.tokens
+        job.last_token_at = c.last_token + offset
+        stream.carried(c.tokens, job.last_token_at, c.last_activity + offset)
+        reason = c.reason
+        if reason == _crelay.RAW:
+            # A read that was not the plain case: the stream's own code takes it.
+            count, run = stream.take(c.raw, stream.last_activity_at)
+            if count > 0:
+                job.tokens += count
+                job.last_token_at = stream.last_activity_at
+                job.unsent = job.writer.frame(job.shape(run))
+        elif reason == _crelay.UNSENT:
+            job.unsent = c.unsent
+        elif reason == _crelay.ERROR:
+            stream.read_failed(OSError(c.errno, os.strerror(c.errno)))
+        elif reason == _crelay.SILENT:
+            job.silent = True
+        else:
+            job.released = reason == _crelay.RELEASED
 
     # ------------------------------------------------------------------ the thread
 
     def _start(self) -> None:
         if self._thread is not None:
+            return
+        if self.compiled:
+            self._c = _crelay.Relay()
+            self._thread = threading.Thread(target=self._c.run, name="narwhal-token-relay", daemon=True)
+            self._thread.start()
             return
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
@@ -264,7 +337,7 @@ class TokenRelay:
         try:
             count, run = job.stream.take(data, time.perf_counter() + (self._offset or 0.0))
             if count > 0:
-                out = job.frame(job.shape(run))
+                out = job.writer.frame(job.shape(run))
                 job.tokens += count
                 job.last_token_at = job.stream.last_activity_at
                 try:
@@ -318,11 +391,14 @@ class TokenRelay:
         thread = self._thread
         if thread is None:
             return
-        with self._lock:
-            self._release.extend(self._jobs.values())
-        self._wake()
+        if self._c is not None:
+            self._c.close()
+        else:
+            with self._lock:
+                self._release.extend(self._jobs.values())
+            self._wake()
         await trio.to_thread.run_sync(thread.join, 5.0)
-        if not thread.is_alive():
+        if not thread.is_alive() and self._c is None:
             if self._epoll is not None:
                 self._epoll.close()
             os.close(self._wake_r)

@@ -408,6 +408,16 @@ class StreamShaper:
         self._id = b'data: {"id":' + json.dumps(response_id(parsed, request_id)).encode()
         self._strip_ids = not parsed.return_token_ids
 
+    @property
+    def id_prefix(self) -> bytes:
+        """What an event's opening ``data: {"id":"..."`` becomes."""
+        return self._id
+
+    @property
+    def strip_ids(self) -> bool:
+        """Whether token ids are cut from the events (the client did not ask for them)."""
+        return self._strip_ids
+
     def _replace_id(self, _: re.Match[bytes]) -> bytes:
         return self._id
 

@@ -1,0 +1,156 @@
+"""The token relay's C loop (``narwhal._crelay``) held to the Python path, byte for byte.
+
+The loop forwards a read only when it is the plain case and hands any other read back
+untouched for the stream's own code. So whatever it forwards must be exactly what the
+Python path makes of the same read (de-chunked by the engine transport, scanned by the
+SSE decoder, shaped by the request's :class:`StreamShaper`, framed for the client),
+and it must forward the plain case itself (else it would cost more than it saves). The
+inputs: vLLM's recorded token events, alone and in bursts, and hypothesis' mutations and
+random bytes around them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from narwhal.engines.sse import SSEDecoder
+from narwhal.engines.wire import _Body
+from narwhal.router.requests import StreamShaper, parse_request
+
+_crelay: Any = pytest.importorskip("narwhal._crelay")
+
+RECORDED = (Path(__file__).parent.parent / "fixtures" / "completions-stream-token-ids.sse").read_bytes()
+EVENTS = [e + b"\n\n" for e in RECORDED.split(b"\n\n") if e.startswith(b"data: {")]
+TOKENS = [e for e in EVENTS if b'"finish_reason":null' in e]
+MAX_EVENT = 1 << 20
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+
+def _shaper(return_token_ids: bool) -> StreamShaper:
+    extra = b', "return_token_ids": true' if return_token_ids else b""
+    return StreamShaper(parse_request(b'{"prompt": "x", "stream": true%s}' % extra, "completions"), "rid-7")
+
+
+def _python(read: bytes, shaper: StreamShaper, chunked: bool) -> tuple[int, bytes] | None:
+    """What the Python path forwards of ``read`` at a carried stream's state (nothing
+    buffered, past the stream's first event), when it forwards it whole; else None."""
+    body = _Body(None, _Conn(), length=None, chunked=True, keep_alive=True)  # type: ignore[arg-type]
+    piece = body.feed(read)
+    if body.ended or not piece:
+        return None
+    decoder = SSEDecoder(max_event_bytes=MAX_EVENT)
+    decoder.feed(TOKENS[0])  # the first token, read before the stream is carried
+    count, run, rest = decoder.feed_tokens(piece)
+    if not count or rest:
+        return None
+    out = shaper(run)
+    return count, (b"%x\r\n%b\r\n" % (len(out), out) if chunked else out)
+
+
+def _c(read: bytes, shaper: StreamShaper, chunked: bool) -> tuple[int, bytes] | None:
+    result: tuple[int, bytes] | None = _crelay.shape(read, shaper.id_prefix, shaper.strip_ids, chunked, MAX_EVENT)
+    return result
+
+
+def _chunks(events: list[bytes], sizes: list[int] | None = None) -> bytes:
+    """``events`` as one chunk each (or their bytes cut in chunks of ``sizes``)."""
+    if sizes is None:
+        return b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events)
+    data, out = b"".join(events), []
+    while data:
+        size = max(1, sizes[len(out) % len(sizes)])
+        out.append(b"%x\r\n%b\r\n" % (len(data[:size]), data[:size]))
+        data = data[size:]
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_plain_case_is_forwarded_as_the_python_path_forwards_it(return_token_ids: bool, chunked: bool) -> None:
+    shaper = _shaper(return_token_ids)
+    for events in ([TOKENS[1]], TOKENS[1:6], TOKENS):
+        for read in (_chunks(events), _chunks(events, [7, 100, 3])):
+            expected = _python(read, shaper, chunked)
+            assert expected is not None and expected[0] == len(events)
+            assert _c(read, shaper, chunked) == expected
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        _chunks([EVENTS[-2]]),  # the finishing event
+        _chunks([EVENTS[-1]]),  # usage
+        _chunks([b"data: [DONE]\n\n"]),
+        _chunks([TOKENS[1], EVENTS[-2]]),  # tokens, then the finishing event
+        _chunks([TOKENS[1]]) + b"0\r\n\r\n",  # the body's last chunk
+        _chunks([TOKENS[1]])[:-1],  # a chunk cut short
+        _chunks([TOKENS[1][:40]]),  # an event cut short
+        _chunks([TOKENS[1].replace(b"data: ", b"data:")]),  # another spacing
+        _chunks([TOKENS[1].replace(b"\n\n", b"\r\n\r\n")]),
+        _chunks([TOKENS[1].replace(b'{"id":"cmpl-', b'{"id": "cmpl-')]),  # not the compact id
+        _chunks([TOKENS[1].replace(b'"cmpl-', b'"cm\\"pl-')]),  # an escaped quote in the id
+        _chunks([b": keep-alive\n\n"]),
+        b"1;ext=1\r\n" + TOKENS[1][:1] + b"\r\n",  # a chunk extension
+        b"zz\r\n" + TOKENS[1] + b"\r\n",
+    ],
+)
+def test_anything_else_is_handed_back(read: bytes) -> None:
+    for shaper in (_shaper(False), _shaper(True)):
+        assert _c(read, shaper, True) is None
+
+
+@st.composite
+def _reads(draw: st.DrawFn) -> bytes:
+    events = draw(st.lists(st.sampled_from([*EVENTS, b"data: [DONE]\n\n"]), min_size=1, max_size=6))
+    edits = draw(st.lists(st.tuples(st.integers(0, 10_000), st.binary(max_size=4), st.integers(0, 3)), max_size=3))
+    raw = b"".join(events)
+    for at, insert, cut in edits:
+        at %= len(raw) + 1
+        raw = raw[:at] + insert + raw[at + cut :]
+    events = [e + b"\n\n" for e in raw.split(b"\n\n") if e] or [raw]
+    sizes = draw(st.none() | st.lists(st.integers(1, 400), min_size=1, max_size=4))
+    read = _chunks(events, sizes)
+    if draw(st.booleans()):  # damage the framing too
+        at = draw(st.integers(0, len(read)))
+        read = read[:at] + draw(st.binary(max_size=3)) + read[at + draw(st.integers(0, 2)) :]
+    return read
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(read=_reads() | st.binary(max_size=600), return_token_ids=st.booleans(), chunked=st.booleans())
+@example(read=_chunks([TOKENS[2].replace(b'"token_ids":[', b'"token_ids":[ ')]), return_token_ids=False, chunked=True)
+@example(read=_chunks([TOKENS[2].replace(b'"token_ids":[1774]', b'"token_ids":[17,74]')]), return_token_ids=False, chunked=True)
+@example(read=_chunks([TOKENS[2].replace(b'"prompt_token_ids":null', b'"prompt_token_ids":[1,2]')]), return_token_ids=False, chunked=True)
+def test_what_the_c_loop_forwards_is_what_the_python_path_would(read: bytes, return_token_ids: bool, chunked: bool) -> None:
+    shaper = _shaper(return_token_ids)
+    got = _c(read, shaper, chunked)
+    if got is not None:
+        assert got == _python(read, shaper, chunked)
+
+
+def test_a_read_too_long_for_an_event_is_handed_back() -> None:
+    shaper = _shaper(False)
+    read = _chunks(TOKENS[1:4])
+    limit = len(b"".join(TOKENS[1:4]))
+    assert _crelay.shape(read, shaper.id_prefix, False, True, limit) is not None
+    assert _crelay.shape(read, shaper.id_prefix, False, True, limit - 1) is None
+
+
+def test_the_shaped_bytes_carry_the_routers_id_and_no_token_ids() -> None:
+    shaper = _shaper(False)
+    got = _c(_chunks(TOKENS[1:3]), shaper, False)
+    assert got is not None
+    count, out = got
+    assert count == 2
+    assert re.findall(rb'"id":"([^"]*)"', out) == [b"cmpl-rid-7", b"cmpl-rid-7"]
+    assert b"token_ids" not in out
