@@ -196,7 +196,8 @@ def start_narwhal(
     package this interpreter imports), once it answers /health: (process, URL, build).
 
     ``doc``'s server ports and journal path are set here (free ports, a journal in
-    ``tmp``); the build is "compiled" when the tree's hot path loads from ``.so`` files.
+    ``tmp``); the build is "compiled" when the tree's hot path loads from ``.so`` files,
+    and names the token relay's loop where the tree has one (C where it was built).
     ``new_session``: as :func:`proctools.start`.
     """
     port = free_port()
@@ -210,11 +211,14 @@ def start_narwhal(
     # Run from tmp: `python -m` puts the working directory ahead of PYTHONPATH,
     # and a checkout there would be imported instead of TREE.
     cwd = None if tree is None else tmp
-    loaded = subprocess.run([sys.executable, "-c", "import narwhal.engines.wire as m; print(m.__file__)"],
-                            env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+    probe = ("import importlib.util as u, narwhal.engines.wire as m; print(m.__file__); "
+             "print(u.find_spec('narwhal.router.relay') is not None, u.find_spec('narwhal._crelay') is not None)")
+    loaded, relay = subprocess.run([sys.executable, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True,
+                                   check=True).stdout.split("\n")[:2]  # fmt: skip
     if tree is not None and not loaded.startswith(tree):
         raise SystemExit(f"--narwhal {name}: imports {loaded}, not from {tree}")
     build = "compiled" if loaded.endswith(".so") else "pure Python"
+    build += {"True True": ", token relay in C", "True False": ", token relay in Python"}.get(relay, "")
     print(f"  {name}: {build} ({loaded}), {workers} worker(s)", file=sys.stderr, flush=True)
     proc = start(serve_cmd, tmp / f"{name}.log", env=env, cwd=cwd, new_session=new_session)
     try:

@@ -248,7 +248,12 @@ class TokenRelay:
             self._c = _crelay.Relay()
             self._thread = threading.Thread(target=self._c.run, name="narwhal-token-relay", daemon=True)
             self._thread.start()
+            log.info("token relay: started (its C loop)")
             return
+        log.info(
+            "token relay: started (its Python loop%s)",
+            ": narwhal._crelay was not built at install, no C compiler?" if _crelay is None else "",
+        )
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
