@@ -41,6 +41,7 @@ typedef struct JobObject {
     struct JobObject *prev, *next;   /* the relay's carried list */
     struct JobObject *link;          /* the adopt or release queue, under the lock */
     struct JobObject *dlink;         /* the loop's done list */
+    struct JobObject *ulink;         /* the loop's list of release requests to let go of */
 } JobObject;
 
 typedef struct {
@@ -50,6 +51,7 @@ typedef struct {
     JobObject *adopt, *release;   /* under lock */
     JobObject *carried;           /* the loop's */
     JobObject *done;              /* the loop's: handed back, callbacks due */
+    JobObject *unref;             /* the loop's: release requests done with (a reference each) */
     char *in, *out;
     size_t out_cap;
 } RelayObject;
@@ -319,6 +321,8 @@ static int control(RelayObject *r) {
         nx = j->link;
         j->link = NULL;
         hand_back(r, j, R_RELEASED);
+        j->ulink = r->unref;   /* the request's reference, let go of with the GIL */
+        r->unref = j;
     }
     if (closing)
         while (r->carried) hand_back(r, r->carried, R_CLOSED);
@@ -327,6 +331,12 @@ static int control(RelayObject *r) {
 
 /* With the GIL: each handed-back job's callback, then the relay's reference to it. */
 static void finish(RelayObject *r) {
+    for (JobObject *u = r->unref, *nx; u; u = nx) {
+        nx = u->ulink;
+        u->ulink = NULL;
+        Py_DECREF(u);
+    }
+    r->unref = NULL;
     JobObject *j = r->done;
     r->done = NULL;
     while (j) {
@@ -362,7 +372,17 @@ static PyObject *Relay_run(RelayObject *r, PyObject *Py_UNUSED(ignored)) {
                 timeout = left <= 0 ? 0 : left > 60 ? 60000 : (int)(left * 1000) + 1;
             }
             int n = epoll_wait(r->ep, evs, 64, timeout);
-            if (n < 0 && errno != EINTR) { stop = 1; break; }
+            if (n < 0 && errno != EINTR) {
+                /* Cannot wait any more: every stream goes back to its task, and the relay
+                 * takes no more (adopt() refuses: the router relays on the event loop). */
+                pthread_mutex_lock(&r->lock);
+                r->closing = 1;
+                pthread_mutex_unlock(&r->lock);
+                control(r);
+                stop = 1;
+                break;
+            }
+            if (n < 0) n = 0;
             for (int i = 0; i < n; i++) {
                 JobObject *j = evs[i].data.ptr;
                 if (j == NULL) {
@@ -381,7 +401,7 @@ static PyObject *Relay_run(RelayObject *r, PyObject *Py_UNUSED(ignored)) {
                 }
                 next_check = earliest(r);
             }
-            if (r->done || stop) break;
+            if (r->done || r->unref || stop) break;
         }
         Py_END_ALLOW_THREADS
         finish(r);
@@ -411,7 +431,7 @@ static PyObject *Relay_adopt(RelayObject *r, PyObject *args) {
     j->raw = j->unsent = NULL; j->raw_len = j->unsent_len = 0;
     memcpy(j->idp, idp, (size_t)idp_len); j->idp_len = (size_t)idp_len;
     Py_INCREF(callback); j->callback = callback;
-    j->prev = j->next = j->link = j->dlink = NULL;
+    j->prev = j->next = j->link = j->dlink = j->ulink = NULL;
     Py_INCREF(j);   /* the relay's, until it hands the job back */
     pthread_mutex_lock(&r->lock);
     j->link = r->adopt; r->adopt = j; j->queued = 1;
@@ -431,6 +451,7 @@ static PyObject *Relay_release(RelayObject *r, PyObject *arg) {
         j->queued = 0;
     }
     if (j->queued == 0) {   /* the loop skips one it handed back already */
+        Py_INCREF(j);       /* the loop's, until it has read the request */
         j->link = r->release;
         r->release = j;
         j->queued = 2;

@@ -11,7 +11,12 @@ random bytes around them.
 
 from __future__ import annotations
 
+import gc
+import math
 import re
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +159,116 @@ def test_the_shaped_bytes_carry_the_routers_id_and_no_token_ids() -> None:
     assert count == 2
     assert re.findall(rb'"id":"([^"]*)"', out) == [b"cmpl-rid-7", b"cmpl-rid-7"]
     assert b"token_ids" not in out
+
+
+# ---------------------------------------------------------------- the loop itself
+
+
+class _Loop:
+    """A C relay loop in a thread of its own, carrying jobs between socket pairs."""
+
+    def __init__(self) -> None:
+        self.relay = _crelay.Relay()
+        self.sockets: list[socket.socket] = []
+        self.thread = threading.Thread(target=self.relay.run, daemon=True)
+        self.thread.start()
+
+    def adopt(self, *, silence_s: float = math.inf) -> tuple[Any, threading.Event, socket.socket, socket.socket]:
+        """A job carrying from a fresh engine socket to a fresh client socket: the job, an
+        event set when it is handed back, and the engine's and the client's far ends."""
+        engine, src = socket.socketpair()
+        dst, client = socket.socketpair()
+        for sock in (src, dst):
+            sock.setblocking(False)
+        self.sockets += [engine, src, dst, client]
+        back = threading.Event()
+        shaper = _shaper(False)
+        job = self.relay.adopt(
+            src.fileno(), dst.fileno(), shaper.id_prefix, True, True, MAX_EVENT, silence_s, time.monotonic(), back.set
+        )
+        return job, back, engine, client
+
+    def close(self) -> None:
+        self.relay.close()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+        for sock in self.sockets:
+            sock.close()
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    sock.settimeout(5)
+    data = b""
+    while len(data) < n:
+        data += sock.recv(65536)
+    return data
+
+
+def test_the_loop_forwards_tokens_and_hands_back_the_rest_untouched() -> None:
+    loop = _Loop()
+    try:
+        job, back, engine, client = loop.adopt()
+        shaper = _shaper(False)
+        read = _chunks(TOKENS[1:3])
+        expected = _c(read, shaper, True)
+        assert expected is not None
+        engine.sendall(read)
+        assert _read(client, len(expected[1])) == expected[1]
+        assert not back.wait(0.05)
+        rest = _chunks([EVENTS[-2], EVENTS[-1]])
+        engine.sendall(rest)
+        assert back.wait(5)
+        assert (job.reason, job.raw, job.tokens, job.unsent) == (_crelay.RAW, rest, 2, b"")
+        assert job.done and 0 < job.last_token <= job.last_activity <= time.monotonic()
+    finally:
+        loop.close()
+
+
+def test_the_loop_hands_back_at_the_engines_end_a_silence_or_a_full_client() -> None:
+    loop = _Loop()
+    try:
+        eof, eof_back, engine, _ = loop.adopt()
+        engine.close()
+        silent, silent_back, _, _ = loop.adopt(silence_s=0.05)
+        full, full_back, full_engine, _ = loop.adopt()
+        read = _chunks(TOKENS[1:20])
+        for _ in range(2000):  # the client reads nothing: its socket fills
+            if full_back.is_set():
+                break
+            full_engine.sendall(read)
+            time.sleep(0.001)
+        for event in (eof_back, silent_back, full_back):
+            assert event.wait(5)
+        assert eof.reason == _crelay.EOF and silent.reason == _crelay.SILENT
+        assert full.reason == _crelay.UNSENT and full.unsent and full.tokens > 0
+    finally:
+        loop.close()
+
+
+def test_a_released_job_comes_back_at_once_whether_or_not_the_loop_had_taken_it() -> None:
+    loop = _Loop()
+    try:
+        for _ in range(50):
+            job, back, _, _ = loop.adopt()
+            loop.relay.release(job)
+            assert back.wait(5)
+            assert job.reason == _crelay.RELEASED
+            loop.relay.release(job)  # again, once it is back: nothing happens
+            del job
+            gc.collect()
+        carried, carried_back, _, _ = loop.adopt()
+        time.sleep(0.05)  # taken by now
+        loop.relay.release(carried)
+        assert carried_back.wait(5) and carried.reason == _crelay.RELEASED
+    finally:
+        loop.close()
+
+
+def test_closing_the_loop_hands_back_what_it_carries_and_takes_no_more() -> None:
+    loop = _Loop()
+    job, back, _, _ = loop.adopt()
+    loop.close()
+    assert back.is_set() and job.reason == _crelay.CLOSED
+    shaper = _shaper(False)
+    with pytest.raises(RuntimeError, match="the relay is closed"):
+        loop.relay.adopt(0, 1, shaper.id_prefix, True, True, MAX_EVENT, 1.0, 0.0, back.set)

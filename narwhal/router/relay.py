@@ -172,11 +172,16 @@ class TokenRelay:
         self._start()
         if self._c is not None:
             stream = job.stream
-            job.compiled = self._c.adopt(
-                job.src, job.dst, job.shape.id_prefix, job.shape.strip_ids, job.writer.chunked,
-                stream.max_event_bytes, job.silence_s, stream.last_activity_at - (self._offset or 0.0),
-                lambda: self._handed_back(job),
-            )  # fmt: skip
+            try:
+                job.compiled = self._c.adopt(
+                    job.src, job.dst, job.shape.id_prefix, job.shape.strip_ids, job.writer.chunked,
+                    stream.max_event_bytes, job.silence_s, stream.last_activity_at - (self._offset or 0.0),
+                    lambda: self._handed_back(job),
+                )  # fmt: skip
+            except RuntimeError:  # pragma: no cover (its loop stopped: it could not wait any more)
+                self._broken = True
+                log.error("the token relay's loop stopped; relaying on the event loop from now on")
+                return  # nothing carried: the task goes on
         else:
             with self._lock:
                 self._adopt.append(job)
