@@ -217,8 +217,11 @@ static long plain_read(const char *data, size_t n, const JobObject *job, Buf *pa
 
 static void wake(RelayObject *r) {
     char c = 0;
-    ssize_t w = write(r->wake_w, &c, 1);
+    pthread_mutex_lock(&r->lock);
+    int fd = r->wake_w;
+    ssize_t w = fd >= 0 ? write(fd, &c, 1) : 0;
     (void)w;   /* a full pipe: a wake-up is pending already */
+    pthread_mutex_unlock(&r->lock);
 }
 
 static void unlink_carried(RelayObject *r, JobObject *j) {
@@ -356,7 +359,7 @@ static void finish(RelayObject *r) {
 }
 
 static PyObject *Relay_run(RelayObject *r, PyObject *Py_UNUSED(ignored)) {
-    if (r->running) { PyErr_SetString(PyExc_RuntimeError, "the relay runs already"); return NULL; }
+    if (r->running || r->ep < 0) { PyErr_SetString(PyExc_RuntimeError, "the relay runs already or has stopped"); return NULL; }
     r->running = 1;
     char *scratch = PyMem_RawMalloc(3 * RECV_SIZE + 4 * MAX_IDP);
     if (!scratch) return PyErr_NoMemory();
@@ -407,6 +410,14 @@ static PyObject *Relay_run(RelayObject *r, PyObject *Py_UNUSED(ignored)) {
         finish(r);
     }
     PyMem_RawFree(scratch);
+    /* Stopped: its descriptors go now, not when the object is collected. */
+    pthread_mutex_lock(&r->lock);
+    r->closing = 1;
+    close(r->ep);
+    close(r->wake_r);
+    close(r->wake_w);
+    r->ep = r->wake_r = r->wake_w = -1;
+    pthread_mutex_unlock(&r->lock);
     r->running = 0;
     Py_RETURN_NONE;
 }
@@ -444,6 +455,10 @@ static PyObject *Relay_release(RelayObject *r, PyObject *arg) {
     if (!PyObject_TypeCheck(arg, &JobType)) { PyErr_SetString(PyExc_TypeError, "a Job"); return NULL; }
     JobObject *j = (JobObject *)arg;
     pthread_mutex_lock(&r->lock);
+    if (r->ep < 0) {   /* stopped: it handed everything back */
+        pthread_mutex_unlock(&r->lock);
+        Py_RETURN_NONE;
+    }
     if (j->queued == 1) {   /* not adopted yet: move it to the release queue */
         JobObject **q = &r->adopt;
         while (*q && *q != j) q = &(*q)->link;
@@ -471,13 +486,13 @@ static PyObject *Relay_close(RelayObject *r, PyObject *Py_UNUSED(ignored)) {
 
 static int Relay_init(RelayObject *r, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, "")) return -1;
+    pthread_mutex_init(&r->lock, NULL);
     r->ep = epoll_create1(EPOLL_CLOEXEC);
     int p[2];
     if (r->ep < 0 || pipe2(p, O_NONBLOCK | O_CLOEXEC) < 0) { PyErr_SetFromErrno(PyExc_OSError); return -1; }
     r->wake_r = p[0]; r->wake_w = p[1];
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
     if (epoll_ctl(r->ep, EPOLL_CTL_ADD, r->wake_r, &ev) < 0) { PyErr_SetFromErrno(PyExc_OSError); return -1; }
-    pthread_mutex_init(&r->lock, NULL);
     r->out_cap = 2 * RECV_SIZE + 64;
     r->in = PyMem_RawMalloc(RECV_SIZE);
     r->out = PyMem_RawMalloc(r->out_cap);
