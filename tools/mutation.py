@@ -132,6 +132,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     # rule, and the client that reads it; how a fault is counted and logged.
     "narwhal/engines/metrics.py": ("tests/test_metrics_rules.py", "tests/test_engine_client.py"),
     "narwhal/engines/badinput.py": ("tests/test_engine_input.py::test_bad_input_is_counted_every_time_and_logged_once_a_minute",),
+    # The token relay: streams through its loops and without it over loopback, every
+    # hand-back cause, held to the same bytes and records; its C loop on socket pairs.
+    "narwhal/router/relay.py": ("tests/test_token_relay.py", "tests/test_crelay.py"),
     # Request parsing and the answer's shapes, directly (the router tests that also reach
     # them take a minute a mutant).
     "narwhal/router/requests.py": ("tests/test_request_parsing.py", "tests/test_response_shapes.py"),
