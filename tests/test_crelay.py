@@ -11,6 +11,7 @@ random bytes around them.
 
 from __future__ import annotations
 
+import errno
 import gc
 import math
 import re
@@ -18,9 +19,11 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import trio
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -272,3 +275,81 @@ def test_closing_the_loop_hands_back_what_it_carries_and_takes_no_more() -> None
     shaper = _shaper(False)
     with pytest.raises(RuntimeError, match="the relay is closed"):
         loop.relay.adopt(0, 1, shaper.id_prefix, True, True, MAX_EVENT, 1.0, 0.0, back.set)
+
+
+# ---------------------------------------------------------------- what the task makes of a hand-back
+
+
+class _Owner:
+    name = public_name = "d0"
+
+    def map_error(self, exc: Exception, leg: str | None) -> Exception:
+        return RuntimeError(f"mapped: {exc}")
+
+    def report_bad_input(self, source: str, reason: str) -> None:
+        raise AssertionError(reason)
+
+
+class _Writer:
+    chunked = True
+
+    def frame(self, data: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _handed_back(reason: int, offset: float = 0.0, **fields: Any) -> tuple[Any, Any]:
+    """A carried stream the C loop handed back for ``reason`` (its job's ``fields``), settled
+    by the relay as the task sees it: (the relay's job, the stream)."""
+    from narwhal.engines.stream import DecodeStream
+    from narwhal.engines.wire import WireResponse
+    from narwhal.router.relay import Carried, TokenRelay
+
+    conn = _Conn()
+    body = _Body(None, conn, length=None, chunked=True, keep_alive=True)  # type: ignore[arg-type]
+    response = WireResponse(200, "OK", {}, body)
+    stream = DecodeStream(
+        response, owner=_Owner(), leg="decode", request_id="r", kind="completions",  # type: ignore[arg-type]
+        prefill=None, opened_at=0.0, lazy=True,
+    )  # fmt: skip
+    relay = TokenRelay(compiled=True)
+    relay._offset = offset  # the loop's clock is the event loop's, less this
+    job = Carried(stream, 5, 6, _Writer(), _shaper(False), math.inf)  # type: ignore[arg-type]
+    job.compiled = SimpleNamespace(  # type: ignore[assignment]
+        **{"tokens": 3, "last_token": 2.0, "last_activity": 2.5, "raw": b"", "unsent": b"", "errno": 0, **fields},
+        reason=reason,
+    )
+    relay._settle(job)
+    return job, stream
+
+
+async def test_a_handed_back_read_is_taken_by_the_streams_own_code() -> None:
+    # Tokens the C loop forwarded before, at the loop's clock plus the offset.
+    now = trio.current_time() + 10.0  # (ahead of the stream's opening)
+    job, stream = _handed_back(_crelay.EOF, now)
+    assert (job.tokens, job.last_token_at, job.unsent) == (3, now + 2.0, b"")
+    assert (stream.tokens, stream.last_token_at, stream.last_activity_at) == (3, now + 2.0, now + 2.5)
+    # A token event whose id the C loop does not rewrite: the stream takes it, the task sends it.
+    odd = TOKENS[1].replace(b'"cmpl-', b'"cm\\"pl-')
+    job, stream = _handed_back(_crelay.RAW, now, raw=_chunks([odd]))
+    assert job.tokens == 4 and job.last_token_at == stream.last_activity_at == now + 2.5
+    assert job.unsent == _Writer().frame(_shaper(False)(odd)) and b"cmpl-rid-7" in job.unsent
+    # Half an event: nothing to send yet; the rest completes it, for the task's next step.
+    half = _chunks([TOKENS[1][:50]])
+    job, stream = _handed_back(_crelay.RAW, now, raw=half)
+    assert (job.tokens, job.unsent, stream.buffered) == (3, b"", False)
+    assert stream.take(_chunks([TOKENS[1][50:]]), now + 3.0) == (-1, b"") and stream.buffered
+    # The finishing event: queued for the task's next step.
+    job, stream = _handed_back(_crelay.RAW, now, raw=_chunks([EVENTS[-2]]))
+    assert (job.tokens, job.unsent, stream.buffered) == (3, b"", True)
+
+
+async def test_the_other_hand_backs_reach_the_task() -> None:
+    job, _ = _handed_back(_crelay.UNSENT, unsent=b"3\r\nabc\r\n")
+    assert job.unsent == b"3\r\nabc\r\n"
+    job, _ = _handed_back(_crelay.SILENT)
+    assert job.silent and not job.released
+    job, _ = _handed_back(_crelay.RELEASED)
+    assert job.released and not job.silent
+    job, stream = _handed_back(_crelay.ERROR, errno=errno.ECONNRESET)
+    with pytest.raises(RuntimeError, match=r"mapped: connection to the engine broke: .*Connection reset by peer"):
+        await stream.__anext__()

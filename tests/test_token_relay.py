@@ -146,7 +146,9 @@ async def _both(body: dict[str, Any], *, faults: tuple[FaultSpec, ...] = (), **o
             relay = router.state.relay
             seen[mode] = {
                 "events": [_events(a) for a in answers],
-                "records": [(r["terminal_class"], r["status"], r["output_len"]) for r in records],
+                # (The error names the tokens the stream had: those the relay carried too.)
+                "records": [(r["terminal_class"], r["status"], r["output_len"], r["error"]) for r in records],
+                "tpot": [r["tpot_s"] for r in records],
                 "carried": None if relay is None else relay.carried,
                 "in_flight": (router.state.in_flight, router.state.in_flight_by_engine["d0"]),
             }
@@ -158,12 +160,15 @@ async def _both(body: dict[str, Any], *, faults: tuple[FaultSpec, ...] = (), **o
 async def test_streams_through_the_relay_are_the_loops() -> None:
     seen = await _both({"prompt": "carried off the loop", "max_tokens": 300, "stream": True})
     loop = seen["loop"]
-    assert loop["carried"] is None and loop["records"] == [("ok", 200, 300)] * 3
+    assert loop["carried"] is None and loop["records"] == [("ok", 200, 300, None)] * 3
     for mode in ("thread", "python"):
         assert seen[mode]["carried"] >= 3
         assert seen[mode]["records"] == loop["records"]
         assert seen[mode]["events"] == loop["events"]
         assert seen[mode]["in_flight"] == (0, 0)
+        # The engine steps a token a millisecond: TPOT on the event loop's clock, as without.
+        assert all(0.0005 < tpot < 0.02 for tpot in seen[mode]["tpot"]), seen[mode]["tpot"]
+    assert all(0.0005 < tpot < 0.02 for tpot in loop["tpot"])
     assert all(len(_texts(e)) > 0 and e[-1] == "[DONE]" for e in loop["events"])
 
 
@@ -174,7 +179,7 @@ async def test_chat_with_usage_through_the_relay_is_the_loops() -> None:
     }  # fmt: skip
     seen = await _both(body)
     assert seen["thread"]["events"] == seen["python"]["events"] == seen["loop"]["events"]
-    assert seen["thread"]["records"] == seen["python"]["records"] == seen["loop"]["records"] == [("ok", 200, 120)] * 3
+    assert seen["thread"]["records"] == seen["python"]["records"] == seen["loop"]["records"] == [("ok", 200, 120, None)] * 3
     [usage] = [e for e in seen["thread"]["events"][0] if isinstance(e, dict) and e.get("usage")]
     assert usage["usage"]["completion_tokens"] == 120
 
@@ -211,7 +216,7 @@ async def test_a_client_that_reads_slowly_gets_every_byte_in_order() -> None:
         {"prompt": "a slow reader", "max_tokens": 400, "stream": True}, rcvbuf=2048, read_pause_s=0.002
     )
     assert seen["thread"]["events"] == seen["python"]["events"] == seen["loop"]["events"]
-    assert seen["thread"]["records"] == seen["python"]["records"] == [("ok", 200, 400)] * 3
+    assert seen["thread"]["records"] == seen["python"]["records"] == [("ok", 200, 400, None)] * 3
 
 
 @pytest.mark.parametrize("mode", ["thread", "python"])
