@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from narwhal.engines.sse import SSEDecoder
 from narwhal.engines.wire import _Body
+from narwhal.errors import EngineProtocolError
 from narwhal.router.requests import StreamShaper, parse_request
 
 _crelay: Any = pytest.importorskip("narwhal._crelay")
@@ -283,11 +284,14 @@ def test_closing_the_loop_hands_back_what_it_carries_and_takes_no_more() -> None
 class _Owner:
     name = public_name = "d0"
 
+    def __init__(self) -> None:
+        self.bad: list[tuple[str, str]] = []
+
     def map_error(self, exc: Exception, leg: str | None) -> Exception:
         return RuntimeError(f"mapped: {exc}")
 
     def report_bad_input(self, source: str, reason: str) -> None:
-        raise AssertionError(reason)
+        self.bad.append((source, reason))
 
 
 class _Writer:
@@ -297,7 +301,7 @@ class _Writer:
         return b"%x\r\n%b\r\n" % (len(data), data)
 
 
-def _handed_back(reason: int, offset: float = 0.0, **fields: Any) -> tuple[Any, Any]:
+def _handed_back(reason: int, offset: float = 0.0, max_event_bytes: int = MAX_EVENT, **fields: Any) -> tuple[Any, Any]:
     """A carried stream the C loop handed back for ``reason`` (its job's ``fields``), settled
     by the relay as the task sees it: (the relay's job, the stream)."""
     from narwhal.engines.stream import DecodeStream
@@ -309,7 +313,7 @@ def _handed_back(reason: int, offset: float = 0.0, **fields: Any) -> tuple[Any, 
     response = WireResponse(200, "OK", {}, body)
     stream = DecodeStream(
         response, owner=_Owner(), leg="decode", request_id="r", kind="completions",  # type: ignore[arg-type]
-        prefill=None, opened_at=0.0, lazy=True,
+        prefill=None, opened_at=0.0, lazy=True, max_event_bytes=max_event_bytes,
     )  # fmt: skip
     relay = TokenRelay(compiled=True)
     relay._offset = offset  # the loop's clock is the event loop's, less this
@@ -350,6 +354,12 @@ async def test_the_other_hand_backs_reach_the_task() -> None:
     assert job.silent and not job.released
     job, _ = _handed_back(_crelay.RELEASED)
     assert job.released and not job.silent
+    # A read that is no event stream (a line past the bound): the task's next step says so.
+    job, stream = _handed_back(_crelay.RAW, max_event_bytes=64, raw=_chunks([b"data: " + b"x" * 100]))
+    assert (job.tokens, job.unsent) == (3, b"")
+    with pytest.raises(EngineProtocolError, match="engine d0 sent an unusable event stream"):
+        await stream.__anext__()
+    assert [source for source, _ in stream._owner.bad] == ["stream"]
     job, stream = _handed_back(_crelay.ERROR, errno=errno.ECONNRESET)
     with pytest.raises(RuntimeError, match=r"mapped: connection to the engine broke: .*Connection reset by peer"):
         await stream.__anext__()

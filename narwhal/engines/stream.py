@@ -155,6 +155,8 @@ CLOSE_TIMEOUT_S: Final = 5.0
 #: After ``[DONE]`` the end of the HTTP body is normally already in flight; waiting this
 #: long for it lets the connection go back to the pool instead of being closed.
 _DRAIN_AFTER_DONE_S: Final = 0.1
+#: What a stream whose bytes are no event stream is reported as.
+_UNUSABLE: Final = "an unusable event stream"
 _DRAIN_LIMIT_BYTES: Final = 64 * 1024
 #: How much of an error message is kept.
 ERROR_MESSAGE_LIMIT: Final = 500
@@ -388,7 +390,7 @@ class DecodeStream:
             )
         if self._deferred is not None:
             self._finished = True
-            raise self._protocol_error("an unusable event stream", self._deferred)
+            raise self._protocol_error(_UNUSABLE, self._deferred)
         events = self._events
         while True:
             while events:
@@ -456,20 +458,31 @@ class DecodeStream:
             latest = due + self._silence_slack_s
             if not due <= scope.deadline <= latest:
                 scope.deadline = latest
+        try:
+            self._queue(*self._split(data))
+        except SSEError as exc:
+            self._finished = True
+            raise self._protocol_error(_UNUSABLE, exc) from None
+
+    def _split(self, data: bytes) -> tuple[int, bytes, list[SSEEvent]]:
+        """What ``data`` completes: a lazy stream's opening run of token events of the usual
+        shape (their count and bytes), and the events after it.
+
+        Raises:
+            SSEError: the bytes are no event stream.
+        """
         if self._lazy:
             count, run, rest = self._decoder.feed_tokens(data)
             if count:
-                # A burst of token events: one chunk, relayed as it came; what follows
-                # them in the burst (the finishing event, usage, [DONE]) is classified
-                # event by event.
-                self._events.append(Chunk("token", run, None, (), count))
-                self._events.extend(rest)
-                return
-        try:
-            self._events.extend(self._decoder.feed(data))
-        except SSEError as exc:
-            self._finished = True
-            raise self._protocol_error("an unusable event stream", exc) from None
+                return count, run, rest
+        return 0, b"", self._decoder.feed(data)
+
+    def _queue(self, count: int, run: bytes, rest: list[SSEEvent]) -> None:
+        # A burst of token events: one chunk, relayed as it came; what follows them in
+        # the burst (the finishing event, usage, [DONE]) is classified event by event.
+        if count:
+            self._events.append(Chunk("token", run, None, (), count))
+        self._events.extend(rest)
 
     def relay_fd(self) -> int:
         """The engine socket's descriptor when a relay may read this stream off the event
@@ -495,20 +508,16 @@ class DecodeStream:
         self.last_activity_at = at
         piece = body.feed(data)
         if piece:
-            count, run, rest = self._decoder.feed_tokens(piece)
+            try:
+                count, run, rest = self._split(piece)
+            except SSEError as exc:
+                self._deferred = exc
+                return -1, b""
             if count and not rest:
                 self.tokens += count
                 self.last_token_at = at
                 return count, run
-            if count:
-                self._events.append(Chunk("token", run, None, (), count))
-                self._events.extend(rest)
-            else:
-                try:
-                    self._events.extend(self._decoder.feed(piece))
-                except SSEError as exc:
-                    self._deferred = exc
-                    return -1, b""
+            self._queue(count, run, rest)
         if self._events or body.ended:
             return -1, b""
         return 0, b""

@@ -171,10 +171,11 @@ class ResponseWriter:
         self.status = status
         self._chunked = conn.http11 and status not in BODYLESS_STATUSES
         if data and not self._head_only:
-            head += self._frame(data)
+            head += self.frame(data)
         await conn.write(head)
 
-    def _frame(self, data: bytes) -> bytes:
+    def frame(self, data: bytes) -> bytes:
+        """``data`` framed as one piece of the streamed body (a chunk for HTTP/1.1)."""
         return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
 
     def relay_fd(self) -> int:
@@ -191,10 +192,6 @@ class ResponseWriter:
     def chunked(self) -> bool:
         """Whether the streamed body is framed in chunks (an HTTP/1.1 client)."""
         return self._chunked
-
-    def frame(self, data: bytes) -> bytes:
-        """``data`` framed as one piece of the streamed body (a chunk for HTTP/1.1)."""
-        return self._frame(data)
 
     async def send_framed(self, data: bytes, *, on_wait: Callable[[], None] | None = None) -> None:
         """Send bytes :meth:`frame` made (as :meth:`send`; the rest of a piece a relay
@@ -213,7 +210,7 @@ class ResponseWriter:
         if not self.started or self.finished:
             raise RuntimeError("send() needs a started, unfinished streamed response")
         if data and not self._head_only:
-            await self._conn.write(self._frame(data), on_wait)
+            await self._conn.write(self.frame(data), on_wait)
 
     async def end(self, data: bytes = b"") -> None:
         """Finish a streamed response: ``data`` (if any) and the terminating chunk, in
@@ -225,7 +222,7 @@ class ResponseWriter:
         self.finished = True
         if self._head_only:
             return
-        tail = self._frame(data) if data else b""
+        tail = self.frame(data) if data else b""
         if self._chunked:
             tail += b"0\r\n\r\n"
         if tail:
